@@ -1,0 +1,116 @@
+"""`supervisor start`: embedded server (if needed) -> connect -> provision -> supervise -> stop.
+
+Everything that can fail on bad input fails here, before a single worker is forked: the config
+(exit 2), the handler import (exit 3), NATS and the stream/consumer (exit 4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+import uvloop
+
+from . import natsconn, natsfix, provision  # noqa: F401  (natsfix patches nats-py on import)
+from .arbiter import Arbiter
+from .config import Config
+from .embedded import EmbeddedServer
+from .config import parse_hostport
+from .errors import ConfigError, HandlerError
+from .http import HttpServer
+from .monitor import Monitor
+from .notify import Notifier
+
+log = logging.getLogger("supervisor")
+
+
+def load_callable(spec: str, key: str) -> Callable:
+    """Import MODULE:FUNCTION for workers.handler / workers.init; any failure is exit 3."""
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())       # like gunicorn: the app lives where we were started
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise HandlerError(f"{key}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise HandlerError(f"{key}: module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise HandlerError(f"{key}: {spec} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+def with_servers(cfg: Config, servers: tuple[str, ...]) -> Config:
+    return dataclasses.replace(cfg, nats=dataclasses.replace(cfg.nats, servers=servers))
+
+
+class Supervisor:
+    """Owns the pieces of one `supervisor start` run and tears them down in order."""
+
+    def __init__(self, cfg: Config, reload_config: Callable[[], Config] | None = None):
+        self.cfg = cfg
+        self.reload_source = reload_config
+        self.embedded: EmbeddedServer | None = None
+        self.nc: Any = None
+        self.arbiter: Arbiter | None = None
+        self.monitor: Monitor | None = None
+        self.http: HttpServer | None = None
+        self.notifier = Notifier()
+
+    def run(self) -> int:
+        cfg = self.cfg
+        handler = load_callable(cfg.workers.handler, "workers.handler")
+        init = load_callable(cfg.workers.init, "workers.init") if cfg.workers.init else None
+        if not cfg.nats.servers:
+            e = cfg.embedded
+            self.embedded = EmbeddedServer(e.host, e.port, e.monitor_port, e.store_dir)
+            self.cfg = with_servers(cfg, (self.embedded.url,))
+        natsconn.connect_kwargs(self.cfg.nats)     # secret files readable? (exit 2 before anything starts)
+        if self.embedded:
+            self.embedded.start(cfg.nats.startup_timeout)
+        try:
+            return uvloop.run(self.serve(handler, init))
+        finally:
+            if self.embedded:
+                self.embedded.stop()
+
+    async def serve(self, handler: Callable, init: Callable | None) -> int:
+        cfg = self.cfg
+        self.nc = await provision.connect_until(cfg, name=cfg.nats.name)
+        tasks: list[asyncio.Task] = []
+        try:
+            await provision.ensure(self.nc, cfg)
+            self.arbiter = Arbiter(cfg, self.nc, handler, init, self.connect_worker, self.notifier)
+            self.monitor = Monitor(cfg, self.nc, self.arbiter)
+            if cfg.monitor.http:
+                host, port = parse_hostport(cfg.monitor.http, "monitor.http")
+                self.http = HttpServer(self, host, port)
+                try:
+                    await self.http.start()
+                except OSError as exc:
+                    raise ConfigError("monitor.http", f"cannot listen on {cfg.monitor.http}: {exc.strerror}") from None
+            tasks.append(asyncio.ensure_future(self.monitor.run()))
+            return await self.arbiter.run()
+        finally:
+            for task in tasks:
+                task.cancel()
+            if self.http:
+                await self.http.close()
+            await self.close()
+
+    async def connect_worker(self, slot: int) -> Any:
+        return await natsconn.connect(self.cfg.nats, name=f"{self.cfg.nats.name} worker {slot}",
+                                      max_reconnect_attempts=-1)
+
+    async def close(self) -> None:
+        try:
+            await self.nc.drain()
+        except Exception as exc:
+            log.warning("closing the NATS connection: %s", exc)

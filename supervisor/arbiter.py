@@ -1,0 +1,539 @@
+"""The parent: one thread, one asyncio loop, forking and watching the workers.
+
+The loop reads like gunicorn's arbiter:
+
+    restore the worker count -> sleep until woken -> handle queued signals -> reap the dead
+    (NAK what they held, write the ledger) -> inspect the living (heartbeats, job timeouts,
+    in-progress pings, drain deadlines) -> recycle -> halt on a boot crash loop
+
+Signal handlers, pidfd readers and event-pipe readers only queue work and set `wakeup`.
+What to do is decided by small pure pieces (policy.py, ledger.py); this file is the glue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import os
+import signal
+import time
+from typing import Any, Callable
+
+import psutil
+
+from workers import Job
+from workers import slots
+from workers.runtime import CHILD_EXIT_REASONS, ChildSpec, dead_letter
+from workers.slots import SlotTable
+
+from .config import Config
+from .errors import EXIT_HALTED, EXIT_OK
+from .ledger import CrashLedger
+from .policy import BootFailures, SlotBackoff, job_limit
+from .process import WorkerProcess
+
+log = logging.getLogger("supervisor")
+
+SIGNALS = {signal.SIGTERM: "stop", signal.SIGINT: "interrupt", signal.SIGQUIT: "quit", signal.SIGHUP: "reload",
+           signal.SIGTTIN: "increment", signal.SIGTTOU: "decrement"}
+DRAIN_MARGIN = 5.0          # beyond graceful_timeout before a draining worker is killed
+RSS_EVERY = 5.0             # seconds between RSS checks (psutil reads /proc)
+FRESH_BEAT = 3.0            # a worker whose last beat is older than this gets no in-progress pings
+MB = 1024 * 1024
+
+
+def ack_wait_for(cfg: Config, delivery: int) -> float:
+    """AckWait in force for a delivery: consumer.backoff replaces it per delivery when set."""
+    backoff = cfg.consumer.backoff
+    return backoff[min(delivery, len(backoff)) - 1] if backoff else cfg.consumer.ack_wait
+
+
+@dataclasses.dataclass
+class Totals:
+    """Counters carried over from workers that have exited (the live ones are read from their tables)."""
+    acked: int = 0
+    naked: int = 0
+    termed: int = 0
+    restarts: int = 0
+    worker_deaths: int = 0
+    naks_at_death: int = 0
+    pings: int = 0
+    buckets: list = dataclasses.field(default_factory=lambda: [0] * (len(slots.DURATION_BUCKETS) + 1))
+    duration_sum: float = 0.0
+    max_duration: float = 0.0
+
+
+class Arbiter:
+    def __init__(self, cfg: Config, nc: Any, handler: Callable, init: Callable | None,
+                 connect_worker: Callable[[int], Any], notifier: Any = None, reload_config: Callable | None = None):
+        self.cfg = cfg
+        self.nc = nc
+        self.handler, self.init = handler, init
+        self.connect_worker = connect_worker
+        self.notifier = notifier
+        self.reload_config = reload_config
+        self.target = cfg.workers.count
+        self.slots: dict[int, WorkerProcess] = {}
+        self.retiring: list[WorkerProcess] = []
+        self.backoffs: dict[int, SlotBackoff] = {}
+        self.slot_restarts: collections.Counter = collections.Counter()
+        self.restart_at: dict[int, float] = {}
+        self.replacing: dict[int, WorkerProcess] = {}     # slot -> old worker awaiting its replacement's ready
+        self.boot = BootFailures(cfg.restart.boot_failures_to_halt)
+        self.ledger = CrashLedger(cfg.consumer.ack_wait, cfg.restart.poison_after_crashes)
+        self.totals = Totals()
+        self.alerts: collections.deque = collections.deque(maxlen=50)
+        self.pings: dict[tuple[int, int], float] = {}
+        self.signals: collections.deque[int] = collections.deque()
+        self.dead: collections.deque[WorkerProcess] = collections.deque()
+        self.wakeup = asyncio.Event()
+        self.state = "starting"
+        self.stopping: str | None = None                  # None | "drain" | "quit"
+        self.exit_code = EXIT_OK
+        self.started = time.monotonic()
+        self.last_rss_check = 0.0
+        self.ever_all_ready = False
+        self.rss: dict[int, int] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ================================================================ the loop
+
+    async def run(self) -> int:
+        self.loop = asyncio.get_running_loop()
+        for sig in SIGNALS:
+            self.loop.add_signal_handler(sig, self.queue_signal, sig)
+        log.info("supervising %d worker(s) on %s/%s, handler %s", self.target, self.cfg.stream.name,
+                 self.cfg.consumer.name, self.cfg.workers.handler)
+        while True:
+            self.restore_count()
+            await self.sleep()
+            self.dispatch_signals()
+            await self.reap()
+            if self.stopping and not self.living():
+                break
+            await self.inspect_workers()
+            self.recycle()
+            self.check_boot_failures()
+        for sig in SIGNALS:
+            self.loop.remove_signal_handler(sig)
+        self.state = "stopping"
+        return self.exit_code
+
+    async def sleep(self) -> None:
+        timeout = self.tick()
+        due = [t for s, t in self.restart_at.items() if s not in self.slots]
+        if due and not self.stopping:
+            timeout = max(0.0, min(timeout, min(due) - time.monotonic()))
+        try:
+            await asyncio.wait_for(self.wakeup.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        self.wakeup.clear()
+
+    def tick(self) -> float:
+        """How often the living are inspected: often enough for heartbeats and AckWait."""
+        w, c = self.cfg.workers, self.cfg.consumer
+        candidates = [0.5, w.heartbeat_timeout / 4, c.ack_wait / 6, *(b / 6 for b in c.backoff)]
+        if w.job_timeout:
+            candidates.append(w.job_timeout / 4)
+        return max(0.02, min(candidates))
+
+    def living(self) -> list[WorkerProcess]:
+        return [*self.slots.values(), *self.retiring]
+
+    # ================================================================ signals
+
+    def queue_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+        self.wakeup.set()
+
+    def dispatch_signals(self) -> None:
+        while self.signals:
+            sig = self.signals.popleft()
+            log.info("received %s", signal.Signals(sig).name)
+            getattr(self, "on_" + SIGNALS[sig])()
+
+    def on_stop(self) -> None:
+        if not self.stopping:
+            self.begin_stop("drain")
+
+    def on_interrupt(self) -> None:
+        if self.stopping:                      # a second Ctrl-C: stop now
+            self.on_quit()
+        else:
+            self.begin_stop("drain")
+
+    def on_quit(self) -> None:
+        self.begin_stop("quit")
+
+    def on_increment(self) -> None:
+        self.scale(self.target + 1)
+
+    def on_decrement(self) -> None:
+        self.scale(max(0, self.target - 1))
+
+    def on_reload(self) -> None:
+        if self.reload_config is None:
+            log.warning("reload: no config source to re-read")
+            return
+        asyncio.ensure_future(self.reload_config(self))
+
+    def begin_stop(self, mode: str) -> None:
+        self.stopping = mode
+        self.state = "draining" if mode == "drain" else "stopping"
+        if self.notifier:
+            self.notifier.stopping()
+        now = time.monotonic()
+        grace = self.cfg.workers.graceful_timeout
+        log.info("%s %d worker(s)%s", "draining" if mode == "drain" else "killing", len(self.living()),
+                 f" (graceful_timeout {grace:g}s)" if mode == "drain" else "")
+        for w in self.living():
+            if mode == "quit":
+                w.kill_reason = "SIGQUIT: stop at once"
+                w.send(signal.SIGKILL)
+            elif w.drain_deadline is None:
+                w.drain_deadline = now + grace + DRAIN_MARGIN
+                w.send(signal.SIGTERM)
+
+    def scale(self, n: int) -> None:
+        if self.stopping:
+            return
+        log.info("scaling from %d to %d worker(s)", self.target, n)
+        self.target = n
+        self.wakeup.set()
+
+    # ================================================================ starting workers
+
+    def restore_count(self) -> None:
+        if self.stopping:
+            return
+        for slot in sorted(self.slots, reverse=True):
+            if slot >= self.target:
+                self.retire(self.slots.pop(slot), "scaled down")
+        for slot in [s for s in self.restart_at if s >= self.target]:
+            del self.restart_at[slot]
+        now = time.monotonic()
+        for slot in range(self.target):
+            if slot not in self.slots and self.restart_at.get(slot, 0.0) <= now:
+                self.spawn(slot)
+
+    def spawn(self, slot: int) -> WorkerProcess:
+        w = WorkerProcess(slot, SlotTable(self.table_entries(), self.reply_bytes()))
+        w.job_limit = job_limit(self.cfg.workers.max_jobs, self.cfg.workers.max_jobs_jitter)
+        w.spawn(self.loop, self.child_spec, self.on_exit, self.on_events)
+        w.table.q[slots.PID] = w.pid
+        w.table.set_state(slots.STARTING)
+        self.slots[slot] = w
+        self.restart_at.pop(slot, None)
+        log.debug("worker %d started (pid %d)", slot, w.pid)
+        return w
+
+    def table_entries(self) -> int:
+        # Pulled + running (concurrency + one batch), and as many again awaiting ack confirmation.
+        return 2 * (self.cfg.workers.concurrency + self.cfg.workers.batch)
+
+    def reply_bytes(self) -> int:
+        return 256 + len(self.cfg.stream.name) + len(self.cfg.consumer.name)
+
+    def child_spec(self, w: WorkerProcess, events_fd: int) -> ChildSpec:
+        return ChildSpec(slot=w.slot, parent_pid=os.getpid(), table=w.table, events_fd=events_fd, cfg=self.cfg,
+                         handler=self.handler, init=self.init, connect=lambda: self.connect_worker(w.slot))
+
+    def retire(self, w: WorkerProcess, why: str) -> None:
+        """Drain a worker for good: it finishes what it runs, NAKs what it has not started, exits."""
+        log.info("worker %d (pid %d): %s; draining it", w.slot, w.pid, why)
+        w.retiring = True
+        self.retiring.append(w)
+        self.drain(w)
+
+    def drain(self, w: WorkerProcess) -> None:
+        w.drain_deadline = time.monotonic() + self.cfg.workers.graceful_timeout + DRAIN_MARGIN
+        w.state = "draining"
+        w.send(signal.SIGTERM)
+
+    # ================================================================ events from workers
+
+    def on_exit(self, w: WorkerProcess) -> None:
+        self.loop.remove_reader(w.pidfd)
+        self.dead.append(w)
+        self.wakeup.set()
+
+    def on_events(self, w: WorkerProcess) -> None:
+        for event in w.read_events():
+            self.apply_event(w, event)
+
+    def apply_event(self, w: WorkerProcess, event: dict) -> None:
+        kind, now = event.get("ev"), time.monotonic()
+        if kind == "ready":
+            self.worker_ready(w, now)
+        elif kind == "redelivered":
+            why = self.ledger.redelivered(now, int(event["seq"]), int(event["delivery"]))
+            level = logging.WARNING if why == "unexplained" else logging.INFO
+            log.log(level, "job seq=%s redelivered (delivery %s) to worker %d: %s", event["seq"], event["delivery"],
+                    w.slot, why)
+        elif kind == "settled":
+            self.ledger.settled(now, int(event["seq"]), int(event["delivery"]), event["outcome"])
+
+    def worker_ready(self, w: WorkerProcess, now: float) -> None:
+        if w.state == "starting":
+            w.state = "ready"
+        w.ready_at = now
+        self.boot.worker_ready()
+        log.info("worker %d ready (pid %d, %.0f ms)", w.slot, w.pid, 1000 * (now - w.started_at))
+        old = self.replacing.pop(w.slot, None)
+        if old is not None:                   # a recycled worker's replacement is serving: drain the old
+            self.drain(old)
+        if not self.ever_all_ready and self.ready_count() >= self.target:
+            self.ever_all_ready = True
+            self.state = "running" if not self.stopping else self.state
+            if self.notifier:
+                self.notifier.ready(self.status_line())
+        self.wakeup.set()
+
+    def ready_count(self) -> int:
+        return sum(1 for w in self.slots.values() if w.state == "ready")
+
+    # ================================================================ reaping
+
+    async def reap(self) -> None:
+        while self.dead:
+            w = self.dead.popleft()
+            if not w.reap():
+                continue
+            self.on_events(w)                       # whatever it said before dying
+            clean = w.exit_code() == 0 and not w.kill_reason   # a worker exits 0 only after a drain
+            cause = w.kill_reason or w.describe_exit()
+            if not clean and w.exit_code() in CHILD_EXIT_REASONS:
+                cause += f": {CHILD_EXIT_REASONS[w.exit_code()]}"
+            await self.settle_held_jobs(w, cause, clean)
+            self.carry_totals(w)
+            self.forget(w)
+            if not clean:
+                self.plan_restart(w, cause)
+
+    async def settle_held_jobs(self, w: WorkerProcess, cause: str, clean: bool) -> None:
+        """NAK what a dead worker held, at once, so it is redelivered in milliseconds, not AckWait."""
+        now = time.monotonic()
+        entries = w.table.snapshot()
+        nak = [self.should_nak(w, e, now) for e in entries]
+        if not clean:
+            held = [(e.stream_seq, e.delivery, slots.ENTRY_STATES[e.state], n) for e, n in zip(entries, nak)]
+            self.ledger.record_death(now, w.slot, w.pid, cause, held, in_transit=w.table.header(slots.CREDITS))
+        for e, n in zip(entries, nak):
+            if not clean and e.state == slots.RUNNING and self.ledger.is_poison(e.stream_seq):
+                await self.quarantine(e)
+            elif n:
+                await self.nc.publish(e.reply, b"-NAK")
+        self.totals.naks_at_death += sum(nak)
+        if any(nak):
+            await self.flush()
+        if clean:
+            log.info("worker %d (pid %d) drained and exited", w.slot, w.pid)
+        else:
+            seqs = ", ".join(str(e.stream_seq) for e in entries) or "nothing"
+            log.warning("worker %d (pid %d) died: %s; held %s%s", w.slot, w.pid, cause, seqs,
+                        f"; NAKed {sum(nak)} for immediate redelivery" if any(nak) else "")
+
+    def should_nak(self, w: WorkerProcess, e: slots.Entry, now: float) -> bool:
+        """NAK unsettled jobs, and acked ones whose ack may be lost (a NAK after an ack is a no-op).
+        Skip any whose AckWait has (nearly) run out: it may already be redelivered to someone
+        else, and a NAK matches by stream sequence, so it would hit their delivery."""
+        if e.state not in (slots.HELD, slots.RUNNING, slots.ACKED) or not e.reply or not self.nc.is_connected:
+            return False
+        ack_wait = ack_wait_for(self.cfg, e.delivery)
+        timer_started = max(e.t_held, self.pings.get((w.pid, e.stream_seq), 0.0))
+        return now - timer_started < ack_wait - min(1.0, 0.1 * ack_wait)
+
+    async def quarantine(self, e: slots.Entry) -> None:
+        """A job held at poison_after_crashes worker deaths: dead-letter it with the evidence, TERM it."""
+        deaths = self.ledger.quarantine(e.stream_seq)
+        evidence = "; ".join(f"pid {d.pid} {d.cause}" for d in deaths)
+        reason = f"poison: held at {len(deaths)} worker deaths ({evidence})"
+        try:
+            raw = await self.nc.jetstream().get_msg(self.cfg.stream.name, e.stream_seq)
+            headers = dict(raw.headers or {})
+            job = Job(data=raw.data or b"", subject=raw.subject or "", headers=headers, stream_seq=e.stream_seq,
+                      delivery=e.delivery, msg_id=headers.get("Nats-Msg-Id"))
+            await dead_letter(self.nc, self.cfg, job, reason, {"Supervisor-Dead-Letter-Deaths": evidence})
+            await self.nc.publish(e.reply, b"+TERM " + reason.encode()[:300])
+        except Exception as exc:
+            log.error("cannot quarantine poison job seq=%d (%s); NAKing it instead", e.stream_seq, exc)
+            await self.nc.publish(e.reply, b"-NAK")
+            return
+        self.alert("poison", f"job seq={e.stream_seq} quarantined to {self.cfg.restart.dead_letter_subject}: {reason}")
+
+    def carry_totals(self, w: WorkerProcess) -> None:
+        t = w.table
+        self.totals.acked += t.header(slots.ACKED_N)
+        self.totals.naked += t.header(slots.NAKED_N)
+        self.totals.termed += t.header(slots.TERMED_N)
+        buckets, total = t.histogram()
+        self.totals.buckets = [a + b for a, b in zip(self.totals.buckets, buckets)]
+        self.totals.duration_sum += total
+        self.totals.max_duration = max(self.totals.max_duration, t.max_duration())
+
+    def forget(self, w: WorkerProcess) -> None:
+        if self.slots.get(w.slot) is w:
+            del self.slots[w.slot]
+        if w in self.retiring:
+            self.retiring.remove(w)
+        if self.replacing.get(w.slot) is w:
+            del self.replacing[w.slot]
+        self.pings = {k: v for k, v in self.pings.items() if k[0] != w.pid}
+        self.rss.pop(w.pid, None)
+        w.close(self.loop)
+
+    def plan_restart(self, w: WorkerProcess, cause: str) -> None:
+        self.totals.worker_deaths += 1
+        if self.stopping or w.retiring or w.slot >= self.target:
+            return
+        backoff = self.backoffs.setdefault(w.slot, SlotBackoff(self.cfg.restart.backoff_initial,
+                                                               self.cfg.restart.backoff_max))
+        now = time.monotonic()
+        if w.ready_at is None:
+            self.boot.died_before_ready(f"worker {w.slot} (pid {w.pid}): {cause}")
+        backoff.worker_exited(now - w.ready_at if w.ready_at else None)
+        delay = backoff.next_delay()
+        self.restart_at[w.slot] = now + delay
+        self.totals.restarts += 1
+        self.slot_restarts[w.slot] += 1
+        log.info("restarting worker %d in %.2fs", w.slot, delay)
+
+    def check_boot_failures(self) -> None:
+        if self.boot.halted and not self.stopping:
+            message = (f"halting: {self.boot.count} workers in a row died before becoming ready "
+                       f"(restart.boot_failures_to_halt={self.boot.limit}); last: {self.boot.last_reason}")
+            log.error(message)
+            self.alert("halted", message)
+            self.exit_code = EXIT_HALTED
+            self.begin_stop("drain")
+
+    # ================================================================ inspecting the living
+
+    async def inspect_workers(self) -> None:
+        now = time.monotonic()
+        pings = []
+        for w in self.living():
+            if w.status is not None or w.kill_reason:
+                continue
+            entries = w.table.snapshot()
+            reason = self.why_kill(w, entries, now)
+            if reason:
+                self.kill(w, reason)
+                continue
+            pings += self.due_pings(w, entries, now)
+        for w, e in pings:
+            await self.nc.publish(e.reply, b"+WPI")
+            self.pings[(w.pid, e.stream_seq)] = now
+        self.totals.pings += len(pings)
+        if self.ever_all_ready and self.notifier and self.ready_count() > 0:
+            self.notifier.watchdog()
+
+    def why_kill(self, w: WorkerProcess, entries: list[slots.Entry], now: float) -> str:
+        beat = w.table.heartbeat()
+        silent = now - (beat if beat > 0 else w.started_at)
+        if silent > self.cfg.workers.heartbeat_timeout:
+            return f"no heartbeat for {silent:.1f}s (workers.heartbeat_timeout={self.cfg.workers.heartbeat_timeout:g}s)"
+        limit = self.cfg.workers.job_timeout
+        for e in entries:
+            if limit and e.state == slots.RUNNING and now - e.t_started > limit:
+                return f"job seq={e.stream_seq} ran {now - e.t_started:.1f}s (workers.job_timeout={limit:g}s)"
+        if w.drain_deadline is not None and now > w.drain_deadline:
+            return f"still draining {now - w.drain_deadline + DRAIN_MARGIN:.1f}s past graceful_timeout"
+        return ""
+
+    def kill(self, w: WorkerProcess, reason: str) -> None:
+        log.warning("killing worker %d (pid %d): %s", w.slot, w.pid, reason)
+        w.kill_reason = f"killed: {reason}"
+        w.send(signal.SIGKILL)
+
+    def due_pings(self, w: WorkerProcess, entries: list[slots.Entry], now: float) -> list:
+        """+WPI for jobs a live, beating worker still holds, before their AckWait runs out.
+        A worker that has stopped beating gets none: its jobs must be free to come back."""
+        if not self.cfg.workers.progress_pings or now - w.table.heartbeat() > FRESH_BEAT:
+            return []
+        due = []
+        for e in entries:
+            if e.state in (slots.HELD, slots.RUNNING) and e.reply:
+                last = max(e.t_held, self.pings.get((w.pid, e.stream_seq), 0.0))
+                if now - last >= ack_wait_for(self.cfg, e.delivery) / 3:
+                    due.append((w, e))
+        return due
+
+    def recycle(self) -> None:
+        """Replace one worker at a time that ran max_jobs or outgrew max_rss_mb: the replacement
+        starts first, the old one drains once the new one is ready, so capacity never drops."""
+        if self.stopping or self.replacing:
+            return
+        now = time.monotonic()
+        check_rss = self.cfg.workers.max_rss_mb and now - self.last_rss_check >= RSS_EVERY
+        if check_rss:
+            self.last_rss_check = now
+        for w in list(self.slots.values()):
+            if w.state != "ready":
+                continue
+            reason = ""
+            if w.job_limit and w.table.header(slots.STARTED_N) >= w.job_limit:
+                reason = f"ran {w.table.header(slots.STARTED_N)} jobs (workers.max_jobs)"
+            elif check_rss and self.rss_of(w) > self.cfg.workers.max_rss_mb * MB:
+                reason = f"RSS {self.rss_of(w) / MB:.0f} MB > workers.max_rss_mb={self.cfg.workers.max_rss_mb}"
+            if reason:
+                log.info("recycling worker %d (pid %d): %s", w.slot, w.pid, reason)
+                w.retiring = True
+                self.retiring.append(w)
+                del self.slots[w.slot]
+                self.replacing[w.slot] = w
+                self.spawn(w.slot)
+                return
+
+    def rss_of(self, w: WorkerProcess, refresh: bool = True) -> int:
+        if refresh or w.pid not in self.rss:
+            try:
+                self.rss[w.pid] = psutil.Process(w.pid).memory_info().rss
+            except psutil.Error:
+                self.rss[w.pid] = 0
+        return self.rss[w.pid]
+
+    # ================================================================ helpers
+
+    async def flush(self) -> None:
+        try:
+            await self.nc.flush(timeout=2)
+        except Exception as exc:
+            log.warning("flushing NAKs to NATS failed: %s", exc)
+
+    def alert(self, kind: str, message: str) -> None:
+        self.alerts.append({"kind": kind, "message": message, "t": time.time()})
+
+    def status_line(self) -> str:
+        return f"{self.ready_count()}/{self.target} workers ready"
+
+    def slowest_job(self) -> float:
+        return max([self.totals.max_duration, *(w.table.max_duration() for w in self.living())])
+
+    def duration_histogram(self) -> tuple[list[int], float]:
+        counts, total = list(self.totals.buckets), self.totals.duration_sum
+        for w in self.living():
+            buckets, s = w.table.histogram()
+            counts = [a + b for a, b in zip(counts, buckets)]
+            total += s
+        return counts, total
+
+    def progress_alive(self) -> bool:
+        """A live, beating worker is running a job within its job_timeout: legitimate progress."""
+        now, limit = time.monotonic(), self.cfg.workers.job_timeout
+        for w in self.living():
+            if w.status is None and now - w.table.heartbeat() <= FRESH_BEAT:
+                if any(e.state == slots.RUNNING and (not limit or now - e.t_started < limit)
+                       for e in w.table.snapshot()):
+                    return True
+        return False
+
+    def worker_counters(self) -> dict[str, int]:
+        """Jobs acked/naked/termed since start: exited workers' totals plus the living's tables."""
+        live = self.living()
+        return {"ack": self.totals.acked + sum(w.table.header(slots.ACKED_N) for w in live),
+                "nak": self.totals.naked + sum(w.table.header(slots.NAKED_N) for w in live),
+                "term": self.totals.termed + sum(w.table.header(slots.TERMED_N) for w in live)}

@@ -1,0 +1,409 @@
+"""The one config tree: declared once here, loaded from TOML, overlaid, validated, rendered.
+
+Precedence: built-in defaults < config file < SUPERVISOR_<SECTION>_<KEY> env < flags.
+Each key is a dataclass field whose metadata carries its comment and its bounds; `config init`
+renders the same declarations, so the example config can never drift from the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import tomli_w
+
+from .errors import ConfigError
+
+ENV_PREFIX = "SUPERVISOR_"
+ENV_CONFIG_PATH = "SUPERVISOR_CONFIG"
+
+
+def key(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None,
+        choices: tuple[str, ...] | None = None, secret: bool = False) -> Any:
+    """Declare one config key: its default, its comment, and its bounds."""
+    meta = {"doc": doc, "lo": lo, "hi": hi, "choices": choices, "secret": secret}
+    if isinstance(default, (list, tuple)):
+        return field(default=tuple(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class NatsConfig:
+    servers: tuple[str, ...] = key((), "empty: start the embedded nats-server", secret=True)
+    name: str = key("jetstream-supervisor", "connection name shown in the server's monitoring")
+    creds_file: str = key("", "JWT + NKey .creds")
+    nkey_seed_file: str = key("", "NKey seed (user auth by public key)")
+    token_file: str = key("", "auth token")
+    user: str = key("", "with password_file: user/password auth")
+    password_file: str = key("", "")
+    tls_ca_file: str = key("", "private CA for the server certificate")
+    tls_cert_file: str = key("", "with tls_key_file: mutual TLS")
+    tls_key_file: str = key("", "")
+    startup_timeout: float = key(30.0, "seconds to keep trying before exit 4", lo=0.0)
+
+
+@dataclass(frozen=True)
+class EmbeddedConfig:
+    host: str = key("127.0.0.1", "only used when nats.servers is empty")
+    port: int = key(4222, "client port; 0 picks a free one", lo=0, hi=65535)
+    monitor_port: int = key(8222, "the server's HTTP monitoring (/jsz, /healthz); 0 disables; -1 picks a free one", lo=-1, hi=65535)
+    store_dir: str = key("", "empty: a temporary directory removed at exit")
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    name: str = key("JOBS", "the work-queue stream")
+    subjects: tuple[str, ...] = key(("jobs.>",), "subjects the stream captures")
+    create: bool = key(True, "create when missing; never silently change an existing stream")
+    storage: str = key("file", "file or memory", choices=("file", "memory"))
+    replicas: int = key(1, "copies in a cluster", lo=1, hi=5)
+    retention: str = key("workqueue", "workqueue, limits or interest", choices=("workqueue", "limits", "interest"))
+    duplicate_window: float = key(120.0, "seconds a Nats-Msg-Id is remembered", lo=0.0)
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    name: str = key("workers", "the durable pull consumer every worker binds to")
+    filter_subject: str = key("", "empty: every subject of the stream")
+    ack_wait: float = key(30.0, "seconds before an unacked delivery is redelivered", lo=0.001)
+    max_deliver: int = key(-1, "deliveries before giving up (-1 = unlimited)", lo=-1)
+    max_ack_pending: int = key(1000, "jobs in flight across all workers", lo=1)
+    backoff: tuple[float, ...] = key((), "server-side redelivery delays (seconds) by delivery count")
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    count: int = key(4, "worker processes", lo=0, hi=1024)
+    handler: str = key("workers.examples:sleep_job", "MOD:FUNC called for each job")
+    init: str = key("", "MOD:FUNC called once in each worker after fork")
+    concurrency: int = key(1, "jobs in flight at once per worker", lo=1, hi=1024)
+    batch: int = key(16, "messages asked for per pull", lo=1, hi=4096)
+    job_timeout: float = key(0.0, "hard limit per job; 0 = none", lo=0.0)
+    heartbeat_timeout: float = key(30.0, "a worker silent this long is killed", lo=0.1)
+    max_jobs: int = key(0, "recycle a worker after this many jobs (0 = never) ...", lo=0)
+    max_jobs_jitter: int = key(0, "... plus a random 0..jitter", lo=0)
+    max_rss_mb: int = key(0, "recycle a worker whose RSS exceeds this (0 = never)", lo=0)
+    graceful_timeout: float = key(30.0, "on stop/recycle: time to finish in-flight jobs", lo=0.0)
+    double_ack: bool = key(False, "true: ack_sync (exactly-once with Nats-Msg-Id)")
+    retry_backoff: tuple[float, ...] = key((1.0, 5.0, 30.0), "NAK delays by delivery count for failed jobs")
+    progress_pings: bool = key(True, "keep running jobs from redelivery with +WPI before AckWait; false only to diagnose")
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    backoff_initial: float = key(0.1, "first restart delay of a crashed slot", lo=0.0)
+    backoff_max: float = key(30.0, "restart delay ceiling", lo=0.0)
+    boot_failures_to_halt: int = key(10, "consecutive workers dying before ready -> exit 5", lo=1)
+    poison_after_crashes: int = key(3, "a job held at this many worker deaths is quarantined", lo=1)
+    dead_letter_subject: str = key("dlq.jobs", "where rejected, poison and max-delivered jobs are copied")
+    dead_letter_stream: str = key("JOBS_DLQ", "created (when stream.create) to keep dead letters; \"\" = none")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    interval: float = key(1.0, "ConsumerInfo poll period", lo=0.05)
+    lag_window: float = key(60.0, "window for the pending trend", lo=1.0)
+    http: str = key("127.0.0.1:9520", "/status, /metrics, /healthz; \"\" disables")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = key("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
+    format: str = key("text", "text or json", choices=("text", "json"))
+
+
+@dataclass(frozen=True)
+class Config:
+    nats: NatsConfig = NatsConfig()
+    embedded: EmbeddedConfig = EmbeddedConfig()
+    stream: StreamConfig = StreamConfig()
+    consumer: ConsumerConfig = ConsumerConfig()
+    workers: WorkersConfig = WorkersConfig()
+    restart: RestartConfig = RestartConfig()
+    monitor: MonitorConfig = MonitorConfig()
+    log: LogConfig = LogConfig()
+
+    def replace(self, **sections: dict[str, Any]) -> "Config":
+        """A copy with some keys changed, validated like a loaded config."""
+        raw = as_dict(self)
+        for section, values in sections.items():
+            raw[section].update(values)
+        return build(raw, {f"{s}.{k}": "override" for s, v in sections.items() for k in v})
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def section_keys(section: str) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+
+
+def key_type(section: str, name: str) -> Any:
+    return typing.get_type_hints(SECTIONS[section])[name]
+
+
+# ---------------------------------------------------------------- loading
+
+def find_config_path(explicit: str | None, env: Mapping[str, str]) -> Path | None:
+    """--config, else $SUPERVISOR_CONFIG, else ./config.toml when present, else none."""
+    if explicit:
+        return Path(explicit)
+    if env.get(ENV_CONFIG_PATH):
+        return Path(env[ENV_CONFIG_PATH])
+    local = Path("config.toml")
+    return local if local.is_file() else None
+
+
+def load(path: Path | None, env: Mapping[str, str] | None = None,
+         flags: Mapping[str, Any] | None = None) -> Config:
+    """Defaults < file < env < flags; raises ConfigError naming the key."""
+    env = os.environ if env is None else env
+    raw = as_dict(Config())
+    sources: dict[str, str] = {}
+    if path is not None:
+        _overlay(raw, sources, read_file(path), str(path))
+    _overlay(raw, sources, env_overrides(env), "environment")
+    for dotted, value in (flags or {}).items():
+        if value is not None:
+            section, name = dotted.split(".")
+            raw[section][name] = value
+            sources[dotted] = "command line"
+    return build(raw, sources)
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError("--config", f"no such file: {path}") from None
+    except OSError as exc:
+        raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path), f"not valid TOML: {exc}") from None
+
+
+def _overlay(raw: dict, sources: dict, data: Mapping[str, Any], source: str) -> None:
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"[{section}]", "unknown section" + _suggest(section, SECTIONS), source)
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}]", "must be a table of keys", source)
+        known = section_keys(section)
+        for name, value in values.items():
+            if name not in known:
+                raise ConfigError(f"{section}.{name}", "unknown key" + _suggest(name, known, section), source)
+            raw[section][name] = value
+            sources[f"{section}.{name}"] = source
+
+
+def _suggest(word: str, choices: typing.Iterable[str], section: str = "") -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    if not close:
+        return ""
+    return f"; did you mean {section + '.' if section else ''}{close[0]}?"
+
+
+def env_overrides(env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """SUPERVISOR_<SECTION>_<KEY> for our sections only.
+
+    Variables naming another section are left alone: supervisord, for one, sets
+    SUPERVISOR_ENABLED and friends in its children, and we may well run under it.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for var, text in env.items():
+        if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_PATH:
+            continue
+        rest = var[len(ENV_PREFIX):].lower()
+        section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
+        if section is None:
+            continue
+        name = rest[len(section) + 1:]
+        if name not in section_keys(section):
+            raise ConfigError(var, "unknown key" + _suggest(name, section_keys(section), section), "environment")
+        out.setdefault(section, {})[name] = parse_text(text, key_type(section, name), var)
+    return out
+
+
+def parse_text(text: str, typ: Any, name: str) -> Any:
+    """A string from the environment or a flag, read as the key's type."""
+    try:
+        if typ is bool:
+            lowered = text.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            return int(text)
+        if typ is float:
+            return float(text)
+        if typing.get_origin(typ) is tuple:
+            stripped = text.strip()
+            if stripped.startswith("["):
+                return tomllib.loads(f"v = {stripped}")["v"]
+            return [p.strip() for p in stripped.split(",") if p.strip()]
+        return text
+    except (ValueError, tomllib.TOMLDecodeError):
+        raise ConfigError(name, f"cannot read {text!r} as {_type_name(typ)}", "environment") from None
+
+
+# ---------------------------------------------------------------- building and checking
+
+def build(raw: Mapping[str, Mapping[str, Any]], sources: Mapping[str, str]) -> Config:
+    sections = {}
+    for section, cls in SECTIONS.items():
+        values = {}
+        for name in section_keys(section):
+            dotted = f"{section}.{name}"
+            values[name] = _check_value(dotted, raw[section][name], key_type(section, name),
+                                        section_keys(section)[name].metadata, sources.get(dotted, ""))
+        sections[section] = cls(**values)
+    cfg = Config(**sections)
+    _check_together(cfg, sources)
+    return cfg
+
+
+def _check_value(dotted: str, value: Any, typ: Any, meta: Mapping[str, Any], source: str) -> Any:
+    value = _coerce(dotted, value, typ, source)
+    items = value if isinstance(value, tuple) else (value,)
+    for item in items:
+        if isinstance(item, (int, float)) and not isinstance(item, bool):
+            if meta["lo"] is not None and item < meta["lo"]:
+                raise ConfigError(dotted, f"must be at least {meta['lo']:g}, got {item!r}", source)
+            if meta["hi"] is not None and item > meta["hi"]:
+                raise ConfigError(dotted, f"must be at most {meta['hi']:g}, got {item!r}", source)
+        if meta["choices"] and item not in meta["choices"]:
+            raise ConfigError(dotted, f"must be one of {', '.join(meta['choices'])}; got {item!r}", source)
+    return value
+
+
+def _coerce(dotted: str, value: Any, typ: Any, source: str) -> Any:
+    def wrong() -> ConfigError:
+        return ConfigError(dotted, f"expected {_type_name(typ)}, got {_describe(value)}", source)
+
+    if typing.get_origin(typ) is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise wrong()
+        item_type = typing.get_args(typ)[0]
+        return tuple(_coerce(dotted, v, item_type, source) for v in value)
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise wrong()
+        return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong()
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise wrong()
+        return float(value)
+    if typ is str and not isinstance(value, str):
+        raise wrong()
+    return value
+
+
+def _type_name(typ: Any) -> str:
+    if typing.get_origin(typ) is tuple:
+        return f"a list of {_type_name(typing.get_args(typ)[0])}s"
+    return {bool: "true or false", int: "an integer", float: "a number (seconds)", str: "a string"}[typ]
+
+
+def _describe(value: Any) -> str:
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "a table"}.get(type(value), type(value).__name__)
+    return f"{kind} ({value!r})" if not isinstance(value, (list, dict)) else kind
+
+
+def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
+    """Rules that involve more than one key."""
+    def fail(dotted: str, problem: str) -> None:
+        raise ConfigError(dotted, problem, sources.get(dotted, ""))
+
+    for dotted in ("workers.handler", "workers.init"):
+        spec = getattr(cfg.workers, dotted.split(".")[1])
+        if spec and (spec.count(":") != 1 or not all(spec.split(":"))):
+            fail(dotted, f"expected MODULE:FUNCTION, got {spec!r}")
+    if not cfg.workers.handler:
+        fail("workers.handler", "must name a handler as MODULE:FUNCTION")
+    if not cfg.stream.subjects:
+        fail("stream.subjects", "needs at least one subject")
+    if cfg.restart.backoff_max < cfg.restart.backoff_initial:
+        fail("restart.backoff_max", f"must be >= restart.backoff_initial ({cfg.restart.backoff_initial:g})")
+    if cfg.consumer.backoff and cfg.consumer.max_deliver != -1 and cfg.consumer.max_deliver <= len(cfg.consumer.backoff):
+        fail("consumer.backoff", "needs consumer.max_deliver greater than its length (a NATS rule)")
+    if cfg.consumer.max_deliver == 0:
+        fail("consumer.max_deliver", "must be -1 (unlimited) or at least 1")
+    if any(d < 0 for d in cfg.workers.retry_backoff):
+        fail("workers.retry_backoff", "delays cannot be negative")
+    dlq = cfg.restart.dead_letter_subject
+    if dlq and any(subject_matches(pattern, dlq) for pattern in cfg.stream.subjects):
+        fail("restart.dead_letter_subject", f"{dlq!r} is captured by stream.subjects; dead letters would be redelivered as jobs")
+    if cfg.monitor.http:
+        parse_hostport(cfg.monitor.http, "monitor.http", sources.get("monitor.http", ""))
+    for dotted in ("nats.tls_cert_file", "nats.tls_key_file"):
+        other = "nats.tls_key_file" if dotted.endswith("cert_file") else "nats.tls_cert_file"
+        if getattr(cfg.nats, dotted.split(".")[1]) and not getattr(cfg.nats, other.split(".")[1]):
+            fail(dotted, f"needs {other} too (mutual TLS takes both)")
+    if cfg.nats.password_file and not cfg.nats.user:
+        fail("nats.password_file", "needs nats.user")
+    for server in cfg.nats.servers:
+        if not server or " " in server:
+            fail("nats.servers", "each server must be a URL like nats://host:4222")
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` is one token, `>` the rest."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p):
+        if token == ">":
+            return len(s) > i
+        if i >= len(s) or (token != "*" and token != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def parse_hostport(text: str, name: str, source: str = "") -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(name, f"expected HOST:PORT, got {text!r}", source)
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+# ---------------------------------------------------------------- rendering
+
+def as_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return {s: {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(getattr(cfg, s)).items()}
+            for s in SECTIONS}
+
+
+def render(cfg: Config, *, redact: bool = True, comments: bool = True) -> str:
+    """TOML for `config init` (commented defaults) and `config show` (effective, redacted)."""
+    from .natsconn import redact_url
+
+    lines: list[str] = []
+    raw = as_dict(cfg)
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        fields = section_keys(section)
+        width = max(len(k) for k in fields)
+        for name, value in raw[section].items():
+            if redact and fields[name].metadata["secret"]:
+                value = [redact_url(v) for v in value] if isinstance(value, list) else redact_url(value)
+            text = tomli_w.dumps({name: value}).strip()
+            doc = fields[name].metadata["doc"]
+            if comments and doc:
+                text = f"{text.ljust(width + 24)} # {doc}"
+            lines.append(text)
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""The supervisor's HTTP endpoint (monitor.http), on the parent's loop: no threads.
+
+    GET /healthz  200 ok | 503 <reason>
+    GET /status   JSON (SPEC.md)
+    GET /metrics  Prometheus text
+    POST /scale?workers=N   loopback clients only
+
+A deliberately small HTTP/1.0-style server: one request per connection, bounded reads, a
+timeout; anything malformed gets a 4xx and the connection is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from . import metrics
+from .status import build_status, health
+
+log = logging.getLogger("supervisor.http")
+
+MAX_HEAD = 16 * 1024
+READ_TIMEOUT = 5.0
+MAX_WORKERS = 1024
+REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
+           405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large", 500: "Internal Server Error",
+           503: "Service Unavailable"}
+
+
+class HttpServer:
+    def __init__(self, sup: Any, host: str, port: int):
+        self.sup = sup
+        self.host, self.port = host, port
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self.handle, self.host, self.port, limit=MAX_HEAD)
+        log.info("status on http://%s:%d (/status /metrics /healthz)", self.host, self.port)
+
+    async def close(self) -> None:
+        if self.server:
+            self.server.close()
+            await self.server.wait_closed()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            status, ctype, body = await self.respond(reader, writer)
+        except Exception:
+            log.exception("HTTP handler failed")
+            status, ctype, body = 500, "text/plain", b"internal error\n"
+        head = (f"HTTP/1.1 {status} {REASONS.get(status, '')}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\nCache-Control: no-store\r\n\r\n")
+        try:
+            writer.write(head.encode() + body)
+            await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def respond(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[int, str, bytes]:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT)
+        except asyncio.TimeoutError:
+            return 408, "text/plain", b"request timeout\n"
+        except asyncio.LimitOverrunError:
+            return 413, "text/plain", b"request head too large\n"
+        except asyncio.IncompleteReadError:
+            return 400, "text/plain", b"incomplete request\n"
+        parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return 400, "text/plain", b"malformed request line\n"
+        method, target = parts[0], urlsplit(parts[1])
+        route = ROUTES.get(target.path)
+        if route is None:
+            return 404, "text/plain", b"not found: try /status /metrics /healthz\n"
+        allowed, fn = route
+        if method not in allowed:
+            return 405, "text/plain", f"use {' or '.join(allowed)}\n".encode()
+        return fn(self, target.query, writer.get_extra_info("peername"))
+
+    def get_status(self, query: str, peer: Any) -> tuple[int, str, bytes]:
+        return 200, "application/json", json.dumps(build_status(self.sup), indent=1).encode() + b"\n"
+
+    def get_metrics(self, query: str, peer: Any) -> tuple[int, str, bytes]:
+        return 200, "text/plain; version=0.0.4; charset=utf-8", metrics.render(self.sup)
+
+    def get_healthz(self, query: str, peer: Any) -> tuple[int, str, bytes]:
+        ok, reason = health(self.sup)
+        return (200 if ok else 503), "text/plain", (reason + "\n").encode()
+
+    def post_scale(self, query: str, peer: Any) -> tuple[int, str, bytes]:
+        if not is_loopback(peer):
+            return 403, "text/plain", b"/scale is accepted from loopback only\n"
+        values = parse_qs(query).get("workers", [])
+        if len(values) != 1 or not values[0].isdigit() or int(values[0]) > MAX_WORKERS:
+            return 400, "text/plain", f"expected /scale?workers=N with 0 <= N <= {MAX_WORKERS}\n".encode()
+        if self.sup.arbiter.stopping:
+            return 503, "text/plain", b"supervisor is stopping\n"
+        self.sup.arbiter.scale(int(values[0]))
+        return 202, "application/json", json.dumps({"target": int(values[0])}).encode() + b"\n"
+
+
+def is_loopback(peer: Any) -> bool:
+    try:
+        return ipaddress.ip_address(peer[0]).is_loopback
+    except (TypeError, ValueError, IndexError):
+        return False
+
+
+ROUTES = {"/status": (("GET",), HttpServer.get_status), "/metrics": (("GET",), HttpServer.get_metrics),
+          "/healthz": (("GET",), HttpServer.get_healthz), "/scale": (("POST",), HttpServer.post_scale)}

@@ -1,0 +1,189 @@
+"""The crash ledger: what every dead worker held, and the proof that each job came back.
+
+Pure bookkeeping, no I/O: the arbiter feeds it deaths (with the slot-table entries the worker
+held), the workers' rare events (a redelivery seen, a non-ack outcome) and the consumer's ack
+floor, and it answers three questions:
+  - did every job held at a death come back and get acked? (`outstanding`)
+  - which redeliveries does nothing explain? (AckWait shorter than the jobs, usually)
+  - which job keeps killing workers? (poison)
+Every redelivery is explained by something the ledger can name: a death (held, or pulled and
+still in transit), a NAK from a handler or a drain, or nothing (unexplained).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+EXPECT_LIMIT = 100_000      # remembered NAKs (a bound, not a window: they are few)
+HISTORY = 200               # deaths and unexplained redeliveries kept for /status
+
+
+@dataclass
+class HeldJob:
+    seq: int
+    delivery: int
+    state: str                  # held | running | acked (ack in doubt) | settled
+    naked: bool                 # the parent sent -NAK for it at the death
+    redelivered_at: float | None = None
+    acked_at: float | None = None
+    resolved: str = ""          # "" while outstanding; else how it was settled
+
+    def as_dict(self, death: "Death", now: float) -> dict:
+        return {"stream_seq": self.seq, "delivery": self.delivery, "state_at_death": self.state,
+                "naked": self.naked, "death": death.id, "slot": death.slot, "pid": death.pid,
+                "cause": death.cause, "age_s": round(now - death.t, 3),
+                "redelivered": self.redelivered_at is not None}
+
+
+@dataclass
+class Death:
+    id: int
+    t: float
+    slot: int
+    pid: int
+    cause: str
+    held: list[HeldJob]
+    in_transit: int             # pull credits outstanding: messages maybe on the wire
+    attributed: int = 0         # redeliveries later explained as in transit at this death
+
+    def summary(self) -> dict:
+        return {"id": self.id, "slot": self.slot, "pid": self.pid, "cause": self.cause,
+                "held": [h.seq for h in self.held], "in_transit": self.in_transit}
+
+
+@dataclass
+class Redelivery:
+    t: float
+    seq: int
+    delivery: int
+    why: str                    # explanation, or "unexplained"
+
+
+@dataclass
+class CrashLedger:
+    ack_wait: float
+    poison_after: int
+    deaths: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    unexplained: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    counts: dict = field(default_factory=lambda: dict.fromkeys(
+        ("crashes", "crashes_holding_jobs", "jobs_held_at_crash", "held_jobs_naked", "held_jobs_redelivered",
+         "held_jobs_acked_after_crash", "unexplained_redeliveries", "explained_redeliveries",
+         "in_transit_redeliveries", "quarantined"), 0))
+
+    def __post_init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._open: dict[int, list[tuple[Death, HeldJob]]] = {}      # seq -> held jobs not yet resolved
+        self._expected: OrderedDict[int, str] = OrderedDict()        # seq -> why it will come back
+        self._fatal: dict[int, list[Death]] = {}                     # seq -> deaths while it ran
+        self.quarantined: dict[int, list[Death]] = {}
+
+    # ------------------------------------------------------------ inputs
+
+    def record_death(self, t: float, slot: int, pid: int, cause: str, held: list[tuple[int, int, str, bool]],
+                     in_transit: int = 0) -> Death:
+        """`held`: (stream seq, delivery, entry state, NAKed by the parent) per slot-table entry."""
+        death = Death(next(self._ids), t, slot, pid, cause,
+                      [HeldJob(seq, delivery, state, naked) for seq, delivery, state, naked in held], in_transit)
+        self.deaths.append(death)
+        self.counts["crashes"] += 1
+        if death.held:
+            self.counts["crashes_holding_jobs"] += 1
+        for job in death.held:
+            self.counts["jobs_held_at_crash"] += 1
+            self.counts["held_jobs_naked"] += job.naked
+            if job.state == "running":
+                self._fatal.setdefault(job.seq, []).append(death)
+            self._open.setdefault(job.seq, []).append((death, job))
+        return death
+
+    def expect(self, seq: int, why: str) -> None:
+        """A NAK (handler failure, Retry, drain): the next delivery of `seq` is explained."""
+        self._expected[seq] = why
+        self._expected.move_to_end(seq)
+        while len(self._expected) > EXPECT_LIMIT:
+            self._expected.popitem(last=False)
+
+    def redelivered(self, t: float, seq: int, delivery: int) -> str:
+        """A worker received `seq` with delivery > 1. Returns the explanation."""
+        why = self._explain(t, seq, delivery)
+        if why == "unexplained":
+            self.counts["unexplained_redeliveries"] += 1
+            self.unexplained.append(Redelivery(t, seq, delivery, why))
+        else:
+            self.counts["explained_redeliveries"] += 1
+        return why
+
+    def _explain(self, t: float, seq: int, delivery: int) -> str:
+        held = [(d, j) for d, j in self._open.get(seq, ()) if delivery > j.delivery]
+        for death, job in held:
+            if job.redelivered_at is None:
+                job.redelivered_at = t
+                self.counts["held_jobs_redelivered"] += 1
+        if held:
+            death = held[-1][0]
+            return f"held by worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
+        if seq in self._expected:
+            return self._expected.pop(seq)
+        return self._attribute_in_transit(t)
+
+    def _attribute_in_transit(self, t: float) -> str:
+        """A message pulled by a worker that died before recording it comes back after AckWait."""
+        for death in reversed(self.deaths):
+            due = death.t + self.ack_wait
+            if death.attributed < death.in_transit and due - 1.0 <= t <= due + max(5.0, self.ack_wait):
+                death.attributed += 1
+                self.counts["in_transit_redeliveries"] += 1
+                return f"in transit to worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
+        return "unexplained"
+
+    def settled(self, t: float, seq: int, delivery: int, outcome: str) -> None:
+        """A worker acked, NAKed or terminated `seq` at `delivery`."""
+        if outcome == "nak":
+            self.expect(seq, f"NAKed at delivery {delivery}")
+            return
+        self._expected.pop(seq, None)
+        for death, job in self._open.pop(seq, ()):
+            job.acked_at = t
+            job.resolved = outcome
+            if outcome == "ack":
+                self.counts["held_jobs_acked_after_crash"] += 1
+
+    def ack_floor(self, stream_seq: int) -> None:
+        """Everything at or below the consumer's ack floor is settled, by whoever settled it
+        (an ack that was in doubt at a death, another host's worker, a TERM)."""
+        for seq in [s for s in self._open if s <= stream_seq]:
+            for _, job in self._open.pop(seq):
+                job.resolved = job.resolved or "below ack floor"
+
+    def quarantine(self, seq: int) -> list[Death]:
+        deaths = self._fatal.pop(seq, [])
+        self.quarantined[seq] = deaths
+        self.counts["quarantined"] += 1
+        for _, job in self._open.pop(seq, ()):
+            job.resolved = "quarantined"
+        return deaths
+
+    # ------------------------------------------------------------ questions
+
+    def is_poison(self, seq: int) -> bool:
+        return seq not in self.quarantined and len(self._fatal.get(seq, ())) >= self.poison_after
+
+    def deaths_of(self, seq: int) -> list[Death]:
+        return list(self._fatal.get(seq, ()))
+
+    def outstanding(self, now: float) -> list[dict]:
+        return [job.as_dict(death, now) for jobs in self._open.values() for death, job in jobs]
+
+    def crosscheck(self, now: float) -> dict:
+        out = {k: self.counts[k] for k in ("crashes", "crashes_holding_jobs", "jobs_held_at_crash", "held_jobs_naked",
+                                           "held_jobs_redelivered", "held_jobs_acked_after_crash",
+                                           "unexplained_redeliveries", "quarantined")}
+        out["explained_redeliveries"] = self.counts["explained_redeliveries"]
+        out["in_transit_redeliveries"] = self.counts["in_transit_redeliveries"]
+        out["outstanding"] = self.outstanding(now)
+        out["recent_deaths"] = [d.summary() for d in list(self.deaths)[-10:]]
+        out["recent_unexplained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "age_s": round(now - r.t, 3)}
+                                     for r in list(self.unexplained)[-10:]]
+        return out

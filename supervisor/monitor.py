@@ -1,0 +1,136 @@
+"""Watching the consumer: ConsumerInfo every monitor.interval, and the server's advisories.
+
+Each poll feeds the lag analyzer (pure, lag.py) and the crash ledger's ack floor. A failed
+poll (server down, consumer deleted) clears nothing and crashes nothing: the numbers age
+(`poll_age_s`) until the lag state turns `unknown`. Advisories: MAX_DELIVERIES means the server
+gave up on a job; it is still in the stream, so it is copied to the dead-letter subject and
+nothing vanishes silently. MSG_TERMINATED is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from nats.js.errors import NotFoundError
+
+from workers import Job
+from workers.runtime import dead_letter
+
+from .config import Config
+from .lag import LagAnalyzer, Sample
+from .tools import consumer_dict
+
+log = logging.getLogger("supervisor.monitor")
+
+
+class Monitor:
+    def __init__(self, cfg: Config, nc: Any, arbiter: Any):
+        self.cfg = cfg
+        self.nc = nc
+        self.arbiter = arbiter
+        self.analyzer = LagAnalyzer(cfg.monitor.lag_window, cfg.consumer.ack_wait, cfg.monitor.interval)
+        self.consumer: dict[str, Any] | None = None
+        self.polled_at: float | None = None
+        self.error = ""
+        self.advisories = {"max_deliveries": 0, "terminated": 0}
+        self.dead_lettered = 0
+
+    async def run(self) -> None:
+        await self.subscribe_advisories()
+        interval = self.cfg.monitor.interval
+        while True:
+            started = time.monotonic()
+            await self.poll()
+            self.after_poll()
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    async def poll(self) -> None:
+        js = self.nc.jetstream()
+        now = time.monotonic
+        try:
+            info = await js.consumer_info(self.cfg.stream.name, self.cfg.consumer.name,
+                                          timeout=max(1.0, 2 * self.cfg.monitor.interval))
+        except NotFoundError:
+            self.failed(now(), f"consumer {self.cfg.consumer.name} not found on stream {self.cfg.stream.name}")
+            return
+        except Exception as exc:
+            self.failed(now(), f"ConsumerInfo failed: {type(exc).__name__}: {exc}"[:200])
+            return
+        if self.error:
+            log.info("ConsumerInfo answers again")
+        self.error = ""
+        self.consumer = consumer_dict(info)
+        self.polled_at = now()
+        self.analyzer.add(Sample(t=self.polled_at, num_pending=self.consumer["num_pending"],
+                                 num_ack_pending=self.consumer["num_ack_pending"],
+                                 num_redelivered=self.consumer["num_redelivered"],
+                                 delivered_consumer_seq=self.consumer["delivered_consumer_seq"],
+                                 ack_floor_consumer_seq=self.consumer["ack_floor_consumer_seq"],
+                                 local_acked=self.arbiter.worker_counters()["ack"],
+                                 progress_alive=self.arbiter.progress_alive()))
+        self.arbiter.ledger.ack_floor(self.consumer["ack_floor_stream_seq"])
+
+    def failed(self, t: float, error: str) -> None:
+        if error != self.error:
+            log.warning("%s", error)
+        self.error = error
+        self.analyzer.poll_failed(t, error)
+
+    def after_poll(self) -> None:
+        now = time.monotonic()
+        change = self.analyzer.transition(now)
+        if change:
+            report = self.analyzer.report(now)
+            level = logging.WARNING if report.state in ("stuck", "growing") else logging.INFO
+            log.log(level, "lag state %s -> %s: %s", change[0], change[1], report.reason)
+        if self.arbiter.notifier:
+            self.arbiter.notifier.status(self.status_line(now))
+
+    def status_line(self, now: float) -> str:
+        c = self.consumer or {}
+        return (f"{self.arbiter.status_line()}; pending {c.get('num_pending', '?')}, "
+                f"in flight {c.get('num_ack_pending', '?')}; lag {self.analyzer.report(now).state}")
+
+    def poll_age(self) -> float | None:
+        return None if self.polled_at is None else time.monotonic() - self.polled_at
+
+    # ------------------------------------------------------------ advisories
+
+    async def subscribe_advisories(self) -> None:
+        s, c = self.cfg.stream.name, self.cfg.consumer.name
+        await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{s}.{c}", cb=self.on_max_deliveries)
+        await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{s}.{c}", cb=self.on_terminated)
+
+    async def on_terminated(self, msg: Any) -> None:
+        self.advisories["terminated"] += 1
+
+    async def on_max_deliveries(self, msg: Any) -> None:
+        self.advisories["max_deliveries"] += 1
+        try:
+            advisory = json.loads(msg.data)
+            seq, deliveries = int(advisory["stream_seq"]), int(advisory.get("deliveries", 0))
+        except (ValueError, KeyError, TypeError):
+            log.warning("malformed MAX_DELIVERIES advisory: %r", msg.data[:200])
+            return
+        log.warning("job seq=%d reached consumer.max_deliver (%d deliveries); copying it to %s", seq, deliveries,
+                    self.cfg.restart.dead_letter_subject or "(no dead-letter subject)")
+        try:
+            raw = await self.nc.jetstream().get_msg(self.cfg.stream.name, seq)
+        except Exception as exc:
+            log.error("job seq=%d: cannot read it back for the dead-letter copy: %s", seq, exc)
+            return
+        headers = dict(raw.headers or {})
+        job = Job(data=raw.data or b"", subject=raw.subject or "", headers=headers, stream_seq=seq,
+                  delivery=deliveries, msg_id=headers.get("Nats-Msg-Id"))
+        try:
+            await dead_letter(self.nc, self.cfg, job, f"max deliveries reached ({deliveries})")
+        except Exception as exc:
+            log.error("job seq=%d: dead-letter copy failed: %s", seq, exc)
+            return
+        self.dead_lettered += 1
+        self.arbiter.alert("max_deliveries", f"job seq={seq} gave up after {deliveries} deliveries; "
+                                             f"copied to {self.cfg.restart.dead_letter_subject}")

@@ -1,0 +1,141 @@
+"""Reach NATS within nats.startup_timeout, then ensure the stream, the durable pull consumer and
+the dead-letter stream. An existing stream is never changed behind the user's back: we log what
+differs and leave it. The consumer is ours, so the settings the server lets us change are
+changed, each change logged; anything else that differs is an error (exit 4)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from nats.js import api
+from nats.js.errors import NotFoundError
+
+from . import natsconn
+from .config import Config
+from .errors import NatsUnavailable
+
+log = logging.getLogger("supervisor.nats")
+
+RETENTION = {"workqueue": api.RetentionPolicy.WORK_QUEUE, "limits": api.RetentionPolicy.LIMITS,
+             "interest": api.RetentionPolicy.INTEREST}
+STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
+# Consumer settings a running server lets us update in place.
+CONSUMER_UPDATABLE = ("ack_wait", "max_deliver", "max_ack_pending", "backoff", "filter_subject")
+
+
+async def connect_until(cfg: Config, *, name: str, **options: Any) -> Any:
+    """Connect, retrying until nats.startup_timeout; a refused secret fails at once (exit 4)."""
+    deadline = time.monotonic() + cfg.nats.startup_timeout
+    last_note = 0.0
+    while True:
+        try:
+            return await natsconn.connect(cfg.nats, name=name, **options)
+        except natsconn.NatsConnectError as exc:
+            if exc.auth_failed:
+                raise
+            now = time.monotonic()
+            if now >= deadline:
+                raise NatsUnavailable(f"{exc} (gave up after nats.startup_timeout={cfg.nats.startup_timeout:g}s)") from None
+            if now - last_note >= 5.0:
+                log.warning("%s; retrying for up to %.0fs more", exc, deadline - now)
+                last_note = now
+            await asyncio.sleep(min(0.5, deadline - now))
+
+
+def stream_config(cfg: Config) -> api.StreamConfig:
+    s = cfg.stream
+    return api.StreamConfig(name=s.name, subjects=list(s.subjects), retention=RETENTION[s.retention],
+                            storage=STORAGE[s.storage], num_replicas=s.replicas, duplicate_window=s.duplicate_window)
+
+
+def consumer_config(cfg: Config) -> api.ConsumerConfig:
+    c = cfg.consumer
+    return api.ConsumerConfig(durable_name=c.name, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=c.ack_wait,
+                              max_deliver=c.max_deliver, max_ack_pending=c.max_ack_pending,
+                              backoff=list(c.backoff) or None, filter_subject=c.filter_subject or None,
+                              deliver_policy=api.DeliverPolicy.ALL)
+
+
+async def ensure(nc: Any, cfg: Config) -> None:
+    js = nc.jetstream()
+    try:
+        await ensure_stream(js, stream_config(cfg), cfg.stream.create, "stream")
+        await ensure_consumer(js, cfg)
+        if cfg.restart.dead_letter_stream and cfg.restart.dead_letter_subject:
+            dlq = api.StreamConfig(name=cfg.restart.dead_letter_stream, subjects=[cfg.restart.dead_letter_subject],
+                                   retention=api.RetentionPolicy.LIMITS, storage=STORAGE[cfg.stream.storage],
+                                   num_replicas=cfg.stream.replicas, duplicate_window=cfg.stream.duplicate_window)
+            await ensure_stream(js, dlq, cfg.stream.create, "restart.dead_letter_stream")
+    except NatsUnavailable:
+        raise
+    except Exception as exc:
+        raise NatsUnavailable(f"cannot ensure stream {cfg.stream.name} / consumer {cfg.consumer.name}: "
+                              f"{_describe(exc)}") from None
+
+
+async def ensure_stream(js: Any, want: api.StreamConfig, create: bool, key: str) -> None:
+    try:
+        have = (await js.stream_info(want.name)).config
+    except NotFoundError:
+        if not create:
+            raise NatsUnavailable(f"{key}: stream {want.name} does not exist and stream.create is false") from None
+        await js.add_stream(want)
+        log.info("created stream %s (subjects %s, %s, %s storage)", want.name, ", ".join(want.subjects),
+                 want.retention.value, want.storage.value)
+        return
+    for name, had, wanted in _differences(have, want, ("subjects", "retention", "storage", "num_replicas",
+                                                       "duplicate_window")):
+        log.warning("stream %s exists with %s=%s (config: %s); left as it is", want.name, name, had, wanted)
+
+
+async def ensure_consumer(js: Any, cfg: Config) -> None:
+    want = consumer_config(cfg)
+    try:
+        have = (await js.consumer_info(cfg.stream.name, cfg.consumer.name)).config
+    except NotFoundError:
+        if not cfg.stream.create:
+            raise NatsUnavailable(f"consumer {cfg.consumer.name} does not exist on stream {cfg.stream.name} "
+                                  "and stream.create is false") from None
+        await js.add_consumer(cfg.stream.name, want)
+        log.info("created durable pull consumer %s on %s (AckWait %gs, max_ack_pending %d)", want.durable_name,
+                 cfg.stream.name, cfg.consumer.ack_wait, cfg.consumer.max_ack_pending)
+        return
+    if have.deliver_subject or have.ack_policy != api.AckPolicy.EXPLICIT:
+        raise NatsUnavailable(f"consumer {cfg.consumer.name} on {cfg.stream.name} exists but is not a pull consumer "
+                              "with explicit acks; workers cannot share it")
+    changes = _differences(have, want, CONSUMER_UPDATABLE)
+    if changes and cfg.stream.create:
+        await js.add_consumer(cfg.stream.name, dataclasses.replace(have, **{n: getattr(want, n) for n, _, _ in changes}))
+        for name, had, wanted in changes:
+            log.warning("consumer %s: updated %s from %s to %s (config)", cfg.consumer.name, name, had, wanted)
+    for name, had, wanted in changes if not cfg.stream.create else ():
+        log.warning("consumer %s has %s=%s (config: %s); stream.create is false, so left as it is",
+                    cfg.consumer.name, name, had, wanted)
+
+
+def _differences(have: Any, want: Any, names: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
+    out = []
+    for name in names:
+        had, wanted = _norm(getattr(have, name)), _norm(getattr(want, name))
+        if had != wanted:
+            out.append((name, had, wanted))
+    return out
+
+
+def _norm(value: Any) -> Any:
+    if hasattr(value, "value"):
+        return value.value
+    if isinstance(value, list):
+        return [_norm(v) for v in value] or None
+    if isinstance(value, float):
+        return round(value, 6)
+    return None if value == "" else value
+
+
+def _describe(exc: Exception) -> str:
+    desc = getattr(exc, "description", None)
+    return desc or str(exc) or type(exc).__name__

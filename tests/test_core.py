@@ -1,0 +1,109 @@
+"""The core (issue 2): forked workers share one durable pull consumer, crashed workers are
+replaced, SIGTERM drains. Real nats-server, real processes, real signals."""
+
+import signal
+import time
+
+import psutil
+
+from harness import NatsServer, publish, run_cli, wait_until
+
+
+def overlap(records) -> int:
+    """The most jobs that ran at the same instant."""
+    events = sorted([(r.t, 1) for r in records if r.event == "start"] + [(r.t, -1) for r in records if r.event == "done"])
+    best = now = 0
+    for _, step in events:
+        now += step
+        best = max(best, now)
+    return best
+
+
+def test_seed_first_experiment(nats_server, supervisor_factory, tmp_path):
+    """3 workers, 30 jobs of 0.2 s: 30 deliveries, 30 unique, none redelivered, spread over all
+    three pids, run in parallel; `supervisor lag` reads pending=0 ackPending=0 afterwards."""
+    sup = supervisor_factory(nats_server, workers={"count": 3})
+    sup.wait_ready(3)
+    publish(nats_server.url, count=30, data="0.2")
+    wait_until(lambda: len(sup.jobs.done()) >= 30, what="30 jobs done")
+    wait_until(lambda: nats_server.stream_msgs() == 0, what="every job acked (work queue empty)")
+
+    done = sup.jobs.done()
+    assert len(done) == 30
+    assert len({r.seq for r in done}) == 30
+    assert all(r.delivery == 1 for r in done)
+    assert len({r.pid for r in done}) == 3, "jobs must spread over all three workers"
+    assert {r.pid for r in done} == sup.worker_pids()
+    assert overlap(sup.jobs.records()) == 3, "three jobs must run at once"
+    elapsed = max(r.t for r in done) - min(r.t for r in sup.jobs.started())
+    print(f"30 jobs of 0.2 s on 3 workers took {elapsed:.2f} s (one worker: 6 s)")
+
+    lag = run_cli("lag", "--server", nats_server.url)
+    assert lag.returncode == 0, lag.stderr
+    assert "pending=0 " in lag.stdout and "ackPending=0 " in lag.stdout and "redelivered=0 " in lag.stdout
+    assert "delivered=30 " in lag.stdout and "ackFloor=30" in lag.stdout
+    assert sup.stop() == 0
+
+
+def test_sigkill_mid_job_is_replaced_and_job_redone(nats_server, supervisor_factory):
+    sup = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": 30.0})
+    sup.wait_ready(2)
+    before = sup.worker_pids()
+    publish(nats_server.url, count=1, data="1.5")
+    victim = wait_until(lambda: sup.jobs.running(), what="the job to start")[0]
+    psutil.Process(victim.pid).send_signal(signal.SIGKILL)
+
+    redone = wait_until(lambda: [r for r in sup.jobs.done() if r.seq == victim.seq], what="the job redone")
+    assert redone[0].delivery == 2 and redone[0].pid != victim.pid
+    wait_until(lambda: nats_server.stream_msgs() == 0, what="the job acked")
+    sup.wait_ready(2)
+    after = sup.worker_pids()
+    assert victim.pid not in after and len(after) == 2 and after != before
+    assert "signal SIGKILL" in sup.log()
+    assert sup.stop() == 0
+
+
+def test_sigterm_drains_in_flight_jobs(tmp_path, supervisor_factory):
+    """SIGTERM with 6 jobs in flight: all 6 finish and are acked once, exit 0, nothing redelivered
+    afterwards, no worker or nats-server left. The embedded server's store is reopened after the
+    supervisor is gone to prove the acks reached it before shutdown."""
+    store = tmp_path / "store"
+    sup = supervisor_factory(None, workers={"count": 3, "concurrency": 2}, embedded={"store_dir": str(store)})
+    status = sup.wait_ready(3)
+    url = status["nats"]["servers"][0]
+    publish(url, count=6, data="1.5")
+    wait_until(lambda: len(sup.jobs.running()) == 6, what="6 jobs in flight")
+    family = [p for p in psutil.Process(sup.proc.pid).children(recursive=True)]
+    sup.signal(signal.SIGTERM)
+    assert sup.wait() == 0
+
+    done = sup.jobs.done()
+    assert len(done) == 6 and len({r.seq for r in done}) == 6 and all(r.delivery == 1 for r in done)
+    wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family),
+               timeout=10, what="no child process left")
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(store) in " ".join(p.info["cmdline"] or [])]
+
+    server = NatsServer(store).start()
+    try:
+        c = server.consumer()
+        assert c["num_ack_pending"] == 0 and c["num_pending"] == 0 and c["num_redelivered"] == 0
+        assert c["delivered"]["consumer_seq"] == 6 and c["ack_floor"]["consumer_seq"] == 6
+        assert server.stream_msgs() == 0
+    finally:
+        server.stop()
+
+
+def test_drain_naks_pulled_but_not_started(nats_server, supervisor_factory):
+    """Jobs a draining worker pulled but never started are NAKed, not left to AckWait."""
+    sup = supervisor_factory(nats_server, workers={"count": 1, "concurrency": 1, "graceful_timeout": 10.0},
+                             consumer={"ack_wait": 60.0})
+    sup.wait_ready(1)
+    publish(nats_server.url, count=3, data="1.0")
+    first = wait_until(lambda: sup.jobs.running(), what="first job running")[0]
+    sup.signal(signal.SIGTERM)
+    assert sup.wait() == 0
+    assert [r.seq for r in sup.jobs.done()] == [first.seq]
+    c = nats_server.consumer()
+    assert c["num_ack_pending"] == 0, "nothing may be left waiting for AckWait"
+    assert c["num_pending"] + c["num_redelivered"] >= 2 or nats_server.stream_msgs() == 2
+    assert nats_server.stream_msgs() == 2

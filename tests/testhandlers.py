@@ -1,0 +1,58 @@
+"""Handlers the tests run inside real workers. Each job is logged to $JOBS_LOG as
+`start|done pid seq delivery time data`, one O_APPEND write per line (atomic), so the test
+knows exactly which process ran what, when, and how often."""
+
+import asyncio
+import os
+import time
+
+from workers import Job, Reject
+
+_fd = None
+
+
+def _log(event: str, job: Job) -> None:
+    global _fd
+    if _fd is None:
+        _fd = os.open(os.environ["JOBS_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    data = job.data.decode(errors="replace").replace("\n", " ")
+    os.write(_fd, f"{event} {os.getpid()} {job.stream_seq} {job.delivery} {time.time():.6f} {data}\n".encode())
+
+
+def _act(job: Job) -> float:
+    """What the payload asks for; returns seconds to sleep."""
+    text = job.data.decode(errors="replace").strip()
+    if text == "crash" or (text == "crash-once" and job.delivery == 1):
+        os._exit(13)
+    if text == "reject":
+        raise Reject("payload asked to be rejected")
+    if text == "fail-once" and job.delivery == 1:
+        raise RuntimeError("failing the first delivery on purpose")
+    if text.startswith("hog") and job.delivery == 1:
+        while True:           # a handler that never yields the GIL long enough... burns CPU forever
+            pass
+    try:
+        return float(text.split(":")[-1])
+    except ValueError:
+        return 0.0
+
+
+def record(job: Job) -> None:
+    _log("start", job)
+    seconds = _act(job)
+    time.sleep(seconds)
+    _log("done", job)
+
+
+async def record_async(job: Job) -> None:
+    _log("start", job)
+    seconds = _act(job)
+    await asyncio.sleep(seconds)
+    _log("done", job)
+
+
+def boom_init() -> None:
+    raise RuntimeError("init hook failing on purpose")
+
+
+NOT_CALLABLE = 42

@@ -1,0 +1,42 @@
+"""What runs inside a worker process: the handler API, the pull/ack loop, example handlers.
+
+    from workers import Job, Retry, Reject
+
+    def handle(job: Job) -> None: ...        # runs in a thread, off the worker's event loop
+    async def handle(job: Job) -> None: ...  # runs on the worker's event loop
+
+Return to ack; raise Retry(delay=s) to NAK with a delay; raise Reject("why") to terminate the
+job and copy it to the dead-letter subject; any other exception NAKs with workers.retry_backoff.
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Job:
+    data: bytes
+    subject: str
+    headers: dict[str, str] = field(default_factory=dict)
+    stream_seq: int = 0
+    consumer_seq: int = 0
+    delivery: int = 1
+    msg_id: str | None = None
+
+
+class Retry(Exception):
+    """NAK the job; the server redelivers it after `delay` seconds."""
+
+    def __init__(self, delay: float = 0.0):
+        super().__init__(f"retry in {delay:g}s")
+        self.delay = max(0.0, float(delay))
+
+
+class Reject(Exception):
+    """Terminate the job (+TERM) and copy it to restart.dead_letter_subject."""
+
+    def __init__(self, reason: str = "rejected"):
+        super().__init__(reason)
+        self.reason = reason
+
+
+__all__ = ["Job", "Retry", "Reject"]

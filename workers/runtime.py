@@ -1,0 +1,511 @@
+"""The worker process: become a clean child after fork, then pull -> handle -> ack.
+
+One worker = one process, one uvloop loop, one NATS connection, bound to the durable pull
+consumer every other worker shares. The pull loop issues raw pull requests to
+$JS.API.CONSUMER.MSG.NEXT (not js.fetch, see DESIGN.md) and counts credits, so it never has
+more messages on the way than it can start now plus a small prefetch sized to hide one pull
+round trip. Every message is recorded in the shared slot table before anything else happens,
+so the parent always knows what this process holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import inspect
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, NoReturn
+
+from supervisor.notify import scrub_child_env
+
+from . import Job, Reject, Retry
+from . import slots
+from .slots import SlotTable
+
+log = logging.getLogger("worker")
+
+PULL_EXPIRES = 2.0          # a pull request lives this long; bounds how long a drain waits for it
+PULL_RTT_GUESS = 0.005      # prefetch hides one pull round trip of about this long
+SETTLE_MIN_INTERVAL = 0.002  # coalesce ack-confirming flushes to at most one per this period
+ORPHAN_GRACE = 2.0          # running jobs get this long when the parent has died
+PR_SET_PDEATHSIG = 1
+
+# Worker exit codes the parent understands.
+EXIT_DRAINED = 0
+EXIT_INIT_FAILED = 3
+EXIT_CONNECT_FAILED = 4
+EXIT_CRASHED = 70
+CHILD_EXIT_REASONS = {EXIT_INIT_FAILED: "init hook failed", EXIT_CONNECT_FAILED: "cannot reach NATS or bind the consumer",
+                      EXIT_CRASHED: "worker crashed"}
+
+
+@dataclass
+class ChildSpec:
+    """Everything a freshly forked worker needs; built by the parent before the fork."""
+    slot: int
+    parent_pid: int
+    table: SlotTable
+    events_fd: int
+    cfg: Any                                   # supervisor.config.Config (servers resolved)
+    handler: Callable[[Job], Any]
+    init: Callable[[], Any] | None
+    connect: Callable[[], Awaitable[Any]]      # returns a connected nats client
+    keep_fds: tuple[int, ...] = ()
+
+
+# ---------------------------------------------------------------- process hygiene after fork
+
+def child_main(spec: ChildSpec) -> NoReturn:
+    """Entry point in the child right after fork(); never returns."""
+    code = EXIT_CRASHED
+    try:
+        become_child(spec)
+        code = run_worker(spec)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else EXIT_CRASHED
+    except BaseException:
+        log.exception("worker %d crashed", spec.slot)
+    finally:
+        logging.shutdown()
+        os._exit(code)
+
+
+def become_child(spec: ChildSpec) -> None:
+    """Shed everything inherited from the parent that a worker must not use."""
+    set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != spec.parent_pid:      # the parent died before prctl took effect
+        os._exit(EXIT_CRASHED)
+    signal.set_wakeup_fd(-1)                 # the parent loop's self-pipe
+    for sig in (signal.SIGHUP, signal.SIGQUIT, signal.SIGTTIN, signal.SIGTTOU, signal.SIGUSR1,
+                signal.SIGUSR2, signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    # Ctrl-C reaches the whole process group; the parent decides and tells us with SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    _neutralise_inherited_fds(keep={0, 1, 2, spec.events_fd, *spec.keep_fds})
+    scrub_child_env(os.environ)              # only the main process talks to systemd
+    random.seed()
+    asyncio.events._set_running_loop(None)   # we were forked from inside the parent's loop
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """Linux delivers `sig` to this process when its parent dies (prctl PR_SET_PDEATHSIG)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def _neutralise_inherited_fds(keep: set[int]) -> None:
+    """Point every inherited descriptor at /dev/null instead of closing it.
+
+    That releases the parent's sockets (its NATS connection above all: a child holding it keeps
+    the parent's connection open on the server) while keeping the numbers taken, so an
+    inherited object that closes "its" fd later can never close one of ours.
+    """
+    devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd in keep or fd == devnull:
+            continue
+        try:
+            os.dup2(devnull, fd, inheritable=False)
+        except OSError:
+            pass                              # the listing's own directory fd, already gone
+    os.close(devnull)
+
+
+def run_worker(spec: ChildSpec) -> int:
+    if spec.init is not None:
+        try:
+            spec.init()
+        except Exception:
+            log.exception("workers.init raised in worker %d", spec.slot)
+            return EXIT_INIT_FAILED
+    import uvloop
+
+    loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(Worker(spec).run())
+    finally:
+        loop.close()
+
+
+# ---------------------------------------------------------------- the pull / handle / ack loop
+
+class Worker:
+    def __init__(self, spec: ChildSpec):
+        cfg = spec.cfg
+        self.spec = spec
+        self.table = spec.table
+        self.wcfg = cfg.workers
+        self.stream, self.consumer = cfg.stream.name, cfg.consumer.name
+        self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.consumer}"
+        self.is_async = inspect.iscoroutinefunction(spec.handler)
+        self.pool = None if self.is_async else ThreadPoolExecutor(self.wcfg.concurrency, "handler")
+        self.queue: deque[tuple[Any, int, Job]] = deque()   # pulled, not started
+        self.running = 0
+        self.credits = 0                 # messages asked for and not yet received or expired
+        self.pull_deadline = 0.0         # when the last outstanding pull request expires
+        self.job_ewma: float | None = None
+        self.unconfirmed: list[int] = []  # ACKED/SETTLED entries awaiting a flush
+        self.draining = False
+        self.closing = False
+        self.wake_pull = asyncio.Event()
+        self.wake_run = asyncio.Event()
+        self.wake_settle = asyncio.Event()
+        self.changed = asyncio.Event()
+        self.stop = asyncio.Event()
+        self.grace = self.wcfg.graceful_timeout
+        self.replies: list[str] = [""] * self.table.entries   # reply subject by entry index
+        self.nc: Any = None
+
+    # -- lifecycle
+
+    async def run(self) -> int:
+        self.table.beat()
+        try:
+            self.nc = await self.spec.connect()
+            await self.nc.jetstream().consumer_info(self.stream, self.consumer)
+        except Exception as exc:
+            log.error("worker %d: cannot connect or bind %s/%s: %s", self.spec.slot, self.stream,
+                      self.consumer, exc or type(exc).__name__)
+            return EXIT_CONNECT_FAILED
+        self.inbox = self.nc.new_inbox()
+        await self.nc.subscribe(self.inbox, cb=self.on_message, pending_msgs_limit=0, pending_bytes_limit=0)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
+        settler = asyncio.ensure_future(self.settler())
+        tasks = [settler] + [asyncio.ensure_future(c) for c in (self.heartbeat(), self.puller())]
+        tasks += [asyncio.ensure_future(self.runner()) for _ in range(self.wcfg.concurrency)]
+        self.table.set_state(slots.READY)
+        self.emit(ev="ready")
+        await self.stop.wait()
+        await self.drain()
+        self.closing = True
+        self.wake_settle.set()
+        for task in tasks:
+            if task is not settler:
+                task.cancel()
+        await settler                  # never cancel a task inside flush(): see supervisor/natsfix.py
+        await self.close_connection()
+        return EXIT_DRAINED
+
+    def on_sigterm(self) -> None:
+        if os.getppid() != self.spec.parent_pid:
+            self.grace = min(self.grace, ORPHAN_GRACE)
+            log.warning("worker %d: supervisor is gone; stopping", self.spec.slot)
+        self.stop.set()
+
+    async def heartbeat(self) -> None:
+        every = min(1.0, self.wcfg.heartbeat_timeout / 4)
+        while True:
+            self.table.beat()
+            if os.getppid() != self.spec.parent_pid and not self.stop.is_set():
+                self.on_sigterm()
+            await asyncio.sleep(every)
+
+    async def drain(self) -> None:
+        """Stop pulling; NAK what was pulled but not started; let running jobs finish within the
+        grace period; NAK what still runs after it; make sure every ack reached the server."""
+        self.draining = True
+        self.table.set_state(slots.DRAINING)
+        self.wake_pull.set()
+        while self.queue:
+            msg, i, job = self.queue.popleft()
+            await self.settle(i, job, b"-NAK", "nak", "not started before shutdown")
+        deadline = time.monotonic() + self.grace
+        pulls_done = max(self.pull_deadline + 0.5, time.monotonic())
+        while (self.running or self.credits > 0) and time.monotonic() < max(deadline, pulls_done):
+            if self.credits > 0 and time.monotonic() > pulls_done:
+                self.credits = 0
+                continue
+            if self.running and time.monotonic() > deadline:
+                break
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), 0.1)
+            except asyncio.TimeoutError:
+                pass
+        await self.abandon_running()
+        await self.confirm_settled()
+
+    async def abandon_running(self) -> None:
+        """Past the grace period: NAK jobs whose handlers are still running; we exit next."""
+        for entry in self.table.snapshot():
+            if entry.state == slots.RUNNING and entry.reply:
+                log.warning("worker %d: job seq=%d still running after graceful_timeout; NAKing it",
+                            self.spec.slot, entry.stream_seq)
+                await self.nc.publish(entry.reply, b"-NAK")
+                self.emit(ev="settled", seq=entry.stream_seq, delivery=entry.delivery, outcome="nak",
+                          reason="still running at shutdown")
+
+    async def close_connection(self) -> None:
+        try:
+            await self.nc.drain()
+        except Exception as exc:
+            log.warning("worker %d: closing the connection: %s", self.spec.slot, exc)
+
+    # -- pulling
+
+    async def puller(self) -> None:
+        while not self.draining:
+            self.expire_lost_pull()
+            n = self.pull_size()
+            if n > 0:
+                self.credits += n
+                self.table.set_credits(self.credits)
+                self.pull_deadline = time.monotonic() + PULL_EXPIRES
+                body = b'{"batch":%d,"expires":%d}' % (n, int(PULL_EXPIRES * 1e9))
+                await self.nc.publish(self.next_subject, body, reply=self.inbox)
+                continue
+            self.wake_pull.clear()
+            try:
+                await asyncio.wait_for(self.wake_pull.wait(), PULL_EXPIRES)
+            except asyncio.TimeoutError:
+                pass
+
+    def expire_lost_pull(self) -> None:
+        """A pull request the server forgot (restart, leader change) must not hold credits forever."""
+        if self.credits > 0 and time.monotonic() > self.pull_deadline + 1.0:
+            self.credits = 0
+            self.table.set_credits(0)
+
+    def pull_size(self) -> int:
+        concurrency = self.wcfg.concurrency
+        capacity = concurrency + self.prefetch()
+        outstanding = len(self.queue) + self.running + self.credits
+        room = min(capacity - outstanding, self.table.free_entries() - self.credits)
+        # While a pull is on its way, top up only once half the capacity is free: no dribbling.
+        if room <= 0 or (self.credits and room < max(1, capacity // 2)):
+            return 0
+        return min(room, self.wcfg.batch)
+
+    def prefetch(self) -> int:
+        """Buffered jobs age against AckWait, so buffer only what hides one pull round trip."""
+        if self.job_ewma is None:
+            return 0
+        need = int(self.wcfg.concurrency * PULL_RTT_GUESS / max(self.job_ewma, 1e-6))
+        return min(self.wcfg.batch, need)
+
+    async def on_message(self, msg: Any) -> None:
+        if not msg.reply:
+            self.on_status(msg)
+            return
+        if self.credits > 0:
+            self.credits -= 1
+            self.table.set_credits(self.credits)
+        job = make_job(msg)
+        i = self.table.hold(job.stream_seq, job.consumer_seq, job.delivery, msg.reply.encode())
+        if i >= 0:
+            self.replies[i] = msg.reply
+        if job.delivery > 1:
+            self.emit(ev="redelivered", seq=job.stream_seq, delivery=job.delivery)
+        if i < 0 or self.draining:
+            await self.nak_unstarted(msg, i, job)
+            return
+        self.queue.append((msg, i, job))
+        self.wake_run.set()
+
+    async def nak_unstarted(self, msg: Any, i: int, job: Job) -> None:
+        reason = "arrived while draining" if self.draining else "slot table full"
+        if i < 0:
+            await self.nc.publish(msg.reply, b"-NAK")
+            self.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome="nak", reason=reason)
+        else:
+            await self.settle(i, job, b"-NAK", "nak", reason)
+        self.changed.set()
+
+    def on_status(self, msg: Any) -> None:
+        headers = msg.headers or {}
+        status = headers.get("Status")
+        if status in ("408", "409"):
+            unfilled = int(headers.get("Nats-Pending-Messages", "0") or 0)
+            self.credits = max(0, self.credits - unfilled)
+            self.table.set_credits(self.credits)
+            if status == "409":
+                log.warning("worker %d: pull request refused: %s", self.spec.slot,
+                            next((v for k, v in headers.items() if str(k).endswith("DESCRIPTION")), "409"))
+        self.wake_pull.set()
+        self.changed.set()
+
+    # -- running jobs
+
+    async def runner(self) -> None:
+        while True:
+            while not self.queue:
+                self.wake_run.clear()
+                await self.wake_run.wait()
+            msg, i, job = self.queue.popleft()
+            self.running += 1
+            self.wake_pull.set()        # one slot of the buffer is free again
+            try:
+                await self.process(i, job)
+            finally:
+                self.running -= 1
+                self.changed.set()
+                self.wake_pull.set()
+
+    async def process(self, i: int, job: Job) -> None:
+        self.table.start(i)
+        started = time.monotonic()
+        try:
+            result = self.spec.handler(job) if self.is_async else await asyncio.get_running_loop().run_in_executor(
+                self.pool, self.spec.handler, job)
+            if inspect.isawaitable(result):
+                await result
+        except Retry as exc:
+            await self.settle(i, job, nak_payload(exc.delay), "nak", str(exc))
+        except Reject as exc:
+            await self.reject(i, job, exc.reason)
+        except Exception as exc:
+            log.exception("worker %d: handler failed on seq=%d delivery=%d", self.spec.slot, job.stream_seq, job.delivery)
+            delay = retry_delay(self.wcfg.retry_backoff, job.delivery)
+            await self.settle(i, job, nak_payload(delay), "nak", f"{type(exc).__name__}: {exc}"[:200])
+        except BaseException as exc:        # SystemExit from a handler: a crash, not an outcome
+            log.error("worker %d: handler raised %s on seq=%d; exiting without ack",
+                      self.spec.slot, type(exc).__name__, job.stream_seq)
+            os._exit(EXIT_CRASHED)
+        else:
+            await self.ack(i, job)
+        finally:
+            elapsed = time.monotonic() - started
+            self.table.observe(elapsed)
+            self.job_ewma = elapsed if self.job_ewma is None else 0.8 * self.job_ewma + 0.2 * elapsed
+
+    async def ack(self, i: int, job: Job) -> None:
+        if self.wcfg.double_ack:
+            try:
+                await self.nc.request(self.reply_of(i), b"+ACK", timeout=5.0)
+            except Exception as exc:
+                log.warning("worker %d: double ack of seq=%d not confirmed: %s", self.spec.slot, job.stream_seq, exc)
+            else:
+                self.table.count(slots.ACKED_N)
+                self.report(job, "ack", "")
+                self.table.release(i)
+                return
+        await self.settle(i, job, b"+ACK", "ack", "")
+
+    async def settle(self, i: int, job: Job, payload: bytes, outcome: str, reason: str) -> None:
+        """Publish the ack/nak/term and keep the entry until a flush confirms it."""
+        await self.nc.publish(self.reply_of(i), payload)
+        self.table.mark(i, slots.ACKED if outcome == "ack" else slots.SETTLED)
+        self.table.count({"ack": slots.ACKED_N, "nak": slots.NAKED_N, "term": slots.TERMED_N}[outcome])
+        self.report(job, outcome, reason)
+        self.unconfirmed.append(i)
+        self.wake_settle.set()
+
+    def report(self, job: Job, outcome: str, reason: str) -> None:
+        # Only what explains a future redelivery (or follows one) goes to the parent: acks of
+        # first deliveries, the hot path, stay in the table counters.
+        if outcome != "ack" or job.delivery > 1:
+            self.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome=outcome, reason=reason)
+
+    def reply_of(self, i: int) -> str:
+        return self.replies[i]
+
+    async def reject(self, i: int, job: Job, reason: str) -> None:
+        try:
+            await dead_letter(self.nc, self.spec.cfg, job, reason)
+        except Exception as exc:
+            log.error("worker %d: cannot dead-letter seq=%d (%s); NAKing it instead", self.spec.slot, job.stream_seq, exc)
+            await self.settle(i, job, nak_payload(retry_delay(self.wcfg.retry_backoff, job.delivery)), "nak",
+                              f"dead-letter failed: {exc}")
+            return
+        await self.settle(i, job, b"+TERM " + reason.encode()[:200], "term", reason)
+
+    async def settler(self) -> None:
+        while not self.closing:
+            await self.wake_settle.wait()
+            self.wake_settle.clear()
+            await self.confirm_settled()
+            if not self.closing:
+                await asyncio.sleep(SETTLE_MIN_INTERVAL)
+        await self.confirm_settled()
+
+    async def confirm_settled(self) -> None:
+        """A PING/PONG round trip proves the server has read every ack sent before it."""
+        if not self.unconfirmed:
+            return
+        batch, self.unconfirmed = self.unconfirmed, []
+        try:
+            await self.nc.flush(timeout=5)
+        except Exception as exc:
+            log.warning("worker %d: flush failed (%s); acks stay unconfirmed", self.spec.slot, exc)
+            self.unconfirmed = batch + self.unconfirmed
+            return
+        for i in batch:
+            self.table.release(i)
+        self.wake_pull.set()
+
+    # -- reporting rare events to the parent
+
+    def emit(self, **event: Any) -> None:
+        os.write(self.spec.events_fd, json.dumps(event, separators=(",", ":")).encode() + b"\n")
+
+
+# ---------------------------------------------------------------- small pure helpers
+
+def make_job(msg: Any) -> Job:
+    sseq, cseq, delivery = parse_ack_reply(msg.reply)
+    headers = {k: v for k, v in (msg.headers or {}).items() if isinstance(k, str)}
+    return Job(data=msg.data, subject=msg.subject, headers=headers, stream_seq=sseq, consumer_seq=cseq,
+               delivery=delivery, msg_id=headers.get("Nats-Msg-Id"))
+
+
+def parse_ack_reply(reply: str) -> tuple[int, int, int]:
+    """(stream seq, consumer seq, delivery count) from a $JS.ACK reply subject (v1 or v2 form)."""
+    t = reply.split(".")
+    at = 4 if len(t) == 9 else 6         # v2 adds domain and account hash after $JS.ACK
+    return int(t[at + 1]), int(t[at + 2]), int(t[at])
+
+
+def nak_payload(delay: float) -> bytes:
+    if delay <= 0:
+        return b"-NAK"
+    return b'-NAK {"delay":%d}' % int(delay * 1e9)
+
+
+def retry_delay(backoff: tuple[float, ...], delivery: int) -> float:
+    if not backoff:
+        return 0.0
+    return backoff[min(delivery, len(backoff)) - 1]
+
+
+DLQ_HEADER = "Supervisor-Dead-Letter-"
+
+
+async def dead_letter(nc: Any, cfg: Any, job: Job, reason: str, extra: dict[str, str] | None = None) -> None:
+    """Copy a job to restart.dead_letter_subject with headers that say where it came from and why.
+
+    With a dead-letter stream the copy is confirmed by a PubAck before the caller TERMs the
+    original; without one it is a plain publish for whoever listens."""
+    subject = cfg.restart.dead_letter_subject
+    if not subject:
+        return
+    headers = {k: v for k, v in job.headers.items() if k != "Nats-Msg-Id"}
+    if job.msg_id:
+        headers[DLQ_HEADER + "Msg-Id"] = job.msg_id
+    headers.update({
+        DLQ_HEADER + "Stream": cfg.stream.name,
+        DLQ_HEADER + "Sequence": str(job.stream_seq),
+        DLQ_HEADER + "Subject": job.subject,
+        DLQ_HEADER + "Deliveries": str(job.delivery),
+        DLQ_HEADER + "Reason": reason[:500],
+    })
+    headers.update(extra or {})
+    # A worker that dies between this copy and its TERM copies again on redelivery: the
+    # dead-letter stream's duplicate window folds the two into one.
+    headers["Nats-Msg-Id"] = f"dlq-{cfg.stream.name}-{job.stream_seq}"
+    if cfg.restart.dead_letter_stream:
+        await nc.jetstream().publish(subject, job.data, headers=headers, timeout=5.0)
+    else:
+        await nc.publish(subject, job.data, headers=headers)

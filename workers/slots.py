@@ -1,0 +1,190 @@
+"""A per-worker shared-memory table: what the worker holds, its heartbeat, its counters.
+
+The parent maps one table per worker (anonymous MAP_SHARED) just before forking it. The worker
+writes it on the hot path with a few 8-byte stores per message: no syscall, no IPC. The parent
+reads it on a timer (heartbeats, long jobs, /status) and once more after the worker died, to
+know exactly which jobs to NAK.
+
+Each in-flight entry carries a version word bumped before and after every write (odd while
+writing), so a reader racing a live writer can tell a torn read and retry. An entry moves
+FREE -> HELD (pulled) -> RUNNING (handler started) -> ACKED or SETTLED (ack or nak/term
+published but not yet confirmed by a flush) -> FREE. ACKED entries are kept until a flush proves
+the server has the ack, because an ack still in a dead process's socket buffer is lost: the
+parent NAKs them at death, which is a no-op for an ack that did arrive.
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from bisect import bisect_left
+from dataclasses import dataclass
+
+# Upper bounds (seconds) of the job-duration histogram buckets; +Inf is implicit.
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+# Worker states (header STATE word).
+EMPTY, STARTING, READY, DRAINING = 0, 1, 2, 3
+WORKER_STATES = {EMPTY: "empty", STARTING: "starting", READY: "ready", DRAINING: "draining"}
+
+# Entry states.
+FREE, HELD, RUNNING, ACKED, SETTLED = 0, 1, 2, 3, 4
+ENTRY_STATES = {HELD: "held", RUNNING: "running", ACKED: "acked", SETTLED: "settled"}
+
+# Header words (8 bytes each; doubles and int64s share the buffer through two casts).
+(PID, STATE, HEARTBEAT, ACKED_N, NAKED_N, TERMED_N, STARTED_N, CREDITS, HIGH_WATER,
+ MAX_DURATION, DURATION_SUM) = range(11)
+BUCKETS_AT = 11
+HEADER_WORDS = BUCKETS_AT + len(DURATION_BUCKETS) + 1
+
+# Entry words.
+VER, ESTATE, SSEQ, CSEQ, DELIVERY, T_HELD, T_STARTED, REPLY_LEN = range(8)
+ENTRY_FIXED_WORDS = 8
+
+
+@dataclass(frozen=True)
+class Entry:
+    index: int
+    state: int
+    stream_seq: int
+    consumer_seq: int
+    delivery: int
+    t_held: float
+    t_started: float
+    reply: str
+
+
+class SlotTable:
+    def __init__(self, entries: int, reply_bytes: int):
+        self.entries = entries
+        self.reply_words = (reply_bytes + 7) // 8
+        self.entry_words = ENTRY_FIXED_WORDS + self.reply_words
+        size = 8 * (HEADER_WORDS + entries * self.entry_words)
+        self._mm = mmap.mmap(-1, size)
+        self.q = memoryview(self._mm).cast("q")
+        self.d = memoryview(self._mm).cast("d")
+        self.b = memoryview(self._mm)
+        self._free = list(range(entries - 1, -1, -1))   # LIFO: used entries stay low
+        self._high = 0
+
+    def close(self) -> None:
+        for view in (self.q, self.d, self.b):
+            view.release()
+        self._mm.close()
+
+    def _base(self, i: int) -> int:
+        return HEADER_WORDS + i * self.entry_words
+
+    # ------------------------------------------------------------ worker side (hot path)
+
+    def set_state(self, state: int) -> None:
+        self.q[STATE] = state
+
+    def beat(self) -> None:
+        self.d[HEARTBEAT] = time.monotonic()
+
+    def free_entries(self) -> int:
+        return len(self._free)
+
+    def hold(self, sseq: int, cseq: int, delivery: int, reply: bytes) -> int:
+        """Record a pulled message; returns its entry index (or -1 when the table is full)."""
+        if not self._free:
+            return -1
+        i = self._free.pop()
+        base = self._base(i)
+        q = self.q
+        q[base + VER] += 1
+        q[base + SSEQ] = sseq
+        q[base + CSEQ] = cseq
+        q[base + DELIVERY] = delivery
+        self.d[base + T_HELD] = time.monotonic()
+        if len(reply) <= self.reply_words * 8:
+            start = 8 * (base + ENTRY_FIXED_WORDS)
+            self.b[start:start + len(reply)] = reply
+            q[base + REPLY_LEN] = len(reply)
+        else:
+            q[base + REPLY_LEN] = -1
+        q[base + ESTATE] = HELD
+        q[base + VER] += 1
+        if i >= self._high:
+            self._high = i + 1
+            q[HIGH_WATER] = self._high
+        return i
+
+    def start(self, i: int) -> None:
+        base = self._base(i)
+        q = self.q
+        q[base + VER] += 1
+        self.d[base + T_STARTED] = time.monotonic()
+        q[base + ESTATE] = RUNNING
+        q[base + VER] += 1
+        q[STARTED_N] += 1
+
+    def mark(self, i: int, state: int) -> None:
+        base = self._base(i)
+        q = self.q
+        q[base + VER] += 1
+        q[base + ESTATE] = state
+        q[base + VER] += 1
+
+    def release(self, i: int) -> None:
+        self.mark(i, FREE)
+        self._free.append(i)
+
+    def count(self, which: int) -> None:
+        self.q[which] += 1
+
+    def observe(self, seconds: float) -> None:
+        d = self.d
+        self.q[BUCKETS_AT + bisect_left(DURATION_BUCKETS, seconds)] += 1
+        d[DURATION_SUM] += seconds
+        if seconds > d[MAX_DURATION]:
+            d[MAX_DURATION] = seconds
+
+    def add_credits(self, n: int) -> None:
+        self.q[CREDITS] += n
+
+    def set_credits(self, n: int) -> None:
+        self.q[CREDITS] = n
+
+    # ------------------------------------------------------------ parent side (readers)
+
+    def header(self, word: int) -> int:
+        return self.q[word]
+
+    def heartbeat(self) -> float:
+        return self.d[HEARTBEAT]
+
+    def max_duration(self) -> float:
+        return self.d[MAX_DURATION]
+
+    def histogram(self) -> tuple[list[int], float]:
+        """Per-bucket counts (not cumulative, +Inf last) and the sum of durations."""
+        return list(self.q[BUCKETS_AT:HEADER_WORDS]), self.d[DURATION_SUM]
+
+    def snapshot(self) -> list[Entry]:
+        """Every entry not FREE, each read consistently (retrying torn reads)."""
+        out = []
+        for i in range(min(self.q[HIGH_WATER], self.entries)):
+            entry = self._read(i)
+            if entry is not None:
+                out.append(entry)
+        return out
+
+    def _read(self, i: int) -> Entry | None:
+        base = self._base(i)
+        q, d = self.q, self.d
+        for _ in range(100):
+            ver = q[base + VER]
+            if q[base + ESTATE] == FREE:
+                return None
+            if ver & 1:
+                continue
+            n = q[base + REPLY_LEN]
+            start = 8 * (base + ENTRY_FIXED_WORDS)
+            reply = bytes(self.b[start:start + n]).decode() if n > 0 else ""
+            entry = Entry(i, q[base + ESTATE], q[base + SSEQ], q[base + CSEQ], q[base + DELIVERY],
+                          d[base + T_HELD], d[base + T_STARTED], reply)
+            if q[base + VER] == ver:
+                return entry if entry.state != FREE else None
+        return None
