@@ -16,12 +16,12 @@ from typing import Any, Callable
 
 import uvloop
 
-from . import natsconn, natsfix, provision  # noqa: F401  (natsfix patches nats-py on import)
+from . import logs, natsconn, natsfix, provision, reload  # noqa: F401  (natsfix patches nats-py on import)
 from .arbiter import Arbiter
 from .config import Config
 from .embedded import EmbeddedServer
 from .config import parse_hostport
-from .errors import ConfigError, HandlerError
+from .errors import EXIT_HALTED, ConfigError, Halted, HandlerError, SupervisorError
 from .http import HttpServer
 from .monitor import Monitor
 from .notify import Notifier
@@ -87,7 +87,8 @@ class Supervisor:
         tasks: list[asyncio.Task] = []
         try:
             await provision.ensure(self.nc, cfg)
-            self.arbiter = Arbiter(cfg, self.nc, handler, init, self.connect_worker, self.notifier)
+            self.arbiter = Arbiter(cfg, self.nc, handler, init, self.connect_worker, self.notifier,
+                                   reload_config=self.reload if self.reload_source else None)
             self.monitor = Monitor(cfg, self.nc, self.arbiter)
             if cfg.monitor.http:
                 host, port = parse_hostport(cfg.monitor.http, "monitor.http")
@@ -97,13 +98,53 @@ class Supervisor:
                 except OSError as exc:
                     raise ConfigError("monitor.http", f"cannot listen on {cfg.monitor.http}: {exc.strerror}") from None
             tasks.append(asyncio.ensure_future(self.monitor.run()))
-            return await self.arbiter.run()
+            code = await self.arbiter.run()
+            if code == EXIT_HALTED:
+                raise Halted(self.arbiter.halt_message)
+            return code
         finally:
             for task in tasks:
                 task.cancel()
             if self.http:
                 await self.http.close()
             await self.close()
+
+    async def reload(self) -> None:
+        """SIGHUP: re-read the config; apply what can change live; keep running on the old
+        config (and say why) when the new one is invalid."""
+        self.notifier.reloading()
+        try:
+            new = self.reload_source()
+            if self.embedded and not new.nats.servers:
+                new = with_servers(new, self.cfg.nats.servers)
+            change = reload.plan(self.cfg, new)
+            cfg = change.effective
+            handler = init = None
+            if any(k in ("workers.handler", "workers.init") for k, _, _ in change.changed):
+                handler = load_callable(cfg.workers.handler, "workers.handler")
+                init = load_callable(cfg.workers.init, "workers.init") if cfg.workers.init else None
+            if change.update_consumer:
+                await provision.ensure_consumer(self.nc.jetstream(), cfg)
+        except SupervisorError as exc:
+            log.error("reload failed; still running on the previous config: %s", exc)
+            self.notifier.ready(self.arbiter.status_line())
+            return
+        except Exception as exc:
+            log.error("reload failed; still running on the previous config: %s: %s", type(exc).__name__, exc)
+            self.notifier.ready(self.arbiter.status_line())
+            return
+        for key in change.needs_restart:
+            log.warning("reload: %s changed; it takes effect at the next start", key)
+        for key, old, new_value in change.changed:
+            if key not in change.needs_restart:
+                log.info("reload: %s: %r -> %r", key, old, new_value)
+        if not change.changed:
+            log.info("reload: configuration unchanged")
+        self.cfg = cfg
+        self.arbiter.apply_config(cfg, change, handler, init)
+        self.monitor.apply_config(cfg)
+        logs.setup(cfg.log.level, cfg.log.format)
+        self.notifier.ready(self.arbiter.status_line())
 
     async def connect_worker(self, slot: int) -> Any:
         return await natsconn.connect(self.cfg.nats, name=f"{self.cfg.nats.name} worker {slot}",

@@ -31,6 +31,7 @@ from workers.slots import SlotTable
 from .config import Config
 from .errors import EXIT_HALTED, EXIT_OK
 from .ledger import CrashLedger
+from .peers import SUSPECT_GRACE, Peers
 from .policy import BootFailures, SlotBackoff, job_limit
 from .process import WorkerProcess
 
@@ -67,7 +68,8 @@ class Totals:
 
 class Arbiter:
     def __init__(self, cfg: Config, nc: Any, handler: Callable, init: Callable | None,
-                 connect_worker: Callable[[int], Any], notifier: Any = None, reload_config: Callable | None = None):
+                 connect_worker: Callable[[int], Any], notifier: Any = None,
+                 reload_config: Callable[[], Any] | None = None):
         self.cfg = cfg
         self.nc = nc
         self.handler, self.init = handler, init
@@ -83,6 +85,7 @@ class Arbiter:
         self.replacing: dict[int, WorkerProcess] = {}     # slot -> old worker awaiting its replacement's ready
         self.boot = BootFailures(cfg.restart.boot_failures_to_halt)
         self.ledger = CrashLedger(cfg.consumer.ack_wait, cfg.restart.poison_after_crashes)
+        self.peers = Peers(nc, cfg.stream.name, cfg.consumer.name, self.ledger)
         self.totals = Totals()
         self.alerts: collections.deque = collections.deque(maxlen=50)
         self.pings: dict[tuple[int, int], float] = {}
@@ -92,6 +95,7 @@ class Arbiter:
         self.state = "starting"
         self.stopping: str | None = None                  # None | "drain" | "quit"
         self.exit_code = EXIT_OK
+        self.halt_message = ""
         self.started = time.monotonic()
         self.last_rss_check = 0.0
         self.ever_all_ready = False
@@ -104,6 +108,7 @@ class Arbiter:
         self.loop = asyncio.get_running_loop()
         for sig in SIGNALS:
             self.loop.add_signal_handler(sig, self.queue_signal, sig)
+        await self.peers.start()
         log.info("supervising %d worker(s) on %s/%s, handler %s", self.target, self.cfg.stream.name,
                  self.cfg.consumer.name, self.cfg.workers.handler)
         while True:
@@ -116,6 +121,7 @@ class Arbiter:
             await self.inspect_workers()
             self.recycle()
             self.check_boot_failures()
+            await self.audit()
         for sig in SIGNALS:
             self.loop.remove_signal_handler(sig)
         self.state = "stopping"
@@ -175,10 +181,27 @@ class Arbiter:
         self.scale(max(0, self.target - 1))
 
     def on_reload(self) -> None:
-        if self.reload_config is None:
-            log.warning("reload: no config source to re-read")
+        if self.reload_config is None or self.stopping:
+            log.warning("reload: nothing to re-read" if not self.stopping else "reload ignored while stopping")
             return
-        asyncio.ensure_future(self.reload_config(self))
+        asyncio.ensure_future(self.reload_config())
+
+    def apply_config(self, cfg: Config, change: Any, handler: Callable | None, init: Callable | None) -> None:
+        """Take a reloaded config: new workers get it; the old ones are replaced one at a time
+        (like a recycle: the replacement first) when something they read at fork time changed."""
+        self.cfg = cfg
+        if handler is not None:
+            self.handler, self.init = handler, init
+        self.boot.limit = cfg.restart.boot_failures_to_halt
+        self.ledger.ack_wait = cfg.consumer.ack_wait
+        self.ledger.poison_after = cfg.restart.poison_after_crashes
+        self.backoffs.clear()
+        if change.replace_workers:
+            for w in self.slots.values():
+                w.recycle_reason = w.recycle_reason or "config reloaded"
+        if change.scale_to is not None:
+            self.scale(change.scale_to)
+        self.wakeup.set()
 
     def begin_stop(self, mode: str) -> None:
         self.stopping = mode
@@ -239,7 +262,8 @@ class Arbiter:
 
     def child_spec(self, w: WorkerProcess, events_fd: int) -> ChildSpec:
         return ChildSpec(slot=w.slot, parent_pid=os.getpid(), table=w.table, events_fd=events_fd, cfg=self.cfg,
-                         handler=self.handler, init=self.init, connect=lambda: self.connect_worker(w.slot))
+                         handler=self.handler, init=self.init, connect=lambda: self.connect_worker(w.slot),
+                         job_limit=w.job_limit)
 
     def retire(self, w: WorkerProcess, why: str) -> None:
         """Drain a worker for good: it finishes what it runs, NAKs what it has not started, exits."""
@@ -270,11 +294,15 @@ class Arbiter:
             self.worker_ready(w, now)
         elif kind == "redelivered":
             why = self.ledger.redelivered(now, int(event["seq"]), int(event["delivery"]))
-            level = logging.WARNING if why == "unexplained" else logging.INFO
-            log.log(level, "job seq=%s redelivered (delivery %s) to worker %d: %s", event["seq"], event["delivery"],
-                    w.slot, why)
+            log.info("job seq=%s redelivered (delivery %s) to worker %d: %s", event["seq"], event["delivery"],
+                     w.slot, why or "no explanation yet")
         elif kind == "settled":
             self.ledger.settled(now, int(event["seq"]), int(event["delivery"]), event["outcome"])
+            if event["outcome"] == "nak":
+                self.peers.announce(int(event["seq"]), f"NAKed by a worker at delivery {event['delivery']}")
+        elif kind == "recycle_due":
+            w.recycle_reason = f"ran {event['jobs']} jobs (workers.max_jobs)"
+            self.wakeup.set()
 
     def worker_ready(self, w: WorkerProcess, now: float) -> None:
         if w.state == "starting":
@@ -298,6 +326,8 @@ class Arbiter:
     # ================================================================ reaping
 
     async def reap(self) -> None:
+        if self.stopping == "quit" and not all(w.reap() for w in self.living()):
+            return       # SIGQUIT: NAK once every worker is dead, or a NAK may hand a job to a dying one
         while self.dead:
             w = self.dead.popleft()
             if not w.reap():
@@ -322,9 +352,14 @@ class Arbiter:
             held = [(e.stream_seq, e.delivery, slots.ENTRY_STATES[e.state], n) for e, n in zip(entries, nak)]
             self.ledger.record_death(now, w.slot, w.pid, cause, held, in_transit=w.table.header(slots.CREDITS))
         for e, n in zip(entries, nak):
+            if n:     # peers first: the redelivery our NAK causes may land on another host
+                self.peers.announce(e.stream_seq, f"held by worker {w.slot} (pid {w.pid}) at its death ({cause})")
+        await self.peers.flush()
+        for e, n in zip(entries, nak):
             if not clean and e.state == slots.RUNNING and self.ledger.is_poison(e.stream_seq):
                 await self.quarantine(e)
             elif n:
+                log.debug("NAK seq=%d (%s) of dead worker %d via %s", e.stream_seq, slots.ENTRY_STATES[e.state], w.slot, e.reply)
                 await self.nc.publish(e.reply, b"-NAK")
         self.totals.naks_at_death += sum(nak)
         if any(nak):
@@ -406,6 +441,7 @@ class Arbiter:
             message = (f"halting: {self.boot.count} workers in a row died before becoming ready "
                        f"(restart.boot_failures_to_halt={self.boot.limit}); last: {self.boot.last_reason}")
             log.error(message)
+            self.halt_message = message
             self.alert("halted", message)
             self.exit_code = EXIT_HALTED
             self.begin_stop("drain")
@@ -474,10 +510,8 @@ class Arbiter:
         for w in list(self.slots.values()):
             if w.state != "ready":
                 continue
-            reason = ""
-            if w.job_limit and w.table.header(slots.STARTED_N) >= w.job_limit:
-                reason = f"ran {w.table.header(slots.STARTED_N)} jobs (workers.max_jobs)"
-            elif check_rss and self.rss_of(w) > self.cfg.workers.max_rss_mb * MB:
+            reason = w.recycle_reason
+            if not reason and check_rss and self.rss_of(w) > self.cfg.workers.max_rss_mb * MB:
                 reason = f"RSS {self.rss_of(w) / MB:.0f} MB > workers.max_rss_mb={self.cfg.workers.max_rss_mb}"
             if reason:
                 log.info("recycling worker %d (pid %d): %s", w.slot, w.pid, reason)
@@ -495,6 +529,14 @@ class Arbiter:
             except psutil.Error:
                 self.rss[w.pid] = 0
         return self.rss[w.pid]
+
+    async def audit(self) -> None:
+        """Share our NAKs with peer supervisors; count redeliveries nobody explained."""
+        await self.peers.flush()
+        for r in self.ledger.confirm_suspects(time.monotonic(), SUSPECT_GRACE):
+            log.warning("job seq=%d redelivered (delivery %d) and nothing explains it: AckWait (%gs) shorter than "
+                        "the job, or held by a process outside any supervisor's ledger", r.seq, r.delivery,
+                        ack_wait_for(self.cfg, r.delivery - 1))
 
     # ================================================================ helpers
 

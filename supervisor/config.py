@@ -101,7 +101,7 @@ class RestartConfig:
     backoff_initial: float = key(0.1, "first restart delay of a crashed slot", lo=0.0)
     backoff_max: float = key(30.0, "restart delay ceiling", lo=0.0)
     boot_failures_to_halt: int = key(10, "consecutive workers dying before ready -> exit 5", lo=1)
-    poison_after_crashes: int = key(3, "a job held at this many worker deaths is quarantined", lo=1)
+    poison_after_crashes: int = key(3, "a job running at this many worker deaths is quarantined", lo=1)
     dead_letter_subject: str = key("dlq.jobs", "where rejected, poison and max-delivered jobs are copied")
     dead_letter_stream: str = key("JOBS_DLQ", "created (when stream.create) to keep dead letters; \"\" = none")
 
@@ -229,11 +229,12 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
         name = rest[len(section) + 1:]
         if name not in section_keys(section):
             raise ConfigError(var, "unknown key" + _suggest(name, section_keys(section), section), "environment")
-        out.setdefault(section, {})[name] = parse_text(text, key_type(section, name), var)
+        secret = section_keys(section)[name].metadata["secret"]
+        out.setdefault(section, {})[name] = parse_text(text, key_type(section, name), var, secret)
     return out
 
 
-def parse_text(text: str, typ: Any, name: str) -> Any:
+def parse_text(text: str, typ: Any, name: str, secret: bool = False) -> Any:
     """A string from the environment or a flag, read as the key's type."""
     try:
         if typ is bool:
@@ -251,10 +252,12 @@ def parse_text(text: str, typ: Any, name: str) -> Any:
             stripped = text.strip()
             if stripped.startswith("["):
                 return tomllib.loads(f"v = {stripped}")["v"]
-            return [p.strip() for p in stripped.split(",") if p.strip()]
+            item = typing.get_args(typ)[0]
+            return [parse_text(p.strip(), item, name) for p in stripped.split(",") if p.strip()]
         return text
     except (ValueError, tomllib.TOMLDecodeError):
-        raise ConfigError(name, f"cannot read {text!r} as {_type_name(typ)}", "environment") from None
+        shown = "its value" if secret else repr(text)
+        raise ConfigError(name, f"cannot read {shown} as {_type_name(typ)}", "environment") from None
 
 
 # ---------------------------------------------------------------- building and checking
@@ -274,7 +277,7 @@ def build(raw: Mapping[str, Mapping[str, Any]], sources: Mapping[str, str]) -> C
 
 
 def _check_value(dotted: str, value: Any, typ: Any, meta: Mapping[str, Any], source: str) -> Any:
-    value = _coerce(dotted, value, typ, source)
+    value = _coerce(dotted, value, typ, source, meta["secret"])
     items = value if isinstance(value, tuple) else (value,)
     for item in items:
         if isinstance(item, (int, float)) and not isinstance(item, bool):
@@ -287,15 +290,15 @@ def _check_value(dotted: str, value: Any, typ: Any, meta: Mapping[str, Any], sou
     return value
 
 
-def _coerce(dotted: str, value: Any, typ: Any, source: str) -> Any:
+def _coerce(dotted: str, value: Any, typ: Any, source: str, secret: bool = False) -> Any:
     def wrong() -> ConfigError:
-        return ConfigError(dotted, f"expected {_type_name(typ)}, got {_describe(value)}", source)
+        return ConfigError(dotted, f"expected {_type_name(typ)}, got {_describe(value, secret)}", source)
 
     if typing.get_origin(typ) is tuple:
         if not isinstance(value, (list, tuple)):
             raise wrong()
         item_type = typing.get_args(typ)[0]
-        return tuple(_coerce(dotted, v, item_type, source) for v in value)
+        return tuple(_coerce(dotted, v, item_type, source, secret) for v in value)
     if typ is bool:
         if not isinstance(value, bool):
             raise wrong()
@@ -315,14 +318,15 @@ def _coerce(dotted: str, value: Any, typ: Any, source: str) -> Any:
 
 def _type_name(typ: Any) -> str:
     if typing.get_origin(typ) is tuple:
-        return f"a list of {_type_name(typing.get_args(typ)[0])}s"
+        return "a list of " + {bool: "booleans", int: "integers", float: "numbers (seconds)",
+                               str: "strings"}[typing.get_args(typ)[0]]
     return {bool: "true or false", int: "an integer", float: "a number (seconds)", str: "a string"}[typ]
 
 
-def _describe(value: Any) -> str:
+def _describe(value: Any, secret: bool = False) -> str:
     kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
             list: "a list", dict: "a table"}.get(type(value), type(value).__name__)
-    return f"{kind} ({value!r})" if not isinstance(value, (list, dict)) else kind
+    return f"{kind} ({value!r})" if not isinstance(value, (list, dict)) and not secret else kind
 
 
 def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
@@ -344,9 +348,18 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
         fail("consumer.backoff", "needs consumer.max_deliver greater than its length (a NATS rule)")
     if cfg.consumer.max_deliver == 0:
         fail("consumer.max_deliver", "must be -1 (unlimited) or at least 1")
-    if any(d < 0 for d in cfg.workers.retry_backoff):
-        fail("workers.retry_backoff", "delays cannot be negative")
+    for dotted in ("workers.retry_backoff", "consumer.backoff"):
+        section, name = dotted.split(".")
+        if any(d < 0 for d in getattr(getattr(cfg, section), name)):
+            fail(dotted, "delays cannot be negative")
+    if any(not valid_subject(s, wildcards=True) for s in cfg.stream.subjects):
+        fail("stream.subjects", f"not a valid subject: {next(s for s in cfg.stream.subjects if not valid_subject(s, True))!r}")
+    if cfg.consumer.filter_subject and not any(subject_matches(p, cfg.consumer.filter_subject) or
+                                                p == cfg.consumer.filter_subject for p in cfg.stream.subjects):
+        fail("consumer.filter_subject", f"{cfg.consumer.filter_subject!r} is not within stream.subjects")
     dlq = cfg.restart.dead_letter_subject
+    if dlq and not valid_subject(dlq, wildcards=False):
+        fail("restart.dead_letter_subject", f"{dlq!r} must be a plain subject (no spaces, no wildcards)")
     if dlq and any(subject_matches(pattern, dlq) for pattern in cfg.stream.subjects):
         fail("restart.dead_letter_subject", f"{dlq!r} is captured by stream.subjects; dead letters would be redelivered as jobs")
     if cfg.monitor.http:
@@ -360,6 +373,15 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
     for server in cfg.nats.servers:
         if not server or " " in server:
             fail("nats.servers", "each server must be a URL like nats://host:4222")
+
+
+def valid_subject(subject: str, wildcards: bool) -> bool:
+    tokens = subject.split(".")
+    if not subject or any(not t or any(c.isspace() for c in t) for t in tokens):
+        return False
+    if not wildcards and any(t in ("*", ">") for t in tokens):
+        return False
+    return ">" not in tokens[:-1]
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
@@ -387,23 +409,40 @@ def as_dict(cfg: Config) -> dict[str, dict[str, Any]]:
             for s in SECTIONS}
 
 
+HEADER = """\
+# jetstream-supervisor configuration (`supervisor config init` writes this file).
+# Precedence: built-in defaults < this file < SUPERVISOR_<SECTION>_<KEY> environment
+# variables (e.g. SUPERVISOR_WORKERS_COUNT=8) < command-line flags. Durations are seconds.
+# Secrets are read from the *_file paths (relative ones from $CREDENTIALS_DIRECTORY under
+# systemd), never given inline. `supervisor config check` validates, `config show` prints
+# the effective configuration with secrets redacted.
+"""
+COMMENT_COLUMN = 34
+
+
 def render(cfg: Config, *, redact: bool = True, comments: bool = True) -> str:
     """TOML for `config init` (commented defaults) and `config show` (effective, redacted)."""
     from .natsconn import redact_url
 
-    lines: list[str] = []
+    lines: list[str] = [HEADER] if comments else []
     raw = as_dict(cfg)
     for section in SECTIONS:
         lines.append(f"[{section}]")
         fields = section_keys(section)
-        width = max(len(k) for k in fields)
         for name, value in raw[section].items():
             if redact and fields[name].metadata["secret"]:
                 value = [redact_url(v) for v in value] if isinstance(value, list) else redact_url(value)
-            text = tomli_w.dumps({name: value}).strip()
+            text = f"{name} = {_toml_value(value)}"
             doc = fields[name].metadata["doc"]
             if comments and doc:
-                text = f"{text.ljust(width + 24)} # {doc}"
+                text = f"{text.ljust(COMMENT_COLUMN - 1)} # {doc}"
             lines.append(text)
         lines.append("")
     return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    """One-line TOML for a value (tomli-w breaks arrays over lines)."""
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return tomli_w.dumps({"v": value}).strip()[len("v = "):]

@@ -77,6 +77,7 @@ class CrashLedger:
         self._open: dict[int, list[tuple[Death, HeldJob]]] = {}      # seq -> held jobs not yet resolved
         self._expected: OrderedDict[int, str] = OrderedDict()        # seq -> why it will come back
         self._fatal: dict[int, list[Death]] = {}                     # seq -> deaths while it ran
+        self._suspects: dict[tuple[int, int], float] = {}            # (seq, delivery) -> seen, unexplained so far
         self.quarantined: dict[int, list[Death]] = {}
 
     # ------------------------------------------------------------ inputs
@@ -98,30 +99,49 @@ class CrashLedger:
             self._open.setdefault(job.seq, []).append((death, job))
         return death
 
-    def expect(self, seq: int, why: str) -> None:
-        """A NAK (handler failure, Retry, drain): the next delivery of `seq` is explained."""
+    def expect(self, seq: int, why: str, delivery: int = 0) -> bool:
+        """A NAK (handler failure, Retry, drain, a peer's dead worker): the next delivery of
+        `seq` is explained. A redelivery already seen and held as a suspect is explained now
+        (returns True)."""
+        late = sorted(d for s, d in self._suspects if s == seq and d > delivery)
+        if late:                            # a NAK of delivery N explains only deliveries after N
+            del self._suspects[(seq, late[0])]
+            self.counts["explained_redeliveries"] += 1
+            return True
         self._expected[seq] = why
         self._expected.move_to_end(seq)
         while len(self._expected) > EXPECT_LIMIT:
             self._expected.popitem(last=False)
+        return False
 
     def redelivered(self, t: float, seq: int, delivery: int) -> str:
-        """A worker received `seq` with delivery > 1. Returns the explanation."""
+        """A worker received `seq` with delivery > 1. Returns the explanation, or "" when nothing
+        explains it yet: it stays a suspect until `confirm_suspects`, because a peer supervisor's
+        word about the NAK may arrive a moment after the redelivery it caused."""
         why = self._explain(t, seq, delivery)
         if why == "unexplained":
-            self.counts["unexplained_redeliveries"] += 1
-            self.unexplained.append(Redelivery(t, seq, delivery, why))
-        else:
-            self.counts["explained_redeliveries"] += 1
+            self._suspects[(seq, delivery)] = t
+            return ""
+        self.counts["explained_redeliveries"] += 1
         return why
 
+    def confirm_suspects(self, now: float, grace: float) -> list[Redelivery]:
+        """Suspects older than `grace` that nothing explained: counted as unexplained."""
+        confirmed = [Redelivery(t, seq, d, "unexplained") for (seq, d), t in self._suspects.items() if now - t >= grace]
+        for r in confirmed:
+            del self._suspects[(r.seq, r.delivery)]
+            self.counts["unexplained_redeliveries"] += 1
+            self.unexplained.append(r)
+        return confirmed
+
     def _explain(self, t: float, seq: int, delivery: int) -> str:
-        held = [(d, j) for d, j in self._open.get(seq, ()) if delivery > j.delivery]
+        held = [(d, j) for d, j in self._open.get(seq, ()) if delivery > j.delivery and j.redelivered_at is None]
         for death, job in held:
             if job.redelivered_at is None:
                 job.redelivered_at = t
                 self.counts["held_jobs_redelivered"] += 1
         if held:
+            self._expected.pop(seq, None)   # a NAK sent before the death explains this same redelivery
             death = held[-1][0]
             return f"held by worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
         if seq in self._expected:
@@ -141,9 +161,10 @@ class CrashLedger:
     def settled(self, t: float, seq: int, delivery: int, outcome: str) -> None:
         """A worker acked, NAKed or terminated `seq` at `delivery`."""
         if outcome == "nak":
-            self.expect(seq, f"NAKed at delivery {delivery}")
+            self.expect(seq, f"NAKed at delivery {delivery}", delivery)
             return
         self._expected.pop(seq, None)
+        self._fatal.pop(seq, None)
         for death, job in self._open.pop(seq, ()):
             job.acked_at = t
             job.resolved = outcome
@@ -156,6 +177,8 @@ class CrashLedger:
         for seq in [s for s in self._open if s <= stream_seq]:
             for _, job in self._open.pop(seq):
                 job.resolved = job.resolved or "below ack floor"
+        for seq in [s for s in self._fatal if s <= stream_seq]:
+            del self._fatal[seq]
 
     def quarantine(self, seq: int) -> list[Death]:
         deaths = self._fatal.pop(seq, [])

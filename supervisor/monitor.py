@@ -39,6 +39,12 @@ class Monitor:
         self.advisories = {"max_deliveries": 0, "terminated": 0}
         self.dead_lettered = 0
 
+    def apply_config(self, cfg: Config) -> None:
+        old, self.cfg = self.cfg, cfg
+        if (old.monitor.lag_window, old.monitor.interval, old.consumer.ack_wait) != \
+                (cfg.monitor.lag_window, cfg.monitor.interval, cfg.consumer.ack_wait):
+            self.analyzer = LagAnalyzer(cfg.monitor.lag_window, cfg.consumer.ack_wait, cfg.monitor.interval)
+
     async def run(self) -> None:
         await self.subscribe_advisories()
         interval = self.cfg.monitor.interval

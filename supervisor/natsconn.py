@@ -99,9 +99,7 @@ def redact_url(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
-    netloc, slash, path = rest.partition("/")
-    netloc = netloc.rpartition("@")[2]
-    return f"{scheme}{sep}{netloc}{slash}{path}"
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}"   # NATS URLs have no path: any '@' ends userinfo
 
 
 def redact_text(text: str, secrets: Iterable[str]) -> str:
@@ -136,7 +134,7 @@ def resolve_path(value: str) -> Path:
     return path
 
 
-def _read_file(key: str, value: str, *, secret: bool) -> tuple[Path, str]:
+def _read_file(key: str, value: str) -> tuple[Path, str]:
     path = resolve_path(value)
     try:
         with open(path, "rb") as f:
@@ -152,7 +150,7 @@ def _read_file(key: str, value: str, *, secret: bool) -> tuple[Path, str]:
         raise NatsConfigError(f"nats.{key}", f"file {path} is not readable by uid {os.getuid()}") from None
     except OSError as e:
         raise NatsConfigError(f"nats.{key}", f"cannot read {path}: {e.strerror}") from None
-    if secret:
+    if key in SECRET_FILE_KEYS:
         _warn_if_exposed(key, path, mode)
     try:
         text = data.decode()
@@ -170,7 +168,7 @@ def _warn_if_exposed(key: str, path: Path, mode: int) -> None:
 
 
 def _read_secret(key: str, value: str) -> str:
-    path, text = _read_file(key, value, secret=True)
+    path, text = _read_file(key, value)
     text = text.rstrip("\r\n")
     if not text:
         raise NatsConfigError(f"nats.{key}", f"{path} is empty")
@@ -256,15 +254,15 @@ def _tls_context(nats_cfg: Any) -> ssl.SSLContext:
     ca = _cfg(nats_cfg, "tls_ca_file")
     cafile = None
     if ca:
-        cafile = _read_file("tls_ca_file", ca, secret=False)[0]
+        cafile = _read_file("tls_ca_file", ca)[0]
     try:
         # With a cafile, only that CA is trusted (system CAs are not loaded).
         ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cafile)
     except ssl.SSLError as e:
         raise NatsConfigError("nats.tls_ca_file", f"{cafile} holds no usable CA certificate ({e.reason})") from None
     if cert:
-        cert_path, cert_text = _read_file("tls_cert_file", cert, secret=False)
-        key_path, key_text = _read_file("tls_key_file", key, secret=True)
+        cert_path, cert_text = _read_file("tls_cert_file", cert)
+        key_path, key_text = _read_file("tls_key_file", key)
         if "BEGIN CERTIFICATE" not in cert_text:
             raise NatsConfigError("nats.tls_cert_file", f"{cert_path} holds no PEM certificate")
         if "PRIVATE KEY" not in key_text:
@@ -319,7 +317,7 @@ def secret_values(nats_cfg: Any) -> list[str]:
                 text = _read_secret(key, getattr(nats_cfg, key))
                 found.append(pick(text) if pick else text)
             except NatsConfigError:
-                pass
+                continue  # nothing readable there, so nothing of it can leak
     return [s for s in found if s]
 
 
@@ -366,7 +364,7 @@ class _Events:
         text = _one_line(e, self.secrets)
         if self.connecting:
             self.errors.append(e)
-            log.debug("NATS connect attempt to %s failed: %s", self._current(), text)
+            log.debug("NATS connect attempt failed: %s", text)  # the reason names host:port
             return
         self.failed_attempts += 1
         # While a server stays down the same error repeats every reconnect_time_wait: say it once.
@@ -388,6 +386,26 @@ class _Events:
         tries = f" after {self.failed_attempts} failed attempts" if self.failed_attempts else ""
         log.warning("reconnected to NATS at %s%s", self.server, tries)
         self.failed_attempts, self.last_error = 0, ""
+
+
+_SSL_EOF_NOISE = "returning true from eof_received() has no effect when using ssl"
+
+
+class _SslEofFilter(logging.Filter):
+    """Drop asyncio's warning above, logged each time a TLS connection of nats-py's ends.
+
+    nats-py's StreamReaderProtocol asks to keep the socket half open at EOF, which TLS cannot;
+    asyncio says so on every close. Harmless, and it would read as a fault in our log.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != _SSL_EOF_NOISE
+
+
+def _quiet_ssl_eof_warning() -> None:
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _SslEofFilter) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_SslEofFilter())
 
 
 def _require_tls(nc: Client, value: Any) -> Callable[[], Any]:
@@ -419,6 +437,7 @@ async def connect(nats_cfg: Any, *, name: str | None = None, max_reconnect_attem
     nc = Client()
     events = _Events(nc, secrets)
     if tls:
+        _quiet_ssl_eof_warning()
         for k in ("password", "token"):
             if k in kwargs:
                 kwargs[k] = _require_tls(nc, kwargs[k])
@@ -426,13 +445,17 @@ async def connect(nats_cfg: Any, *, name: str | None = None, max_reconnect_attem
                   reconnected_cb=events.reconnected_cb, connect_timeout=connect_timeout,
                   allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0)
     kwargs.update(options)
+    client_cert = bool(_cfg(nats_cfg, "tls_cert_file"))
     try:
         await nc.connect(**kwargs)
-        if tls and not nc._server_info.get("tls_required"):
-            raise TLSNotOfferedError()
     except (OSError, nats.errors.Error, asyncio.TimeoutError) as e:
-        await _abandon(nc)
-        raise _connect_error(servers, events.errors or [e], secrets) from e
+        error = _connect_error(servers, events.errors or [e], secrets, client_cert)
+        _abandon(nc)
+        raise error from e
+    if tls and not nc._server_info.get("tls_required"):
+        # Only reachable with NKey/JWT auth (a nonce signature, no bearer secret, was sent).
+        await nc.close()
+        raise _connect_error(servers, [TLSNotOfferedError()], secrets, client_cert)
     nc.options.update(allow_reconnect=True, max_reconnect_attempts=max_reconnect_attempts,
                       reconnect_time_wait=reconnect_time_wait)
     events.connecting = False
@@ -441,19 +464,38 @@ async def connect(nats_cfg: Any, *, name: str | None = None, max_reconnect_attem
     return nc
 
 
-async def _abandon(nc: Client) -> None:
-    """Close a client whose first connect failed (nats-py leaves its socket open then)."""
-    try:
-        await nc.close()
-    except Exception as e:  # closing a half-open client can fail in several ways; none matter here
-        log.debug("closing the failed NATS client: %s", type(e).__name__)
+def _abandon(nc: Client) -> None:
+    """Drop a client whose first connect failed: nats-py leaves its socket open then.
+
+    Not `nc.close()`: after a failed TLS upgrade it awaits `wait_closed()` on a stream whose
+    protocol asyncio's start_tls has replaced, which never completes. No task of the client
+    runs yet at this point (they start after the first PONG), so closing the socket is all.
+    """
+    transport = nc._transport
+    if transport:
+        transport.close()
+    nc._status = Client.CLOSED
 
 
-def _connect_error(servers: list[str], errors: list[BaseException], secrets: list[str]) -> NatsConnectError:
+def _peer_refused(e: BaseException) -> bool:
+    """The server ended the TLS session: an alert it sent (the reason names it: unknown ca,
+    certificate required, bad certificate), or, with TLS 1.3, where a client certificate is
+    judged after the handshake, a plain hang-up on the first read or write."""
+    if isinstance(e, ssl.SSLError) and not isinstance(e, ssl.SSLCertVerificationError):
+        return "ALERT" in (e.reason or "").upper()
+    return isinstance(e, (ConnectionResetError, BrokenPipeError, asyncio.IncompleteReadError))
+
+
+def _connect_error(servers: list[str], errors: list[BaseException], secrets: list[str],
+                   client_cert: bool) -> NatsConnectError:
     # nats-py ends with NoServersError once every server failed; the reason is the error before.
     real = [e for e in errors if not isinstance(e, nats.errors.NoServersError)] or errors
     cause = real[-1]
     where = ", ".join(redact_url(s).partition("://")[2] or redact_url(s) for s in servers)
-    return NatsConnectError(f"cannot connect to NATS at {where}: {_one_line(cause, secrets)}",
-                            servers=[redact_url(s) for s in servers],
-                            auth_failed=any(_is_auth_failure(e) for e in real))
+    reason = _one_line(cause, secrets)
+    auth_failed = any(_is_auth_failure(e) for e in real)
+    if client_cert and _peer_refused(cause):
+        reason += "; the server may have rejected the client certificate (nats.tls_cert_file)"
+        auth_failed = True
+    return NatsConnectError(f"cannot connect to NATS at {where}: {reason}",
+                            servers=[redact_url(s) for s in servers], auth_failed=auth_failed)

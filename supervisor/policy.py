@@ -16,7 +16,7 @@ class SlotBackoff:
     failures: int = 0
 
     def next_delay(self) -> float:
-        delay = min(self.maximum, self.initial * (2 ** self.failures)) if self.initial > 0 else 0.0
+        delay = min(self.maximum, self.initial * 2 ** min(self.failures, 64)) if self.initial > 0 else 0.0
         self.failures += 1
         return delay
 

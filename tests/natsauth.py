@@ -330,26 +330,27 @@ def _q(value: str | Path) -> str:
     return json.dumps(str(value))  # a nats-server config string: double quotes, JSON escapes
 
 
-def _case(mode: str, base: Path, body: Callable[[Path], str], scheme: str = "nats",
-          **rest) -> AuthCase:
-    d = base / mode
+def _case_dir(base: Path, mode: str) -> Path:
+    d = Path(base) / mode
     d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _case(d: Path, server_auth: str, *, scheme: str = "nats", nats: dict, wrong_nats: dict,
+          **rest) -> AuthCase:
     port = free_port()
     conf = d / "nats-server.conf"
-    conf.write_text(_server_conf(port, d / "jetstream", body(d)))
+    conf.write_text(_server_conf(port, d / "jetstream", server_auth))
     url = f"{scheme}://127.0.0.1:{port}"
-    nats = {k: _nats_section(url, **v) for k, v in (("nats", rest.pop("nats")),
-                                                   ("wrong_nats", rest.pop("wrong_nats")))}
-    return AuthCase(mode=mode, dir=d, conf_path=conf, port=port, url=url,
-                    server_log=d / "nats-server.log", **nats, **rest)
+    return AuthCase(mode=d.name, dir=d, conf_path=conf, port=port, url=url,
+                    nats=_nats_section(url, **nats), wrong_nats=_nats_section(url, **wrong_nats),
+                    server_log=d / "nats-server.log", **rest)
 
 
 def user_password_case(base: Path) -> AuthCase:
     password, wrong = new_secret(), new_secret()
-    d = base / "user_password"
-    d.mkdir(parents=True, exist_ok=True)
-    return _case("user_password", base,
-                 lambda _: f"authorization {{\n  user: \"svc\"\n  password: {_q(password)}\n}}\n",
+    d = _case_dir(base, "user_password")
+    return _case(d, f"authorization {{\n  user: \"svc\"\n  password: {_q(password)}\n}}\n",
                  nats={"user": "svc", "password_file": write_secret(d / "password", password + "\n")},
                  wrong_nats={"user": "svc", "password_file": write_secret(d / "wrong-password", wrong + "\n")},
                  secrets=(password,), wrong_secrets=(wrong,))
@@ -357,9 +358,8 @@ def user_password_case(base: Path) -> AuthCase:
 
 def token_case(base: Path) -> AuthCase:
     token, wrong = new_secret(), new_secret()
-    d = base / "token"
-    d.mkdir(parents=True, exist_ok=True)
-    return _case("token", base, lambda _: f"authorization {{\n  token: {_q(token)}\n}}\n",
+    d = _case_dir(base, "token")
+    return _case(d, f"authorization {{\n  token: {_q(token)}\n}}\n",
                  nats={"token_file": write_secret(d / "token", token + "\n")},
                  wrong_nats={"token_file": write_secret(d / "wrong-token", wrong + "\n")},
                  secrets=(token,), wrong_secrets=(wrong,))
@@ -367,10 +367,8 @@ def token_case(base: Path) -> AuthCase:
 
 def nkey_case(base: Path) -> AuthCase:
     t = trust()
-    d = base / "nkey"
-    d.mkdir(parents=True, exist_ok=True)
-    return _case("nkey", base,
-                 lambda _: f"authorization {{\n  users: [\n    {{ nkey: {_q(t.nkey_public)} }}\n  ]\n}}\n",
+    d = _case_dir(base, "nkey")
+    return _case(d, f"authorization {{\n  users: [\n    {{ nkey: {_q(t.nkey_public)} }}\n  ]\n}}\n",
                  nats={"nkey_seed_file": write_secret(d / "user.nk", t.nkey_seed + "\n")},
                  wrong_nats={"nkey_seed_file": write_secret(d / "other.nk", t.other_nkey_seed + "\n")},
                  secrets=(t.nkey_seed,), wrong_secrets=(t.other_nkey_seed,))
@@ -379,14 +377,13 @@ def nkey_case(base: Path) -> AuthCase:
 def creds_case(base: Path) -> AuthCase:
     """Operator mode: operator JWT, MEMORY resolver preloaded with SYS and the JetStream account."""
     t = trust()
-    d = base / "creds"
-    d.mkdir(parents=True, exist_ok=True)
+    d = _case_dir(base, "creds")
     op = d / "operator.jwt"
     op.write_text(t.operator_jwt)
     preload = "".join(f"  {k}: {_q(v)}\n" for k, v in t.preload.items())
-    return _case("creds", base,
-                 lambda _: (f"operator: {_q(op)}\nsystem_account: {t.system_account}\n"
-                            f"resolver: MEMORY\nresolver_preload: {{\n{preload}}}\n"),
+    server_auth = (f"operator: {_q(op)}\nsystem_account: {t.system_account}\n"
+                   f"resolver: MEMORY\nresolver_preload: {{\n{preload}}}\n")
+    return _case(d, server_auth,
                  nats={"creds_file": write_secret(d / "user.creds", t.user_creds)},
                  wrong_nats={"creds_file": write_secret(d / "unknown.creds", t.unknown_creds)},
                  secrets=(t.user_seed,), wrong_secrets=(t.unknown_seed,))
@@ -394,31 +391,34 @@ def creds_case(base: Path) -> AuthCase:
 
 def _write_pki(d: Path) -> dict[str, Path]:
     p = pki()
-    files = {"ca": (p.ca_cert, False), "server-cert": (p.server_cert, False),
-             "server-key": (p.server_key, True), "client-cert": (p.client_cert, False),
-             "client-key": (p.client_key, True), "other-ca": (p.other_ca_cert, False),
-             "other-client-cert": (p.other_client_cert, False),
-             "other-client-key": (p.other_client_key, True)}
+    public = {"ca": p.ca_cert, "server-cert": p.server_cert, "client-cert": p.client_cert,
+              "other-ca": p.other_ca_cert, "other-client-cert": p.other_client_cert}
+    private = {"server-key": p.server_key, "client-key": p.client_key,
+               "other-client-key": p.other_client_key}
     out = {}
-    for name, (data, secret) in files.items():
-        path = d / f"{name}.pem"
-        out[name] = write_secret(path, data) if secret else path
-        if not secret:
-            path.write_bytes(data)
+    for name, data in public.items():
+        out[name] = d / f"{name}.pem"
+        out[name].write_bytes(data)
+    for name, data in private.items():
+        out[name] = write_secret(d / f"{name}.pem", data)
     return out
+
+
+def _server_tls(files: dict[str, Path]) -> str:
+    """The opening of a server `tls {}` block (the caller closes it)."""
+    return (f"tls {{\n  cert_file: {_q(files['server-cert'])}\n  key_file: {_q(files['server-key'])}\n"
+            "  timeout: 2\n")
 
 
 def tls_case(base: Path) -> AuthCase:
     """Server-side TLS (private CA) plus user/password; the wrong variant trusts another CA."""
     password = new_secret()
-    d = base / "tls"
-    d.mkdir(parents=True, exist_ok=True)
+    d = _case_dir(base, "tls")
     f = _write_pki(d)
     pw = write_secret(d / "password", password + "\n")
-    return _case("tls", base,
-                 lambda _: (f"tls {{\n  cert_file: {_q(f['server-cert'])}\n  key_file: {_q(f['server-key'])}\n"
-                            "  timeout: 2\n}\n"
-                            f"authorization {{\n  user: \"svc\"\n  password: {_q(password)}\n}}\n"),
+    server_auth = (_server_tls(f) + "}\n"
+                   f"authorization {{\n  user: \"svc\"\n  password: {_q(password)}\n}}\n")
+    return _case(d, server_auth,
                  scheme="tls",
                  nats={"user": "svc", "password_file": pw, "tls_ca_file": f["ca"]},
                  wrong_nats={"user": "svc", "password_file": pw, "tls_ca_file": f["other-ca"]},
@@ -427,13 +427,11 @@ def tls_case(base: Path) -> AuthCase:
 
 def mtls_case(base: Path) -> AuthCase:
     """Mutual TLS: the server verifies client certificates against the private CA."""
-    d = base / "mtls"
-    d.mkdir(parents=True, exist_ok=True)
+    d = _case_dir(base, "mtls")
     f = _write_pki(d)
     p = pki()
-    return _case("mtls", base,
-                 lambda _: (f"tls {{\n  cert_file: {_q(f['server-cert'])}\n  key_file: {_q(f['server-key'])}\n"
-                            f"  ca_file: {_q(f['ca'])}\n  verify: true\n  timeout: 2\n}}\n"),
+    server_auth = _server_tls(f) + f"  ca_file: {_q(f['ca'])}\n  verify: true\n}}\n"
+    return _case(d, server_auth,
                  scheme="tls",
                  nats={"tls_ca_file": f["ca"], "tls_cert_file": f["client-cert"],
                        "tls_key_file": f["client-key"]},

@@ -9,6 +9,7 @@ import time
 from workers import Job, Reject
 
 _fd = None
+_hoard = []          # memory kept on purpose by "grow:MB" jobs
 
 
 def _log(event: str, job: Job) -> None:
@@ -28,6 +29,10 @@ def _act(job: Job) -> float:
         raise Reject("payload asked to be rejected")
     if text == "fail-once" and job.delivery == 1:
         raise RuntimeError("failing the first delivery on purpose")
+    if text.startswith("grow:"):
+        _hoard.append(bytearray(int(text.split(":")[1]) * 1024 * 1024))   # zero-filled pages count in RSS once touched
+        _hoard[-1][::4096] = b"x" * len(_hoard[-1][::4096])
+        return 0.0
     if text.startswith("hog") and job.delivery == 1:
         while True:           # a handler that never yields the GIL long enough... burns CPU forever
             pass

@@ -59,6 +59,7 @@ class ChildSpec:
     handler: Callable[[Job], Any]
     init: Callable[[], Any] | None
     connect: Callable[[], Awaitable[Any]]      # returns a connected nats client
+    job_limit: int = 0                         # tell the parent once this many jobs started (max_jobs)
     keep_fds: tuple[int, ...] = ()
 
 
@@ -126,8 +127,10 @@ def run_worker(spec: ChildSpec) -> int:
     if spec.init is not None:
         try:
             spec.init()
-        except Exception:
-            log.exception("workers.init raised in worker %d", spec.slot)
+        except Exception as exc:
+            # One line that names the culprit; the full traceback only at debug level.
+            log.error("worker %d: workers.init raised %s", spec.slot, describe_exception(exc))
+            log.debug("workers.init traceback", exc_info=True)
             return EXIT_INIT_FAILED
     import uvloop
 
@@ -156,6 +159,7 @@ class Worker:
         self.credits = 0                 # messages asked for and not yet received or expired
         self.pull_deadline = 0.0         # when the last outstanding pull request expires
         self.job_ewma: float | None = None
+        self.started_jobs = 0
         self.unconfirmed: list[int] = []  # ACKED/SETTLED entries awaiting a flush
         self.draining = False
         self.closing = False
@@ -180,7 +184,8 @@ class Worker:
                       self.consumer, exc or type(exc).__name__)
             return EXIT_CONNECT_FAILED
         self.inbox = self.nc.new_inbox()
-        await self.nc.subscribe(self.inbox, cb=self.on_message, pending_msgs_limit=0, pending_bytes_limit=0)
+        self.sub = await self.nc.subscribe(self.inbox, cb=self.on_message, pending_msgs_limit=0,
+                                           pending_bytes_limit=0)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
         settler = asyncio.ensure_future(self.settler())
@@ -214,25 +219,28 @@ class Worker:
             await asyncio.sleep(every)
 
     async def drain(self) -> None:
-        """Stop pulling; NAK what was pulled but not started; let running jobs finish within the
-        grace period; NAK what still runs after it; make sure every ack reached the server."""
+        """Stop pulling; end our interest in pull replies; NAK what was pulled but not started;
+        let running jobs finish within the grace period (NAK what still runs after it); make sure
+        every ack reached the server."""
         self.draining = True
         self.table.set_state(slots.DRAINING)
         self.wake_pull.set()
+        # UNSUB, then a PING/PONG: everything the server sent before it is in our queue, and it
+        # drops our outstanding pull requests instead of handing us more (no interest left).
+        try:
+            await self.sub.drain()
+        except Exception as exc:        # disconnected: what is in flight to us comes back after AckWait
+            log.warning("worker %d: cannot fence off pull replies: %s", self.spec.slot, exc)
+        self.credits = 0
+        self.table.set_credits(0)
         while self.queue:
             msg, i, job = self.queue.popleft()
             await self.settle(i, job, b"-NAK", "nak", "not started before shutdown")
         deadline = time.monotonic() + self.grace
-        pulls_done = max(self.pull_deadline + 0.5, time.monotonic())
-        while (self.running or self.credits > 0) and time.monotonic() < max(deadline, pulls_done):
-            if self.credits > 0 and time.monotonic() > pulls_done:
-                self.credits = 0
-                continue
-            if self.running and time.monotonic() > deadline:
-                break
+        while self.running and time.monotonic() < deadline:
             self.changed.clear()
             try:
-                await asyncio.wait_for(self.changed.wait(), 0.1)
+                await asyncio.wait_for(self.changed.wait(), deadline - time.monotonic())
             except asyncio.TimeoutError:
                 pass
         await self.abandon_running()
@@ -309,20 +317,12 @@ class Worker:
             self.replies[i] = msg.reply
         if job.delivery > 1:
             self.emit(ev="redelivered", seq=job.stream_seq, delivery=job.delivery)
-        if i < 0 or self.draining:
-            await self.nak_unstarted(msg, i, job)
-            return
-        self.queue.append((msg, i, job))
-        self.wake_run.set()
-
-    async def nak_unstarted(self, msg: Any, i: int, job: Job) -> None:
-        reason = "arrived while draining" if self.draining else "slot table full"
-        if i < 0:
+        if i < 0:                        # more arrived than we asked for and the table is full
             await self.nc.publish(msg.reply, b"-NAK")
-            self.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome="nak", reason=reason)
-        else:
-            await self.settle(i, job, b"-NAK", "nak", reason)
-        self.changed.set()
+            self.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome="nak", reason="table full")
+            return
+        self.queue.append((msg, i, job))     # while draining: NAKed once the pull replies are fenced off
+        self.wake_run.set()
 
     def on_status(self, msg: Any) -> None:
         headers = msg.headers or {}
@@ -341,7 +341,7 @@ class Worker:
 
     async def runner(self) -> None:
         while True:
-            while not self.queue:
+            while not self.queue or self.draining:
                 self.wake_run.clear()
                 await self.wake_run.wait()
             msg, i, job = self.queue.popleft()
@@ -356,6 +356,10 @@ class Worker:
 
     async def process(self, i: int, job: Job) -> None:
         self.table.start(i)
+        self.started_jobs += 1
+        if self.started_jobs == self.spec.job_limit:
+            # The parent starts our replacement now and drains us once it is ready.
+            self.emit(ev="recycle_due", jobs=self.started_jobs)
         started = time.monotonic()
         try:
             result = self.spec.handler(job) if self.is_async else await asyncio.get_running_loop().run_in_executor(
@@ -453,6 +457,15 @@ class Worker:
 
 
 # ---------------------------------------------------------------- small pure helpers
+
+def describe_exception(exc: BaseException) -> str:
+    """`RuntimeError: message (file.py:12)`, the innermost frame being where it was raised."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f" ({os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno})" if tb else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
 
 def make_job(msg: Any) -> Job:
     sseq, cseq, delivery = parse_ack_reply(msg.reply)

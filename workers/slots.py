@@ -91,6 +91,9 @@ class SlotTable:
         if not self._free:
             return -1
         i = self._free.pop()
+        if i >= self._high:                 # before the entry is published: readers scan up to HIGH_WATER
+            self._high = i + 1
+            self.q[HIGH_WATER] = self._high
         base = self._base(i)
         q = self.q
         q[base + VER] += 1
@@ -104,28 +107,18 @@ class SlotTable:
             q[base + REPLY_LEN] = len(reply)
         else:
             q[base + REPLY_LEN] = -1
-        q[base + ESTATE] = HELD
         q[base + VER] += 1
-        if i >= self._high:
-            self._high = i + 1
-            q[HIGH_WATER] = self._high
+        q[base + ESTATE] = HELD             # the commit: one word, last, with the version even again
         return i
 
     def start(self, i: int) -> None:
         base = self._base(i)
-        q = self.q
-        q[base + VER] += 1
-        self.d[base + T_STARTED] = time.monotonic()
-        q[base + ESTATE] = RUNNING
-        q[base + VER] += 1
-        q[STARTED_N] += 1
+        self.d[base + T_STARTED] = time.monotonic()   # before the state word that makes it count
+        self.q[base + ESTATE] = RUNNING
+        self.q[STARTED_N] += 1
 
     def mark(self, i: int, state: int) -> None:
-        base = self._base(i)
-        q = self.q
-        q[base + VER] += 1
-        q[base + ESTATE] = state
-        q[base + VER] += 1
+        self.q[self._base(i) + ESTATE] = state       # one aligned word: atomic, no version needed
 
     def release(self, i: int) -> None:
         self.mark(i, FREE)
