@@ -206,10 +206,12 @@ class Arbiter:
     def begin_stop(self, mode: str) -> None:
         self.stopping = mode
         self.state = "draining" if mode == "drain" else "stopping"
-        if self.notifier:
-            self.notifier.stopping()
         now = time.monotonic()
         grace = self.cfg.workers.graceful_timeout
+        if self.notifier:
+            self.notifier.stopping()
+            if mode == "drain":    # ask systemd for the drain's worth of time, whatever TimeoutStopSec says
+                self.notifier.extend_timeout(grace + 2 * DRAIN_MARGIN)
         log.info("%s %d worker(s)%s", "draining" if mode == "drain" else "killing", len(self.living()),
                  f" (graceful_timeout {grace:g}s)" if mode == "drain" else "")
         for w in self.living():

@@ -26,6 +26,7 @@ def build_status(sup: Any) -> dict[str, Any]:
         "state": arb.state,
         "nats": nats_block(sup),
         "workers": {"target": arb.target, "alive": len(arb.slots), "ready": arb.ready_count(),
+                    "retiring": len(arb.retiring),
                     "list": [worker_block(arb, w, now) for w in sorted(arb.living(), key=lambda w: (w.slot, w.pid))]},
         "consumer": consumer_block(mon, cfg),
         "lag": lag,

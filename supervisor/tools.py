@@ -143,8 +143,289 @@ def lag_line(c: dict[str, Any]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    """`supervisor status [--url URL] [--json]`: a running supervisor's /status, for people or scripts.
+
+    Exit 0 when the supervisor answered; 1 when nothing (or no supervisor) answers at the URL,
+    in one line; 2 when the URL itself is malformed."""
+    base = supervisor_url(args)
+    code, body = http_call(base, "GET", "/status")
+    if code != 200:
+        raise SupervisorUnreachable(f"GET {base}/status answered {code} {http_reason(code)}: {one_line(body)}")
+    try:
+        status = json.loads(body)
+    except ValueError:
+        status = None
+    if not isinstance(status, dict) or "workers" not in status:
+        raise SupervisorUnreachable(f"{base}/status did not answer with a supervisor's /status JSON: {one_line(body)}")
+    if args.json:
+        sys.stdout.write(body if body.endswith("\n") else body + "\n")
+    else:
+        print(render_status(status, color=use_color(sys.stdout)))
+    return EXIT_OK
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    """`supervisor scale N [--url URL]`: POST /scale?workers=N and print the new target.
+
+    Exit 0 when the supervisor took the new target; 2 for N < 0, a malformed URL, or a target
+    the supervisor refuses (4xx); 1 when nothing answers at the URL or it answers 5xx."""
+    if args.n < 0:
+        raise ConfigError("N", f"the worker count must be 0 or more, got {args.n}")
+    base = supervisor_url(args)
+    before = _target_now(base)
+    code, body = http_call(base, "POST", f"/scale?workers={args.n}")
+    if code >= 400:
+        answer = f"POST {base}/scale?workers={args.n} answered {code} {http_reason(code)}: {one_line(body)}"
+        if code < 500:
+            raise ConfigError("scale", answer)
+        raise SupervisorUnreachable(answer)
+    try:
+        target = int(json.loads(body)["target"])
+    except (ValueError, KeyError, TypeError):
+        target = args.n
+    was = f" (was {before})" if before is not None else ""
+    print(f"target {target} worker{'s' if target != 1 else ''}{was}; `supervisor status` shows them "
+          f"{'starting' if before is None or target >= before else 'draining'}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- talking to a running supervisor
+
+from .errors import EXIT_BUG, SupervisorError  # noqa: E402  (kept beside the code that uses them)
+from .lag import STALE_MIN_S  # noqa: E402  (a poll older than this, with lag unknown, is stale)
+
+HTTP_TIMEOUT = 5.0
+# An unspecified listen address means "every interface"; the supervisor is reachable on loopback.
+_ANY_HOST = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
+class SupervisorUnreachable(SupervisorError):
+    """Nothing answers at the supervisor's HTTP address, or it answers with an error.
+
+    Exit 1: SPEC.md has no dedicated code for "the supervisor is not running"; 1 is the generic
+    failure (2 stays "you typed something wrong", 4 stays "NATS")."""
+
+    exit_code = EXIT_BUG
+
+
+def supervisor_url(args: argparse.Namespace) -> str:
+    """--url, else the effective monitor.http, as http://HOST:PORT (no trailing slash).
+    The config is only read when --url is absent: a broken config must not hide a live supervisor."""
+    if args.url:
+        return base_url(args.url, "--url")
+    http = load_config(args).monitor.http
+    if not http:
+        raise ConfigError("monitor.http", "is empty (the supervisor's HTTP endpoint is disabled); pass --url HOST:PORT")
+    return base_url(http, "monitor.http")
+
+
+def base_url(text: str, key: str) -> str:
+    from urllib.parse import urlsplit
+
+    from .config import parse_hostport
+
+    text = text.strip()
+    if "://" not in text:
+        host, port = parse_hostport(text, key)
+        return f"http://{_bracket(_ANY_HOST.get(host, host))}:{port}"
+    parts = urlsplit(text)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        raise ConfigError(key, f"expected HOST:PORT or http://HOST:PORT, got {text!r}")
+    host = _bracket(_ANY_HOST.get(parts.hostname, parts.hostname))
+    return f"{parts.scheme}://{host}{f':{port}' if port else ''}{parts.path.rstrip('/')}"
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def http_call(base: str, method: str, path: str) -> tuple[int, str]:
+    """(status code, body) from the supervisor; SupervisorUnreachable when nothing sensible answers.
+    Proxies are bypassed: the supervisor is local (or reached directly), never through http_proxy."""
+    import http.client
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(base + path, method=method, data=b"" if method == "POST" else None)
+    try:
+        with opener.open(request, timeout=HTTP_TIMEOUT) as response:
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except urllib.error.URLError as exc:
+        reason = getattr(exc.reason, "strerror", None) or str(exc.reason)
+        raise SupervisorUnreachable(f"no supervisor answers at {base} ({reason}); is `supervisor start` running "
+                                    "there? (--url, or monitor.http in the config)") from None
+    except (OSError, http.client.HTTPException) as exc:
+        reason = "no answer within {:g}s".format(HTTP_TIMEOUT) if isinstance(exc, TimeoutError) else (
+            str(exc) or type(exc).__name__)
+        raise SupervisorUnreachable(f"{base}{path}: {reason}") from None
+
+
+def http_reason(code: int) -> str:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(code).phrase
+    except ValueError:
+        return ""
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _target_now(base: str) -> int | None:
+    """The target before scaling, for the "(was N)" hint; None when /status does not say."""
+    try:
+        code, body = http_call(base, "GET", "/status")
+        return int(json.loads(body)["workers"]["target"]) if code == 200 else None
+    except (SupervisorUnreachable, ValueError, KeyError, TypeError):
+        return None
+
+
+# ---------------------------------------------------------------- rendering /status for people
+
+COLORS = {"red": "31", "green": "32", "yellow": "33", "bold": "1", "dim": "2"}
+LAG_COLORS = {"ok": "green", "growing": "yellow", "stuck": "red", "unknown": "yellow"}
+IN_FLIGHT_SHOWN = 3
+OUTSTANDING_SHOWN = 5
+
+
+def use_color(stream: Any) -> bool:
+    import os
+
+    return bool(getattr(stream, "isatty", lambda: False)()) and "NO_COLOR" not in os.environ \
+        and os.environ.get("TERM", "") != "dumb"
+
+
+def paint(text: str, color: str, enabled: bool) -> str:
+    return f"\x1b[{COLORS[color]}m{text}\x1b[0m" if enabled and color in COLORS else text
+
+
+def fmt_age(seconds: float | None) -> str:
+    """0.4s, 12s, 3m05s, 2h03m, 4d02h; '-' when unknown."""
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def render_status(s: dict[str, Any], color: bool = False) -> str:
+    """The human view of /status: header, workers table, consumer, lag, cross-check, alerts."""
+    lines = [*status_header(s, color), "", *workers_table(s.get("workers") or {}), "",
+             *consumer_lines(s, color), *crosscheck_lines(s.get("crosscheck") or {}),
+             *alert_lines(s.get("alerts") or [], color)]
+    return "\n".join(lines)
+
+
+def status_header(s: dict[str, Any], color: bool) -> list[str]:
+    state = s.get("state", "?")
+    shown = paint(state, "green" if state == "running" else "yellow", color)
+    nats = s.get("nats") or {}
+    where = nats.get("server") or ", ".join(nats.get("servers") or []) or "?"
+    link = "connected" if nats.get("connected") else paint("DISCONNECTED", "red", color)
+    w = s.get("workers") or {}
+    return [f"supervisor  pid {s.get('pid', '?')}, {shown}, up {fmt_age(s.get('uptime_s'))} "
+            f"(jetstream-supervisor {s.get('version', '?')})",
+            f"nats        {where} {link}{', embedded server' if nats.get('embedded') else ''}",
+            f"workers     {w.get('alive', 0)} alive, {w.get('ready', '?')} ready, target {w.get('target', '?')}"]
+
+
+WORKER_COLUMNS = (("slot", ">4"), ("pid", ">7"), ("state", "<9"), ("acked", ">6"), ("nacked", ">6"),
+                  ("termed", ">6"), ("restarts", ">8"), ("RSS MB", ">6"), ("beat", ">6"), ("in flight", ""))
+
+
+def workers_table(workers: dict[str, Any]) -> list[str]:
+    rows = [[str(w.get("slot", "?")), str(w.get("pid", "?")), _worker_state(w), str(w.get("jobs_acked", 0)),
+             str(w.get("jobs_nacked", 0)), str(w.get("jobs_terminated", 0)), str(w.get("restarts", 0)),
+             f"{(w.get('rss_bytes') or 0) / 1048576:.1f}", fmt_age(w.get("heartbeat_age_s")),
+             _in_flight(w.get("in_flight") or [])] for w in workers.get("list") or []]
+    if not rows:
+        return [f"no worker processes (target {workers.get('target', '?')})"]
+    return [_row([name for name, _ in WORKER_COLUMNS]), *(_row(r) for r in rows)]
+
+
+def _row(cells: list[str]) -> str:
+    return "  ".join(f"{cell:{align}}" for cell, (_, align) in zip(cells, WORKER_COLUMNS)).rstrip()
+
+
+def _worker_state(w: dict[str, Any]) -> str:
+    state = str(w.get("state", "?"))
+    return "retiring" if w.get("retiring") and state == "ready" else state
+
+
+def _in_flight(jobs: list[dict[str, Any]]) -> str:
+    if not jobs:
+        return "-"
+    jobs = sorted(jobs, key=lambda j: -(j.get("age_s") or 0))
+    cells = [f"seq {j.get('stream_seq')} #{j.get('delivery')} {fmt_age(j.get('age_s'))}" for j in jobs[:IN_FLIGHT_SHOWN]]
+    more = f" +{len(jobs) - IN_FLIGHT_SHOWN} more" if len(jobs) > IN_FLIGHT_SHOWN else ""
+    return ", ".join(cells) + more
+
+
+def consumer_lines(s: dict[str, Any], color: bool) -> list[str]:
+    c, lag = s.get("consumer") or {}, s.get("lag") or {}
+    name = f"{c.get('stream', '?')}/{c.get('name', '?')}"
+    if c.get("poll_age_s") is None or "num_pending" not in c:
+        line = f"consumer    {name}: no ConsumerInfo yet"
+    else:
+        old = lag.get("state") == "unknown" and c["poll_age_s"] >= STALE_MIN_S    # unknown also means "just started"
+        stale = paint(", STALE", "yellow", color) if old else ""
+        line = f"consumer    {name}  {lag_line(c)}  (polled {fmt_age(c['poll_age_s'])} ago{stale})"
+    lines = [line]
+    if c.get("error"):
+        lines.append(f"            {paint('poll failing', 'red', color)}: {c['error']}")
+    state = str(lag.get("state", "unknown"))
+    numbers = ""
+    if any(lag.get(k) is not None for k in ("pending_slope_per_s", "drain_rate_per_s", "eta_s")):
+        numbers = (f" (slope {_num(lag.get('pending_slope_per_s'), '+.2f')}/s, drain "
+                   f"{_num(lag.get('drain_rate_per_s'), '.2f')}/s, eta {fmt_age(lag.get('eta_s'))})")
+    reason = f": {lag['reason']}" if lag.get("reason") else ""
+    lines.append(f"lag         {paint(state, LAG_COLORS.get(state, ''), color)}{reason}{numbers}")
+    return lines
+
+
+def _num(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def crosscheck_lines(x: dict[str, Any]) -> list[str]:
+    get = lambda key: x.get(key, 0)  # noqa: E731
+    lines = [f"crashes     {get('crashes')} ({get('crashes_holding_jobs')} holding jobs): held at crash "
+             f"{get('jobs_held_at_crash')}, NAKed {get('held_jobs_naked')}, redelivered {get('held_jobs_redelivered')}"
+             f", acked after {get('held_jobs_acked_after_crash')}, unexplained {get('unexplained_redeliveries')}, "
+             f"quarantined {get('quarantined')}"]
+    outstanding = x.get("outstanding") or []
+    if not outstanding:
+        return [*lines, "outstanding none"]
+    lines.append(f"outstanding {len(outstanding)} job(s) held by dead workers, not yet redelivered and acked:")
+    for o in outstanding[:OUTSTANDING_SHOWN]:
+        lines.append(f"  seq {o.get('stream_seq')} (delivery {o.get('delivery')}) held by worker {o.get('slot')} "
+                     f"pid {o.get('pid')}, died {fmt_age(o.get('age_s'))} ago ({o.get('cause', '?')}); "
+                     f"{'NAKed' if o.get('naked') else 'not NAKed'}, "
+                     f"{'redelivered' if o.get('redelivered') else 'not seen again yet'}")
+    if len(outstanding) > OUTSTANDING_SHOWN:
+        lines.append(f"  ... and {len(outstanding) - OUTSTANDING_SHOWN} more (--json lists them all)")
+    return lines
+
+
+def alert_lines(alerts: list[dict[str, Any]], color: bool) -> list[str]:
+    if not alerts:
+        return ["alerts      none"]
+    return [f"alerts      {len(alerts)}"] + [f"  {paint(str(a.get('kind', '?')), 'red', color)}: {a.get('message', '')}"
+                                             for a in alerts]

@@ -95,19 +95,21 @@ def test_sigterm_drains_in_flight_jobs(tmp_path, supervisor_factory):
 
 def test_drain_naks_pulled_but_not_started(nats_server, supervisor_factory):
     """Jobs a draining worker pulled but never started are NAKed, not left to AckWait."""
-    sup = supervisor_factory(nats_server, workers={"count": 1, "concurrency": 1, "batch": 4, "graceful_timeout": 10.0},
+    # An async handler: no thread hand-off in its timings, so the worker surely sees fast jobs.
+    sup = supervisor_factory(nats_server, workers={"count": 1, "concurrency": 1, "batch": 4, "graceful_timeout": 10.0,
+                                                   "handler": "testhandlers:record_async"},
                              consumer={"ack_wait": 300.0})
     sup.wait_ready(1)
-    publish(nats_server.url, count=1, data="0")          # teaches the worker its jobs are fast: it prefetches
-    wait_until(lambda: sup.jobs.done(), what="warm-up job done")
+    publish(nats_server.url, count=10, data="0")         # teaches the worker its jobs are fast: it prefetches
+    wait_until(lambda: len(sup.jobs.done()) == 10, what="warm-up jobs done")
     publish(nats_server.url, count=4, data="1.0")
     first = wait_until(lambda: sup.jobs.running(), what="a job running")[0]
-    held = wait_until(lambda: [e for w in sup.status()["workers"]["list"] for e in w["in_flight"] if e["state"] == "held"],
-                      what="jobs pulled but not started")
-    assert len(held) == 3
+    def held():
+        return [e for w in sup.status()["workers"]["list"] for e in w["in_flight"] if e["state"] == "held"]
+    wait_until(lambda: len(held()) == 3, what="3 jobs pulled but not started")
     sup.signal(signal.SIGTERM)
     assert sup.wait() == 0
-    assert [r.seq for r in sup.jobs.done()] == [1, first.seq]
+    assert [r.seq for r in sup.jobs.done()] == [*range(1, 11), first.seq]
     assert nats_server.stream_msgs() == 3
     again = supervisor_factory(nats_server, workers={"count": 3}, consumer={"ack_wait": 300.0})
     wait_until(lambda: len(again.jobs.done()) == 3, timeout=60, what="the 3 others processed long before AckWait")

@@ -1,0 +1,235 @@
+"""`supervisor status`, `supervisor scale` and `supervisor demo` (issue 4), against real servers and
+real supervisors; the rendering of odd /status states (stale poll, dead workers' jobs) as a unit."""
+
+import json
+import signal
+import subprocess
+import sys
+import uuid
+
+import psutil
+
+from harness import DEADLINE, publish, run_cli, wait_until
+from harness import test_env as child_env      # not collected as a test
+from natsauth import free_port
+
+from supervisor.tools import render_status
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("supervisor: error:")]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def in_flight(status: dict) -> int:
+    return sum(len(w["in_flight"]) for w in status["workers"]["list"])
+
+
+# ---------------------------------------------------------------- status
+
+def test_status_text_and_json_on_a_running_supervisor(nats_server, supervisor_factory):
+    sup = supervisor_factory(nats_server, workers={"count": 2})
+    sup.wait_ready(2)
+    publish(nats_server.url, count=4, data="2")
+    s = wait_until(lambda: (lambda s: s if s and in_flight(s) == 2 and s["consumer"].get("num_ack_pending") == 2
+                            else None)(sup.try_status()), what="2 jobs in flight in /status")
+
+    r = run_cli("status", "--url", sup.http)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for w in s["workers"]["list"]:
+        assert f" {w['pid']} " in out, out
+    assert "JOBS/workers" in out and "pending=" in out and "ackPending=2" in out and "ackFloor=" in out, out
+    assert "seq 1 #1" in out and "seq 2 #1" in out, out          # in-flight seqs with their deliveries
+    assert "running" in out and "lag " in out and "crashes     0" in out and "alerts      none" in out, out
+    assert "\x1b[" not in out                                   # no colours when not a terminal
+
+    r = run_cli("status", "--json", "--url", f"http://{sup.http}/")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert {w["pid"] for w in data["workers"]["list"]} == sup.worker_pids()
+    assert data["consumer"]["name"] == "workers" and "poll_age_s" in data["consumer"]
+
+    r = run_cli("status", "--config", str(sup.config_path))      # URL from monitor.http of the config
+    assert r.returncode == 0, r.stderr
+    assert str(sup.proc.pid) in r.stdout
+
+
+def test_status_and_scale_without_a_supervisor_are_one_clear_line(tmp_path):
+    dead = f"127.0.0.1:{free_port()}"
+    for args in (("status", "--url", dead), ("status", "--json", "--url", dead), ("scale", "2", "--url", dead)):
+        r = run_cli(*args)
+        assert r.returncode == 1, (args, r.stdout, r.stderr)
+        assert "no supervisor answers at http://" + dead in one_line_error(r)
+        assert r.stdout == ""
+
+    for url in ("127.0.0.1", "ftp://127.0.0.1:1", "http://127.0.0.1:notaport"):
+        r = run_cli("status", "--url", url)
+        assert r.returncode == 2, (url, r.stderr)
+        assert "--url" in one_line_error(r)
+
+    config = tmp_path / "config.toml"
+    config.write_text('[monitor]\nhttp = ""\n')
+    r = run_cli("status", "--config", str(config))
+    assert r.returncode == 2 and "monitor.http" in one_line_error(r)
+
+
+def test_status_with_no_workers_and_while_draining(nats_server, supervisor_factory):
+    sup = supervisor_factory(nats_server, workers={"count": 1})
+    sup.wait_ready(1)
+    r = run_cli("scale", "0", "--url", sup.http)
+    assert r.returncode == 0 and "target 0 workers (was 1)" in r.stdout, r.stderr
+    wait_until(lambda: (s := sup.try_status()) and not s["workers"]["list"], what="no worker left")
+    r = run_cli("status", "--url", sup.http)
+    assert r.returncode == 0, r.stderr
+    assert "no worker processes (target 0)" in r.stdout and "pending=" in r.stdout, r.stdout
+
+    assert run_cli("scale", "1", "--url", sup.http).returncode == 0
+    sup.wait_ready(1)
+    publish(nats_server.url, count=1, data="3")
+    wait_until(lambda: (s := sup.try_status()) and in_flight(s) == 1, what="the long job in flight")
+    sup.signal(signal.SIGTERM)
+    wait_until(lambda: (s := sup.try_status()) and s["state"] == "draining", what="draining")
+    r = run_cli("status", "--url", sup.http)
+    assert r.returncode == 0, r.stderr
+    assert "draining" in r.stdout.splitlines()[0], r.stdout
+    assert "seq 1 #1" in r.stdout, r.stdout                       # the job it is finishing
+    assert sup.wait() == 0
+    assert sup.jobs.done_seqs() == {1}
+
+
+def test_status_with_nats_gone_shows_the_stale_poll(nats_server, supervisor_factory):
+    sup = supervisor_factory(nats_server, workers={"count": 1})
+    sup.wait_ready(1)
+    nats_server.stop()
+    wait_until(lambda: (s := sup.try_status()) and s["lag"]["state"] == "unknown"
+               and (s["consumer"]["poll_age_s"] or 0) >= 2.0, what="the last good poll going stale")
+    r = run_cli("status", "--url", sup.http)
+    assert r.returncode == 0, r.stderr
+    assert "DISCONNECTED" in r.stdout and "STALE" in r.stdout and "poll failing" in r.stdout, r.stdout
+    assert "nats_disconnected" in r.stdout, r.stdout
+
+
+def test_render_status_stale_poll_dead_workers_jobs_and_alerts():
+    status = {
+        "version": "0.1.0", "pid": 42, "uptime_s": 3725.0, "state": "running",
+        "nats": {"connected": False, "server": None, "embedded": False, "servers": ["nats://10.0.0.1:4222"]},
+        "workers": {"target": 2, "alive": 1, "ready": 1, "list": [
+            {"slot": 1, "pid": 4242, "state": "ready", "jobs_acked": 7, "jobs_nacked": 1, "jobs_terminated": 0,
+             "restarts": 3, "rss_bytes": 31457280, "heartbeat_age_s": None, "retiring": False,
+             "in_flight": [{"stream_seq": s, "delivery": 2, "age_s": s / 10} for s in range(10, 15)]}]},
+        "consumer": {"stream": "JOBS", "name": "workers", "num_pending": 5, "num_ack_pending": 5,
+                     "num_redelivered": 1, "num_waiting": 0, "delivered_consumer_seq": 20,
+                     "ack_floor_consumer_seq": 9, "poll_age_s": 12.5, "error": "ConsumerInfo failed: timeout"},
+        "lag": {"state": "unknown", "pending_slope_per_s": None, "drain_rate_per_s": None, "eta_s": None,
+                "reason": "no ConsumerInfo for 12.5s"},
+        "crosscheck": {"crashes": 2, "crashes_holding_jobs": 1, "jobs_held_at_crash": 7, "held_jobs_naked": 7,
+                       "held_jobs_redelivered": 0, "held_jobs_acked_after_crash": 0, "unexplained_redeliveries": 0,
+                       "quarantined": 0, "outstanding": [
+                           {"stream_seq": s, "delivery": 1, "naked": True, "slot": 0, "pid": 4241,
+                            "cause": "killed by SIGKILL", "age_s": 4.0, "redelivered": False} for s in range(1, 8)]},
+        "alerts": [{"kind": "nats_disconnected", "message": "the supervisor's NATS connection is down"}],
+    }
+    out = render_status(status)
+    assert "up 1h02m" in out and "DISCONNECTED" in out and "nats://10.0.0.1:4222" in out
+    assert "4242" in out and "30.0" in out and "+2 more" in out               # RSS MB, in-flight cut at 3
+    assert "seq 14 #2 1.4s" in out                                             # oldest first
+    assert "polled 12s ago, STALE" in out and "poll failing: ConsumerInfo failed: timeout" in out
+    assert "unknown: no ConsumerInfo for 12.5s" in out
+    assert "outstanding 7 job(s)" in out and "seq 1 (delivery 1) held by worker 0 pid 4241" in out
+    assert "and 2 more" in out and "nats_disconnected: the supervisor's NATS connection is down" in out
+    # a supervisor that has not polled yet, and a shape with keys missing, still render
+    assert "no ConsumerInfo yet" in render_status({"consumer": {"stream": "JOBS", "name": "w", "poll_age_s": None}})
+    assert "no worker processes" in render_status({})
+
+
+# ---------------------------------------------------------------- scale
+
+def test_scale_up_and_down_with_jobs_flowing_loses_nothing(nats_server, supervisor_factory):
+    sup = supervisor_factory(nats_server, workers={"count": 1})
+    sup.wait_ready(1)
+    publish(nats_server.url, count=60, data="0.1")
+    wait_until(lambda: len(sup.jobs.done()) >= 3, what="jobs flowing")
+
+    r = run_cli("scale", "3", "--url", sup.http)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("target 3 workers (was 1)"), r.stdout
+    sup.wait_ready(3)
+    wait_until(lambda: len({r.pid for r in sup.jobs.started()}) >= 3, what="all three workers taking jobs")
+
+    r = run_cli("scale", "1", "--url", sup.http)
+    assert r.returncode == 0 and r.stdout.startswith("target 1 worker (was 3)"), (r.stdout, r.stderr)
+    assert len(sup.jobs.done_seqs()) < 60, "the scale-down must happen while jobs are still flowing"
+    wait_until(lambda: (s := sup.try_status()) and len(s["workers"]["list"]) == 1 and s["workers"]["target"] == 1,
+               what="back to one worker")
+
+    wait_until(lambda: sup.jobs.done_seqs() == set(range(1, 61)), what="every job done")
+    wait_until(lambda: nats_server.stream_msgs() == 0, what="stream empty (every job acked)")
+    done = [r.seq for r in sup.jobs.done()]
+    assert sorted(done) == list(range(1, 61)), "a job finished twice: a drained worker's ack was lost"
+    assert len(psutil.Process(sup.proc.pid).children()) == 1
+
+
+def test_scale_usage_errors(nats_server, supervisor_factory):
+    sup = supervisor_factory(nats_server, workers={"count": 1})
+    sup.wait_ready(1)
+    r = run_cli("scale", "-1", "--url", sup.http)
+    assert r.returncode == 2 and "0 or more" in one_line_error(r)
+    r = run_cli("scale", "5000", "--url", sup.http)                 # refused by the supervisor: 400
+    assert r.returncode == 2 and "400 Bad Request" in one_line_error(r)
+    assert sup.status()["workers"]["target"] == 1
+
+
+# ---------------------------------------------------------------- demo
+
+def marked_processes(mark: str) -> list[int]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("DEMO_TEST_MARK") == mark:
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_demo_runs_the_seed_scenario_and_exits_0(tmp_path):
+    mark = uuid.uuid4().hex
+    r = run_cli("demo", tmp=tmp_path, env={"DEMO_TEST_MARK": mark}, timeout=DEADLINE)
+    out = r.stdout
+    assert r.returncode == 0, out + r.stderr
+    assert "CRASHED (exit code 13) holding job-06 (seq 6), no ack; the supervisor NAKed it at once" in out, out
+    assert "got job-06 again (seq 6, delivery #2)" in out and "ms after the crash" in out, out
+    assert "restarted: pid" in out, out
+    assert "deliveries=31 unique=30 redelivered=1  (workers acked 30)" in out, out
+    assert ("cross-check: crashes=1 held at crash=1 NAKed=1 redelivered=1 acked after crash=1 unexplained=0 "
+            "outstanding=0") in out, out
+    assert "stream JOBS: 0 message(s) left" in out and "one worker needs about 6.0 s" in out, out
+    assert out.rstrip().splitlines()[-1].startswith("PASS: every job acked (30/30)"), out
+    assert len(out.splitlines()) <= 40 and "\x1b[" not in out, out
+    assert "Traceback" not in r.stderr, r.stderr
+    wait_until(lambda: not marked_processes(mark), 10, "every process the demo started to be gone")
+
+
+def test_demo_ctrl_c_stops_its_supervisor_and_leaves_nothing_behind(tmp_path):
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor", "demo", "--jobs", "300"], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(DEMO_TEST_MARK=mark))
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "published 300 jobs" in line:
+                break
+        assert len(marked_processes(mark)) >= 5, "demo, supervisor, nats-server and 3 workers"
+        proc.send_signal(signal.SIGINT)
+        out = "".join(lines) + proc.stdout.read()
+        assert proc.wait(DEADLINE) == 1, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert out.rstrip().endswith("FAIL: interrupted"), out
+    assert "supervisor stopped cleanly" in out and "Traceback" not in out, out
+    wait_until(lambda: not marked_processes(mark), 10, "every process the demo started to be gone")
