@@ -41,7 +41,7 @@ SIGNALS = {signal.SIGTERM: "stop", signal.SIGINT: "interrupt", signal.SIGQUIT: "
            signal.SIGTTIN: "increment", signal.SIGTTOU: "decrement"}
 DRAIN_MARGIN = 5.0          # beyond graceful_timeout before a draining worker is killed
 RSS_EVERY = 5.0             # seconds between RSS checks (psutil reads /proc)
-FRESH_BEAT = 3.0            # a worker whose last beat is older than this gets no in-progress pings
+FRESH_BEAT = 1.5            # a worker whose last beat is older than this shows no progress, gets no +WPI
 MB = 1024 * 1024
 
 
@@ -565,15 +565,17 @@ class Arbiter:
             total += s
         return counts, total
 
-    def progress_alive(self) -> bool:
-        """A live, beating worker is running a job within its job_timeout: legitimate progress."""
-        now, limit = time.monotonic(), self.cfg.workers.job_timeout
+    def progress_beat(self) -> float | None:
+        """The last heartbeat of a live, beating worker running a job within its job_timeout
+        (legitimate progress on a long job), or None when no worker shows any."""
+        now, limit, latest = time.monotonic(), self.cfg.workers.job_timeout, None
         for w in self.living():
-            if w.status is None and now - w.table.heartbeat() <= FRESH_BEAT:
+            beat = w.table.heartbeat()
+            if w.status is None and now - beat <= FRESH_BEAT:
                 if any(e.state == slots.RUNNING and (not limit or now - e.t_started < limit)
                        for e in w.table.snapshot()):
-                    return True
-        return False
+                    latest = beat if latest is None else max(latest, beat)
+        return latest
 
     def worker_counters(self) -> dict[str, int]:
         """Jobs acked/naked/termed since start: exited workers' totals plus the living's tables."""

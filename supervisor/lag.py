@@ -100,6 +100,7 @@ class Sample:
     ack_floor_consumer_seq: int
     local_acked: int  # jobs acked by this supervisor's workers since it started
     progress_alive: bool  # a live, heart-beating worker runs a job within its job_timeout
+    progress_at: float | None = None  # that worker's last heartbeat (monotonic); None: use t
 
     @property
     def work(self) -> int:
@@ -370,13 +371,18 @@ class LagAnalyzer:
         # The stall clock restarts whenever acks move (the floor, or ours: the floor can stand
         # still behind one long job while other jobs are acked), when there is no work (nothing
         # to ack is not a stall), and while a live worker shows legitimate progress on a long
-        # job: like +WPI resets the server's AckWait timer, that progress resets ours.
+        # job: like +WPI resets the server's AckWait timer, that progress resets ours. Progress
+        # dates from the worker's last heartbeat, not from when we noticed it: a worker that
+        # stopped beating a moment ago has been idle since its last beat.
         moved = prev is None or (
             s.ack_floor_consumer_seq != prev.ack_floor_consumer_seq
             or s.local_acked != prev.local_acked
         )
-        if moved or s.work == 0 or s.progress_alive:
+        if moved or s.work == 0:
             self._stall_since = s.t
+        elif s.progress_alive:
+            beat = s.t if s.progress_at is None else min(s.progress_at, s.t)
+            self._stall_since = max(self._stall_since or beat, beat)
 
     def _stalled_for(self, last: Sample) -> float | None:
         """Seconds nothing has been acked with work waiting, when longer than AckWait."""

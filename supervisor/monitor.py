@@ -71,13 +71,14 @@ class Monitor:
         self.error = ""
         self.consumer = consumer_dict(info)
         self.polled_at = now()
+        beat = self.arbiter.progress_beat()
         self.analyzer.add(Sample(t=self.polled_at, num_pending=self.consumer["num_pending"],
                                  num_ack_pending=self.consumer["num_ack_pending"],
                                  num_redelivered=self.consumer["num_redelivered"],
                                  delivered_consumer_seq=self.consumer["delivered_consumer_seq"],
                                  ack_floor_consumer_seq=self.consumer["ack_floor_consumer_seq"],
                                  local_acked=self.arbiter.worker_counters()["ack"],
-                                 progress_alive=self.arbiter.progress_alive()))
+                                 progress_alive=beat is not None, progress_at=beat))
         self.arbiter.ledger.ack_floor(self.consumer["ack_floor_stream_seq"])
 
     def failed(self, t: float, error: str) -> None:

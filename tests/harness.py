@@ -41,7 +41,7 @@ def wait_until(predicate: Callable[[], Any], timeout: float = DEADLINE, what: st
         time.sleep(interval)
 
 
-def test_env(**extra: str) -> dict[str, str]:
+def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO)])
     env.update(extra)
@@ -173,7 +173,7 @@ class SupervisorProc:
         self.jobs = JobLog(tmp / "jobs.log")
         self.log_path = tmp / "supervisor.log"
         self.args = args
-        self.env = test_env(JOBS_LOG=str(self.jobs.path), **(env or {}))
+        self.env = child_env(JOBS_LOG=str(self.jobs.path), **(env or {}))
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -288,7 +288,7 @@ def _in_group(p: psutil.Process, pgid: int) -> bool:
 def run_cli(*args: str, tmp: Path | None = None, env: dict | None = None, timeout: float = DEADLINE,
             stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "supervisor", *args], capture_output=True, text=True,
-                          env=test_env(**(env or {})), cwd=tmp, timeout=timeout, input=stdin)
+                          env=child_env(**(env or {})), cwd=tmp, timeout=timeout, input=stdin)
 
 
 def publish(server_url: str, *, count: int, data: str = "0", tmp: Path | None = None, extra: tuple = ()) -> str:

@@ -10,7 +10,7 @@ import uuid
 import psutil
 
 from harness import DEADLINE, publish, run_cli, wait_until
-from harness import test_env as child_env      # not collected as a test
+from harness import child_env
 from natsauth import free_port
 
 from supervisor.tools import render_status

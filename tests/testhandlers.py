@@ -29,6 +29,8 @@ def _act(job: Job) -> float:
         raise Reject("payload asked to be rejected")
     if text == "fail-once" and job.delivery == 1:
         raise RuntimeError("failing the first delivery on purpose")
+    if text == "fail":
+        raise RuntimeError("failing every delivery on purpose")
     if text.startswith("grow:"):
         _hoard.append(bytearray(int(text.split(":")[1]) * 1024 * 1024))   # zero-filled pages count in RSS once touched
         _hoard[-1][::4096] = b"x" * len(_hoard[-1][::4096])

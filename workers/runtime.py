@@ -211,7 +211,7 @@ class Worker:
         self.stop.set()
 
     async def heartbeat(self) -> None:
-        every = min(1.0, self.wcfg.heartbeat_timeout / 4)
+        every = min(0.5, self.wcfg.heartbeat_timeout / 4)   # the parent calls a beat older than 1.5 s stale
         while True:
             self.table.beat()
             if os.getppid() != self.spec.parent_pid and not self.stop.is_set():

@@ -1,0 +1,196 @@
+"""Observability (issue 4): lag the way the seed post reads it, stuck detection and /healthz,
+/metrics, advisories, logs. Real nats-server, real workers."""
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness import child_env, publish, wait_until
+from test_crash_safety import dead_letters
+
+
+def sample_until(sup, done, every=0.1, timeout=90.0):
+    """(monotonic time, /status) samples until done(status) is true."""
+    samples = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = sup.status()
+        samples.append((time.monotonic(), s))
+        if done(s):
+            return samples
+        time.sleep(every)
+    raise AssertionError("timed out sampling /status")
+
+
+def test_seed_lag_experiment_burst(nats_server, supervisor_factory):
+    """2 workers at 0.5 s per job, 40 jobs in a burst: pending jumps to about 38 and drains at
+    about 4/s; a burst is not `growing`; eta is within 30% of the real drain time."""
+    sup = supervisor_factory(nats_server, workers={"count": 2}, monitor={"interval": 0.25, "lag_window": 60.0})
+    sup.wait_ready(2)
+    wait_until(lambda: sup.status()["lag"]["state"] == "ok", what="lag ok before the burst")
+    publish(nats_server.url, count=40, data="0.5")
+
+    def empty(s):
+        c = s["consumer"]
+        return c.get("ack_floor_consumer_seq") == 40 and c["num_pending"] == 0 and c["num_ack_pending"] == 0
+    samples = sample_until(sup, empty)
+    end = samples[-1][0]
+    states = {s["lag"]["state"] for _, s in samples}
+    assert "growing" not in states and "stuck" not in states, states
+    assert max(s["consumer"]["num_pending"] for _, s in samples) >= 35
+    assert end - samples[0][0] > 8.0            # 40 jobs x 0.5 s / 2 workers: about 10 s
+    rates = [s["lag"]["drain_rate_per_s"] for t, s in samples if 3.0 < t - samples[0][0] < 8.0]
+    rate = sorted(r for r in rates if r is not None)[len(rates) // 2]
+    assert 3.0 <= rate <= 5.0, rates
+    # The eta reported about 3 s into the drain against when the queue really emptied.
+    t3, s3 = next((t, s) for t, s in samples if t - samples[0][0] >= 3.0 and s["lag"]["eta_s"])
+    actual = end - t3
+    assert abs(s3["lag"]["eta_s"] - actual) <= 0.3 * actual, (s3["lag"], actual)
+
+
+def test_steady_publisher_outpacing_workers_is_growing_then_ok(nats_server, supervisor_factory, tmp_path):
+    sup = supervisor_factory(nats_server, workers={"count": 2}, monitor={"interval": 0.25, "lag_window": 8.0})
+    sup.wait_ready(2)
+    publisher = subprocess.Popen([sys.executable, "-m", "supervisor", "publish", "--server", nats_server.url,
+                                  "--count", "150", "--rate", "12", "--data", "0.5"], env=child_env(), cwd=tmp_path)
+    try:
+        growing = wait_until(lambda: (s := sup.status())["lag"]["state"] == "growing" and s, timeout=30,
+                             what="lag growing under a steady publisher")
+        assert growing["lag"]["pending_slope_per_s"] > 4.0
+        assert any(a["kind"] == "lag_growing" for a in growing["alerts"])
+        assert publisher.wait(60) == 0
+    finally:
+        publisher.kill()
+    wait_until(lambda: sup.status()["lag"]["state"] == "ok", timeout=30, what="lag back to ok after the publisher")
+    assert sup.get("/healthz")[0] == 200
+    sup.signal(signal.SIGQUIT)
+    assert sup.wait() == 0
+
+
+def test_stopped_workers_are_stuck_and_unhealthy_then_recover(nats_server, supervisor_factory):
+    ack_wait, interval = 3.0, 0.25
+    sup = supervisor_factory(nats_server, workers={"count": 2, "heartbeat_timeout": 300.0},
+                             consumer={"ack_wait": ack_wait}, monitor={"interval": interval})
+    sup.wait_ready(2)
+    publish(nats_server.url, count=6, data="1.0")
+    wait_until(lambda: len(sup.jobs.running()) == 2, what="both workers busy")
+    workers = sup.workers()
+    for w in workers:
+        w.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        code, body = wait_until(lambda: (r := sup.get("/healthz"))[0] == 503 and r, what="/healthz 503")
+        took = time.monotonic() - stopped
+        assert "stuck" in body
+        # AckWait + 2 polls, plus scheduling slack on a loaded box.
+        assert took <= ack_wait + 2 * interval + 2.0, took
+        s = sup.status()
+        assert s["lag"]["state"] == "stuck" and any(a["kind"] == "lag_stuck" for a in s["alerts"])
+    finally:
+        for w in workers:
+            w.send_signal(signal.SIGCONT)
+    wait_until(lambda: sup.get("/healthz")[0] == 200, what="healthy again after SIGCONT")
+    wait_until(lambda: nats_server.stream_msgs() == 0, what="every job acked")
+    assert sup.stop() == 0
+
+
+def test_long_legitimate_job_is_not_stuck(nats_server, supervisor_factory):
+    """One job three times AckWait on a live, beating worker: no false alarm."""
+    sup = supervisor_factory(nats_server, workers={"count": 1}, consumer={"ack_wait": 1.5}, monitor={"interval": 0.25})
+    sup.wait_ready(1)
+    publish(nats_server.url, count=3, data="4.5")
+    states = set()
+    while len(sup.jobs.done()) < 1:
+        s = sup.status()
+        states.add(s["lag"]["state"])
+        assert sup.get("/healthz")[0] == 200
+        time.sleep(0.2)
+    assert "stuck" not in states
+    sup.signal(signal.SIGQUIT)
+    assert sup.wait() == 0
+
+
+def metric_families(text):
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(families, name, **labels):
+    for sample in families[name].samples:
+        if sample.name in (name, name + "_total") and all(sample.labels.get(k) == v for k, v in labels.items()):
+            return sample.value
+    raise AssertionError(f"no sample {name} {labels}")
+
+
+def test_metrics_parse_and_match_the_jobs_run(nats_server, supervisor_factory):
+    sup = supervisor_factory(nats_server, workers={"count": 2, "retry_backoff": [0.05]})
+    sup.wait_ready(2)
+    publish(nats_server.url, count=10, data="0.01")
+    publish(nats_server.url, count=3, data="fail-once")
+    publish(nats_server.url, count=2, data="reject")
+    wait_until(lambda: nats_server.stream_msgs() == 0, what="every job settled")
+    wait_until(lambda: sup.status()["consumer"].get("ack_floor_consumer_seq") == 18, what="a poll after the last ack")
+    code, text = sup.get("/metrics")
+    assert code == 200
+    fams = metric_families(text)
+    spec = ["workers", "worker_restarts", "jobs", "job_duration_seconds", "consumer_num_pending",
+            "consumer_num_ack_pending", "consumer_num_redelivered", "consumer_ack_floor", "consumer_delivered",
+            "crash_held_jobs", "crash_redelivered", "unexplained_redeliveries"]
+    for name in spec:
+        assert "jetstream_supervisor_" + name in fams, name
+    p = "jetstream_supervisor_"
+    assert value(fams, p + "jobs", outcome="ack") == 13
+    assert value(fams, p + "jobs", outcome="nak") == 3
+    assert value(fams, p + "jobs", outcome="term") == 2
+    assert value(fams, p + "workers", state="ready") == 2
+    assert value(fams, p + "consumer_delivered") == 18 and value(fams, p + "consumer_num_pending") == 0
+    count = [s for s in fams[p + "job_duration_seconds"].samples if s.name.endswith("_count")][0].value
+    assert count == 18
+    assert value(fams, p + "unexplained_redeliveries") == 0
+    assert sup.stop() == 0
+
+
+def test_max_deliveries_advisory_dead_letters_the_job(nats_server, supervisor_factory):
+    sup = supervisor_factory(nats_server, workers={"count": 1, "retry_backoff": [0.05]}, consumer={"max_deliver": 2})
+    sup.wait_ready(1)
+    publish(nats_server.url, count=1, data="fail")
+    letters = wait_until(lambda: asyncio.run(dead_letters(nats_server.url)), what="the dead-letter copy")
+    assert letters[0].data == b"fail"
+    assert "max deliveries" in letters[0].headers["Supervisor-Dead-Letter-Reason"]
+    assert letters[0].headers["Supervisor-Dead-Letter-Sequence"] == "1"
+    s = sup.status()
+    assert s["advisories"]["max_deliveries"] == 1
+    assert any(a["kind"] == "max_deliveries" for a in s["alerts"])
+    assert sup.stop() == 0
+
+
+def test_json_logs_are_one_object_per_line(nats_server, supervisor_factory):
+    sup = supervisor_factory(nats_server, workers={"count": 2}, args=("--log-format", "json"))
+    sup.wait_ready(2)
+    publish(nats_server.url, count=1, data="crash-once")
+    wait_until(lambda: nats_server.stream_msgs() == 0, what="the job redone and acked")
+    assert sup.stop() == 0
+    lines = [ln for ln in sup.log().splitlines() if ln.strip()]
+    records = [json.loads(ln) for ln in lines]
+    assert all({"ts", "level", "logger", "message", "pid"} <= set(r) for r in records)
+    assert any("died" in r["message"] and r["level"] == "warning" for r in records)
+
+
+def test_journald_gets_no_timestamps_of_ours(nats_server, supervisor_factory):
+    """Under journald (JOURNAL_STREAM names our stderr) each line carries a <priority> prefix
+    and no timestamp: journald stamps the time itself."""
+    sup = supervisor_factory(nats_server, workers={"count": 1}, start=False)
+    sup.log_path.touch()
+    st = psutil.os.stat(sup.log_path)
+    sup.env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+    sup.start()
+    sup.wait_ready(1)
+    assert sup.stop() == 0
+    lines = [ln for ln in sup.log().splitlines() if ln.strip()]
+    assert lines and all(ln[:3] in ("<6>", "<4>", "<3>", "<7>") for ln in lines), lines[:5]
+    assert not [ln for ln in lines if ln[3:7].isdigit()], "no timestamps of our own"
