@@ -59,7 +59,6 @@ class Totals:
     termed: int = 0
     restarts: int = 0
     worker_deaths: int = 0
-    naks_at_death: int = 0
     pings: int = 0
     buckets: list = dataclasses.field(default_factory=lambda: [0] * (len(slots.DURATION_BUCKETS) + 1))
     duration_sum: float = 0.0
@@ -99,7 +98,6 @@ class Arbiter:
         self.started = time.monotonic()
         self.last_rss_check = 0.0
         self.ever_all_ready = False
-        self.rss: dict[int, int] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
 
     # ================================================================ the loop
@@ -363,7 +361,6 @@ class Arbiter:
             elif n:
                 log.debug("NAK seq=%d (%s) of dead worker %d via %s", e.stream_seq, slots.ENTRY_STATES[e.state], w.slot, e.reply)
                 await self.nc.publish(e.reply, b"-NAK")
-        self.totals.naks_at_death += sum(nak)
         if any(nak):
             await self.flush()
         if clean:
@@ -419,7 +416,6 @@ class Arbiter:
         if self.replacing.get(w.slot) is w:
             del self.replacing[w.slot]
         self.pings = {k: v for k, v in self.pings.items() if k[0] != w.pid}
-        self.rss.pop(w.pid, None)
         w.close(self.loop)
 
     def plan_restart(self, w: WorkerProcess, cause: str) -> None:
@@ -452,16 +448,18 @@ class Arbiter:
 
     async def inspect_workers(self) -> None:
         now = time.monotonic()
-        pings = []
+        pings, held = [], set()
         for w in self.living():
+            entries = w.table.snapshot()
+            held.update((w.pid, e.stream_seq) for e in entries)   # a dying worker's pings still date its jobs
             if w.status is not None or w.kill_reason:
                 continue
-            entries = w.table.snapshot()
             reason = self.why_kill(w, entries, now)
             if reason:
                 self.kill(w, reason)
                 continue
             pings += self.due_pings(w, entries, now)
+        self.pings = {k: t for k, t in self.pings.items() if k in held}    # settled jobs need no memory
         for w, e in pings:
             await self.nc.publish(e.reply, b"+WPI")
             self.pings[(w.pid, e.stream_seq)] = now
@@ -513,8 +511,9 @@ class Arbiter:
             if w.state != "ready":
                 continue
             reason = w.recycle_reason
-            if not reason and check_rss and self.rss_of(w) > self.cfg.workers.max_rss_mb * MB:
-                reason = f"RSS {self.rss_of(w) / MB:.0f} MB > workers.max_rss_mb={self.cfg.workers.max_rss_mb}"
+            rss = self.rss_of(w) if check_rss and not reason else 0
+            if rss > self.cfg.workers.max_rss_mb * MB:
+                reason = f"RSS {rss / MB:.0f} MB > workers.max_rss_mb={self.cfg.workers.max_rss_mb}"
             if reason:
                 log.info("recycling worker %d (pid %d): %s", w.slot, w.pid, reason)
                 w.retiring = True
@@ -524,13 +523,12 @@ class Arbiter:
                 self.spawn(w.slot)
                 return
 
-    def rss_of(self, w: WorkerProcess, refresh: bool = True) -> int:
-        if refresh or w.pid not in self.rss:
-            try:
-                self.rss[w.pid] = psutil.Process(w.pid).memory_info().rss
-            except psutil.Error:
-                self.rss[w.pid] = 0
-        return self.rss[w.pid]
+    @staticmethod
+    def rss_of(w: WorkerProcess) -> int:
+        try:
+            return psutil.Process(w.pid).memory_info().rss
+        except psutil.Error:
+            return 0
 
     async def audit(self) -> None:
         """Share our NAKs with peer supervisors; count redeliveries nobody explained."""

@@ -264,3 +264,21 @@ def test_peer_supervisors_explain_each_others_redeliveries(nats_server, supervis
     assert b.status()["crosscheck"]["unexplained_redeliveries"] == 0
     assert a.status()["crosscheck"]["crashes"] == 1
     assert a.stop() == 0 and b.stop() == 0
+
+
+def test_server_restart_loses_nothing(nats_server, supervisor_factory):
+    """nats-server stopped and started again (same store) while jobs flow: every job is acked
+    in the end; workers and the parent reconnect, pull afresh and re-send acks that may have
+    died with the old connection."""
+    sup = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": 5.0})
+    sup.wait_ready(2)
+    publish(nats_server.url, count=80, data="0.05")
+    wait_until(lambda: len(sup.jobs.done()) >= 20, what="jobs flowing")
+    nats_server.stop()
+    nats_server.start()
+    wait_until(lambda: sup.jobs.done_seqs() >= set(range(1, 81)), timeout=90, what="every job done")
+    wait_until(lambda: nats_server.stream_msgs() == 0, timeout=60, what="every job acked")
+    assert "reconnected to NATS" in sup.log()
+    s = wait_until(lambda: (s := sup.try_status()) and s["nats"]["connected"] and s, what="the parent reconnected")
+    assert s["workers"]["alive"] == 2
+    assert sup.stop() == 0

@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, NoReturn
 
+from nats.js.api import Header
+
 from supervisor.notify import scrub_child_env
 
 from . import Job, Reject, Retry
@@ -160,7 +162,9 @@ class Worker:
         self.pull_deadline = 0.0         # when the last outstanding pull request expires
         self.job_ewma: float | None = None
         self.started_jobs = 0
-        self.unconfirmed: list[int] = []  # ACKED/SETTLED entries awaiting a flush
+        # ACKED/SETTLED entries awaiting a flush: (entry, connection generation, was an ack)
+        self.unconfirmed: list[tuple[int, int, bool]] = []
+        self.generation = 0              # reconnects seen: what was sent on a dead connection may be lost
         self.draining = False
         self.closing = False
         self.wake_pull = asyncio.Event()
@@ -171,6 +175,7 @@ class Worker:
         self.grace = self.wcfg.graceful_timeout
         self.replies: list[str] = [""] * self.table.entries   # reply subject by entry index
         self.nc: Any = None
+        self.last_refusal = ("", 0.0)
 
     # -- lifecycle
 
@@ -214,9 +219,21 @@ class Worker:
         every = min(0.5, self.wcfg.heartbeat_timeout / 4)   # the parent calls a beat older than 1.5 s stale
         while True:
             self.table.beat()
+            if self.nc.stats["reconnects"] != self.generation:
+                self.reconnected()
             if os.getppid() != self.spec.parent_pid and not self.stop.is_set():
                 self.on_sigterm()
             await asyncio.sleep(every)
+
+    def reconnected(self) -> None:
+        """Pull requests died with the old connection; acks written to it may be lost (confirm_settled
+        sends those again)."""
+        self.generation = self.nc.stats["reconnects"]
+        log.info("worker %d: reconnected to NATS; pulling afresh", self.spec.slot)
+        self.credits = 0
+        self.table.set_credits(0)
+        self.wake_pull.set()
+        self.wake_settle.set()
 
     async def drain(self) -> None:
         """Stop pulling; end our interest in pull replies; NAK what was pulled but not started;
@@ -332,10 +349,16 @@ class Worker:
             self.credits = max(0, self.credits - unfilled)
             self.table.set_credits(self.credits)
             if status == "409":
-                log.warning("worker %d: pull request refused: %s", self.spec.slot,
-                            next((v for k, v in headers.items() if str(k).endswith("DESCRIPTION")), "409"))
+                self.refused(headers.get(Header.DESCRIPTION, "409"))
         self.wake_pull.set()
         self.changed.set()
+
+    def refused(self, why: str) -> None:
+        """409 (consumer deleted, leadership change, max waiting): say so once a minute, not per pull."""
+        now = time.monotonic()
+        if why != self.last_refusal[0] or now - self.last_refusal[1] > 60:
+            log.warning("worker %d: pull request refused: %s", self.spec.slot, why)
+            self.last_refusal = (why, now)
 
     # -- running jobs
 
@@ -404,7 +427,7 @@ class Worker:
         self.table.mark(i, slots.ACKED if outcome == "ack" else slots.SETTLED)
         self.table.count({"ack": slots.ACKED_N, "nak": slots.NAKED_N, "term": slots.TERMED_N}[outcome])
         self.report(job, outcome, reason)
-        self.unconfirmed.append(i)
+        self.unconfirmed.append((i, self.nc.stats["reconnects"], outcome == "ack"))
         self.wake_settle.set()
 
     def report(self, job: Job, outcome: str, reason: str) -> None:
@@ -436,7 +459,10 @@ class Worker:
         await self.confirm_settled()
 
     async def confirm_settled(self) -> None:
-        """A PING/PONG round trip proves the server has read every ack sent before it."""
+        """A PING/PONG round trip proves the server has read every ack sent before it on the
+        same connection. An ack sent on a connection that has died since is sent again (acking
+        twice is harmless); a NAK or TERM is not, since by now it could hit another worker's
+        delivery of the job: if it was lost, the job comes back after AckWait."""
         if not self.unconfirmed:
             return
         batch, self.unconfirmed = self.unconfirmed, []
@@ -446,9 +472,16 @@ class Worker:
             log.warning("worker %d: flush failed (%s); acks stay unconfirmed", self.spec.slot, exc)
             self.unconfirmed = batch + self.unconfirmed
             return
-        for i in batch:
-            self.table.release(i)
+        current = self.nc.stats["reconnects"]
+        for i, generation, was_ack in batch:
+            if generation != current and was_ack:
+                await self.nc.publish(self.replies[i], b"+ACK")
+                self.unconfirmed.append((i, current, True))
+            else:
+                self.table.release(i)
         self.wake_pull.set()
+        if self.unconfirmed:
+            self.wake_settle.set()
 
     # -- reporting rare events to the parent
 
