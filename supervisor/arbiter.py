@@ -109,6 +109,7 @@ class Arbiter:
         await self.peers.start()
         log.info("supervising %d worker(s) on %s/%s, handler %s", self.target, self.cfg.stream.name,
                  self.cfg.consumer.name, self.cfg.workers.handler)
+        self.check_all_ready()                 # workers.count = 0 is ready at once
         while True:
             self.restore_count()
             await self.sleep()
@@ -313,12 +314,16 @@ class Arbiter:
         old = self.replacing.pop(w.slot, None)
         if old is not None:                   # a recycled worker's replacement is serving: drain the old
             self.drain(old)
-        if not self.ever_all_ready and self.ready_count() >= self.target:
+        self.check_all_ready()
+        self.wakeup.set()
+
+    def check_all_ready(self) -> None:
+        """The first time every worker is ready: state running, READY=1 to systemd."""
+        if not self.ever_all_ready and not self.stopping and self.ready_count() >= self.target:
             self.ever_all_ready = True
-            self.state = "running" if not self.stopping else self.state
+            self.state = "running"
             if self.notifier:
                 self.notifier.ready(self.status_line())
-        self.wakeup.set()
 
     def ready_count(self) -> int:
         return sum(1 for w in self.slots.values() if w.state == "ready")

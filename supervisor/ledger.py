@@ -180,6 +180,16 @@ class CrashLedger:
         for seq in [s for s in self._fatal if s <= stream_seq]:
             del self._fatal[seq]
 
+    def resolve(self, seq: int, how: str) -> None:
+        """Settled by evidence other than a worker's report (e.g. a work-queue message that is gone)."""
+        for _, job in self._open.pop(seq, ()):
+            job.resolved = how
+
+    def in_doubt(self) -> list[int]:
+        """Held jobs whose ack was sent but not confirmed at the death, not seen since."""
+        return [seq for seq, jobs in self._open.items()
+                if all(j.state == "acked" and j.redelivered_at is None for _, j in jobs)]
+
     def quarantine(self, seq: int) -> list[Death]:
         deaths = self._fatal.pop(seq, [])
         self.quarantined[seq] = deaths

@@ -80,6 +80,20 @@ class Monitor:
                                  local_acked=self.arbiter.worker_counters()["ack"],
                                  progress_alive=beat is not None, progress_at=beat))
         self.arbiter.ledger.ack_floor(self.consumer["ack_floor_stream_seq"])
+        await self.resolve_acks_in_doubt(js)
+
+    async def resolve_acks_in_doubt(self, js: Any) -> None:
+        """A dead worker's ack that may or may not have arrived: in a work queue an acked message
+        is deleted, so a message that is gone was acked (the NAK we sent just in case was a no-op)."""
+        if self.cfg.stream.retention != "workqueue":
+            return                  # the ack floor settles these
+        for seq in self.arbiter.ledger.in_doubt()[:20]:
+            try:
+                await js.get_msg(self.cfg.stream.name, seq)
+            except NotFoundError:
+                self.arbiter.ledger.resolve(seq, "acked before the death (message gone)")
+            except Exception:
+                return              # try again next poll
 
     def failed(self, t: float, error: str) -> None:
         if error != self.error:

@@ -542,3 +542,14 @@ def test_seed_post_scenario():
         "crashes": 1, "crashes_holding_jobs": 1, "jobs_held_at_crash": 1, "held_jobs_naked": 1,
         "held_jobs_redelivered": 1, "held_jobs_acked_after_crash": 1, "unexplained_redeliveries": 0,
         "quarantined": 0, "outstanding": []}
+
+
+def test_acks_in_doubt_are_listed_until_resolved():
+    ledger = CrashLedger(ack_wait=30.0, poison_after=3)
+    ledger.record_death(0.0, 0, 100, "signal SIGKILL", [(5, 1, "acked", True), (6, 1, "running", True)])
+    assert ledger.in_doubt() == [5]                 # the running one is simply held
+    ledger.resolve(5, "acked before the death (message gone)")
+    assert ledger.in_doubt() == [] and [o["stream_seq"] for o in ledger.outstanding(1.0)] == [6]
+    ledger.redelivered(1.0, 6, 2)
+    ledger.settled(1.5, 6, 2, "ack")
+    assert ledger.outstanding(2.0) == []
