@@ -41,6 +41,7 @@ SIGNALS = {signal.SIGTERM: "stop", signal.SIGINT: "interrupt", signal.SIGQUIT: "
            signal.SIGTTIN: "increment", signal.SIGTTOU: "decrement"}
 DRAIN_MARGIN = 5.0          # beyond graceful_timeout before a draining worker is killed
 RSS_EVERY = 5.0             # seconds between RSS checks (psutil reads /proc)
+RENAK_AFTER = 4.0           # a dead worker's NAKed job nobody has seen again by then is NAKed once more
 FRESH_BEAT = 1.5            # a worker whose last beat is older than this shows no progress, gets no +WPI
 MB = 1024 * 1024
 
@@ -88,6 +89,7 @@ class Arbiter:
         self.totals = Totals()
         self.alerts: collections.deque = collections.deque(maxlen=50)
         self.pings: dict[tuple[int, int], float] = {}
+        self.renak: dict[int, tuple[str, float, int]] = {}   # seq -> (reply, NAKed at, delivery)
         self.signals: collections.deque[int] = collections.deque()
         self.dead: collections.deque[WorkerProcess] = collections.deque()
         self.wakeup = asyncio.Event()
@@ -294,13 +296,18 @@ class Arbiter:
         if kind == "ready":
             self.worker_ready(w, now)
         elif kind == "redelivered":
-            why = self.ledger.redelivered(now, int(event["seq"]), int(event["delivery"]))
-            log.info("job seq=%s redelivered (delivery %s) to worker %d: %s", event["seq"], event["delivery"],
-                     w.slot, why or "no explanation yet")
+            seq, delivery = int(event["seq"]), int(event["delivery"])
+            why = self.ledger.redelivered(now, seq, delivery)
+            self.peers.seen(seq, delivery)
+            log.info("job seq=%d redelivered (delivery %d) to worker %d: %s", seq, delivery, w.slot,
+                     why or "no explanation yet")
         elif kind == "settled":
-            self.ledger.settled(now, int(event["seq"]), int(event["delivery"]), event["outcome"])
-            if event["outcome"] == "nak":
-                self.peers.announce(int(event["seq"]), f"NAKed by a worker at delivery {event['delivery']}")
+            seq, delivery, outcome = int(event["seq"]), int(event["delivery"]), event["outcome"]
+            self.ledger.settled(now, seq, delivery, outcome)
+            if outcome == "nak":
+                self.peers.announce(seq, f"NAKed by a worker at delivery {delivery}")
+            elif delivery > 1:
+                self.peers.settled(seq, delivery, outcome)
         elif kind == "recycle_due":
             w.recycle_reason = f"ran {event['jobs']} jobs (workers.max_jobs)"
             self.wakeup.set()
@@ -364,6 +371,7 @@ class Arbiter:
             if not clean and e.state == slots.RUNNING and self.ledger.is_poison(e.stream_seq):
                 await self.quarantine(e)
             elif n:
+                self.renak[e.stream_seq] = (e.reply, now, e.delivery)
                 log.debug("NAK seq=%d (%s) of dead worker %d via %s", e.stream_seq, slots.ENTRY_STATES[e.state], w.slot, e.reply)
                 await self.nc.publish(e.reply, b"-NAK")
         if any(nak):
@@ -536,12 +544,31 @@ class Arbiter:
             return 0
 
     async def audit(self) -> None:
-        """Share our NAKs with peer supervisors; count redeliveries nobody explained."""
+        """Share our NAKs with peer supervisors; count redeliveries nobody explained; NAK once more
+        a dead worker's job nobody has seen again."""
         await self.peers.flush()
+        await self.renak_unseen()
         for r in self.ledger.confirm_suspects(time.monotonic(), SUSPECT_GRACE):
             log.warning("job seq=%d redelivered (delivery %d) and nothing explains it: AckWait (%gs) shorter than "
                         "the job, or held by a process outside any supervisor's ledger", r.seq, r.delivery,
                         ack_wait_for(self.cfg, r.delivery - 1))
+
+    async def renak_unseen(self) -> None:
+        """A NAKed job can be handed straight to another dead worker's pull request when something
+        else keeps that inbox alive (a `nats sub '>'` or '_INBOX.>' tap does): it would then wait
+        for AckWait. One more NAK, RENAK_AFTER later, if no supervisor has seen it again."""
+        now = time.monotonic()
+        for seq, (reply, naked_at, delivery) in list(self.renak.items()):
+            if not self.ledger.awaiting_redelivery(seq, delivery):
+                del self.renak[seq]
+            elif now - naked_at >= RENAK_AFTER:
+                del self.renak[seq]
+                ack_wait = ack_wait_for(self.cfg, delivery)
+                if now - naked_at < ack_wait - min(1.0, 0.1 * ack_wait) and self.nc.is_connected:
+                    log.warning("job seq=%d not seen again %.0fs after its NAK: NAKing it once more (is something "
+                                "subscribed to '>' or '_INBOX.>'? it keeps dead pull requests alive)", seq,
+                                now - naked_at)
+                    await self.nc.publish(reply, b"-NAK")
 
     # ================================================================ helpers
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import __version__, config, logs
-from .errors import EXIT_BUG, EXIT_OK, EXIT_USAGE, ConfigError, SupervisorError
+from .errors import EXIT_BUG, EXIT_OK, ConfigError, SupervisorError
 
 # flag dest -> config key it overrides
 FLAG_KEYS = {"workers": "workers.count", "handler": "workers.handler", "http": "monitor.http",

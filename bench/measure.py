@@ -1,0 +1,122 @@
+"""One measured drain: fresh queue, backlog published, contender started, ConsumerInfo polled
+until every job is acked, CPU read from /proc at 10% and 90% of the backlog."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import nats
+import psutil
+
+from .natsenv import Progress, QueueSpec, consumer_state, publish, reset_queue
+from .procs import Contender
+
+POLL = 0.01
+
+
+def busy_seconds(proc: psutil.Process | None) -> float:
+    if proc is None:
+        return 0.0
+    with contextlib.suppress(psutil.Error):
+        c = proc.cpu_times()
+        return c.user + c.system
+    return 0.0
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores spent on anything but idling, since boot."""
+    c = psutil.cpu_times()
+    return sum(c) - c.idle - getattr(c, "iowait", 0.0)
+
+
+@dataclass
+class CpuMark:
+    t: float
+    acked: int
+    per_pid: dict[int, float]          # user+system seconds
+    server: float
+    bench: float                       # this process (the bench polling ConsumerInfo)
+    machine: float
+
+    @staticmethod
+    def take(t: float, acked: int, procs: list[psutil.Process], server: psutil.Process | None) -> "CpuMark":
+        return CpuMark(t, acked, {p.pid: busy_seconds(p) for p in procs}, busy_seconds(server),
+                       busy_seconds(psutil.Process()), machine_busy_seconds())
+
+
+@dataclass
+class DrainResult:
+    contender: str
+    workers: int
+    jobs: int
+    jobs_per_s: float | None
+    first_ack_s: float | None
+    done_s: float | None
+    cpu_ms_per_1k_jobs: float | None = None       # contender processes, all of them
+    server_cpu_ms_per_1k_jobs: float | None = None
+    parent_cpu_pct: float | None = None           # ours only: the supervisor process itself
+    background_cpu_pct: float | None = None       # other processes on the machine, % of one core
+    window_s: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+async def drain(url: str, total: int, start: Callable[[], Contender], *, data: bytes = b"x",
+                spec: QueueSpec = QueueSpec(), server_pid: int | None = None, timeout: float = 600.0,
+                parent_pid: Callable[[Contender], int | None] = lambda c: None) -> tuple[DrainResult, Contender]:
+    await reset_queue(url, spec)
+    await publish(url, total, data)
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    server = psutil.Process(server_pid) if server_pid else None
+    contender = None
+    try:
+        state = await consumer_state(js)
+        assert state.num_pending == total, f"backlog {state.num_pending} != {total}"
+        t0 = time.monotonic()
+        contender = start()
+        progress = Progress(total, t0)
+        marks: list[CpuMark] = []
+        procs: list[psutil.Process] = []
+        while True:
+            state = await consumer_state(js)
+            now = time.monotonic()
+            acked = progress.add(now, state)
+            if len(marks) == 0 and acked >= 0.1 * total or len(marks) == 1 and acked >= 0.9 * total:
+                if not procs:
+                    procs = contender.tree()
+                marks.append(CpuMark.take(now, acked, procs, server))
+            if acked >= total:
+                break
+            if now - t0 > timeout:
+                raise TimeoutError(f"{contender.name}: {acked}/{total} acked after {timeout:g}s\n{contender.log_tail()}")
+            if not contender.alive():
+                raise RuntimeError(f"{contender.name} exited early\n{contender.log_tail()}")
+            await asyncio.sleep(POLL)
+    except BaseException:
+        if contender is not None:
+            contender.stop(5)
+        raise
+    finally:
+        await nc.close()
+    result = DrainResult(contender.name, 0, total, progress.steady_rate(), progress.first_ack_s, progress.done_s)
+    if len(marks) == 2:
+        lo, hi = marks
+        dt, djobs = hi.t - lo.t, hi.acked - lo.acked
+        if dt > 0 and djobs > 0:
+            cpu = sum(hi.per_pid.get(pid, 0.0) - v for pid, v in lo.per_pid.items())
+            result.cpu_ms_per_1k_jobs = 1e6 * cpu / djobs
+            result.server_cpu_ms_per_1k_jobs = 1e6 * (hi.server - lo.server) / djobs if server else None
+            result.window_s = dt
+            ours = cpu + (hi.server - lo.server) + (hi.bench - lo.bench)
+            result.background_cpu_pct = max(0.0, 100 * ((hi.machine - lo.machine) - ours) / dt)
+            ppid = parent_pid(contender)
+            if ppid in lo.per_pid and ppid in hi.per_pid:
+                result.parent_cpu_pct = 100 * (hi.per_pid[ppid] - lo.per_pid[ppid]) / dt
+    return result, contender

@@ -1,0 +1,194 @@
+"""The bench's own nats-server, the queue every contender drains, and the measuring probes.
+
+Every contender binds to the same durable pull consumer (`JOBS` / `workers`, AckExplicit) on the
+same server, reset before each run, with the backlog published before any consumer starts: a
+run measures consumption only. Progress is read from ConsumerInfo (acked = published - pending -
+ack pending), the same way for every contender, so no contender carries instrumentation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.js import api
+from nats.js.errors import NotFoundError
+
+from supervisor.embedded import find_binary as nats_server_binary
+from supervisor.embedded import free_port
+
+STREAM = "JOBS"
+CONSUMER = "workers"
+SUBJECT = "jobs.new"
+SUBJECTS = ["jobs.>"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for every process the bench starts: the repo importable, no stray
+    SUPERVISOR_* overrides from the caller's shell."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.01) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+class NatsServer:
+    """nats-server -js on free ports with a temporary store, stopped on exit."""
+
+    def __init__(self, workdir: Path):
+        self.store = Path(tempfile.mkdtemp(prefix="store-", dir=workdir))
+        self.port, self.monitor_port = free_port(), free_port()
+        self.proc: subprocess.Popen | None = None
+        self.version = ""
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "NatsServer":
+        binary = nats_server_binary()
+        self.version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.strip()
+        self.proc = subprocess.Popen([binary, "-js", "-sd", str(self.store), "-a", "127.0.0.1", "-p", str(self.port),
+                                      "-m", str(self.monitor_port)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_until(self._serving, 30, "nats-server", 0.05)
+        return self
+
+    def _serving(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"nats-server exited with {self.proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true",
+                                        timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.store, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the queue
+
+@dataclass(frozen=True)
+class QueueSpec:
+    ack_wait: float = 30.0
+    max_ack_pending: int = 100_000
+
+
+async def reset_queue(url: str, spec: QueueSpec) -> None:
+    """A fresh work-queue stream and durable pull consumer, as `supervisor start` would create
+    them from the config the bench gives it (so it finds nothing to change)."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        for name in (STREAM, "JOBS_DLQ"):
+            with contextlib.suppress(NotFoundError):
+                await js.delete_stream(name)
+        await js.add_stream(api.StreamConfig(name=STREAM, subjects=SUBJECTS, retention=api.RetentionPolicy.WORK_QUEUE,
+                                             storage=api.StorageType.FILE, num_replicas=1, duplicate_window=120.0))
+        await js.add_consumer(STREAM, api.ConsumerConfig(
+            durable_name=CONSUMER, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=spec.ack_wait, max_deliver=-1,
+            max_ack_pending=spec.max_ack_pending, deliver_policy=api.DeliverPolicy.ALL))
+    finally:
+        await nc.close()
+
+
+async def publish(url: str, count: int, data: bytes = b"x", window: int = 2000) -> float:
+    """Pipelined js.publish (up to `window` PubAcks outstanding); returns the seconds it took."""
+    nc = await nats.connect(url)
+    started = time.monotonic()
+    try:
+        js = nc.jetstream()
+        for lo in range(0, count, window):
+            acks = await asyncio.gather(*(js.publish(SUBJECT, data, timeout=30) for _ in range(min(window, count - lo))))
+            assert all(a.stream == STREAM for a in acks)
+    finally:
+        await nc.close()
+    return time.monotonic() - started
+
+
+@dataclass
+class ConsumerState:
+    num_pending: int
+    num_ack_pending: int
+    num_redelivered: int
+    delivered: int
+    ack_floor: int
+    num_waiting: int
+
+
+async def consumer_state(js: Any) -> ConsumerState:
+    info = await js.consumer_info(STREAM, CONSUMER, timeout=5)
+    return ConsumerState(info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0,
+                         info.delivered.consumer_seq or 0, info.ack_floor.consumer_seq or 0, info.num_waiting or 0)
+
+
+@dataclass
+class Progress:
+    """Acked jobs over time for one run, from ConsumerInfo polls."""
+    total: int
+    t0: float
+    samples: list[tuple[float, int]] = field(default_factory=list)   # (seconds since t0, acked)
+
+    def add(self, t: float, state: ConsumerState) -> int:
+        acked = self.total - state.num_pending - state.num_ack_pending
+        self.samples.append((t - self.t0, acked))
+        return acked
+
+    @property
+    def first_ack_s(self) -> float | None:
+        return next((t for t, a in self.samples if a > 0), None)
+
+    @property
+    def done_s(self) -> float | None:
+        return next((t for t, a in self.samples if a >= self.total), None)
+
+    def time_at(self, acked: float) -> float | None:
+        """Linear interpolation of the moment `acked` jobs were done."""
+        prev = (0.0, 0)
+        for t, a in self.samples:
+            if a >= acked:
+                if a == prev[1]:
+                    return t
+                return prev[0] + (t - prev[0]) * (acked - prev[1]) / (a - prev[1])
+            prev = (t, a)
+        return None
+
+    def steady_rate(self, lo: float = 0.1, hi: float = 0.9) -> float | None:
+        """Jobs/s between lo and hi of the backlog: start-up and the tail are left out."""
+        t_lo, t_hi = self.time_at(lo * self.total), self.time_at(hi * self.total)
+        if t_lo is None or t_hi is None or t_hi <= t_lo:
+            return None
+        return (hi - lo) * self.total / (t_hi - t_lo)

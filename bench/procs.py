@@ -1,0 +1,176 @@
+"""Starting, watching and stopping the contenders' processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import tomli_w
+
+from .natsenv import child_env, free_port, wait_until
+
+
+def _popen(argv: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env or child_env(),
+                                start_new_session=True)
+
+
+def _group_kill(procs: list[subprocess.Popen], timeout: float) -> None:
+    """SIGTERM each process group, then SIGKILL whatever is left after `timeout`."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)      # the group: stray children too
+        if p.poll() is None:
+            p.wait()
+
+
+@dataclass
+class Contender:
+    """One contender's processes for one run."""
+    name: str
+    workdir: Path
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    started: int = 0
+
+    def top_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def tree(self) -> list[psutil.Process]:
+        out = []
+        for p in self.procs:
+            with contextlib.suppress(psutil.Error):
+                top = psutil.Process(p.pid)
+                out.append(top)
+                out.extend(top.children(recursive=True))
+        return out
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        text = "".join(f.read_text(errors="replace") for f in sorted(self.workdir.glob("*.log")))
+        return text[-chars:]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        _group_kill(self.procs, timeout)
+
+
+# ---------------------------------------------------------------- the baselines
+
+def start_loops(mode: str, n: int, url: str, workdir: Path, batch: int = 256, env: dict | None = None) -> Contender:
+    c = Contender(mode, workdir)
+    for i in range(n):
+        c.procs.append(_popen([sys.executable, "-m", "bench.contenders", mode, "--server", url, "--batch", str(batch)],
+                              workdir, workdir / f"{mode}-{c.started + i}.log", child_env(**(env or {}))))
+    c.started += n
+    return c
+
+
+def run_bare(n: int, rounds: int, count: int, workdir: Path) -> float:
+    """n processes each spinning `count` jobs of `rounds`; jobs/s over the slowest one's own
+    timing (interpreter start-up left out; they start within milliseconds of each other)."""
+    argv = [sys.executable, "-m", "bench.contenders", "bare", "--rounds", str(rounds), "--count", str(count)]
+    ps = [subprocess.Popen(argv, cwd=workdir, stdout=subprocess.PIPE, text=True, env=child_env()) for _ in range(n)]
+    outs = [p.communicate(timeout=600)[0] for p in ps]
+    if any(p.returncode for p in ps):
+        raise RuntimeError(f"bare spin processes failed: {[p.returncode for p in ps]}")
+    return n * count / max(float(o) for o in outs)
+
+
+def faststream_available() -> bool:
+    """FastStream with its CLI extra (typer), whose `faststream` command sits next to python."""
+    import importlib.util
+    if not (importlib.util.find_spec("faststream") and importlib.util.find_spec("typer")):
+        return False
+    return shutil.which("faststream", path=str(Path(sys.executable).parent)) is not None
+
+
+def start_faststream(n: int, url: str, workdir: Path, batch: int = 256) -> Contender:
+    exe = str(Path(sys.executable).with_name("faststream"))
+    c = Contender("faststream", workdir)
+    c.procs.append(_popen([exe, "run", "bench.fs_app:app", "--workers", str(n)], workdir, workdir / "faststream.log",
+                          child_env(BENCH_NATS_URL=url, BENCH_BATCH=str(batch))))
+    return c
+
+
+# ---------------------------------------------------------------- ours
+
+@dataclass
+class Supervisor(Contender):
+    http: str = ""
+    config: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.procs[0].pid
+
+    def status(self) -> dict | None:
+        try:
+            with urllib.request.urlopen(f"http://{self.http}/status", timeout=5) as r:
+                return json.load(r)
+        except (OSError, ValueError):
+            return None
+
+    def ready(self, n: int) -> dict | None:
+        s = self.status()
+        if s and s["workers"]["alive"] == n and sum(w["state"] == "ready" for w in s["workers"]["list"]) == n:
+            return s
+        return None
+
+    def wait_ready(self, n: int, timeout: float = 60.0) -> dict:
+        def check():
+            if not self.alive():
+                raise RuntimeError(f"supervisor exited ({self.procs[0].returncode}):\n{self.log_tail()}")
+            return self.ready(n)
+        return wait_until(check, timeout, f"{n} ready workers", 0.02)
+
+    def worker_pids(self) -> list[int]:
+        with contextlib.suppress(psutil.Error):
+            return [c.pid for c in psutil.Process(self.pid).children() if "nats-server" not in c.name()]
+        return []
+
+    def stop(self, timeout: float = 30.0) -> None:
+        _group_kill(self.procs, timeout)
+
+
+def supervisor_config(url: str, n: int, handler: str, *, ack_wait: float = 30.0, max_ack_pending: int = 100_000,
+                      concurrency: int = 1, batch: int = 256, **workers: Any) -> dict:
+    return {
+        "nats": {"servers": [url], "startup_timeout": 10.0},
+        "consumer": {"ack_wait": ack_wait, "max_ack_pending": max_ack_pending},
+        "workers": {"count": n, "handler": handler, "concurrency": concurrency, "batch": batch, **workers},
+        "restart": {"backoff_initial": 0.1},
+        "monitor": {"http": f"127.0.0.1:{free_port()}", "interval": 1.0},
+        "log": {"level": "info"},
+    }
+
+
+def start_supervisor(name: str, config: dict, workdir: Path, env: dict | None = None) -> Supervisor:
+    path = workdir / "config.toml"
+    path.write_text(tomli_w.dumps(config))
+    c = Supervisor(name, workdir, http=config["monitor"]["http"], config=config)
+    c.procs.append(_popen([sys.executable, "-m", "supervisor", "start", "--config", str(path)], workdir,
+                          workdir / "supervisor.log", child_env(**(env or {}))))
+    return c

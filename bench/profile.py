@@ -1,0 +1,44 @@
+"""How big each scenario is: the full run (default), --quick, and the test suite's smoke run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    repeats: int
+    # 1. throughput (no-op handler)
+    jobs: int
+    workers: tuple[int, ...]
+    # 2. CPU-bound
+    cpu_jobs: int
+    cpu_job_s: float
+    cpu_workers: tuple[int, ...]
+    # 3. crash recovery
+    kills: int
+    ack_wait: float
+    # 4. footprint
+    paced_rate: int          # jobs/s offered while the parent's CPU is measured
+    paced_s: float
+    idle_workers: int
+    many_workers: int
+    settle_s: float = 1.0     # after workers report ready, before memory is read
+    idle_s: float = 3.0       # how long idle CPU is measured
+    with_faststream: bool = True
+
+
+PROFILES = {
+    "full": Profile("full", repeats=3, jobs=50_000, workers=(1, 2, 4), cpu_jobs=2_000, cpu_job_s=0.003,
+                    cpu_workers=(1, 2, 4), kills=20, ack_wait=30.0, paced_rate=10_000, paced_s=15.0,
+                    idle_workers=4, many_workers=64, idle_s=5.0),
+    "quick": Profile("quick", repeats=1, jobs=20_000, workers=(1, 2, 4), cpu_jobs=800, cpu_job_s=0.003,
+                     cpu_workers=(1, 2), kills=5, ack_wait=30.0, paced_rate=10_000, paced_s=6.0,
+                     idle_workers=4, many_workers=64),
+    # The test suite's: every code path, tiny counts, a short AckWait; figures are not meaningful.
+    "smoke": Profile("smoke", repeats=1, jobs=400, workers=(1,), cpu_jobs=40, cpu_job_s=0.001,
+                     cpu_workers=(1, 2), kills=2, ack_wait=2.0, paced_rate=500, paced_s=1.5,
+                     idle_workers=2, many_workers=4, settle_s=0.2, idle_s=0.5,
+                     with_faststream=False),
+}

@@ -1,0 +1,205 @@
+"""Tables (Markdown, so the same text goes to the terminal and to docs/BENCHMARKS.md), the
+targets of issue 6 checked against the figures, and the throughput chart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+LABELS = {
+    "supervisor": "jetstream-supervisor, async no-op",
+    "supervisor-sync": "jetstream-supervisor, sync no-op",
+    "plain": "(a) plain nats-py loop",
+    "seed": "(b) seed fetch-one loop",
+    "faststream": "(c) FastStream",
+}
+
+
+def num(value: Any, spec: str = ".0f", unit: str = "") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec) + unit
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.0f}"
+
+
+def mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"   # noqa: E731
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+# ---------------------------------------------------------------- per scenario
+
+def throughput_table(res: dict) -> str:
+    rows = []
+    for r in res["summary"]:
+        rows.append([str(r["workers"]), LABELS.get(r["contender"], r["contender"]), num(r["jobs_per_s"]),
+                     num(r["vs_plain"], ".2f", "x"), num(r["vs_faststream"], ".2f", "x"),
+                     num(r["first_ack_s"], ".2f"), num(r["cpu_ms_per_1k_jobs"], ".0f"),
+                     num(r["server_cpu_ms_per_1k_jobs"], ".0f"), num(r.get("background_cpu_pct"), ".0f"),
+                     " ".join(num(v) for v in r["jobs_per_s_all"])])
+    return table(["N", "contender", "jobs/s", "vs (a)", "vs (c)", "first ack s", "CPU ms/1k jobs",
+                  "server CPU ms/1k", "other load %", "each repeat"], rows)
+
+
+CPU_LABELS = {"supervisor-sync": "jetstream-supervisor, sync handler", "plain": "(a) plain nats-py loop",
+              "bare": "the work alone, no NATS (machine ceiling)"}
+
+
+def cpu_table(res: dict) -> str:
+    rows = [[CPU_LABELS.get(r["contender"], r["contender"]), str(r["workers"]), num(r["jobs_per_s"]),
+             num(r.get("vs_plain"), ".2f", "x"), num(r["speedup"], ".2f", "x"), num(r["efficiency_per_core"], ".2f"),
+             num(r.get("cpu_ms_per_job"), ".2f")] for r in res["summary"]]
+    return table(["contender", "N", "jobs/s", "vs (a)", "speed-up", "efficiency per core", "CPU ms/job"], rows)
+
+
+def crash_table(res: dict) -> str:
+    rows = []
+    for r in res["summary"]:
+        def pair(key: str) -> str:
+            if f"{key}_p50_s" not in r:
+                return "-"
+            return f"{ms(r[f'{key}_p50_s'])} / {ms(r[f'{key}_p99_s'])}"
+        rows.append([r["who"], str(r["kills"]), pair("nak"), pair("redelivered"), pair("acked"),
+                     pair("replacement_ready"), pair("replacement_fork_to_ready")])
+    return table(["", "kills", "NAK sent ms p50/p99", "redelivered ms p50/p99", "acked ms p50/p99",
+                  "replacement ready ms p50/p99", "fork to ready ms p50/p99"], rows)
+
+
+def footprint_table(res: dict) -> str:
+    s = res["summary"]
+    rows = [
+        ["parent CPU at steady load", f"{num(s['parent_cpu_pct'], '.2f')} % of a core at "
+                                      f"{num(s['acked_per_s'])} jobs/s acked ({num(s['offered_per_s'])} offered)"],
+        ["parent CPU idle (2 workers)", f"{num(s['idle_parent_cpu_pct'], '.2f')} %"],
+        ["idle worker USS / PSS / RSS", f"{mib(s['worker_uss'])} / {mib(s['worker_pss'])} / {mib(s['worker_rss'])} MiB"],
+        ["parent USS / RSS", f"{mib(s['parent_uss'])} / {mib(s['parent_rss'])} MiB"],
+    ]
+    for name, m in s["baselines"].items():
+        rows.append([f"{LABELS.get(name, name)} process USS / PSS / RSS",
+                     f"{mib(m['uss'])} / {mib(m['pss'])} / {mib(m['rss'])} MiB"])
+    n = s["many_workers"]
+    rows += [
+        [f"{n} workers: start to all ready", f"{num(s['many_all_ready_s'], '.2f')} s"],
+        [f"{n} workers: serving", f"{s['many_workers_serving']} of {n} acked jobs; "
+                                  f"{4 * n} x 50 ms jobs in {num(s['many_drain_s'], '.2f')} s"],
+        [f"{n} workers: USS total", f"{mib(s['many_uss_total'])} MiB"],
+        [f"{n} workers: parent CPU idle", f"{num(s['many_idle_parent_cpu_pct'], '.2f')} %"],
+    ]
+    return table(["footprint", "figure"], rows)
+
+
+# ---------------------------------------------------------------- targets
+
+def targets(results: dict) -> list[dict]:
+    """Issue 6's targets against the figures; met is None when the scenario did not run."""
+    out = []
+    tp = results.get("throughput")
+    if tp:
+        for flavour in ("supervisor", "supervisor-sync"):
+            rows = [r for r in tp["summary"] if r["contender"] == flavour]
+            worst = min((r["vs_plain"] for r in rows if r["vs_plain"] is not None), default=None)
+            out.append(_target(f"{LABELS[flavour]}: >= 0.9x (a) at every N", worst, ">=", 0.9, ".2f", "x (worst N)"))
+            fs = [r["vs_faststream"] for r in rows if r["vs_faststream"] is not None]
+            if fs:
+                out.append(_target(f"{LABELS[flavour]}: >= 1.5x (c) at every N", min(fs), ">=", 1.5, ".2f",
+                                   "x (worst N)"))
+    cpu = results.get("cpu")
+    if cpu:
+        cores = cpu["cores"]
+
+        def eff(name: str) -> float | None:
+            return min((r["efficiency_per_core"] for r in cpu["summary"] if r["contender"] == name
+                        and 1 < r["workers"] <= cores and r["efficiency_per_core"] is not None), default=None)
+        row = _target(f"CPU-bound efficiency per core (N=2..{cores})", eff("supervisor-sync"), ">=", 0.9, ".2f")
+        row["figure"] += f" (plain loop {num(eff('plain'), '.2f')}, work alone {num(eff('bare'), '.2f')})"
+        out.append(row)
+    crash = results.get("crash")
+    if crash:
+        ours = crash["summary"][0]
+        out.append(_target("crash to redelivery p99", ours["redelivered_p99_s"], "<", 0.1, ".3f", " s"))
+        out.append(_target("replacement ready p99 (kill to ready)", ours["replacement_ready_p99_s"], "<", 1.0, ".3f",
+                           " s"))
+    fp = results.get("footprint")
+    if fp:
+        s = fp["summary"]
+        # The target is stated at 10,000 jobs/s; scale the measured figure to that rate.
+        pct = s["parent_cpu_pct"]
+        if pct is not None and s["acked_per_s"]:
+            pct = pct * 10_000 / s["acked_per_s"] if s["acked_per_s"] < 10_000 * 0.95 else pct
+        out.append(_target("parent CPU at 10,000 jobs/s", pct, "<", 5.0, ".2f", " % of a core"))
+        out.append(_target("USS per idle worker", s["worker_uss"] and s["worker_uss"] / 2**20, "<", 15.0, ".1f",
+                           " MiB"))
+        out.append(_target(f"{s['many_workers']} workers started and serving", s["many_workers_serving"], ">=",
+                           s["many_workers"], "d", f" of {s['many_workers']}"))
+    return out
+
+
+def _target(what: str, value: float | None, op: str, bound: float, spec: str, unit: str = "") -> dict:
+    met = None if value is None else (value >= bound if op == ">=" else value < bound)
+    return {"target": what, "value": value, "bound": f"{op} {format(bound, spec)}{unit.split(' (')[0]}",
+            "figure": num(value, spec, unit), "met": met}
+
+
+def targets_table(rows: list[dict]) -> str:
+    mark = {True: "met", False: "MISSED", None: "-"}
+    return table(["target", "bound", "figure", ""], [[r["target"], r["bound"], r["figure"], mark[r["met"]]]
+                                                     for r in rows])
+
+
+def render(results: dict) -> str:
+    parts = []
+    if "throughput" in results:
+        parts += ["### 1. Throughput, no-op handler", throughput_table(results["throughput"])]
+    if "cpu" in results:
+        parts += ["### 2. CPU-bound jobs", cpu_table(results["cpu"])]
+    if "crash" in results:
+        parts += ["### 3. Crash recovery", crash_table(results["crash"])]
+    if "footprint" in results:
+        parts += ["### 4. Footprint", footprint_table(results["footprint"])]
+    parts += ["### Targets", targets_table(targets(results))]
+    return "\n\n".join(parts) + "\n"
+
+
+# ---------------------------------------------------------------- chart
+
+def chart(results: dict, path: Path) -> Path | None:
+    """Throughput against workers, one line per contender (median, with each repeat as dots)."""
+    tp = results.get("throughput")
+    if not tp:
+        return None
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    for name in tp["contenders"]:
+        rows = sorted((r for r in tp["summary"] if r["contender"] == name), key=lambda r: r["workers"])
+        xs = [r["workers"] for r in rows if r["jobs_per_s"]]
+        ys = [r["jobs_per_s"] for r in rows if r["jobs_per_s"]]
+        line, = ax.plot(xs, ys, marker="o", label=LABELS.get(name, name))
+        for r in rows:
+            ax.scatter([r["workers"]] * len(r["jobs_per_s_all"]), r["jobs_per_s_all"], s=10,
+                       color=line.get_color(), alpha=0.4)
+    ax.set_xlabel("worker processes")
+    ax.set_ylabel("jobs/s (steady, median of repeats)")
+    ax.set_xticks(sorted({r["workers"] for r in tp["summary"]}))
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.set_title(f"No-op throughput, {tp['jobs']:,} jobs, one nats-server, {results['machine']['cpus']} cores")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

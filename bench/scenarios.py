@@ -1,0 +1,562 @@
+"""The four scenarios of issue 6. Each returns {"runs": [...raw figures...], "summary": {...}}.
+
+Fairness rules applied everywhere: one nats-server for the whole run; every contender binds to
+the same durable pull consumer, reset before each drain with the backlog already published;
+progress is read from ConsumerInfo for all alike; contender order rotates between repeats;
+ratios are taken between figures of the same repeat, then the median is reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import nats
+import psutil
+
+from . import procs
+from .handlers import CPU_PREFIX, HOLD, JOURNAL_ENV, calibrate, read_journal
+from .measure import DrainResult, drain
+from .natsenv import SUBJECT, NatsServer, QueueSpec, consumer_state, publish, reset_queue, wait_until
+from .observer import Observer
+from .profile import Profile
+
+# Our two no-op flavours: the same job, an async handler (on the worker's loop, like the plain
+# loop's inline call) and a sync one (in the worker's handler thread, SPEC's `def handle`).
+OURS = {"supervisor": "bench.handlers:anoop", "supervisor-sync": "workers.examples:noop"}
+BASELINES = ("plain", "seed", "faststream")
+PLAIN = "plain"
+FASTSTREAM = "faststream"
+
+
+@dataclass
+class Ctx:
+    server: NatsServer
+    workdir: Path
+    profile: Profile
+    say: Callable[[str], None]
+    cores: int
+    _n: int = 0
+
+    def rundir(self, name: str) -> Path:
+        self._n += 1
+        path = self.workdir / f"{self._n:03d}-{name}"
+        path.mkdir(parents=True)
+        return path
+
+
+def median(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def rotated(names: list[str], k: int) -> list[str]:
+    k %= len(names)
+    return names[k:] + names[:k]
+
+
+def starter(ctx: Ctx, name: str, n: int, rundir: Path, handler: str | None = None, batch: int = 256,
+            **workers: Any) -> Callable[[], procs.Contender]:
+    url = ctx.server.url
+    if name in ("plain", "seed"):
+        return lambda: procs.start_loops(name, n, url, rundir, batch)
+    if name == FASTSTREAM:
+        return lambda: procs.start_faststream(n, url, rundir, batch)
+    config = procs.supervisor_config(url, n, handler or OURS[name], batch=batch, **workers)
+    return lambda: procs.start_supervisor(name, config, rundir)
+
+
+async def measured_drain(ctx: Ctx, name: str, n: int, total: int, data: bytes, handler: str | None = None,
+                         **workers: Any) -> DrainResult:
+    start = starter(ctx, name, n, ctx.rundir(f"{name}-{n}"), handler, **workers)
+    result, contender = await drain(ctx.server.url, total, start, data=data, server_pid=ctx.server.proc.pid,
+                                    parent_pid=lambda c: c.pid if isinstance(c, procs.Supervisor) else None)
+    contender.stop()
+    result.contender, result.workers = name, n
+    return result
+
+
+# ================================================================ 1. throughput
+
+def throughput_contenders(profile: Profile) -> list[str]:
+    names = [*OURS, *BASELINES]
+    if not (profile.with_faststream and procs.faststream_available()):
+        names.remove(FASTSTREAM)
+    return names
+
+
+async def throughput(ctx: Ctx) -> dict:
+    p = ctx.profile
+    names = throughput_contenders(p)
+    runs = []
+    for rep in range(p.repeats):
+        for n in p.workers:
+            for name in rotated(names, rep + n):
+                r = await measured_drain(ctx, name, n, p.jobs, b"x")
+                r.extra["repeat"] = rep
+                runs.append(r.as_dict())
+                ctx.say(f"  throughput rep {rep + 1} N={n} {name:16s} {fmt(r.jobs_per_s, '.0f')} jobs/s, "
+                        f"first ack {fmt(r.first_ack_s, '.2f')} s")
+    return {"contenders": names, "jobs": p.jobs, "runs": runs, "summary": summarize_throughput(runs, names, p.workers)}
+
+
+def summarize_throughput(runs: list[dict], names: list[str], ns: tuple[int, ...]) -> list[dict]:
+    by = {(r["contender"], r["workers"], r["extra"]["repeat"]): r for r in runs}
+    repeats = sorted({r["extra"]["repeat"] for r in runs})
+    rows = []
+    for n in ns:
+        for name in names:
+            mine = [by.get((name, n, k)) for k in repeats]
+            mine = [r for r in mine if r]
+
+            def ratio(other: str) -> float | None:
+                vals = []
+                for k in repeats:
+                    a, b = by.get((name, n, k)), by.get((other, n, k))
+                    if a and b and a["jobs_per_s"] and b["jobs_per_s"]:
+                        vals.append(a["jobs_per_s"] / b["jobs_per_s"])
+                return median(vals)
+
+            rows.append({"contender": name, "workers": n, "repeats": len(mine),
+                         "jobs_per_s": median([r["jobs_per_s"] for r in mine]),
+                         "jobs_per_s_all": [r["jobs_per_s"] for r in mine],
+                         "first_ack_s": median([r["first_ack_s"] for r in mine]),
+                         "cpu_ms_per_1k_jobs": median([r["cpu_ms_per_1k_jobs"] for r in mine]),
+                         "server_cpu_ms_per_1k_jobs": median([r["server_cpu_ms_per_1k_jobs"] for r in mine]),
+                         "background_cpu_pct": median([r["background_cpu_pct"] for r in mine]),
+                         "vs_plain": ratio(PLAIN) if name != PLAIN else 1.0,
+                         "vs_faststream": ratio(FASTSTREAM) if FASTSTREAM in names else None})
+    return rows
+
+
+# ================================================================ 2. CPU-bound scaling
+
+CPU_CONTENDERS = ("supervisor-sync", "plain", "bare")
+# The plain loop acks a fetched batch only when its loop next yields, i.e. after the whole batch:
+# with 256 jobs of a few ms that is one ack burst per second, too coarse to time. Both take 16.
+CPU_BATCH = 16
+
+
+async def cpu_bound(ctx: Ctx) -> dict:
+    p = ctx.profile
+    rounds = calibrate(p.cpu_job_s)
+    data = CPU_PREFIX + str(rounds).encode()
+    ctx.say(f"  cpu: {rounds} rounds of spin() per job ~ {1000 * p.cpu_job_s:g} ms on one core")
+    runs = []
+    for rep in range(p.repeats):
+        for n in p.cpu_workers:
+            for name in rotated(list(CPU_CONTENDERS), rep + n):
+                if name == "bare":
+                    rate = await asyncio.to_thread(procs.run_bare, n, rounds, max(1, p.cpu_jobs // n),
+                                                   ctx.rundir(f"bare-{n}"))
+                    row = {"contender": name, "workers": n, "jobs": p.cpu_jobs, "jobs_per_s": rate, "extra": {}}
+                else:
+                    row = (await measured_drain(ctx, name, n, p.cpu_jobs, data, "bench.handlers:job",
+                                                batch=CPU_BATCH)).as_dict()
+                row["extra"]["repeat"] = rep
+                runs.append(row)
+                ctx.say(f"  cpu rep {rep + 1} N={n} {name:16s} {fmt(row['jobs_per_s'], '.0f')} jobs/s")
+    return {"rounds": rounds, "job_s": p.cpu_job_s, "jobs": p.cpu_jobs, "cores": ctx.cores, "runs": runs,
+            "summary": summarize_cpu(runs, ctx.cores, p.cpu_workers)}
+
+
+def summarize_cpu(runs: list[dict], cores: int, ns: tuple[int, ...]) -> list[dict]:
+    """Efficiency per core = jobs/s at N / (min(N, cores) x jobs/s at 1), taken within each repeat,
+    then the median. `bare` (the work alone, no NATS) is what the machine itself allows."""
+    def rates(name: str, n: int) -> dict[int, float]:
+        return {r["extra"]["repeat"]: r["jobs_per_s"] for r in runs
+                if r["contender"] == name and r["workers"] == n and r["jobs_per_s"]}
+    rows = []
+    for name in CPU_CONTENDERS:
+        one = rates(name, 1)
+        for n in ns:
+            mine, plain = rates(name, n), rates("plain", n)
+            rows.append({"contender": name, "workers": n, "jobs_per_s": median(list(mine.values())),
+                         "speedup": median([mine[k] / one[k] for k in mine if k in one]),
+                         "efficiency_per_core": median([mine[k] / (min(n, cores) * one[k]) for k in mine if k in one]),
+                         "vs_plain": median([mine[k] / plain[k] for k in mine if k in plain]),
+                         "cpu_ms_per_job": median([r["cpu_ms_per_1k_jobs"] / 1000 for r in runs
+                                                   if r["contender"] == name and r["workers"] == n
+                                                   and r.get("cpu_ms_per_1k_jobs")])})
+    return rows
+
+
+def resummarize(results: dict) -> dict:
+    """Recompute every summary from the raw runs of a saved results.json."""
+    if "throughput" in results:
+        tp = results["throughput"]
+        tp["summary"] = summarize_throughput(tp["runs"], tp["contenders"], tuple(results["profile"]["workers"]))
+    if "cpu" in results:
+        cpu = results["cpu"]
+        cpu["summary"] = summarize_cpu(cpu["runs"], cpu["cores"], tuple(results["profile"]["cpu_workers"]))
+    if "crash" in results:
+        results["crash"]["summary"] = summarize_crash(results["crash"]["ours"], results["crash"]["baseline"])
+    if "footprint" in results:
+        fp = results["footprint"]
+        fp["summary"] = summarize_footprint(fp["parent_cpu"], fp["memory"], fp["many"])
+    return results
+
+
+# ================================================================ 3. crash recovery
+
+READY_RE = re.compile(r"worker (\d+) ready \(pid (\d+), (\d+) ms\)")
+
+
+async def crash_recovery(ctx: Ctx) -> dict:
+    p = ctx.profile
+    ours, baseline = [], []
+    for rep in range(p.repeats):
+        ours += await crash_ours(ctx, rep)
+        baseline += await crash_baseline(ctx, rep)
+    return {"ack_wait": p.ack_wait, "kills_per_repeat": p.kills, "ours": ours, "baseline": baseline,
+            "summary": summarize_crash(ours, baseline)}
+
+
+async def crash_ours(ctx: Ctx, rep: int) -> list[dict]:
+    """SIGKILL the worker holding a job, `kills` times in a row, under `supervisor start`."""
+    p = ctx.profile
+    await reset_queue(ctx.server.url, QueueSpec(ack_wait=p.ack_wait))
+    rundir = ctx.rundir("crash-ours")
+    journal = rundir / "journal.txt"
+    # Back-to-back kills would climb the crash-loop backoff (it doubles per crash of a slot within
+    # 10 s, by design); pinning it at its initial 0.1 s measures the restart path itself.
+    config = procs.supervisor_config(ctx.server.url, 2, "bench.handlers:job", ack_wait=p.ack_wait)
+    config["restart"].update(backoff_initial=0.1, backoff_max=0.1)
+    sup = procs.start_supervisor("supervisor", config, rundir, {JOURNAL_ENV: str(journal)})
+    nc = await nats.connect(ctx.server.url)
+    obs = await Observer().start(nc)
+    js = nc.jetstream()
+    out = []
+    try:
+        await asyncio.to_thread(sup.wait_ready, 2)
+        for k in range(p.kills):
+            seq = (await js.publish(SUBJECT, HOLD)).seq
+            out.append(await kill_holder(sup, obs, str(journal), seq, rep, p.ack_wait))
+            ctx.say(f"  crash rep {rep + 1} kill {k + 1}: redelivered {ms(out[-1]['redelivered_s'])}, "
+                    f"acked {ms(out[-1]['acked_s'])}, replacement ready {ms(out[-1]['replacement_ready_s'])}")
+        ready_ms = {(int(s), int(pid)): int(t) for s, pid, t in READY_RE.findall(sup.log_tail(10**7))}
+        for row in out:
+            took = ready_ms.get((row["slot"], row["replacement_pid"]))
+            row["replacement_fork_to_ready_s"] = None if took is None else took / 1000
+    finally:
+        await obs.stop()
+        await nc.close()
+        sup.stop()
+    return out
+
+
+def started(journal: str, seq: int, after_delivery: int) -> tuple[float, int] | None:
+    """(time, delivery) of the first start of `seq` on a delivery after `after_delivery`."""
+    return next(((t, d) for s, d, _, t in read_journal(journal) if s == seq and d > after_delivery), None)
+
+
+async def kill_holder(sup: procs.Supervisor, obs: Observer, journal: str, seq: int, rep: int,
+                      ack_wait: float) -> dict:
+    def holder():
+        s = sup.status()
+        for w in (s or {}).get("workers", {}).get("list", []):
+            for j in w["in_flight"]:
+                if j["stream_seq"] == seq and j.get("state", "running") == "running":
+                    return w, j["delivery"]
+        return None
+    w, delivery = await asyncio.to_thread(wait_until, holder, ack_wait + 30, f"a worker running seq {seq}", 0.005)
+    t_kill = time.monotonic()
+    os.kill(w["pid"], signal.SIGKILL)
+
+    def replaced():
+        s = sup.status()
+        for x in (s or {}).get("workers", {}).get("list", []):
+            if x["slot"] == w["slot"] and x["pid"] != w["pid"] and x["state"] == "ready":
+                return time.monotonic(), x["pid"]
+        return None
+    t_ready, new_pid = await asyncio.to_thread(wait_until, replaced, 60, f"slot {w['slot']} replaced", 0.005)
+    await async_wait(lambda: obs.first(seq, "+ACK", delivery + 1), ack_wait + 30, f"seq {seq} acked")
+    (t_redel, redelivery), t_ack = started(journal, seq, delivery), obs.first(seq, "+ACK", delivery + 1)
+    t_nak = obs.first(seq, "-NAK", delivery)
+    return {"repeat": rep, "seq": seq, "slot": w["slot"], "killed_pid": w["pid"], "replacement_pid": new_pid,
+            "held_delivery": delivery, "redelivery": redelivery,
+            "nak_s": t_nak - t_kill if t_nak else None, "redelivered_s": t_redel - t_kill,
+            "acked_s": t_ack - t_kill, "replacement_ready_s": t_ready - t_kill}
+
+
+async def crash_baseline(ctx: Ctx, rep: int) -> list[dict]:
+    """The same without a supervisor: seed-loop processes, each SIGKILLed holding one job; the
+    server redelivers after AckWait to a survivor. All kills at once, so it takes one AckWait."""
+    p = ctx.profile
+    await reset_queue(ctx.server.url, QueueSpec(ack_wait=p.ack_wait))
+    rundir = ctx.rundir("crash-baseline")
+    journal = str(rundir / "journal.txt")
+    env = {JOURNAL_ENV: journal}
+    holders = procs.start_loops("seed", p.kills, ctx.server.url, rundir, env=env)
+    nc = await nats.connect(ctx.server.url)
+    obs = await Observer().start(nc)
+    js = nc.jetstream()
+    survivor = None
+    try:
+        await async_wait(lambda: consumer_waiting(js, p.kills), 60, f"{p.kills} seed loops pulling")
+        seqs = [(await js.publish(SUBJECT, HOLD)).seq for _ in range(p.kills)]
+        await async_wait(lambda: all(started(journal, s, 0) for s in seqs), 30, "every hold job started")
+        t_kill = time.monotonic()
+        for proc in holders.procs:
+            os.kill(proc.pid, signal.SIGKILL)
+        survivor = procs.start_loops("seed", 1, ctx.server.url, rundir, env=env)
+        await async_wait(lambda: all(obs.first(s, "+ACK", 2) for s in seqs), p.ack_wait + 60, "redeliveries acked")
+        rows = [{"repeat": rep, "seq": s, "started_to_kill_s": t_kill - started(journal, s, 0)[0],
+                 "redelivered_s": started(journal, s, 1)[0] - t_kill, "acked_s": obs.first(s, "+ACK", 2) - t_kill}
+                for s in seqs]
+        ctx.say(f"  crash baseline rep {rep + 1}: {len(seqs)} jobs back after "
+                f"{ms(median([r['redelivered_s'] for r in rows]))} (median)")
+        return rows
+    finally:
+        await obs.stop()
+        await nc.close()
+        holders.stop(2)
+        if survivor:
+            survivor.stop(5)
+
+
+async def consumer_waiting(js: Any, n: int) -> bool:
+    return (await consumer_state(js)).num_waiting >= n
+
+
+async def async_wait(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.005) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    pos = q * (len(values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def summarize_crash(ours: list[dict], baseline: list[dict]) -> list[dict]:
+    """p50/p99 per repeat, then the median across repeats."""
+    rows = []
+    for who, runs, keys in (("supervisor", ours, ("nak_s", "redelivered_s", "acked_s", "replacement_ready_s",
+                                                  "replacement_fork_to_ready_s")),
+                            ("no supervisor (AckWait)", baseline, ("redelivered_s", "acked_s"))):
+        repeats = sorted({r["repeat"] for r in runs})
+        row = {"who": who, "kills": len(runs)}
+        for key in keys:
+            for q, tag in ((0.5, "p50"), (0.99, "p99")):
+                row[f"{key[:-2]}_{tag}_s"] = median([percentile([r[key] for r in runs if r["repeat"] == k], q)
+                                                     for k in repeats])
+            row[f"{key[:-2]}_max_s"] = max((r[key] for r in runs if r[key] is not None), default=None)
+        rows.append(row)
+    return rows
+
+
+# ================================================================ 4. footprint
+
+async def footprint(ctx: Ctx) -> dict:
+    p = ctx.profile
+    parent, memory, many = [], [], []
+    for rep in range(p.repeats):
+        parent.append(await parent_cpu(ctx, rep))
+        memory.append(await worker_memory(ctx, rep))
+        many.append(await many_workers(ctx, rep))
+    return {"parent_cpu": parent, "memory": memory, "many": many,
+            "summary": summarize_footprint(parent, memory, many)}
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+async def parent_cpu(ctx: Ctx, rep: int) -> dict:
+    """The supervisor process's CPU while 2 workers take a paced `paced_rate` jobs/s, and idle."""
+    p = ctx.profile
+    await reset_queue(ctx.server.url, QueueSpec())
+    config = procs.supervisor_config(ctx.server.url, 2, OURS["supervisor"])
+    sup = procs.start_supervisor("supervisor", config, ctx.rundir("parent-cpu"))
+    try:
+        await asyncio.to_thread(sup.wait_ready, 2)
+        parent = psutil.Process(sup.pid)
+        await asyncio.sleep(p.settle_s)
+        c0, t0 = cpu_seconds(parent), time.monotonic()
+        await asyncio.sleep(p.idle_s)
+        idle_pct = 100 * (cpu_seconds(parent) - c0) / (time.monotonic() - t0)
+        load = await paced_load(ctx, p.paced_rate, p.paced_s, parent)
+    finally:
+        sup.stop()
+    row = {"repeat": rep, "idle_parent_cpu_pct": idle_pct, **load}
+    ctx.say(f"  footprint rep {rep + 1}: parent {row['parent_cpu_pct']:.2f}% of a core at "
+            f"{row['acked_per_s']:.0f} jobs/s acked (idle {idle_pct:.2f}%)")
+    return row
+
+
+async def paced_load(ctx: Ctx, rate: int, seconds: float, parent: psutil.Process) -> dict:
+    """Publish `rate` jobs/s (core publishes into the stream, 100 per 10 ms tick); measure the
+    parent's CPU and the ack rate over the middle of the run (first and last fifth left out)."""
+    nc = await nats.connect(ctx.server.url)
+    js = nc.jetstream()
+    per_tick, tick = max(1, rate // 100), 0.01
+    start = time.monotonic()
+    marks: dict[str, tuple[float, float, int]] = {}
+    sent = 0
+    try:
+        while (now := time.monotonic()) - start < seconds:
+            due = int((now - start) / tick) + 1
+            while sent < due * per_tick:
+                await nc.publish(SUBJECT, b"x")
+                sent += 1
+            frac = (now - start) / seconds
+            for tag, at in (("lo", 0.2), ("hi", 0.8)):
+                if tag not in marks and frac >= at:
+                    s = await consumer_state(js)
+                    acked = sent - s.num_pending - s.num_ack_pending
+                    marks[tag] = (time.monotonic(), cpu_seconds(parent), acked)
+            await asyncio.sleep(max(0.0, start + due * tick - time.monotonic()))
+    finally:
+        await nc.flush()
+        await nc.close()
+    (t0, c0, a0), (t1, c1, a1) = marks["lo"], marks["hi"]
+    return {"offered_per_s": rate, "window_s": t1 - t0, "parent_cpu_pct": 100 * (c1 - c0) / (t1 - t0),
+            "acked_per_s": (a1 - a0) / (t1 - t0)}
+
+
+def memory_of(proc: psutil.Process) -> dict:
+    m = proc.memory_full_info()
+    return {"rss": m.rss, "uss": m.uss, "pss": m.pss}
+
+
+async def worker_memory(ctx: Ctx, rep: int) -> dict:
+    """RSS/USS/PSS of idle workers (ready, no job yet), of the parent, and of each baseline's
+    process for comparison."""
+    p = ctx.profile
+    await reset_queue(ctx.server.url, QueueSpec())
+    config = procs.supervisor_config(ctx.server.url, p.idle_workers, OURS["supervisor-sync"])
+    sup = procs.start_supervisor("supervisor", config, ctx.rundir("memory"))
+    try:
+        await asyncio.to_thread(sup.wait_ready, p.idle_workers)
+        await asyncio.sleep(p.settle_s)
+        workers = [memory_of(psutil.Process(pid)) for pid in sup.worker_pids()]
+        parent = memory_of(psutil.Process(sup.pid))
+    finally:
+        sup.stop()
+    out = {"repeat": rep, "workers": workers, "parent": parent, "baselines": await baseline_memory(ctx)}
+    ctx.say(f"  footprint rep {rep + 1}: idle worker USS {mib(median([w['uss'] for w in workers]))}, "
+            f"RSS {mib(median([w['rss'] for w in workers]))}; parent USS {mib(parent['uss'])}")
+    return out
+
+
+async def baseline_memory(ctx: Ctx) -> dict:
+    out = {}
+    names = ["plain"] + ([FASTSTREAM] if ctx.profile.with_faststream and procs.faststream_available() else [])
+    for name in names:
+        c = starter(ctx, name, 1, ctx.rundir(f"memory-{name}"))()
+        try:
+            nc = await nats.connect(ctx.server.url)
+            try:
+                await async_wait(lambda: consumer_waiting(nc.jetstream(), 1), 30, f"{name} pulling")
+            finally:
+                await nc.close()
+            await asyncio.sleep(ctx.profile.settle_s)
+            out[name] = memory_of(c.tree()[-1])          # the worker itself, not a launcher
+        finally:
+            c.stop()
+    return out
+
+
+async def many_workers(ctx: Ctx, rep: int) -> dict:
+    """`many_workers` started, all ready, each serving: time to all ready, jobs spread, memory."""
+    p = ctx.profile
+    n = p.many_workers
+    await reset_queue(ctx.server.url, QueueSpec())
+    config = procs.supervisor_config(ctx.server.url, n, "workers.examples:sleep_job", batch=1)
+    sup = procs.start_supervisor("supervisor", config, ctx.rundir("many"))
+    t0 = time.monotonic()
+    try:
+        await asyncio.to_thread(sup.wait_ready, n, 120)
+        all_ready_s = time.monotonic() - t0
+        jobs = 4 * n
+        await publish(ctx.server.url, jobs, b"0.05")
+        nc = await nats.connect(ctx.server.url)
+        try:
+            js = nc.jetstream()
+            t1 = time.monotonic()
+            await async_wait(lambda: drained(js), 120, f"{jobs} jobs acked", 0.02)
+            served_s = time.monotonic() - t1
+        finally:
+            await nc.close()
+        status = sup.status()
+        served = [w["jobs_acked"] for w in status["workers"]["list"]]
+        mem = [memory_of(psutil.Process(pid)) for pid in sup.worker_pids()]
+        parent = psutil.Process(sup.pid)
+        c0 = cpu_seconds(parent)
+        await asyncio.sleep(p.idle_s)
+        idle_pct = 100 * (cpu_seconds(parent) - c0) / p.idle_s
+    finally:
+        sup.stop(60)
+    row = {"repeat": rep, "workers": n, "all_ready_s": all_ready_s, "jobs": jobs, "job_s": 0.05,
+           "drain_s": served_s, "workers_serving": sum(1 for s in served if s > 0), "jobs_per_worker": served,
+           "uss_total": sum(m["uss"] for m in mem), "uss_median": median([m["uss"] for m in mem]),
+           "idle_parent_cpu_pct": idle_pct}
+    ctx.say(f"  footprint rep {rep + 1}: {n} workers ready in {all_ready_s:.2f} s, {row['workers_serving']} served "
+            f"{jobs} x 50 ms jobs in {served_s:.2f} s; USS total {mib(row['uss_total'])}")
+    return row
+
+
+async def drained(js: Any) -> bool:
+    s = await consumer_state(js)
+    return s.num_pending == 0 and s.num_ack_pending == 0
+
+
+def summarize_footprint(parent: list[dict], memory: list[dict], many: list[dict]) -> dict:
+    def med(rows: list[dict], key: str) -> float | None:
+        return median([r[key] for r in rows])
+    base = {}
+    for name in sorted({k for m in memory for k in m["baselines"]}):
+        base[name] = {k: median([m["baselines"][name][k] for m in memory if name in m["baselines"]])
+                      for k in ("rss", "uss", "pss")}
+    return {
+        "parent_cpu_pct": med(parent, "parent_cpu_pct"), "acked_per_s": med(parent, "acked_per_s"),
+        "offered_per_s": med(parent, "offered_per_s"), "idle_parent_cpu_pct": med(parent, "idle_parent_cpu_pct"),
+        "worker_uss": median([median([w["uss"] for w in m["workers"]]) for m in memory]),
+        "worker_rss": median([median([w["rss"] for w in m["workers"]]) for m in memory]),
+        "worker_pss": median([median([w["pss"] for w in m["workers"]]) for m in memory]),
+        "parent_uss": median([m["parent"]["uss"] for m in memory]),
+        "parent_rss": median([m["parent"]["rss"] for m in memory]),
+        "baselines": base,
+        "many_workers": many[0]["workers"] if many else None,
+        "many_all_ready_s": med(many, "all_ready_s"), "many_drain_s": med(many, "drain_s"),
+        "many_workers_serving": min((r["workers_serving"] for r in many), default=None),
+        "many_uss_total": med(many, "uss_total"), "many_idle_parent_cpu_pct": med(many, "idle_parent_cpu_pct"),
+    }
+
+
+# ================================================================ formatting helpers
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.0f} ms"
+
+
+def mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
