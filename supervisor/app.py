@@ -125,12 +125,9 @@ class Supervisor:
                 init = load_callable(cfg.workers.init, "workers.init") if cfg.workers.init else None
             if change.update_consumer:
                 await provision.ensure_consumer(self.nc.jetstream(), cfg)
-        except SupervisorError as exc:
-            log.error("reload failed; still running on the previous config: %s", exc)
-            self.notifier.ready(self.arbiter.status_line())
-            return
-        except Exception as exc:
-            log.error("reload failed; still running on the previous config: %s: %s", type(exc).__name__, exc)
+        except Exception as exc:      # whatever went wrong, the running config stays
+            why = str(exc) if isinstance(exc, SupervisorError) else f"{type(exc).__name__}: {exc}"
+            log.error("reload failed; still running on the previous config: %s", why)
             self.notifier.ready(self.arbiter.status_line())
             return
         for key in change.needs_restart:

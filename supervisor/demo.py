@@ -33,10 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import tomli_w
 import uvloop
 
 from . import config as config_mod
+from .embedded import free_port
 from .errors import EXIT_BUG, EXIT_OK, ConfigError
 from .notify import scrub_child_env
 from .tools import SupervisorUnreachable, default_subject, http_call, lag_line, paint, use_color
@@ -157,7 +159,7 @@ class Demo:
         self.crash_index = max(1, args.jobs // 5)          # 30 jobs: job-06, as in the seed post
         self.configured = bool(args.config or args.server)
         self.tmp = Path(tempfile.mkdtemp(prefix="supervisor-demo-"))
-        self.http = f"127.0.0.1:{_free_port()}"
+        self.http = f"127.0.0.1:{free_port()}"
         self.base = f"http://{self.http}"
         try:
             self.cfg = self.load_config()
@@ -507,12 +509,6 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt          # SIGTERM: the same clean stop as Ctrl-C
 
 
-def _free_port() -> int:
-    from .embedded import free_port
-
-    return free_port()
-
-
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -524,20 +520,10 @@ def _group_alive(pgid: int) -> bool:
 
 
 def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    return pid is not None and psutil.pid_exists(pid)
 
 
 def _is_nats_server(pid: int) -> bool:
-    import psutil
-
     try:
         return "nats-server" in psutil.Process(pid).name()
     except psutil.Error:

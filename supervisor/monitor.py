@@ -37,7 +37,6 @@ class Monitor:
         self.polled_at: float | None = None
         self.error = ""
         self.advisories = {"max_deliveries": 0, "terminated": 0}
-        self.dead_lettered = 0
 
     def apply_config(self, cfg: Config) -> None:
         old, self.cfg = self.cfg, cfg
@@ -47,12 +46,11 @@ class Monitor:
 
     async def run(self) -> None:
         await self.subscribe_advisories()
-        interval = self.cfg.monitor.interval
         while True:
             started = time.monotonic()
             await self.poll()
             self.after_poll()
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+            await asyncio.sleep(max(0.0, self.cfg.monitor.interval - (time.monotonic() - started)))
 
     async def poll(self) -> None:
         js = self.nc.jetstream()
@@ -152,6 +150,5 @@ class Monitor:
         except Exception as exc:
             log.error("job seq=%d: dead-letter copy failed: %s", seq, exc)
             return
-        self.dead_lettered += 1
         self.arbiter.alert("max_deliveries", f"job seq={seq} gave up after {deliveries} deliveries; "
                                              f"copied to {self.cfg.restart.dead_letter_subject}")

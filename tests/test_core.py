@@ -113,3 +113,21 @@ def test_drain_naks_pulled_but_not_started(nats_server, supervisor_factory):
     again = supervisor_factory(nats_server, workers={"count": 3}, consumer={"ack_wait": 300.0})
     wait_until(lambda: len(again.jobs.done()) == 3, timeout=60, what="the 3 others processed long before AckWait")
     assert again.stop() == 0
+
+
+def test_publish_with_msg_id_is_deduplicated(nats_server, tmp_path):
+    first = publish(nats_server.url, count=5, data="0", extra=("--msg-id", "order"))
+    assert "5 stored, 0 duplicates" in first
+    again = publish(nats_server.url, count=7, data="0", extra=("--msg-id", "order"))
+    assert "2 stored, 5 duplicates" in again
+    assert nats_server.stream_msgs() == 7
+
+
+def test_double_ack_acks_synchronously(nats_server, supervisor_factory):
+    sup = supervisor_factory(nats_server, workers={"count": 2, "double_ack": True})
+    sup.wait_ready(2)
+    publish(nats_server.url, count=10, data="0")
+    wait_until(lambda: nats_server.stream_msgs() == 0, what="every job acked")
+    assert len(sup.jobs.done()) == 10
+    wait_until(lambda: sup.status()["jobs"]["ack"] == 10, what="acks counted")
+    assert sup.stop() == 0
