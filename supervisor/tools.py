@@ -9,12 +9,15 @@ import sys
 import time
 from typing import Any
 
+import nats.errors
+import nats.js.errors
 import uvloop
 
 from . import provision
 from .cli import load_config
 from .config import Config
-from .errors import EXIT_OK, ConfigError
+from .errors import EXIT_BUG, EXIT_OK, ConfigError, NatsUnavailable, SupervisorError
+from .lag import STALE_MIN_S
 
 PUBLISH_WINDOW = 256        # PubAcks awaited at once
 
@@ -49,12 +52,15 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 async def publish(cfg: Config, subject: str, count: int, data: str, msg_id: str | None,
                   rate: float | None) -> tuple[int, int]:
+    """Publish with a window of PubAcks in flight; (stored, duplicates). The stream is ensured
+    first (as `start` would), so jobs published before the supervisor starts wait for it."""
     nc = await provision.connect_until(cfg, name=f"{cfg.nats.name} publish")
     js = nc.jetstream()
-    stored = dups = 0
+    counts = {"stored": 0, "duplicates": 0}
     started = time.monotonic()
+    pending: set[asyncio.Future] = set()
     try:
-        pending: set[asyncio.Future] = set()
+        await provision.ensure_stream(js, provision.stream_config(cfg), cfg.stream.create, "stream")
         for i in range(1, count + 1):
             if rate:
                 delay = started + (i - 1) / rate - time.monotonic()
@@ -65,26 +71,29 @@ async def publish(cfg: Config, subject: str, count: int, data: str, msg_id: str 
             pending.add(asyncio.ensure_future(js.publish(subject, payload, headers=headers, timeout=10)))
             if len(pending) >= PUBLISH_WINDOW:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                s, d = _count(done)
-                stored, dups = stored + s, dups + d
+                _count(done, counts, subject)
         if pending:
-            done, _ = await asyncio.wait(pending)
-            s, d = _count(done)
-            stored, dups = stored + s, dups + d
+            done, pending = await asyncio.wait(pending)
+            _count(done, counts, subject)
     finally:
+        for fut in pending:              # after a failure: nothing left half-sent and unobserved
+            fut.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         await nc.drain()
-    return stored, dups
+    return counts["stored"], counts["duplicates"]
 
 
-def _count(done: set[asyncio.Future]) -> tuple[int, int]:
-    stored = dups = 0
+def _count(done: set[asyncio.Future], counts: dict[str, int], subject: str) -> None:
+    failures = [fut.exception() for fut in done if fut.exception() is not None]
     for fut in done:
-        ack = fut.result()          # a failed publish is an error the user must see
-        if ack.duplicate:
-            dups += 1
-        else:
-            stored += 1
-    return stored, dups
+        if fut.exception() is None:
+            counts["duplicates" if fut.result().duplicate else "stored"] += 1
+    if failures:
+        exc = failures[0]
+        no_stream = isinstance(exc, (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError))
+        why = "no stream captures that subject" if no_stream else f"{type(exc).__name__}: {exc}"
+        raise NatsUnavailable(f"publishing to {subject} failed ({why}) after {counts['stored']} stored, "
+                              f"{counts['duplicates']} duplicates")
 
 
 # ---------------------------------------------------------------- lag
@@ -118,8 +127,6 @@ async def lag(cfg: Config, stream: str, consumer: str, as_json: bool, watch: flo
 
 async def consumer_info(js: Any, stream: str, consumer: str) -> dict[str, Any]:
     from nats.js.errors import NotFoundError
-
-    from .errors import NatsUnavailable
 
     try:
         info = await js.consumer_info(stream, consumer)
@@ -191,8 +198,6 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- talking to a running supervisor
 
-from .errors import EXIT_BUG, SupervisorError  # noqa: E402  (kept beside the code that uses them)
-from .lag import STALE_MIN_S  # noqa: E402  (a poll older than this, with lag unknown, is stale)
 
 HTTP_TIMEOUT = 5.0
 # An unspecified listen address means "every interface"; the supervisor is reachable on loopback.

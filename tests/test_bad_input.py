@@ -109,3 +109,16 @@ def test_crash_looping_workers_halt_with_exit_5(tmp_path, nats_server):
     assert result.returncode == 5
     line = error_line(result)
     assert "died before becoming ready" in line and "init hook failed" in line
+
+
+def test_publish_to_a_subject_no_stream_captures_exits_4(tmp_path, nats_server):
+    result = run_cli("publish", "--server", nats_server.url, "--subject", "elsewhere.x", "--count", "300", tmp=tmp_path)
+    assert result.returncode == 4
+    line = error_line(result)
+    assert "elsewhere.x" in line and "no stream captures that subject" in line and "after 0 stored" in line
+    assert "exception was never retrieved" not in result.stderr
+
+
+def test_lag_without_the_consumer_exits_4(tmp_path, nats_server):
+    result = run_cli("lag", "--server", nats_server.url, tmp=tmp_path)
+    assert result.returncode == 4 and "consumer workers not found on stream JOBS" in error_line(result)
