@@ -26,10 +26,12 @@ def test_random_sigkills_lose_nothing_and_ledger_matches(nats_server, supervisor
         running = wait_until(lambda: [r for r in sup.jobs.running() if r.pid in alive], what="a job in flight")
         victim = rng.choice(running).pid
         time.sleep(rng.uniform(0, 0.05))          # a random moment of the job, not a synchronisation
-        held = {r.seq for r in sup.jobs.running() if r.pid == victim}
         psutil.Process(victim).send_signal(signal.SIGKILL)
-        kills.append((time.time(), victim, held))
+        t_kill = time.time()
         wait_until(lambda: victim not in sup.worker_pids(), what="the victim reaped")
+        # The victim's log is final now: what it started and never finished was running at the kill.
+        running_at_kill = {r.seq for r in sup.jobs.running() if r.pid == victim}
+        kills.append((t_kill, victim, running_at_kill))
         sup.wait_ready(4)
 
     wait_until(lambda: sup.jobs.done_seqs() >= set(range(1, 401)), timeout=120, what="every job done")
