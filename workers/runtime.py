@@ -35,7 +35,7 @@ from .slots import SlotTable
 
 log = logging.getLogger("worker")
 
-PULL_EXPIRES = 2.0          # a pull request lives this long; bounds how long a drain waits for it
+PULL_EXPIRES = 2.0          # a pull request lives this long: an idle worker renews it this often
 PULL_RTT_GUESS = 0.05       # prefetch hides one pull round trip plus the scheduling and GIL latency of a
                             # busy box (5 ms left CPU-bound workers idle 30% of the time; see BENCHMARKS.md)
 CHUNK_BUDGET = 0.002        # a sync handler's thread takes this much queued work per hop
