@@ -150,26 +150,26 @@ def test_render_status_stale_poll_dead_workers_jobs_and_alerts():
 def test_scale_up_and_down_with_jobs_flowing_loses_nothing(nats_server, supervisor_factory):
     sup = supervisor_factory(nats_server, workers={"count": 1})
     sup.wait_ready(1)
-    publish(nats_server.url, count=60, data="0.1")
+    publish(nats_server.url, count=150, data="0.1")
     wait_until(lambda: len(sup.jobs.done()) >= 3, what="jobs flowing")
 
-    r = run_cli("scale", "3", "--url", sup.http)
+    r = run_cli("scale", "5", "--url", sup.http)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("target 3 workers (was 1)"), r.stdout
-    sup.wait_ready(3)
-    wait_until(lambda: len({r.pid for r in sup.jobs.started()}) >= 3, what="all three workers taking jobs")
+    assert r.stdout.startswith("target 5 workers (was 1)"), r.stdout
+    sup.wait_ready(5)
+    wait_until(lambda: len({r.pid for r in sup.jobs.started()}) >= 5, what="all five workers taking jobs")
 
-    r = run_cli("scale", "1", "--url", sup.http)
-    assert r.returncode == 0 and r.stdout.startswith("target 1 worker (was 3)"), (r.stdout, r.stderr)
-    assert len(sup.jobs.done_seqs()) < 60, "the scale-down must happen while jobs are still flowing"
-    wait_until(lambda: (s := sup.try_status()) and len(s["workers"]["list"]) == 1 and s["workers"]["target"] == 1,
-               what="back to one worker")
+    r = run_cli("scale", "2", "--url", sup.http)
+    assert r.returncode == 0 and r.stdout.startswith("target 2 workers (was 5)"), (r.stdout, r.stderr)
+    assert len(sup.jobs.done_seqs()) < 150, "the scale-down must happen while jobs are still flowing"
+    wait_until(lambda: (s := sup.try_status()) and len(s["workers"]["list"]) == 2 and s["workers"]["target"] == 2,
+               what="back to two workers")
 
-    wait_until(lambda: sup.jobs.done_seqs() == set(range(1, 61)), what="every job done")
+    wait_until(lambda: sup.jobs.done_seqs() == set(range(1, 151)), what="every job done")
     wait_until(lambda: nats_server.stream_msgs() == 0, what="stream empty (every job acked)")
     done = [r.seq for r in sup.jobs.done()]
-    assert sorted(done) == list(range(1, 61)), "a job finished twice: a drained worker's ack was lost"
-    assert len(psutil.Process(sup.proc.pid).children()) == 1
+    assert sorted(done) == list(range(1, 151)), "a job finished twice: a drained worker's ack was lost"
+    assert len(psutil.Process(sup.proc.pid).children()) == 2
 
 
 def test_scale_usage_errors(nats_server, supervisor_factory):
