@@ -131,3 +131,22 @@ def test_double_ack_acks_synchronously(nats_server, supervisor_factory):
     assert len(sup.jobs.done()) == 10
     wait_until(lambda: sup.status()["jobs"]["ack"] == 10, what="acks counted")
     assert sup.stop() == 0
+
+
+def test_lag_watch_is_a_ticker_with_a_time_column(nats_server, supervisor_factory, tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    from harness import child_env
+
+    sup = supervisor_factory(nats_server, workers={"count": 1})
+    sup.wait_ready(1)
+    ticker = subprocess.Popen([sys.executable, "-m", "supervisor", "lag", "--server", nats_server.url, "--watch", "0.2"],
+                              stdout=subprocess.PIPE, text=True, env=child_env(), cwd=tmp_path)
+    lines = [ticker.stdout.readline() for _ in range(3)]
+    ticker.send_signal(signal.SIGINT)
+    assert ticker.wait(10) == 0
+    pattern = r"^\s*\d+\.\ds pending=\d+\s+ackPending=\d+\s+redelivered=\d+\s+delivered=\d+\s+ackFloor=\d+$"
+    assert all(re.match(pattern, line.rstrip("\n")) for line in lines), lines
+    assert sup.stop() == 0
