@@ -25,10 +25,17 @@ ENV_PREFIX = "SUPERVISOR_"
 ENV_CONFIG_PATH = "SUPERVISOR_CONFIG"
 
 
-def key(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None,
+# How SIGHUP applies a key (supervisor/reload.py reads these):
+LIVE = "live"              # the parent applies it at once
+REPLACE = "replace"        # workers read it at fork: replace them one at a time, replacement first
+RESTART = "restart"        # fixed for the life of the process: logged, applied at the next start
+
+
+def key(default: Any, doc: str, *, reload: str, lo: float | None = None, hi: float | None = None,
         choices: tuple[str, ...] | None = None, secret: bool = False) -> Any:
-    """Declare one config key: its default, its comment, and its bounds."""
-    meta = {"doc": doc, "lo": lo, "hi": hi, "choices": choices, "secret": secret}
+    """Declare one config key: its default, its comment, how a reload applies it, its bounds."""
+    assert reload in (LIVE, REPLACE, RESTART), reload
+    meta = {"doc": doc, "lo": lo, "hi": hi, "choices": choices, "secret": secret, "reload": reload}
     if isinstance(default, (list, tuple)):
         return field(default=tuple(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -36,87 +43,122 @@ def key(default: Any, doc: str, *, lo: float | None = None, hi: float | None = N
 
 @dataclass(frozen=True)
 class NatsConfig:
-    servers: tuple[str, ...] = key((), "empty: start the embedded nats-server", secret=True)
-    name: str = key("jetstream-supervisor", "connection name shown in the server's monitoring")
-    creds_file: str = key("", "JWT + NKey .creds")
-    nkey_seed_file: str = key("", "NKey seed (user auth by public key)")
-    token_file: str = key("", "auth token")
-    user: str = key("", "with password_file: user/password auth")
-    password_file: str = key("", "")
-    tls_ca_file: str = key("", "private CA for the server certificate")
-    tls_cert_file: str = key("", "with tls_key_file: mutual TLS")
-    tls_key_file: str = key("", "")
-    startup_timeout: float = key(30.0, "seconds to keep trying before exit 4", lo=0.0)
+    servers: tuple[str, ...] = key((), "empty: start the embedded nats-server", reload=RESTART, secret=True)
+    name: str = key("jetstream-supervisor", "connection name shown in the server's monitoring", reload=RESTART)
+    creds_file: str = key("", "JWT + NKey .creds", reload=RESTART)
+    nkey_seed_file: str = key("", "NKey seed (user auth by public key)", reload=RESTART)
+    token_file: str = key("", "auth token", reload=RESTART)
+    user: str = key("", "with password_file: user/password auth", reload=RESTART)
+    password_file: str = key("", "", reload=RESTART)
+    tls_ca_file: str = key("", "private CA for the server certificate", reload=RESTART)
+    tls_cert_file: str = key("", "with tls_key_file: mutual TLS", reload=RESTART)
+    tls_key_file: str = key("", "", reload=RESTART)
+    startup_timeout: float = key(30.0, "seconds `start` keeps trying before exit 4", reload=RESTART, lo=0.0)
+    connect_timeout: float = key(2.0, "one-shot commands give up after this (exit 4); also each connect attempt",
+                                 reload=RESTART, lo=0.1)
 
 
 @dataclass(frozen=True)
 class EmbeddedConfig:
-    host: str = key("127.0.0.1", "only used when nats.servers is empty")
-    port: int = key(4222, "client port; 0 picks a free one", lo=0, hi=65535)
-    monitor_port: int = key(8222, "the server's HTTP monitoring (/jsz, /healthz); 0 disables; -1 picks a free one", lo=-1, hi=65535)
-    store_dir: str = key("", "empty: a temporary directory removed at exit")
+    host: str = key("127.0.0.1", "only used when nats.servers is empty", reload=RESTART)
+    port: int = key(4222, "client port; 0 picks a free one", reload=RESTART, lo=0, hi=65535)
+    monitor_port: int = key(8222, "the server's HTTP monitoring (/jsz, /healthz); 0 disables; -1 picks a free one",
+                            reload=RESTART, lo=-1, hi=65535)
+    store_dir: str = key("", "\"\": $STATE_DIRECTORY or $XDG_STATE_HOME/jetstream-supervisor (kept across restarts); "
+                             "\":memory:\" a throw-away temp dir", reload=RESTART)
 
 
 @dataclass(frozen=True)
 class StreamConfig:
-    name: str = key("JOBS", "the work-queue stream")
-    subjects: tuple[str, ...] = key(("jobs.>",), "subjects the stream captures")
-    create: bool = key(True, "create when missing; never silently change an existing stream")
-    storage: str = key("file", "file or memory", choices=("file", "memory"))
-    replicas: int = key(1, "copies in a cluster", lo=1, hi=5)
-    retention: str = key("workqueue", "workqueue, limits or interest", choices=("workqueue", "limits", "interest"))
-    duplicate_window: float = key(120.0, "seconds a Nats-Msg-Id is remembered", lo=0.0)
+    name: str = key("JOBS", "the work-queue stream", reload=RESTART)
+    subjects: tuple[str, ...] = key(("jobs.>",), "subjects the stream captures", reload=RESTART)
+    create: bool = key(True, "create when missing; never silently change an existing stream", reload=RESTART)
+    storage: str = key("file", "file or memory", reload=RESTART, choices=("file", "memory"))
+    replicas: int = key(1, "copies in a cluster", reload=RESTART, lo=1, hi=5)
+    retention: str = key("workqueue", "workqueue, limits or interest", reload=RESTART,
+                         choices=("workqueue", "limits", "interest"))
+    duplicate_window: float = key(120.0, "seconds a Nats-Msg-Id is remembered", reload=RESTART, lo=0.0)
 
 
 @dataclass(frozen=True)
 class ConsumerConfig:
-    name: str = key("workers", "the durable pull consumer every worker binds to")
-    filter_subject: str = key("", "empty: every subject of the stream")
-    ack_wait: float = key(30.0, "seconds before an unacked delivery is redelivered", lo=0.001)
-    max_deliver: int = key(-1, "deliveries before giving up (-1 = unlimited)", lo=-1)
-    max_ack_pending: int = key(1000, "jobs in flight across all workers", lo=1)
-    backoff: tuple[float, ...] = key((), "server-side redelivery delays (seconds) by delivery count")
+    # Every consumer key is pushed to the server by a reload (supervisor/provision.py).
+    name: str = key("workers", "the durable pull consumer every worker binds to", reload=RESTART)
+    filter_subject: str = key("", "empty: every subject of the stream", reload=LIVE)
+    ack_wait: float = key(30.0, "seconds before an unacked delivery is redelivered", reload=LIVE, lo=0.001)
+    max_deliver: int = key(-1, "deliveries before giving up (-1 = unlimited)", reload=LIVE, lo=-1)
+    max_ack_pending: int = key(1000, "jobs in flight across all workers", reload=LIVE, lo=1)
+    backoff: tuple[float, ...] = key((), "server-side redelivery delays (seconds) by delivery count", reload=LIVE)
 
 
 @dataclass(frozen=True)
 class WorkersConfig:
-    count: int = key(4, "worker processes", lo=0, hi=1024)
-    handler: str = key("workers.examples:sleep_job", "MOD:FUNC called for each job")
-    init: str = key("", "MOD:FUNC called once in each worker after fork")
-    concurrency: int = key(1, "jobs in flight at once per worker", lo=1, hi=1024)
-    batch: int = key(16, "messages asked for per pull", lo=1, hi=4096)
-    job_timeout: float = key(0.0, "hard limit per job; 0 = none", lo=0.0)
-    heartbeat_timeout: float = key(30.0, "a worker silent this long is killed", lo=0.1)
-    max_jobs: int = key(0, "recycle a worker after this many jobs (0 = never) ...", lo=0)
-    max_jobs_jitter: int = key(0, "... plus a random 0..jitter", lo=0)
-    max_rss_mb: int = key(0, "recycle a worker whose RSS exceeds this (0 = never)", lo=0)
-    graceful_timeout: float = key(30.0, "on stop/recycle: time to finish in-flight jobs", lo=0.0)
-    double_ack: bool = key(False, "true: ack_sync (exactly-once with Nats-Msg-Id)")
-    retry_backoff: tuple[float, ...] = key((1.0, 5.0, 30.0), "NAK delays by delivery count for failed jobs")
-    progress_pings: bool = key(True, "keep running jobs from redelivery with +WPI before AckWait; false only to diagnose")
+    count: int = key(4, "worker processes", reload=LIVE, lo=0, hi=1024)
+    handler: str = key("workers.examples:sleep_job", "MOD:FUNC called for each job", reload=REPLACE)
+    init: str = key("", "MOD:FUNC called once in each worker after fork", reload=REPLACE)
+    concurrency: int = key(1, "jobs in flight at once per worker", reload=REPLACE, lo=1, hi=1024)
+    batch: int = key(16, "messages asked for per pull", reload=REPLACE, lo=1, hi=4096)
+    job_timeout: float = key(0.0, "hard limit per job; 0 = none", reload=LIVE, lo=0.0)
+    heartbeat_timeout: float = key(30.0, "a worker silent this long is killed", reload=LIVE, lo=0.1)
+    max_jobs: int = key(0, "recycle a worker after this many jobs (0 = never) ...", reload=LIVE, lo=0)
+    max_jobs_jitter: int = key(0, "... plus a random 0..jitter", reload=LIVE, lo=0)
+    max_rss_mb: int = key(0, "recycle a worker whose RSS exceeds this (0 = never)", reload=LIVE, lo=0)
+    graceful_timeout: float = key(30.0, "on stop/recycle: time to finish in-flight jobs", reload=REPLACE, lo=0.0)
+    double_ack: bool = key(False, "true: ack_sync (exactly-once with Nats-Msg-Id)", reload=REPLACE)
+    retry_backoff: tuple[float, ...] = key((1.0, 5.0, 30.0), "NAK delays by delivery count for failed jobs",
+                                           reload=REPLACE)
+    progress_pings: bool = key(True, "keep running jobs from redelivery with +WPI before AckWait; false only to "
+                                     "diagnose", reload=LIVE)
 
 
 @dataclass(frozen=True)
 class RestartConfig:
-    backoff_initial: float = key(0.1, "first restart delay of a crashed slot", lo=0.0)
-    backoff_max: float = key(30.0, "restart delay ceiling", lo=0.0)
-    boot_failures_to_halt: int = key(10, "consecutive workers dying before ready -> exit 5", lo=1)
-    poison_after_crashes: int = key(3, "a job running at this many worker deaths is quarantined", lo=1)
-    dead_letter_subject: str = key("dlq.jobs", "where rejected, poison and max-delivered jobs are copied")
-    dead_letter_stream: str = key("JOBS_DLQ", "created (when stream.create) to keep dead letters; \"\" = none")
+    backoff_initial: float = key(0.1, "first restart delay of a crashed slot", reload=LIVE, lo=0.0)
+    backoff_max: float = key(30.0, "restart delay ceiling", reload=LIVE, lo=0.0)
+    boot_failures_to_halt: int = key(10, "consecutive workers dying before ready -> exit 5", reload=LIVE, lo=1)
+    poison_after_crashes: int = key(3, "a job running at this many worker deaths is quarantined", reload=LIVE, lo=1)
+    dead_letter_subject: str = key("dlq.jobs", "where rejected, poison and max-delivered jobs are copied",
+                                   reload=REPLACE)
+    dead_letter_stream: str = key("JOBS_DLQ", "created (when stream.create) to keep dead letters; \"\" = none",
+                                  reload=RESTART)
+
+
+@dataclass(frozen=True)
+class IdempotencyConfig:
+    enabled: bool = key(False, "true: skip jobs whose key is already done (KV done-markers)", reload=REPLACE)
+    bucket: str = key("JOBS_DONE", "JetStream KV bucket of done-markers (created when stream.create)",
+                      reload=RESTART)
+    ttl: float = key(86400.0, "seconds a done-marker is kept (should exceed how long duplicates can arrive)",
+                     reload=RESTART, lo=1.0)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    name: str = key("", "this supervisor's name in the fleet view; \"\" = hostname", reload=RESTART)
+    bucket: str = key("SUPERVISOR_FLEET", "KV bucket of supervisor heartbeats", reload=RESTART)
+    heartbeat: float = key(2.0, "seconds between heartbeats; lost after 3 missed", reload=LIVE, lo=0.1)
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    enabled: bool = key(False, "true: the supervisor sets the worker count between min and max", reload=LIVE)
+    min: int = key(1, "never fewer workers than this", reload=LIVE, lo=0, hi=1024)
+    max: int = key(8, "never more workers than this", reload=LIVE, lo=1, hi=1024)
+    interval: float = key(5.0, "seconds between decisions", reload=LIVE, lo=0.1)
 
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    interval: float = key(1.0, "ConsumerInfo poll period", lo=0.05)
-    lag_window: float = key(60.0, "window for the pending trend", lo=1.0)
-    http: str = key("127.0.0.1:9520", "/status, /metrics, /healthz; \"\" disables")
+    interval: float = key(1.0, "ConsumerInfo poll period", reload=LIVE, lo=0.05)
+    lag_window: float = key(60.0, "window for the pending trend", reload=LIVE, lo=1.0)
+    http: str = key("127.0.0.1:9520", "/, /status, /metrics, /healthz; \"\" disables", reload=RESTART)
 
 
 @dataclass(frozen=True)
 class LogConfig:
-    level: str = key("info", "debug, info, warning or error", choices=("debug", "info", "warning", "error"))
-    format: str = key("text", "text or json", choices=("text", "json"))
+    level: str = key("info", "debug, info, warning or error", reload=LIVE,
+                     choices=("debug", "info", "warning", "error"))
+    format: str = key("text", "text or json", reload=RESTART, choices=("text", "json"))
 
 
 @dataclass(frozen=True)
@@ -127,6 +169,9 @@ class Config:
     consumer: ConsumerConfig = ConsumerConfig()
     workers: WorkersConfig = WorkersConfig()
     restart: RestartConfig = RestartConfig()
+    idempotency: IdempotencyConfig = IdempotencyConfig()
+    fleet: FleetConfig = FleetConfig()
+    autoscale: AutoscaleConfig = AutoscaleConfig()
     monitor: MonitorConfig = MonitorConfig()
     log: LogConfig = LogConfig()
 
@@ -342,6 +387,8 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
         fail("workers.handler", "must name a handler as MODULE:FUNCTION")
     if not cfg.stream.subjects:
         fail("stream.subjects", "needs at least one subject")
+    if cfg.autoscale.max < cfg.autoscale.min:
+        fail("autoscale.max", f"must be >= autoscale.min ({cfg.autoscale.min})")
     if cfg.restart.backoff_max < cfg.restart.backoff_initial:
         fail("restart.backoff_max", f"must be >= restart.backoff_initial ({cfg.restart.backoff_initial:g})")
     if cfg.consumer.backoff and cfg.consumer.max_deliver != -1 and cfg.consumer.max_deliver <= len(cfg.consumer.backoff):

@@ -1,9 +1,10 @@
 """SIGHUP: what a new config changes, and how much of it a running supervisor can take.
 
-Pure: `plan(old, new)` compares two config trees key by key. The connection and the stream are
-fixed for the life of the process (a change there is reported and waits for a restart); the
-consumer's updatable settings are pushed to the server; the worker count is a scale; anything
-else a worker reads at fork time means fresh workers, replaced one at a time like a recycle.
+Pure: `plan(old, new)` compares two config trees key by key and sorts each change by the
+`reload` each key declares in config.py: RESTART keys (the connection, the stream, the HTTP
+address) are reported and keep their running value until the next start; LIVE keys are
+applied by the parent (`workers.count` is a scale, `consumer.*` is pushed to the server);
+REPLACE keys are read by workers at fork, so workers are replaced one at a time like a recycle.
 """
 
 from __future__ import annotations
@@ -12,12 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import Config, as_dict
-
-NEEDS_RESTART = ("nats.", "embedded.", "stream.", "monitor.http", "log.format")
-NO_NEW_WORKERS = ("workers.count", "monitor.", "log.", "restart.backoff_", "restart.boot_failures_to_halt",
-                  "restart.poison_after_crashes", "workers.heartbeat_timeout", "workers.job_timeout",
-                  "workers.max_jobs", "workers.max_rss_mb", "workers.progress_pings", "consumer.")
+from .config import REPLACE, RESTART, Config, as_dict, section_keys
 
 
 @dataclass
@@ -30,24 +26,28 @@ class Plan:
     effective: Config | None = None      # the new config with the restart-only keys kept as they run
 
 
+def how(dotted: str) -> str:
+    """LIVE, REPLACE or RESTART, as the key declares it."""
+    section, name = dotted.split(".")
+    return section_keys(section)[name].metadata["reload"]
+
+
 def plan(old: Config, new: Config) -> Plan:
     p = Plan()
     a, b = as_dict(old), as_dict(new)
-    for section in a:
-        for key in a[section]:
-            if a[section][key] != b[section][key]:
-                p.changed.append((f"{section}.{key}", a[section][key], b[section][key]))
+    p.changed = [(f"{s}.{k}", a[s][k], b[s][k]) for s in a for k in a[s] if a[s][k] != b[s][k]]
     keep: dict[str, dict[str, Any]] = {}
     for dotted, _, _ in p.changed:
-        if dotted.startswith(NEEDS_RESTART):
+        section, name = dotted.split(".")
+        if how(dotted) == RESTART:
             p.needs_restart.append(dotted)
-            section, key = dotted.split(".")
-            keep.setdefault(section, {})[key] = getattr(getattr(old, section), key)
-        elif dotted == "workers.count":
+            keep.setdefault(section, {})[name] = getattr(getattr(old, section), name)
+            continue
+        if dotted == "workers.count":
             p.scale_to = new.workers.count
-        elif dotted.startswith("consumer."):
+        elif section == "consumer":
             p.update_consumer = True
-        if not dotted.startswith(NO_NEW_WORKERS) and not dotted.startswith(NEEDS_RESTART):
+        if how(dotted) == REPLACE:
             p.replace_workers = True
     p.effective = dataclasses.replace(new, **{s: dataclasses.replace(getattr(new, s), **v) for s, v in keep.items()})
     return p

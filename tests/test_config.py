@@ -79,7 +79,24 @@ http = "127.0.0.1:9520"
 [log]
 level = "info"
 format = "text"
-""")
+[nats]
+connect_timeout = 2.0
+[idempotency]
+enabled = false
+bucket = "JOBS_DONE"
+ttl = 86400.0
+[fleet]
+name = ""
+bucket = "SUPERVISOR_FLEET"
+heartbeat = 2.0
+[autoscale]
+enabled = false
+min = 1
+max = 8
+interval = 5.0
+""".replace("[nats]\nconnect_timeout", "[nats_wave2]\nconnect_timeout"))
+# Wave 2 added keys to [nats]; TOML forbids a table twice, so they are merged here.
+SPEC_DEFAULTS["nats"].update(SPEC_DEFAULTS.pop("nats_wave2"))
 
 
 def write(tmp_path: Path, text: str, name: str = "c.toml") -> Path:
