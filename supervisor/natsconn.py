@@ -44,9 +44,11 @@ from typing import Any, Callable, Iterable
 
 import nats
 import nats.errors
-from nats.aio.client import Client, RawCredentials
+from nats.aio.client import RawCredentials
 
+from . import natsfix
 from .errors import ConfigError, NatsUnavailable
+from .natsfix import Client
 
 log = logging.getLogger("supervisor.nats")
 
@@ -357,8 +359,8 @@ class _Events:
         self.last_error = ""
 
     def _current(self) -> str:
-        srv = getattr(self.nc, "_current_server", None)
-        return _hostport(getattr(srv, "uri", None)) if srv is not None else self.server
+        uri = natsfix.current_server_uri(self.nc)
+        return _hostport(uri) if uri is not None else self.server
 
     async def error_cb(self, e: Exception) -> None:
         text = _one_line(e, self.secrets)
@@ -412,7 +414,7 @@ def _require_tls(nc: Client, value: Any) -> Callable[[], Any]:
     """Hand `value` to nats-py only once the server has required (hence started) TLS."""
 
     def get() -> Any:
-        if not nc._server_info.get("tls_required"):
+        if not natsfix.server_info(nc).get("tls_required"):
             raise TLSNotOfferedError()
         return value
 
@@ -429,6 +431,7 @@ async def connect(nats_cfg: Any, *, name: str | None = None, max_reconnect_attem
     the client reconnects per `max_reconnect_attempts` (-1: forever). `options` go to nats-py
     as they are (e.g. closed_cb, ping_interval).
     """
+    natsfix.check_version()
     kwargs, secrets = _build(nats_cfg)
     if name:
         kwargs["name"] = name
@@ -450,9 +453,9 @@ async def connect(nats_cfg: Any, *, name: str | None = None, max_reconnect_attem
         await nc.connect(**kwargs)
     except (OSError, nats.errors.Error, asyncio.TimeoutError) as e:
         error = _connect_error(servers, events.errors or [e], secrets, client_cert)
-        _abandon(nc)
+        natsfix.abandon(nc)
         raise error from e
-    if tls and not nc._server_info.get("tls_required"):
+    if tls and not natsfix.server_info(nc).get("tls_required"):
         # Only reachable with NKey/JWT auth (a nonce signature, no bearer secret, was sent).
         await nc.close()
         raise _connect_error(servers, [TLSNotOfferedError()], secrets, client_cert)
@@ -462,19 +465,6 @@ async def connect(nats_cfg: Any, *, name: str | None = None, max_reconnect_attem
     events.server = _hostport(nc.connected_url)
     log.info("connected to NATS at %s%s", events.server, " (TLS)" if tls else "")
     return nc
-
-
-def _abandon(nc: Client) -> None:
-    """Drop a client whose first connect failed: nats-py leaves its socket open then.
-
-    Not `nc.close()`: after a failed TLS upgrade it awaits `wait_closed()` on a stream whose
-    protocol asyncio's start_tls has replaced, which never completes. No task of the client
-    runs yet at this point (they start after the first PONG), so closing the socket is all.
-    """
-    transport = nc._transport
-    if transport:
-        transport.close()
-    nc._status = Client.CLOSED
 
 
 def _peer_refused(e: BaseException) -> bool:

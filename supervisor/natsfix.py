@@ -1,23 +1,83 @@
-"""One fix to nats-py 2.16, applied on import.
+"""Everything this project relies on inside nats-py, in one place, checked against the pinned version.
 
-A flush() that times out or whose task is cancelled leaves its future, cancelled, in the
-client's PONG queue. When that PING's PONG arrives, nats-py calls set_result() on it, raises
-InvalidStateError inside the protocol parser and drops the rest of the chunk it was parsing
-(messages included), and every later flush() waits for the wrong PONG and times out (seen
-here: a worker's connection drain hung for 10 s). Cf. nats-io/nats.py#624 and nats.py2#36.
-Each PONG still answers exactly one PING, in order; we just don't resolve a future twice.
+`Client` is nats-py's client with two changes; `supervisor.natsconn.connect()` is the one place
+clients are made, so every connection of ours (parent, workers, one-shot commands) gets them:
+
+- `fence()`: returns once the server has read everything published before the call. nats-py's
+  `flush()` writes its PING straight to the socket while `publish()` queues its bytes for the
+  flusher task, so `publish(); flush()` can put `PING, PUB` on the wire and the PONG proves
+  nothing about the PUB (DESIGN.md). `fence()` makes the flusher write the queue first.
+- `_process_pong`: a `flush()` that times out, or whose task is cancelled, leaves its future in
+  the client's PONG queue. When that PING's PONG arrives, nats-py calls set_result() on the
+  cancelled future, raises InvalidStateError inside the protocol parser, drops the rest of the
+  chunk it was parsing (messages included), and every later flush() waits for the wrong PONG
+  (seen here: a worker's connection drain hung for 10 s). Each PONG still answers exactly one
+  PING, in order; we just never resolve a future twice. Cf. nats-io/nats.py#624.
+
+The other private attributes we read (server INFO, the transport, the current server) are
+wrapped below too, and tests/test_natsfix.py checks each premise against the installed nats-py.
 """
 
-from nats.aio.client import Client
+from __future__ import annotations
+
+import functools
+from importlib.metadata import version
+from typing import Any
+
+from nats.aio.client import Client as _NatsClient
+
+from .errors import SupervisorError
+
+PINNED_NATS_PY = "2.16.0"      # pyproject pins it; the premises below were read in this version
 
 
-async def _process_pong(self: Client) -> None:
-    if self._pongs:
-        future = self._pongs.pop(0)
-        if not future.done():
-            future.set_result(True)
-        self._pongs_received += 1
-        self._pings_outstanding = 0
+class NatsPyVersionError(SupervisorError):
+    """Exit 1: an installation problem, not a config one."""
 
 
-Client._process_pong = _process_pong
+@functools.cache
+def check_version() -> None:
+    """Refuse to run on a nats-py whose internals we have not checked."""
+    installed = version("nats-py")
+    if installed != PINNED_NATS_PY:
+        raise NatsPyVersionError(f"nats-py {installed} is installed; this supervisor was checked against "
+                                 f"{PINNED_NATS_PY} (pyproject pins it): reinstall with pip install .")
+
+
+class Client(_NatsClient):
+    async def fence(self, timeout: float = 5.0) -> None:
+        """The server has read every command this client published before the call."""
+        await self._flush_pending(force_flush=True)   # the queued PUBs reach the socket first ...
+        await self.flush(timeout)                     # ... then PING, PONG: ordered behind them
+
+    async def _process_pong(self) -> None:
+        if self._pongs:
+            future = self._pongs.pop(0)
+            if not future.done():
+                future.set_result(True)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
+
+
+def server_info(nc: _NatsClient) -> dict[str, Any]:
+    """The INFO the server sent at connect (tls_required, server_name, ...)."""
+    return nc._server_info or {}
+
+
+def current_server_uri(nc: _NatsClient) -> Any:
+    """The parsed URL of the server the client is (re)connecting to, or None."""
+    srv = getattr(nc, "_current_server", None)
+    return getattr(srv, "uri", None) if srv is not None else None
+
+
+def abandon(nc: _NatsClient) -> None:
+    """Drop a client whose first connect failed: nats-py leaves its socket open then.
+
+    Not `nc.close()`: after a failed TLS upgrade it awaits `wait_closed()` on a stream whose
+    protocol asyncio's start_tls has replaced, which never completes. No task of the client
+    runs yet at this point (they start after the first PONG), so closing the socket is all.
+    """
+    transport = nc._transport
+    if transport:
+        transport.close()
+    nc._status = _NatsClient.CLOSED
