@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import uvloop
 
-from . import logs, natsconn, natsfix, provision, reload  # noqa: F401  (natsfix patches nats-py on import)
+from . import logs, natsconn, provision, reload
 from .arbiter import Arbiter
 from .config import Config
 from .embedded import EmbeddedServer
@@ -27,6 +27,8 @@ from .monitor import Monitor
 from .notify import Notifier
 
 log = logging.getLogger("supervisor")
+
+WORKER_PING_INTERVAL = 5     # seconds; two unanswered pings and nats-py reconnects
 
 
 def load_callable(spec: str, key: str) -> Callable:
@@ -137,6 +139,10 @@ class Supervisor:
                 log.info("reload: %s: %r -> %r", key, old, new_value)
         if not change.changed:
             log.info("reload: configuration unchanged")
+        self.arbiter.post(lambda: self.apply_config(cfg, change, handler, init))
+
+    def apply_config(self, cfg: Config, change: Any, handler: Callable | None, init: Callable | None) -> None:
+        """In the arbiter's loop (one writer): every part takes the new config at the same moment."""
         self.cfg = cfg
         self.arbiter.apply_config(cfg, change, handler, init)
         self.monitor.apply_config(cfg)
@@ -144,8 +150,11 @@ class Supervisor:
         self.notifier.ready(self.arbiter.status_line())
 
     async def connect_worker(self, slot: int) -> Any:
+        # A short ping interval: a half-open connection is noticed (and replaced) in seconds, not
+        # nats-py's default 2 minutes; the worker's own liveness PINGs tell the parent meanwhile.
         return await natsconn.connect(self.cfg.nats, name=f"{self.cfg.nats.name} worker {slot}",
-                                      max_reconnect_attempts=-1)
+                                      max_reconnect_attempts=-1, ping_interval=WORKER_PING_INTERVAL,
+                                      max_outstanding_pings=2)
 
     async def close(self) -> None:
         try:

@@ -2,12 +2,15 @@
 
 The loop reads like gunicorn's arbiter:
 
-    restore the worker count -> sleep until woken -> handle queued signals -> reap the dead
-    (NAK what they held, write the ledger) -> inspect the living (heartbeats, job timeouts,
-    in-progress pings, drain deadlines) -> recycle -> halt on a boot crash loop
+    restore the worker count -> sleep until woken -> apply what was queued (signals, worker
+    events, a reloaded config, monitor readings) -> reap the dead (NAK what they held, write the
+    ledger) -> send NAKs a disconnection held back -> inspect the living (heartbeats, job
+    timeouts, in-progress pings, drain deadlines) -> recycle -> halt on a boot crash loop ->
+    audit (peers, re-NAK, in-transit reconciliation)
 
-Signal handlers, pidfd readers and event-pipe readers only queue work and set `wakeup`.
-What to do is decided by small pure pieces (policy.py, ledger.py); this file is the glue.
+One writer: signal handlers, pidfd readers, event-pipe readers, the reload task and the monitor
+only queue work (`post`) and set `wakeup`; the loop applies it. What to do is decided by small
+pure pieces (policy.py, ledger.py); this file is the glue.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from .config import Config
 from .errors import EXIT_HALTED, EXIT_OK
 from .ledger import CrashLedger
 from .peers import SUSPECT_GRACE, Peers
-from .policy import BootFailures, SlotBackoff, job_limit
+from .policy import RestartPolicy, ack_wait_for, job_limit, nak_is_safe
 from .process import WorkerProcess
+from .reconcile import InTransit
 
 log = logging.getLogger("supervisor")
 
@@ -43,13 +47,10 @@ DRAIN_MARGIN = 5.0          # beyond graceful_timeout before a draining worker i
 RSS_EVERY = 5.0             # seconds between RSS checks (psutil reads /proc)
 RENAK_AFTER = 4.0           # a dead worker's NAKed job nobody has seen again by then is NAKed once more
 FRESH_BEAT = 1.5            # a worker whose last beat is older than this shows no progress, gets no +WPI
+STALE_LINK = 3.0            # a worker that had no PONG from NATS for this long has a stale connection
+REAP_RETRY = 0.05           # a pidfd said "exited" but waitpid did not agree yet: look again this soon
+STORM_LOG_EVERY = 60.0      # while workers keep dying fast, say so this often
 MB = 1024 * 1024
-
-
-def ack_wait_for(cfg: Config, delivery: int) -> float:
-    """AckWait in force for a delivery: consumer.backoff replaces it per delivery when set."""
-    backoff = cfg.consumer.backoff
-    return backoff[min(delivery, len(backoff)) - 1] if backoff else cfg.consumer.ack_wait
 
 
 @dataclasses.dataclass
@@ -66,6 +67,16 @@ class Totals:
     max_duration: float = 0.0
 
 
+@dataclasses.dataclass
+class HeldBack:
+    """A NAK for a dead worker's job that could not be sent (NATS disconnected): sent on reconnect
+    if its AckWait still allows it."""
+    seq: int
+    delivery: int
+    reply: str
+    timer_started: float
+
+
 class Arbiter:
     def __init__(self, cfg: Config, nc: Any, handler: Callable, init: Callable | None,
                  connect_worker: Callable[[int], Any], notifier: Any = None,
@@ -79,19 +90,24 @@ class Arbiter:
         self.target = cfg.workers.count
         self.slots: dict[int, WorkerProcess] = {}
         self.retiring: list[WorkerProcess] = []
-        self.backoffs: dict[int, SlotBackoff] = {}
+        self.restarts = RestartPolicy(cfg.restart.backoff_initial, cfg.restart.backoff_max,
+                                      cfg.restart.boot_failures_to_halt)
         self.slot_restarts: collections.Counter = collections.Counter()
         self.restart_at: dict[int, float] = {}
         self.replacing: dict[int, WorkerProcess] = {}     # slot -> old worker awaiting its replacement's ready
-        self.boot = BootFailures(cfg.restart.boot_failures_to_halt)
-        self.ledger = CrashLedger(cfg.consumer.ack_wait, cfg.restart.poison_after_crashes)
-        self.peers = Peers(nc, cfg.stream.name, cfg.consumer.name, self.ledger)
+        self.ledger = CrashLedger(cfg.consumer.ack_wait, cfg.restart.poison_after_crashes, cfg.consumer.backoff)
+        self.peers = Peers(nc, cfg.stream.name, cfg.consumer.name, self.ledger, self.post)
+        self.in_transit = InTransit(cfg, nc, self.ledger)
         self.totals = Totals()
         self.alerts: collections.deque = collections.deque(maxlen=50)
         self.pings: dict[tuple[int, int], float] = {}
         self.renak: dict[int, tuple[str, float, int]] = {}   # seq -> (reply, NAKed at, delivery)
+        self.held_back: list[HeldBack] = []
+        self.stale_links: set[int] = set()                  # pids whose NATS connection looks dead
         self.signals: collections.deque[int] = collections.deque()
+        self.posted: collections.deque[Callable[[], Any]] = collections.deque()
         self.dead: collections.deque[WorkerProcess] = collections.deque()
+        self.tasks: set[asyncio.Task] = set()
         self.wakeup = asyncio.Event()
         self.state = "starting"
         self.stopping: str | None = None                  # None | "drain" | "quit"
@@ -99,6 +115,7 @@ class Arbiter:
         self.halt_message = ""
         self.started = time.monotonic()
         self.last_rss_check = 0.0
+        self.last_storm_log = 0.0
         self.ever_all_ready = False
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -116,15 +133,19 @@ class Arbiter:
             self.restore_count()
             await self.sleep()
             self.dispatch_signals()
+            self.apply_posted()
             await self.reap()
             if self.stopping and not self.living():
                 break
+            await self.send_held_back()
             await self.inspect_workers()
             self.recycle()
             self.check_boot_failures()
             await self.audit()
         for sig in SIGNALS:
             self.loop.remove_signal_handler(sig)
+        for task in self.tasks:
+            task.cancel()
         self.state = "stopping"
         return self.exit_code
 
@@ -132,9 +153,11 @@ class Arbiter:
         timeout = self.tick()
         due = [t for s, t in self.restart_at.items() if s not in self.slots]
         if due and not self.stopping:
-            timeout = max(0.0, min(timeout, min(due) - time.monotonic()))
+            timeout = min(timeout, min(due) - time.monotonic())
+        if self.dead:
+            timeout = min(timeout, REAP_RETRY)
         try:
-            await asyncio.wait_for(self.wakeup.wait(), timeout)
+            await asyncio.wait_for(self.wakeup.wait(), max(0.0, timeout))
         except asyncio.TimeoutError:
             pass
         self.wakeup.clear()
@@ -149,6 +172,21 @@ class Arbiter:
 
     def living(self) -> list[WorkerProcess]:
         return [*self.slots.values(), *self.retiring]
+
+    def post(self, work: Callable[[], Any]) -> None:
+        """Queue a change of state for the loop to apply (the one-writer rule)."""
+        self.posted.append(work)
+        self.wakeup.set()
+
+    def apply_posted(self) -> None:
+        while self.posted:
+            self.posted.popleft()()
+
+    def spawn_task(self, coro: Any) -> None:
+        """A background task the loop keeps a reference to (and cancels at the end)."""
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     # ================================================================ signals
 
@@ -185,7 +223,7 @@ class Arbiter:
         if self.reload_config is None or self.stopping:
             log.warning("reload: nothing to re-read" if not self.stopping else "reload ignored while stopping")
             return
-        asyncio.ensure_future(self.reload_config())
+        self.spawn_task(self.reload_config())   # it posts apply_config back to the loop
 
     def apply_config(self, cfg: Config, change: Any, handler: Callable | None, init: Callable | None) -> None:
         """Take a reloaded config: new workers get it; the old ones are replaced one at a time
@@ -193,10 +231,10 @@ class Arbiter:
         self.cfg = cfg
         if handler is not None:
             self.handler, self.init = handler, init
-        self.boot.limit = cfg.restart.boot_failures_to_halt
-        self.ledger.ack_wait = cfg.consumer.ack_wait
+        self.restarts.configure(cfg.restart.backoff_initial, cfg.restart.backoff_max, cfg.restart.boot_failures_to_halt)
+        self.ledger.ack_wait, self.ledger.backoff = cfg.consumer.ack_wait, cfg.consumer.backoff
         self.ledger.poison_after = cfg.restart.poison_after_crashes
-        self.backoffs.clear()
+        self.in_transit.cfg = cfg
         if change.replace_workers:
             for w in self.slots.values():
                 w.recycle_reason = w.recycle_reason or "config reloaded"
@@ -207,7 +245,6 @@ class Arbiter:
     def begin_stop(self, mode: str) -> None:
         self.stopping = mode
         self.state = "draining" if mode == "drain" else "stopping"
-        now = time.monotonic()
         grace = self.cfg.workers.graceful_timeout
         if self.notifier:
             self.notifier.stopping()
@@ -219,9 +256,8 @@ class Arbiter:
             if mode == "quit":
                 w.kill_reason = "SIGQUIT: stop at once"
                 w.send(signal.SIGKILL)
-            elif w.drain_deadline is None:
-                w.drain_deadline = now + grace + DRAIN_MARGIN
-                w.send(signal.SIGTERM)
+            else:                  # retiring ones too: a shutdown NAKs what they have not started
+                self.drain(w, signal.SIGTERM)
 
     def scale(self, n: int) -> None:
         if self.stopping:
@@ -245,16 +281,29 @@ class Arbiter:
             if slot not in self.slots and self.restart_at.get(slot, 0.0) <= now:
                 self.spawn(slot)
 
-    def spawn(self, slot: int) -> WorkerProcess:
-        w = WorkerProcess(slot, SlotTable(self.table_entries(), self.reply_bytes()))
+    def spawn(self, slot: int) -> WorkerProcess | None:
+        table = SlotTable(self.table_entries(), self.reply_bytes())
+        table.set_state(slots.STARTING)        # before the fork: the child may be READY before we return
+        w = WorkerProcess(slot, table)
         w.job_limit = job_limit(self.cfg.workers.max_jobs, self.cfg.workers.max_jobs_jitter)
-        w.spawn(self.loop, self.child_spec, self.on_exit, self.on_events)
-        w.table.q[slots.PID] = w.pid
-        w.table.set_state(slots.STARTING)
+        try:
+            w.spawn(self.loop, self.child_spec, self.on_exit, self.on_events)
+        except OSError as exc:                 # EAGAIN (TasksMax, RLIMIT_NPROC), EMFILE, ENOMEM
+            w.close(self.loop)
+            self.spawn_failed(slot, exc)
+            return None
+        table.q[slots.PID] = w.pid
         self.slots[slot] = w
         self.restart_at.pop(slot, None)
         log.debug("worker %d started (pid %d)", slot, w.pid)
         return w
+
+    def spawn_failed(self, slot: int, exc: OSError) -> None:
+        cause = f"cannot fork: {exc.strerror or exc}"
+        delay = self.restarts.died(time.monotonic(), slot, cause, None, 0)
+        self.restart_at[slot] = time.monotonic() + delay
+        self.alert("spawn_failed", f"worker {slot}: {cause}; retrying in {delay:.2f}s")
+        log.error("worker %d: %s; retrying in %.2fs", slot, cause, delay)
 
     def table_entries(self) -> int:
         # Pulled + running (concurrency + one batch), and as many again awaiting ack confirmation.
@@ -269,16 +318,18 @@ class Arbiter:
                          job_limit=w.job_limit)
 
     def retire(self, w: WorkerProcess, why: str) -> None:
-        """Drain a worker for good: it finishes what it runs, NAKs what it has not started, exits."""
-        log.info("worker %d (pid %d): %s; draining it", w.slot, w.pid, why)
+        """Take a worker out for good: it stops pulling, runs what it holds, exits (SIGUSR1)."""
+        log.info("worker %d (pid %d): %s; retiring it", w.slot, w.pid, why)
         w.retiring = True
         self.retiring.append(w)
-        self.drain(w)
+        self.drain(w, signal.SIGUSR1)
 
-    def drain(self, w: WorkerProcess) -> None:
-        w.drain_deadline = time.monotonic() + self.cfg.workers.graceful_timeout + DRAIN_MARGIN
+    def drain(self, w: WorkerProcess, sig: int) -> None:
+        """SIGUSR1: retire (finish what it holds). SIGTERM: stop (NAK what has not started)."""
+        deadline = time.monotonic() + self.cfg.workers.graceful_timeout + DRAIN_MARGIN
+        w.drain_deadline = min(w.drain_deadline or deadline, deadline)
         w.state = "draining"
-        w.send(signal.SIGTERM)
+        w.send(sig)
 
     # ================================================================ events from workers
 
@@ -288,7 +339,12 @@ class Arbiter:
         self.wakeup.set()
 
     def on_events(self, w: WorkerProcess) -> None:
-        for event in w.read_events():
+        events = w.read_events()
+        if events:
+            self.post(lambda: self.apply_events(w, events))
+
+    def apply_events(self, w: WorkerProcess, events: list[dict]) -> None:
+        for event in events:
             self.apply_event(w, event)
 
     def apply_event(self, w: WorkerProcess, event: dict) -> None:
@@ -310,19 +366,17 @@ class Arbiter:
                 self.peers.settled(seq, delivery, outcome)
         elif kind == "recycle_due":
             w.recycle_reason = f"ran {event['jobs']} jobs (workers.max_jobs)"
-            self.wakeup.set()
 
     def worker_ready(self, w: WorkerProcess, now: float) -> None:
         if w.state == "starting":
             w.state = "ready"
         w.ready_at = now
-        self.boot.worker_ready()
+        self.restarts.ready()
         log.info("worker %d ready (pid %d, %.0f ms)", w.slot, w.pid, 1000 * (now - w.started_at))
         old = self.replacing.pop(w.slot, None)
-        if old is not None:                   # a recycled worker's replacement is serving: drain the old
-            self.drain(old)
+        if old is not None:                   # a recycled worker's replacement is serving: retire the old
+            self.drain(old, signal.SIGUSR1)
         self.check_all_ready()
-        self.wakeup.set()
 
     def check_all_ready(self) -> None:
         """The first time every worker is ready: state running, READY=1 to systemd."""
@@ -340,58 +394,104 @@ class Arbiter:
     async def reap(self) -> None:
         if self.stopping == "quit" and not all(w.reap() for w in self.living()):
             return       # SIGQUIT: NAK once every worker is dead, or a NAK may hand a job to a dying one
-        while self.dead:
+        for _ in range(len(self.dead)):
             w = self.dead.popleft()
             if not w.reap():
+                self.dead.append(w)             # exited but not waitable yet: next tick (sleep() hurries)
                 continue
-            self.on_events(w)                       # whatever it said before dying
-            clean = w.exit_code() == 0 and not w.kill_reason   # a worker exits 0 only after a drain
+            self.apply_events(w, w.read_events())      # whatever it said before dying
+            clean = self.exited_cleanly(w)
             cause = w.kill_reason or w.describe_exit()
             if not clean and w.exit_code() in CHILD_EXIT_REASONS:
                 cause += f": {CHILD_EXIT_REASONS[w.exit_code()]}"
             await self.settle_held_jobs(w, cause, clean)
             self.carry_totals(w)
+            finished = w.jobs_finished          # read before forget() unmaps its table
             self.forget(w)
             if not clean:
-                self.plan_restart(w, cause)
+                self.plan_restart(w, cause, finished)
+
+    @staticmethod
+    def exited_cleanly(w: WorkerProcess) -> bool:
+        """Exit 0 after a drain; or killed by the SIGTERM/SIGUSR1 we sent before it had installed
+        its handlers (a worker told to stop while still booting): neither is a crash."""
+        if w.kill_reason:
+            return False
+        if w.exit_code() == 0:
+            return True
+        asked = w.drain_deadline is not None and w.ready_at is None
+        return asked and w.signalled_by() in (signal.SIGTERM, signal.SIGUSR1)
 
     async def settle_held_jobs(self, w: WorkerProcess, cause: str, clean: bool) -> None:
-        """NAK what a dead worker held, at once, so it is redelivered in milliseconds, not AckWait."""
+        """NAK what a dead worker held, at once, so it is redelivered in milliseconds, not AckWait.
+        A worker that exited cleanly has settled and fenced everything: anything left (HELD,
+        RUNNING, an ACKED entry in doubt) is a backstop NAK."""
         now = time.monotonic()
         entries = w.table.snapshot()
-        nak = [self.should_nak(w, e, now) for e in entries]
+        nak = [self.nak_guard(w, e, now) for e in entries]
         if not clean:
             held = [(e.stream_seq, e.delivery, slots.ENTRY_STATES[e.state], n) for e, n in zip(entries, nak)]
-            self.ledger.record_death(now, w.slot, w.pid, cause, held, in_transit=w.table.header(slots.CREDITS))
+            self.ledger.record_death(now, w.slot, w.pid, cause, held, in_transit=w.table.header(slots.CREDITS),
+                                     job_to_blame=not w.kill_reason.startswith(("SIGQUIT", "killed: still draining")))
+            self.in_transit.death(now, w.table.header(slots.CREDITS), f"worker {w.slot} (pid {w.pid})")
         for e, n in zip(entries, nak):
             if n:     # peers first: the redelivery our NAK causes may land on another host
                 self.peers.announce(e.stream_seq, f"held by worker {w.slot} (pid {w.pid}) at its death ({cause})")
         await self.peers.flush()
         for e, n in zip(entries, nak):
+            if not n:
+                continue
             if not clean and e.state == slots.RUNNING and self.ledger.is_poison(e.stream_seq):
                 await self.quarantine(e)
-            elif n:
+            else:
                 self.renak[e.stream_seq] = (e.reply, now, e.delivery)
-                log.debug("NAK seq=%d (%s) of dead worker %d via %s", e.stream_seq, slots.ENTRY_STATES[e.state], w.slot, e.reply)
-                await self.nc.publish(e.reply, b"-NAK")
+                await self.nak(HeldBack(e.stream_seq, e.delivery, e.reply, self.timer_started(w, e)))
         if any(nak):
             await self.flush()
         if clean:
             log.info("worker %d (pid %d) drained and exited", w.slot, w.pid)
         else:
-            seqs = ", ".join(str(e.stream_seq) for e in entries) or "nothing"
+            seqs = ", ".join(f"seq {e.stream_seq}" for e in entries) or "nothing"
             log.warning("worker %d (pid %d) died: %s; held %s%s", w.slot, w.pid, cause, seqs,
                         f"; NAKed {sum(nak)} for immediate redelivery" if any(nak) else "")
 
-    def should_nak(self, w: WorkerProcess, e: slots.Entry, now: float) -> bool:
-        """NAK unsettled jobs, and acked ones whose ack may be lost (a NAK after an ack is a no-op).
-        Skip any whose AckWait has (nearly) run out: it may already be redelivered to someone
-        else, and a NAK matches by stream sequence, so it would hit their delivery."""
-        if e.state not in (slots.HELD, slots.RUNNING, slots.ACKED) or not e.reply or not self.nc.is_connected:
+    def timer_started(self, w: WorkerProcess, e: slots.Entry) -> float:
+        """When the server's AckWait timer for this delivery last started: held, or our last +WPI."""
+        return max(e.t_held, self.pings.get((w.pid, e.stream_seq), 0.0))
+
+    def nak_guard(self, w: WorkerProcess, e: slots.Entry, now: float) -> bool:
+        """NAK unsettled jobs, and acked ones whose ack may be lost (a NAK after an ack is a no-op);
+        never one whose AckWait has (nearly) run out: it may be redelivered to someone else already."""
+        if e.state not in (slots.HELD, slots.RUNNING, slots.ACKED) or not e.reply:
             return False
-        ack_wait = ack_wait_for(self.cfg, e.delivery)
-        timer_started = max(e.t_held, self.pings.get((w.pid, e.stream_seq), 0.0))
-        return now - timer_started < ack_wait - min(1.0, 0.1 * ack_wait)
+        return nak_is_safe(now, self.timer_started(w, e), self.ack_wait(e.delivery))
+
+    def ack_wait(self, delivery: int) -> float:
+        return ack_wait_for(self.cfg.consumer.ack_wait, self.cfg.consumer.backoff, delivery)
+
+    async def nak(self, order: HeldBack) -> None:
+        """NAK now, or, while NATS is disconnected, as soon as it is back (if still safe then)."""
+        if not self.nc.is_connected:
+            self.held_back.append(order)
+            return
+        log.debug("NAK seq=%d (delivery %d) via %s", order.seq, order.delivery, order.reply)
+        await self.nc.publish(order.reply, b"-NAK")
+
+    async def send_held_back(self) -> None:
+        if not self.held_back or not self.nc.is_connected:
+            return
+        now, orders, self.held_back = time.monotonic(), self.held_back, []
+        sent = 0
+        for order in orders:
+            if nak_is_safe(now, order.timer_started, self.ack_wait(order.delivery)):
+                await self.nak(order)
+                sent += 1
+            else:
+                log.warning("job seq=%d of a dead worker: NATS was down until its AckWait ran out; the server "
+                            "redelivers it", order.seq)
+        if sent:
+            log.info("NATS is back: sent %d NAK(s) held back while disconnected", sent)
+            await self.flush()
 
     async def quarantine(self, e: slots.Entry) -> None:
         """A job held at poison_after_crashes worker deaths: dead-letter it with the evidence, TERM it."""
@@ -429,28 +529,28 @@ class Arbiter:
         if self.replacing.get(w.slot) is w:
             del self.replacing[w.slot]
         self.pings = {k: v for k, v in self.pings.items() if k[0] != w.pid}
+        self.stale_links.discard(w.pid)
         w.close(self.loop)
 
-    def plan_restart(self, w: WorkerProcess, cause: str) -> None:
+    def plan_restart(self, w: WorkerProcess, cause: str, jobs_finished: int) -> None:
         self.totals.worker_deaths += 1
-        if self.stopping or w.retiring or w.slot >= self.target:
+        if self.stopping:
             return
-        backoff = self.backoffs.setdefault(w.slot, SlotBackoff(self.cfg.restart.backoff_initial,
-                                                               self.cfg.restart.backoff_max))
         now = time.monotonic()
-        if w.ready_at is None:
-            self.boot.died_before_ready(f"worker {w.slot} (pid {w.pid}): {cause}")
-        backoff.worker_exited(now - w.ready_at if w.ready_at else None)
-        delay = backoff.next_delay()
+        ready_for = now - w.ready_at if w.ready_at is not None else None
+        delay = self.restarts.died(now, w.slot, cause, ready_for, jobs_finished)
+        if w.retiring or w.slot >= self.target:
+            return
         self.restart_at[w.slot] = now + delay
         self.totals.restarts += 1
         self.slot_restarts[w.slot] += 1
         log.info("restarting worker %d in %.2fs", w.slot, delay)
 
     def check_boot_failures(self) -> None:
-        if self.boot.halted and not self.stopping:
-            message = (f"halting: {self.boot.count} workers in a row died before becoming ready "
-                       f"(restart.boot_failures_to_halt={self.boot.limit}); last: {self.boot.last_reason}")
+        if self.restarts.halted and not self.stopping:
+            boot = self.restarts.boot
+            message = (f"halting: {boot.count} workers in a row died before becoming ready "
+                       f"(restart.boot_failures_to_halt={boot.limit}); last: {boot.last_reason}")
             log.error(message)
             self.halt_message = message
             self.alert("halted", message)
@@ -500,20 +600,38 @@ class Arbiter:
 
     def due_pings(self, w: WorkerProcess, entries: list[slots.Entry], now: float) -> list:
         """+WPI for jobs a live, beating worker still holds, before their AckWait runs out.
-        A worker that has stopped beating gets none: its jobs must be free to come back."""
+        A worker that has stopped beating, or whose NATS connection has gone quiet, gets none:
+        its jobs must be free to come back (its ack could not reach the server anyway)."""
         if not self.cfg.workers.progress_pings or now - w.table.heartbeat() > FRESH_BEAT:
             return []
-        due = []
-        for e in entries:
-            if e.state in (slots.HELD, slots.RUNNING) and e.reply:
-                last = max(e.t_held, self.pings.get((w.pid, e.stream_seq), 0.0))
-                if now - last >= ack_wait_for(self.cfg, e.delivery) / 3:
-                    due.append((w, e))
-        return due
+        held = [e for e in entries if e.state in (slots.HELD, slots.RUNNING) and e.reply]
+        if not self.link_fresh(w, held, now):
+            return []
+        return [(w, e) for e in held if now - self.timer_started(w, e) >= self.ack_wait(e.delivery) / 3]
+
+    def link_fresh(self, w: WorkerProcess, held: list[slots.Entry], now: float) -> bool:
+        """Did the worker hear from NATS lately? Say so once when it stops, and explain in advance
+        the redeliveries of what it holds: the server will hand them to someone else."""
+        quiet = now - w.table.server_seen()
+        if quiet <= STALE_LINK:
+            if w.pid in self.stale_links:
+                self.stale_links.discard(w.pid)
+                log.info("worker %d (pid %d): NATS answers again", w.slot, w.pid)
+            return True
+        if w.pid not in self.stale_links and w.ready_at is not None:
+            self.stale_links.add(w.pid)
+            why = f"held by worker {w.slot} (pid {w.pid}) whose NATS connection went quiet"
+            for e in held:
+                self.ledger.expect(e.stream_seq, why, e.delivery)
+            self.alert("stale_connection", f"worker {w.slot} (pid {w.pid}) has had no answer from NATS for "
+                                           f"{quiet:.0f}s; its {len(held)} job(s) are left to AckWait")
+            log.warning("worker %d (pid %d): no answer from NATS for %.0fs; no more +WPI for its %d job(s)",
+                        w.slot, w.pid, quiet, len(held))
+        return False
 
     def recycle(self) -> None:
         """Replace one worker at a time that ran max_jobs or outgrew max_rss_mb: the replacement
-        starts first, the old one drains once the new one is ready, so capacity never drops."""
+        starts first, the old one retires once the new one is ready, so capacity never drops."""
         if self.stopping or self.replacing:
             return
         now = time.monotonic()
@@ -532,8 +650,10 @@ class Arbiter:
                 w.retiring = True
                 self.retiring.append(w)
                 del self.slots[w.slot]
-                self.replacing[w.slot] = w
-                self.spawn(w.slot)
+                if self.spawn(w.slot) is not None:
+                    self.replacing[w.slot] = w
+                else:                            # no replacement to wait for: retire it now
+                    self.drain(w, signal.SIGUSR1)
                 return
 
     @staticmethod
@@ -545,38 +665,67 @@ class Arbiter:
 
     async def audit(self) -> None:
         """Share our NAKs with peer supervisors; count redeliveries nobody explained; NAK once more
-        a dead worker's job nobody has seen again."""
+        a dead worker's job nobody has seen again; find what was in transit to a dead worker;
+        say so while workers keep dying fast."""
         await self.peers.flush()
         await self.renak_unseen()
+        await self.in_transit.step(time.monotonic(), self.held_anywhere, self.links_all_fresh_since,
+                                   self.peers.alone(time.monotonic()))
         for r in self.ledger.confirm_suspects(time.monotonic(), SUSPECT_GRACE):
             log.warning("job seq=%d redelivered (delivery %d) and nothing explains it: AckWait (%gs) shorter than "
                         "the job, or held by a process outside any supervisor's ledger", r.seq, r.delivery,
-                        ack_wait_for(self.cfg, r.delivery - 1))
+                        self.ack_wait(r.delivery - 1))
+        self.watch_deaths()
+
+    def held_anywhere(self) -> set[int]:
+        """Stream sequences in any worker's table, the dead not yet reaped included."""
+        return {e.stream_seq for w in [*self.living(), *self.dead] for e in w.table.snapshot()}
+
+    def links_all_fresh_since(self, t: float) -> bool:
+        """Every live worker had a PONG from NATS for a PING it sent after `t`: each has read and
+        recorded every message the server sent it before then."""
+        return all(w.table.server_seen() > t for w in self.living() if w.status is None)
+
+    def watch_deaths(self) -> None:
+        now = time.monotonic()
+        rate = self.restarts.rate
+        if not rate.storm(now, max(1, self.target)) or now - self.last_storm_log < STORM_LOG_EVERY:
+            return
+        self.last_storm_log = now
+        text = f"{rate.describe(now)}: restarts continue at full speed; find out why they die"
+        self.alert("worker_deaths", text)
+        log.warning("%s", text)
 
     async def renak_unseen(self) -> None:
         """A NAKed job can be handed straight to another dead worker's pull request when something
         else keeps that inbox alive (a `nats sub '>'` or '_INBOX.>' tap does): it would then wait
-        for AckWait. One more NAK, RENAK_AFTER later, if no supervisor has seen it again."""
-        now = time.monotonic()
+        for AckWait. One more NAK, RENAK_AFTER later, but only when that is safe: no supervisor has
+        seen the job again, no worker of ours holds it, and its AckWait is far from over. A NAK
+        matches by stream sequence, so a job redelivered to a consumer outside any supervisor
+        would be NAKed too: every process bound to the consumer must be a supervisor's worker."""
+        if not self.renak:
+            return
+        now, held = time.monotonic(), None
         for seq, (reply, naked_at, delivery) in list(self.renak.items()):
             if not self.ledger.awaiting_redelivery(seq, delivery):
                 del self.renak[seq]
             elif now - naked_at >= RENAK_AFTER:
                 del self.renak[seq]
-                ack_wait = ack_wait_for(self.cfg, delivery)
-                if now - naked_at < ack_wait - min(1.0, 0.1 * ack_wait) and self.nc.is_connected:
-                    log.warning("job seq=%d not seen again %.0fs after its NAK: NAKing it once more (is something "
-                                "subscribed to '>' or '_INBOX.>'? it keeps dead pull requests alive)", seq,
-                                now - naked_at)
-                    await self.nc.publish(reply, b"-NAK")
+                held = self.held_anywhere() if held is None else held
+                if seq in held or not nak_is_safe(now, naked_at, self.ack_wait(delivery)) or not self.nc.is_connected:
+                    continue
+                log.warning("job seq=%d not seen again %.0fs after its NAK: NAKing it once more (is something "
+                            "subscribed to '>' or '_INBOX.>'? it keeps dead pull requests alive)", seq,
+                            now - naked_at)
+                await self.nc.publish(reply, b"-NAK")
 
     # ================================================================ helpers
 
     async def flush(self) -> None:
         try:
-            await self.nc.flush(timeout=2)
+            await self.nc.fence(timeout=2)
         except Exception as exc:
-            log.warning("flushing NAKs to NATS failed: %s", exc)
+            log.warning("flushing NAKs to NATS failed: %s", exc or type(exc).__name__)
 
     def alert(self, kind: str, message: str) -> None:
         self.alerts.append({"kind": kind, "message": message, "t": time.time()})

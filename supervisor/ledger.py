@@ -16,6 +16,8 @@ import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from .policy import ack_wait_for
+
 EXPECT_LIMIT = 100_000      # remembered NAKs (a bound, not a window: they are few)
 HISTORY = 200               # deaths and unexplained redeliveries kept for /status
 
@@ -47,6 +49,9 @@ class Death:
     held: list[HeldJob]
     in_transit: int             # pull credits outstanding: messages maybe on the wire
     attributed: int = 0         # redeliveries later explained as in transit at this death
+    # The consumer's delivered stream sequence at the first ConsumerInfo after the death: a
+    # message in transit at the death had been delivered, so its sequence is at most this.
+    delivered_bound: int | None = None
 
     def summary(self) -> dict:
         return {"id": self.id, "slot": self.slot, "pid": self.pid, "cause": self.cause,
@@ -65,12 +70,13 @@ class Redelivery:
 class CrashLedger:
     ack_wait: float
     poison_after: int
+    backoff: tuple[float, ...] = ()         # consumer.backoff: AckWait per delivery when set
     deaths: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     unexplained: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     counts: dict = field(default_factory=lambda: dict.fromkeys(
         ("crashes", "crashes_holding_jobs", "jobs_held_at_crash", "held_jobs_naked", "held_jobs_redelivered",
          "held_jobs_acked_after_crash", "unexplained_redeliveries", "explained_redeliveries",
-         "in_transit_redeliveries", "quarantined"), 0))
+         "in_transit_redeliveries", "in_transit_naked", "quarantined"), 0))
 
     def __post_init__(self) -> None:
         self._ids = itertools.count(1)
@@ -83,8 +89,10 @@ class CrashLedger:
     # ------------------------------------------------------------ inputs
 
     def record_death(self, t: float, slot: int, pid: int, cause: str, held: list[tuple[int, int, str, bool]],
-                     in_transit: int = 0) -> Death:
-        """`held`: (stream seq, delivery, entry state, NAKed by the parent) per slot-table entry."""
+                     in_transit: int = 0, job_to_blame: bool = True) -> Death:
+        """`held`: (stream seq, delivery, entry state, NAKed by the parent) per slot-table entry.
+        `job_to_blame` is False when the supervisor itself ended the worker (SIGQUIT, a drain
+        past its deadline): the jobs it was running did not kill it, so it is no poison evidence."""
         death = Death(next(self._ids), t, slot, pid, cause,
                       [HeldJob(seq, delivery, state, naked) for seq, delivery, state, naked in held], in_transit)
         self.deaths.append(death)
@@ -94,7 +102,7 @@ class CrashLedger:
         for job in death.held:
             self.counts["jobs_held_at_crash"] += 1
             self.counts["held_jobs_naked"] += job.naked
-            if job.state == "running":
+            if job.state == "running" and job_to_blame:
                 self._fatal.setdefault(job.seq, []).append(death)
             self._open.setdefault(job.seq, []).append((death, job))
         return death
@@ -158,13 +166,25 @@ class CrashLedger:
             return f"held by worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
         if seq in self._expected:
             return self._expected.pop(seq)
-        return self._attribute_in_transit(t)
+        return self._attribute_in_transit(t, seq)
 
-    def _attribute_in_transit(self, t: float) -> str:
-        """A message pulled by a worker that died before recording it comes back after AckWait."""
+    def delivered_seen(self, t: float, delivered_stream_seq: int) -> None:
+        """A ConsumerInfo taken at `t`: bounds what deaths before it can have had in transit."""
         for death in reversed(self.deaths):
-            due = death.t + self.ack_wait
-            if death.attributed < death.in_transit and due - 1.0 <= t <= due + max(5.0, self.ack_wait):
+            if death.delivered_bound is not None:
+                break
+            if death.t <= t:
+                death.delivered_bound = delivered_stream_seq
+
+    def _attribute_in_transit(self, t: float, seq: int) -> str:
+        """A message pulled by a worker that died before recording it comes back after AckWait
+        (first delivery: that is what was on the wire), within the death's credits, and only if
+        the consumer had delivered it by the death."""
+        ack_wait = ack_wait_for(self.ack_wait, self.backoff, 1)
+        for death in reversed(self.deaths):
+            due = death.t + ack_wait
+            in_range = death.delivered_bound is None or seq <= death.delivered_bound
+            if death.attributed < death.in_transit and in_range and due - 1.0 <= t <= due + max(5.0, ack_wait):
                 death.attributed += 1
                 self.counts["in_transit_redeliveries"] += 1
                 return f"in transit to worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
@@ -191,6 +211,15 @@ class CrashLedger:
                 job.resolved = job.resolved or "below ack floor"
         for seq in [s for s in self._fatal if s <= stream_seq]:
             del self._fatal[seq]
+
+    def in_transit_naked(self, seq: int, why: str) -> None:
+        """The supervisor found and NAKed a message in transit to a dead worker (reconciliation)."""
+        self.counts["in_transit_naked"] += 1
+        self.expect(seq, why)
+
+    def expecting(self, seq: int) -> bool:
+        """A redelivery of `seq` is already explained in advance (a NAK we know of)."""
+        return seq in self._expected or seq in self._open
 
     def resolve(self, seq: int, how: str) -> None:
         """Settled by evidence other than a worker's report (e.g. a work-queue message that is gone)."""
@@ -227,6 +256,7 @@ class CrashLedger:
                                            "unexplained_redeliveries", "quarantined")}
         out["explained_redeliveries"] = self.counts["explained_redeliveries"]
         out["in_transit_redeliveries"] = self.counts["in_transit_redeliveries"]
+        out["in_transit_naked"] = self.counts["in_transit_naked"]
         out["outstanding"] = self.outstanding(now)
         out["recent_deaths"] = [d.summary() for d in list(self.deaths)[-10:]]
         out["recent_unexplained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "age_s": round(now - r.t, 3)}

@@ -77,7 +77,9 @@ class Monitor:
                                  ack_floor_consumer_seq=self.consumer["ack_floor_consumer_seq"],
                                  local_acked=self.arbiter.worker_counters()["ack"],
                                  progress_alive=beat is not None, progress_at=beat))
-        self.arbiter.ledger.ack_floor(self.consumer["ack_floor_stream_seq"])
+        ledger, c, t = self.arbiter.ledger, self.consumer, self.polled_at
+        self.arbiter.post(lambda: (ledger.ack_floor(c["ack_floor_stream_seq"]),
+                                   ledger.delivered_seen(t, c["delivered_stream_seq"])))
         await self.resolve_acks_in_doubt(js)
 
     async def resolve_acks_in_doubt(self, js: Any) -> None:
@@ -89,7 +91,7 @@ class Monitor:
             try:
                 await js.get_msg(self.cfg.stream.name, seq)
             except NotFoundError:
-                self.arbiter.ledger.resolve(seq, "acked before the death (message gone)")
+                self.arbiter.post(lambda seq=seq: self.arbiter.ledger.resolve(seq, "acked before the death (message gone)"))
             except Exception:
                 return              # try again next poll
 
@@ -150,5 +152,5 @@ class Monitor:
         except Exception as exc:
             log.error("job seq=%d: dead-letter copy failed: %s", seq, exc)
             return
-        self.arbiter.alert("max_deliveries", f"job seq={seq} gave up after {deliveries} deliveries; "
-                                             f"copied to {self.cfg.restart.dead_letter_subject}")
+        message = f"job seq={seq} gave up after {deliveries} deliveries; copied to {self.cfg.restart.dead_letter_subject}"
+        self.arbiter.post(lambda: self.arbiter.alert("max_deliveries", message))

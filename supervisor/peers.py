@@ -17,28 +17,35 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("supervisor.peers")
 
 SUSPECT_GRACE = 2.0     # seconds a peer has to explain a redelivery before it counts as unexplained
 CHUNK = 500             # NAKs per announcement
+HELLO_EVERY = 2.0       # a supervisor says it exists this often, even with nothing to announce ...
+PEER_QUIET = 3 * HELLO_EVERY + 1.0   # ... and counts as alone once it heard no other for this long
 
 
 class Peers:
-    def __init__(self, nc: Any, stream: str, consumer: str, ledger: Any):
+    def __init__(self, nc: Any, stream: str, consumer: str, ledger: Any, post: Callable[[Callable[[], None]], None]):
         self.nc = nc
         self.ledger = ledger
+        self.post = post                         # the arbiter applies what we hear, in its loop
         self.subject = f"supervisor.ledger.{stream}.{consumer}"
         self.origin = f"{socket.gethostname()}/{os.getpid()}"
         # naks: [seq, why] explain a redelivery to come; seen: [seq, delivery] a redelivery one of
         # our workers received; settled: [seq, delivery, outcome] how a redelivered job ended.
         self.outbox: dict[str, list] = {"naks": [], "seen": [], "settled": []}
         self.warned = False
+        self.listening_since: float | None = None
+        self.last_hello = 0.0
+        self.heard: dict[str, float] = {}        # origin -> when we last heard from it
 
     async def start(self) -> None:
         try:
             await self.nc.subscribe(self.subject, cb=self.on_message)
+            self.listening_since = time.monotonic()
         except Exception as exc:
             log.warning("cannot subscribe to %s (%s): redeliveries caused by other supervisors will read as "
                         "unexplained", self.subject, exc)
@@ -52,19 +59,34 @@ class Peers:
     def settled(self, seq: int, delivery: int, outcome: str) -> None:
         self.outbox["settled"].append((seq, delivery, outcome))
 
+    def alone(self, now: float) -> bool:
+        """No other supervisor on this consumer: we listened for PEER_QUIET and heard none."""
+        if self.listening_since is None or now - self.listening_since < PEER_QUIET:
+            return False
+        return all(now - t > PEER_QUIET for t in self.heard.values())
+
     async def flush(self) -> None:
+        now = time.monotonic()
+        if now - self.last_hello >= HELLO_EVERY and self.nc.is_connected:
+            self.last_hello = now
+            await self._publish({"origin": self.origin, "hello": 1})
         if not any(self.outbox.values()) or not self.nc.is_connected:
             return
         batch, self.outbox = self.outbox, {k: [] for k in self.outbox}
+        for key, items in batch.items():
+            for i in range(0, len(items), CHUNK):
+                await self._publish({"origin": self.origin, key: items[i:i + CHUNK]})
+
+    async def _publish(self, body: dict) -> None:
         try:
-            for key, items in batch.items():
-                for i in range(0, len(items), CHUNK):
-                    body = {"origin": self.origin, key: items[i:i + CHUNK]}
-                    await self.nc.publish(self.subject, json.dumps(body, separators=(",", ":")).encode())
+            await self.nc.publish(self.subject, json.dumps(body, separators=(",", ":")).encode())
         except Exception as exc:
-            if not self.warned:
-                log.warning("cannot announce NAKs on %s: %s", self.subject, exc)
-                self.warned = True
+            self._warn(exc)
+
+    def _warn(self, exc: Exception) -> None:
+        if not self.warned:
+            log.warning("cannot announce NAKs on %s: %s", self.subject, exc)
+            self.warned = True
 
     async def on_message(self, msg: Any) -> None:
         try:
@@ -76,9 +98,12 @@ class Peers:
         except (ValueError, KeyError, TypeError, AttributeError):
             log.warning("ignoring a malformed ledger message on %s: %r", self.subject, msg.data[:100])
             return
-        if origin == self.origin:
-            return
+        if origin != self.origin:
+            self.post(lambda: self.apply(origin, naks, seen, settled))
+
+    def apply(self, origin: str, naks: list, seen: list, settled: list) -> None:
         now = time.monotonic()
+        self.heard[origin] = now
         for seq, why in naks:
             if self.ledger.expect(seq, f"{why} (on {origin})"):
                 log.info("job seq=%d, redelivered here a moment ago, is explained: %s (on %s)", seq, why, origin)

@@ -12,6 +12,7 @@ import signal
 import time
 from typing import Any, Callable
 
+from workers import slots
 from workers.runtime import ChildSpec, child_main
 from workers.slots import SlotTable
 
@@ -42,7 +43,7 @@ class WorkerProcess:
               on_exit: Callable[["WorkerProcess"], None], on_events: Callable[["WorkerProcess"], None]) -> None:
         """Fork the worker. Signals stay blocked across fork(), so none can run a parent handler in
         the child before it has installed its own."""
-        read_fd, write_fd = os.pipe()
+        read_fd, write_fd = os.pipe()      # OSError (EMFILE) here: nothing to undo
         spec = make_spec(self, write_fd)
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, ALL_SIGNALS)
         try:
@@ -50,12 +51,21 @@ class WorkerProcess:
             if pid == 0:
                 os.close(read_fd)
                 child_main(spec)           # never returns
+        except OSError:                    # EAGAIN (TasksMax, RLIMIT_NPROC), ENOMEM: no child
+            os.close(read_fd)
+            raise
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-        os.close(write_fd)
+            os.close(write_fd)
         self.pid, self.events_fd = pid, read_fd
         os.set_blocking(read_fd, False)
-        self.pidfd = os.pidfd_open(pid)
+        try:
+            self.pidfd = os.pidfd_open(pid)
+        except OSError:                    # EMFILE: a child we could not watch must not live on
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            self.status = 0
+            raise
         loop.add_reader(self.pidfd, on_exit, self)
         loop.add_reader(read_fd, on_events, self)
 
@@ -121,6 +131,16 @@ class WorkerProcess:
             hint = " (perhaps out of memory?)" if sig == signal.SIGKILL and not self.kill_reason else ""
             return f"signal {name}{hint}"
         return f"exit code {os.WEXITSTATUS(status)}"
+
+    def signalled_by(self) -> int | None:
+        status = self.status or 0
+        return os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+
+    @property
+    def jobs_finished(self) -> int:
+        """Handlers that ran to an outcome (ack, NAK or TERM), from the worker's own counters."""
+        t = self.table
+        return t.header(slots.ACKED_N) + t.header(slots.NAKED_N) + t.header(slots.TERMED_N)
 
     def exit_code(self) -> int | None:
         status = self.status or 0

@@ -9,67 +9,164 @@ import random
 
 import pytest
 
-from supervisor.policy import HEALTHY_AFTER, BootFailures, SlotBackoff, job_limit
+from supervisor.policy import (HEALTHY_AFTER, STORM_WINDOW, BootFailures, DeathRate, RestartPolicy, SlotBackoff,
+                               did_useful_work, job_limit)
 
 
 # ---------------------------------------------------------------- SlotBackoff
 
-def delays(backoff: SlotBackoff, n: int) -> list[float]:
-    return [backoff.next_delay() for _ in range(n)]
+def loop_delays(backoff: SlotBackoff, n: int) -> list[float]:
+    """Delays for n consecutive deaths that did no useful work."""
+    return [backoff.after_death(useful=False) for _ in range(n)]
 
 
-def test_backoff_starts_at_initial_and_doubles_up_to_the_cap():
-    assert delays(SlotBackoff(0.1, 1.0), 7) == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0])
+def test_crash_loop_backoff_starts_at_initial_and_doubles_up_to_the_cap():
+    assert loop_delays(SlotBackoff(0.1, 1.0), 7) == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0])
 
 
 def test_backoff_cap_equal_to_initial_is_flat():
-    assert delays(SlotBackoff(2.0, 2.0), 4) == [2.0, 2.0, 2.0, 2.0]
+    assert loop_delays(SlotBackoff(2.0, 2.0), 4) == [2.0, 2.0, 2.0, 2.0]
 
 
 def test_backoff_initial_zero_means_immediate_restart_forever():
-    assert delays(SlotBackoff(0.0, 30.0), 50) == [0.0] * 50
+    assert loop_delays(SlotBackoff(0.0, 30.0), 50) == [0.0] * 50
 
 
-def test_backoff_counts_failures():
-    b = SlotBackoff(1.0, 8.0)
-    delays(b, 3)
-    assert b.failures == 3
-
-
-@pytest.mark.parametrize("ready_for", [HEALTHY_AFTER, HEALTHY_AFTER + 0.001, 3600.0])
-def test_backoff_resets_after_a_healthy_run(ready_for):
+def test_a_death_after_useful_work_restarts_at_initial_and_resets_the_loop():
     b = SlotBackoff(0.5, 60.0)
-    delays(b, 5)
-    b.worker_exited(ready_for)
-    assert b.failures == 0
-    assert b.next_delay() == 0.5
+    loop_delays(b, 5)
+    assert b.after_death(useful=True) == 0.5 and b.failures == 0
+    assert loop_delays(b, 2) == [0.5, 1.0]
 
 
-@pytest.mark.parametrize("ready_for", [None, 0.0, HEALTHY_AFTER - 0.001])
-def test_backoff_keeps_growing_when_the_worker_was_not_healthy_long_enough(ready_for):
-    b = SlotBackoff(0.5, 60.0)
-    delays(b, 3)                       # 0.5, 1, 2
-    b.worker_exited(ready_for)         # never ready, or ready too briefly
-    assert b.next_delay() == 4.0
-
-
-def test_backoff_sequence_across_a_realistic_life():
-    """crash, crash, healthy for a minute, crash: the third restart is quick again."""
+def test_useful_deaths_never_grow_the_delay():
     b = SlotBackoff(0.1, 30.0)
-    out = []
-    for ready_for in (None, 2.0, 60.0, None):
-        b.worker_exited(ready_for)
-        out.append(b.next_delay())
-    assert out == pytest.approx([0.1, 0.2, 0.1, 0.2])
+    assert {b.after_death(useful=True) for _ in range(1000)} == {0.1}
 
 
-def test_backoff_survives_a_very_long_crash_loop():
-    # A worker that gets ready and dies within HEALTHY_AFTER never resets its slot's backoff and
-    # never trips the boot-failure halt; at backoff_max=30 s this is ~8.5 hours of crash loop.
-    b = SlotBackoff(0.1, 30.0)
-    for _ in range(1100):
-        b.worker_exited(1.0)
-        assert b.next_delay() <= 30.0
+@pytest.mark.parametrize("ready_for,jobs,useful", [
+    (None, 0, False),                       # never ready: a boot failure
+    (None, 5, False),                       # (jobs cannot be finished before ready; still not useful)
+    (0.5, 0, False),                        # ready, died before finishing a job
+    (HEALTHY_AFTER - 0.01, 0, False),
+    (0.5, 1, True),                         # finished a job
+    (HEALTHY_AFTER, 0, True),               # idle but up a while: not a loop
+])
+def test_did_useful_work(ready_for, jobs, useful):
+    assert did_useful_work(ready_for, jobs) is useful
+
+
+# ---------------------------------------------------------------- RestartPolicy on simulated lives
+
+class Pool:
+    """A fake pool: slots whose workers die at scripted moments, driven by a fake clock."""
+
+    def __init__(self, workers=4, initial=0.1, maximum=30.0, halt=10):
+        self.policy = RestartPolicy(initial, maximum, halt)
+        self.workers, self.t = workers, 0.0
+        self.down_until = {slot: 0.0 for slot in range(workers)}
+
+    def death(self, slot, cause="signal SIGKILL", ready_for=None, jobs=0):
+        delay = self.policy.died(self.t, slot, cause, ready_for, jobs)
+        self.down_until[slot] = self.t + delay
+        return delay
+
+    def waiting_longer_than(self, seconds):
+        return [s for s, until in self.down_until.items() if until - self.t > seconds + 1e-9]
+
+
+def test_boot_crash_loop_backs_off_and_halts():
+    pool = Pool(workers=2, initial=0.1, maximum=2.0, halt=6)
+    delays = []
+    for i in range(6):
+        delays.append(pool.death(i % 2, "exit code 3: init hook failed"))
+        pool.t += delays[-1]
+    assert delays == pytest.approx([0.1, 0.1, 0.2, 0.2, 0.4, 0.4])    # each slot doubles on its own
+    assert pool.policy.halted and "init hook failed" in pool.policy.boot.last_reason
+
+
+def test_crash_after_n_jobs_restarts_at_once_every_time():
+    """A handler with a rare native crash: each worker finishes jobs, then dies."""
+    pool = Pool(workers=4)
+    for i in range(200):
+        pool.t += 0.25
+        assert pool.death(i % 4, "signal SIGSEGV", ready_for=0.9, jobs=40) == 0.1
+    assert not pool.policy.halted
+    assert pool.waiting_longer_than(0.1) == []
+
+
+def test_crash_storm_raises_the_alert_but_keeps_the_pool_up():
+    """The issue-18 soak: a random worker SIGKILLed every 2-4 s while recycling every 20 jobs."""
+    rng = random.Random(18)
+    pool = Pool(workers=4)
+    storms = []
+    for _ in range(120):                                     # four minutes
+        pool.t += rng.uniform(2, 4)
+        pool.death(rng.randrange(4), "signal SIGKILL (perhaps out of memory?)", ready_for=rng.uniform(0.05, 4),
+                   jobs=rng.randint(1, 20))
+        assert pool.waiting_longer_than(0.1) == [], "no slot waits longer than backoff_initial"
+        storms.append(pool.policy.rate.storm(pool.t, 4))
+    assert all(storms[30:]), "15-30 deaths a minute is a storm"
+    text = pool.policy.rate.describe(pool.t)
+    assert "worker deaths in the last 60s" in text and "signal SIGKILL" in text and "perhaps" not in text
+    assert pool.policy.rate.per_minute(pool.t) >= 15
+
+
+def test_the_storm_clears_when_deaths_stop():
+    pool = Pool(workers=2)
+    for i in range(6):
+        pool.t += 1
+        pool.death(i % 2, ready_for=5, jobs=3)
+    assert pool.policy.rate.storm(pool.t, 2)
+    pool.t += STORM_WINDOW + 1
+    assert not pool.policy.rate.storm(pool.t, 2) and pool.policy.rate.per_minute(pool.t) == 0
+
+
+def test_storm_threshold_grows_with_the_pool():
+    rate = DeathRate()
+    for i in range(10):
+        rate.died(float(i), "signal SIGKILL")
+    assert rate.storm(10.0, workers=8) and not rate.storm(10.0, workers=16)
+
+
+def test_recycling_mixed_with_crashes_never_slows_restarts():
+    """Recycled workers exit cleanly and never reach the policy; crashes between recycles of
+    short-lived workers (they finished jobs) still restart at once."""
+    pool = Pool(workers=4)
+    for i in range(100):
+        pool.t += 0.5
+        if i % 5 == 0:
+            assert pool.death(i % 4, ready_for=0.3, jobs=7) == 0.1
+    assert all(b.failures == 0 for b in pool.policy.slots.values())
+
+
+def test_a_crash_loop_in_one_slot_does_not_slow_the_others():
+    pool = Pool(workers=3, maximum=30.0, halt=100)
+    for _ in range(8):
+        pool.death(0, "exit code 70: worker crashed", ready_for=0.2, jobs=0)     # dies on its first job
+    assert pool.death(1, ready_for=120.0, jobs=500) == 0.1
+    assert pool.waiting_longer_than(0.1) == [0]
+    assert not pool.policy.halted, "ready before dying: not a boot failure"
+
+
+def test_a_hung_worker_killed_by_the_heartbeat():
+    pool = Pool(workers=2, initial=0.1, maximum=30.0)
+    # It served for a while, then hung: killed after heartbeat_timeout, restarted at once.
+    assert pool.death(0, "killed: no heartbeat for 30.1s", ready_for=45.0, jobs=120) == 0.1
+    # A worker that hangs on its very first job every time, ready for less than HEALTHY_AFTER: a loop.
+    assert [pool.death(1, "killed: no heartbeat for 5.0s", ready_for=5.0, jobs=0) for _ in range(3)] == \
+        pytest.approx([0.1, 0.2, 0.4])
+
+
+def test_ready_resets_the_boot_count_and_reload_resets_the_slots():
+    pool = Pool(workers=1, halt=3)
+    pool.death(0, "exit code 3")
+    pool.death(0, "exit code 3")
+    pool.policy.ready()
+    assert pool.policy.boot.count == 0
+    pool.policy.configure(1.0, 4.0, 5)
+    assert pool.policy.slots == {} and pool.policy.boot.limit == 5
+    assert pool.death(0, "exit code 3") == 1.0
 
 
 # ---------------------------------------------------------------- BootFailures

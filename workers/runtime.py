@@ -35,7 +35,12 @@ from .slots import SlotTable
 
 log = logging.getLogger("worker")
 
-PULL_EXPIRES = 2.0          # a pull request lives this long: an idle worker renews it this often
+PULL_EXPIRES = 2.0          # a pull request lives this long: an idle worker renews it this often, and a
+                            # retiring worker waits at most this long for its last request to end
+PULL_MARGIN = 1.0           # past a request's local expiry, before its credits are given up (the server's
+                            # clock starts when the request arrives; one round trip at most)
+LIVENESS_EVERY = 0.25       # a worker proves its NATS connection with a PING/PONG this often ...
+LIVENESS_TIMEOUT = 2.0      # ... and gives up waiting for the PONG after this
 PULL_RTT_GUESS = 0.05       # prefetch hides one pull round trip plus the scheduling and GIL latency of a
                             # busy box (5 ms left CPU-bound workers idle 30% of the time; see BENCHMARKS.md)
 CHUNK_BUDGET = 0.002        # a sync handler's thread takes this much queued work per hop
@@ -149,6 +154,13 @@ def run_worker(spec: ChildSpec) -> int:
 
 # ---------------------------------------------------------------- the pull / handle / ack loop
 
+# Worker modes. SERVING pulls and runs. RETIRING (SIGUSR1: scale down, recycle, a config roll)
+# stops pulling and runs what it already holds, so a routine retirement spends no delivery
+# attempt and redelivers nothing. STOPPING (SIGTERM: the supervisor stops, or graceful_timeout
+# ran out) NAKs what has not started and lets running jobs finish within graceful_timeout.
+SERVING, RETIRING, STOPPING = "serving", "retiring", "stopping"
+
+
 class Worker:
     def __init__(self, spec: ChildSpec):
         cfg = spec.cfg
@@ -163,12 +175,13 @@ class Worker:
         self.running = 0
         self.credits = 0                 # messages asked for and not yet received or expired
         self.pull_deadline = 0.0         # when the last outstanding pull request expires
+        self.received = 0                # messages received, ever (max_jobs caps what we ask for)
         self.job_ewma: float | None = None
         self.started_jobs = 0
-        # ACKED/SETTLED entries awaiting a flush: (entry, connection generation, was an ack)
+        # ACKED/SETTLED entries awaiting a fence: (entry, connection generation, was an ack)
         self.unconfirmed: list[tuple[int, int, bool]] = []
         self.generation = 0              # reconnects seen: what was sent on a dead connection may be lost
-        self.draining = False
+        self.mode = SERVING
         self.closing = False
         self.wake_pull = asyncio.Event()
         self.wake_run = asyncio.Event()
@@ -178,7 +191,10 @@ class Worker:
         self.grace = self.wcfg.graceful_timeout
         self.replies: list[str] = [""] * self.table.entries   # reply subject by entry index
         self.nc: Any = None
+        self.runners: list[asyncio.Task] = []
         self.last_refusal = ("", 0.0)
+        # Handler threads start jobs under this lock, and the switch to STOPPING takes it: once a
+        # shutdown has NAKed what runs, no handler thread can start another job behind its back.
         self.start_lock = threading.Lock()
 
     # -- lifecycle
@@ -192,24 +208,25 @@ class Worker:
             log.error("worker %d: cannot connect or bind %s/%s: %s", self.spec.slot, self.stream,
                       self.consumer, exc or type(exc).__name__)
             return EXIT_CONNECT_FAILED
+        self.table.server_answered(time.monotonic())
         self.inbox = self.nc.new_inbox()
         self.sub = await self.nc.subscribe(self.inbox, cb=self.on_message, pending_msgs_limit=0,
                                            pending_bytes_limit=0)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
+        loop.add_signal_handler(signal.SIGUSR1, self.on_sigusr1)
         settler = asyncio.ensure_future(self.settler())
-        tasks = [settler] + [asyncio.ensure_future(c) for c in (self.heartbeat(), self.puller())]
-        tasks += [asyncio.ensure_future(self.runner()) for _ in range(self.wcfg.concurrency)]
+        tasks = [asyncio.ensure_future(c) for c in (self.heartbeat(), self.liveness(), self.puller())]
+        self.runners = [asyncio.ensure_future(self.runner()) for _ in range(self.wcfg.concurrency)]
         self.table.set_state(slots.READY)
         self.emit(ev="ready")
         await self.stop.wait()
-        await self.drain()
+        await self.wind_down()
         self.closing = True
         self.wake_settle.set()
-        for task in tasks:
-            if task is not settler:
-                task.cancel()
-        await settler                  # never cancel a task inside flush(): see supervisor/natsfix.py
+        for task in tasks + self.runners:
+            task.cancel()
+        await settler                  # never cancel a task inside a flush: see supervisor/natsfix.py
         await self.close_connection()
         return EXIT_DRAINED
 
@@ -217,7 +234,18 @@ class Worker:
         if os.getppid() != self.spec.parent_pid:
             self.grace = min(self.grace, ORPHAN_GRACE)
             log.warning("worker %d: supervisor is gone; stopping", self.spec.slot)
+        self.set_mode(STOPPING)
+
+    def on_sigusr1(self) -> None:
+        if self.mode == SERVING:
+            self.set_mode(RETIRING)
+
+    def set_mode(self, mode: str) -> None:
+        with self.start_lock:
+            self.mode = mode
         self.stop.set()
+        for event in (self.wake_pull, self.wake_run, self.changed):
+            event.set()
 
     async def heartbeat(self) -> None:
         every = min(0.5, self.wcfg.heartbeat_timeout / 4)   # the parent calls a beat older than 1.5 s stale
@@ -225,9 +253,22 @@ class Worker:
             self.table.beat()
             if self.nc.stats["reconnects"] != self.generation:
                 self.reconnected()
-            if os.getppid() != self.spec.parent_pid and not self.stop.is_set():
+            if os.getppid() != self.spec.parent_pid and self.mode != STOPPING:
                 self.on_sigterm()
             await asyncio.sleep(every)
+
+    async def liveness(self) -> None:
+        """Prove the connection works, not just the process: a PING/PONG every LIVENESS_EVERY,
+        its time in the table. A worker whose connection went half-open keeps beating, but the
+        parent stops keeping its jobs alive with +WPI once this goes stale."""
+        while True:
+            try:
+                await self.nc.flush(timeout=LIVENESS_TIMEOUT)
+            except Exception:
+                pass                     # stale: the parent sees the time stop moving
+            else:
+                self.table.server_answered(time.monotonic())
+            await asyncio.sleep(LIVENESS_EVERY)
 
     def reconnected(self) -> None:
         """Pull requests died with the old connection; acks written to it may be lost (confirm_settled
@@ -238,44 +279,62 @@ class Worker:
         self.table.set_credits(0)
         self.wake_pull.set()
         self.wake_settle.set()
+        self.changed.set()
 
-    async def drain(self) -> None:
-        """Stop pulling; end our interest in pull replies; NAK what was pulled but not started;
-        let running jobs finish within the grace period (NAK what still runs after it); make sure
-        every ack reached the server."""
-        self.draining = True
+    async def wind_down(self) -> None:
+        """Stop pulling. Run (RETIRING) or NAK (STOPPING) what was pulled but not started; let
+        running jobs finish within graceful_timeout and NAK what still runs after it. Keep the
+        subscription until every pull request we sent has ended (filled, expired or refused):
+        a message the server sends on a live request after we unsubscribed would be dropped by
+        nats-py and wait for AckWait. Then unsubscribe and fence every ack."""
         self.table.set_state(slots.DRAINING)
-        self.wake_pull.set()
-        # UNSUB, then a PING/PONG: everything the server sent before it is in our queue, and it
-        # drops our outstanding pull requests instead of handing us more (no interest left).
-        try:
-            await self.sub.drain()
-        except Exception as exc:        # disconnected: what is in flight to us comes back after AckWait
-            log.warning("worker %d: cannot fence off pull replies: %s", self.spec.slot, exc)
-        self.credits = 0
-        self.table.set_credits(0)
-        while self.queue:
-            msg, i, job = self.queue.popleft()
-            await self.settle(i, job, b"-NAK", "nak", "not started before shutdown")
         deadline = time.monotonic() + self.grace
-        while self.running and time.monotonic() < deadline:
+        while True:
+            if self.mode == STOPPING:
+                await self.nak_unstarted("not started before shutdown")
+            now = time.monotonic()
+            busy = bool(self.running or self.queue)
+            if busy and now >= deadline:
+                await self.abandon()
+                busy = False
+            pulls_end = self.pull_deadline + PULL_MARGIN if self.credits > 0 else 0.0
+            if not busy and now >= pulls_end:
+                break
+            wake = min(deadline if busy else float("inf"), pulls_end if pulls_end > now else float("inf"))
             self.changed.clear()
             try:
-                await asyncio.wait_for(self.changed.wait(), deadline - time.monotonic())
+                await asyncio.wait_for(self.changed.wait(), max(0.001, wake - now))
             except asyncio.TimeoutError:
                 pass
-        await self.abandon_running()
+        self.credits = 0
+        self.table.set_credits(0)
+        try:
+            await self.sub.unsubscribe()
+        except Exception as exc:         # closed: nothing more can reach us anyway
+            log.debug("worker %d: unsubscribe: %s", self.spec.slot, exc)
         await self.confirm_settled()
 
-    async def abandon_running(self) -> None:
-        """Past the grace period: NAK jobs whose handlers are still running; we exit next."""
+    async def nak_unstarted(self, why: str) -> None:
+        while self.queue:
+            _, i, job = self.queue.popleft()
+            await self.settle(i, job, b"-NAK", "nak", why)
+
+    async def abandon(self) -> None:
+        """graceful_timeout ran out: NAK what still runs (its handler's outcome will never be
+        sent: the runners are cancelled first, so no late ack can hit the job's next delivery)."""
+        self.set_mode(STOPPING)
+        await self.nak_unstarted("not started before graceful_timeout ran out")
+        for task in self.runners:
+            task.cancel()
+        await asyncio.gather(*self.runners, return_exceptions=True)
         for entry in self.table.snapshot():
-            if entry.state == slots.RUNNING and entry.reply:
-                log.warning("worker %d: job seq=%d still running after graceful_timeout; NAKing it",
-                            self.spec.slot, entry.stream_seq)
-                await self.nc.publish(entry.reply, b"-NAK")
-                self.emit(ev="settled", seq=entry.stream_seq, delivery=entry.delivery, outcome="nak",
-                          reason="still running at shutdown")
+            if entry.state == slots.RUNNING:
+                log.warning("worker %d: job seq=%d still running after graceful_timeout (%gs); NAKing it",
+                            self.spec.slot, entry.stream_seq, self.grace)
+                job = Job(data=b"", subject="", headers={}, stream_seq=entry.stream_seq,
+                          consumer_seq=entry.consumer_seq, delivery=entry.delivery)
+                await self.settle(entry.index, job, b"-NAK", "nak", "still running when graceful_timeout ran out")
+        self.running = 0
 
     async def close_connection(self) -> None:
         try:
@@ -286,7 +345,7 @@ class Worker:
     # -- pulling
 
     async def puller(self) -> None:
-        while not self.draining:
+        while self.mode == SERVING:
             self.expire_lost_pull()
             n = self.pull_size()
             if n > 0:
@@ -304,7 +363,7 @@ class Worker:
 
     def expire_lost_pull(self) -> None:
         """A pull request the server forgot (restart, leader change) must not hold credits forever."""
-        if self.credits > 0 and time.monotonic() > self.pull_deadline + 1.0:
+        if self.credits > 0 and time.monotonic() > self.pull_deadline + PULL_MARGIN:
             self.credits = 0
             self.table.set_credits(0)
 
@@ -313,6 +372,8 @@ class Worker:
         capacity = concurrency + self.prefetch()
         outstanding = len(self.queue) + self.running + self.credits
         room = min(capacity - outstanding, self.table.free_entries() - self.credits)
+        if self.spec.job_limit:          # a worker due for recycling takes no job it will not run
+            room = min(room, self.spec.job_limit - self.received - self.credits)
         # While a pull is on its way, top up only once half the capacity is free: no dribbling.
         if room <= 0 or (self.credits and room < max(1, capacity // 2)):
             return 0
@@ -329,11 +390,14 @@ class Worker:
         if not msg.reply:
             self.on_status(msg)
             return
+        job = make_job(msg)
+        # Record it before anything else, credits after: a death between the two leaves the
+        # parent counting the message twice (held and in transit), never zero times.
+        i = self.table.hold(job.stream_seq, job.consumer_seq, job.delivery, msg.reply.encode())
+        self.received += 1
         if self.credits > 0:
             self.credits -= 1
             self.table.set_credits(self.credits)
-        job = make_job(msg)
-        i = self.table.hold(job.stream_seq, job.consumer_seq, job.delivery, msg.reply.encode())
         if i >= 0:
             self.replies[i] = msg.reply
         if job.delivery > 1:
@@ -342,8 +406,9 @@ class Worker:
             await self.nc.publish(msg.reply, b"-NAK")
             self.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome="nak", reason="table full")
             return
-        self.queue.append((msg, i, job))     # while draining: NAKed once the pull replies are fenced off
+        self.queue.append((msg, i, job))
         self.wake_run.set()
+        self.changed.set()               # a shutdown NAKs it at once; a retirement runs it
 
     def on_status(self, msg: Any) -> None:
         headers = msg.headers or {}
@@ -368,7 +433,7 @@ class Worker:
 
     async def runner(self) -> None:
         while True:
-            while not self.queue or self.draining:
+            while not self.queue or self.mode == STOPPING:
                 self.wake_run.clear()
                 await self.wake_run.wait()
             chunk = self.take_chunk()
@@ -401,13 +466,16 @@ class Worker:
 
     async def run_async(self, i: int, job: Job) -> None:
         """An async handler, on the loop."""
+        if self.mode == STOPPING:
+            await self.settle(i, job, b"-NAK", "nak", "not started before shutdown")
+            return
         self.table.start(i)
         self.count_start()
         started = time.monotonic()
         try:
             await self.spec.handler(job)
         except asyncio.CancelledError:
-            raise                        # we are exiting; the job is NAKed by the drain
+            raise                        # graceful_timeout ran out; abandon() NAKs the job
         except BaseException as exc:
             await self.finish(i, job, exc, time.monotonic() - started)
         else:
@@ -429,10 +497,10 @@ class Worker:
         entry is this thread's alone until the loop gets the outcome back)."""
         out: list[tuple[Any, float]] = []
         for _, i, job in chunk:
-            if self.draining:
-                out.append((NOT_STARTED, 0.0))
-                continue
             with self.start_lock:        # several handler threads share the table's counters
+                if self.mode == STOPPING:
+                    out.append((NOT_STARTED, 0.0))
+                    continue
                 self.table.start(i)
             started = time.monotonic()
             try:
@@ -518,17 +586,18 @@ class Worker:
         await self.confirm_settled()
 
     async def confirm_settled(self) -> None:
-        """A PING/PONG round trip proves the server has read every ack sent before it on the
-        same connection. An ack sent on a connection that has died since is sent again (acking
+        """A fence (supervisor/natsfix.py) proves the server has read every ack sent before it on
+        the same connection. An ack sent on a connection that has died since is sent again (acking
         twice is harmless); a NAK or TERM is not, since by now it could hit another worker's
         delivery of the job: if it was lost, the job comes back after AckWait."""
         if not self.unconfirmed:
             return
         batch, self.unconfirmed = self.unconfirmed, []
         try:
-            await self.nc.flush(timeout=5)
+            await self.nc.fence(timeout=5)
         except Exception as exc:
-            log.warning("worker %d: flush failed (%s); acks stay unconfirmed", self.spec.slot, exc)
+            log.warning("worker %d: fence failed (%s); acks stay unconfirmed", self.spec.slot,
+                        exc or type(exc).__name__)
             self.unconfirmed = batch + self.unconfirmed
             return
         current = self.nc.stats["reconnects"]

@@ -32,9 +32,11 @@ FREE, HELD, RUNNING, ACKED, SETTLED = 0, 1, 2, 3, 4
 ENTRY_STATES = {HELD: "held", RUNNING: "running", ACKED: "acked", SETTLED: "settled"}
 
 # Header words (8 bytes each; doubles and int64s share the buffer through two casts).
+# SERVER_SEEN: when the worker last had a reply from the NATS server (a PING/PONG of its own), so
+# the parent can tell a beating worker whose connection has gone half-open from a healthy one.
 (PID, STATE, HEARTBEAT, ACKED_N, NAKED_N, TERMED_N, STARTED_N, CREDITS, HIGH_WATER,
- MAX_DURATION, DURATION_SUM) = range(11)
-BUCKETS_AT = 11
+ MAX_DURATION, DURATION_SUM, SERVER_SEEN) = range(12)
+BUCKETS_AT = 12
 HEADER_WORDS = BUCKETS_AT + len(DURATION_BUCKETS) + 1
 
 # Entry words.
@@ -83,6 +85,9 @@ class SlotTable:
     def beat(self) -> None:
         self.d[HEARTBEAT] = time.monotonic()
 
+    def server_answered(self, at: float) -> None:
+        self.d[SERVER_SEEN] = at
+
     def free_entries(self) -> int:
         return len(self._free)
 
@@ -101,6 +106,7 @@ class SlotTable:
         q[base + CSEQ] = cseq
         q[base + DELIVERY] = delivery
         self.d[base + T_HELD] = time.monotonic()
+        self.d[base + T_STARTED] = 0.0      # not the start time of the entry's previous job
         if len(reply) <= self.reply_words * 8:
             start = 8 * (base + ENTRY_FIXED_WORDS)
             self.b[start:start + len(reply)] = reply
@@ -147,6 +153,9 @@ class SlotTable:
 
     def heartbeat(self) -> float:
         return self.d[HEARTBEAT]
+
+    def server_seen(self) -> float:
+        return self.d[SERVER_SEEN]
 
     def max_duration(self) -> float:
         return self.d[MAX_DURATION]
