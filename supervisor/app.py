@@ -91,6 +91,7 @@ class Supervisor:
             await provision.ensure(self.nc, cfg)
             self.arbiter = Arbiter(cfg, self.nc, handler, init, self.connect_worker, self.notifier,
                                    reload_config=self.reload if self.reload_source else None)
+            await self.inherit_pending()
             self.monitor = Monitor(cfg, self.nc, self.arbiter)
             if cfg.monitor.http:
                 host, port = parse_hostport(cfg.monitor.http, "monitor.http")
@@ -110,6 +111,16 @@ class Supervisor:
             if self.http:
                 await self.http.close()
             await self.close()
+
+    async def inherit_pending(self) -> None:
+        """Deliveries pending before we started (a previous run NAKed them while draining) come
+        back to our workers: the ledger must not call them unexplained."""
+        try:
+            info = await self.nc.jetstream().consumer_info(self.cfg.stream.name, self.cfg.consumer.name)
+        except Exception as exc:
+            log.debug("ConsumerInfo at start failed (%s): inherited redeliveries may read as unexplained", exc)
+            return
+        self.arbiter.ledger.inherit(info.num_ack_pending or 0, info.delivered.stream_seq or 0)
 
     async def reload(self) -> None:
         """SIGHUP: re-read the config; apply what can change live; keep running on the old

@@ -364,8 +364,9 @@ class Arbiter:
                 self.peers.announce(seq, f"NAKed by a worker at delivery {delivery}")
             elif delivery > 1:
                 self.peers.settled(seq, delivery, outcome)
-        elif kind == "recycle_due":
+        elif kind == "recycle_due":        # it retires by itself after this job; start its replacement
             w.recycle_reason = f"ran {event['jobs']} jobs (workers.max_jobs)"
+            w.leaves_by_itself = True
 
     def worker_ready(self, w: WorkerProcess, now: float) -> None:
         if w.state == "starting":
@@ -374,7 +375,7 @@ class Arbiter:
         self.restarts.ready()
         log.info("worker %d ready (pid %d, %.0f ms)", w.slot, w.pid, 1000 * (now - w.started_at))
         old = self.replacing.pop(w.slot, None)
-        if old is not None:                   # a recycled worker's replacement is serving: retire the old
+        if old is not None and not old.leaves_by_itself:   # the replacement serves: retire the old one
             self.drain(old, signal.SIGUSR1)
         self.check_all_ready()
 

@@ -79,6 +79,8 @@ class CrashLedger:
          "in_transit_redeliveries", "in_transit_naked", "quarantined"), 0))
 
     def __post_init__(self) -> None:
+        self._inherited_up_to = 0       # stream seqs pending (delivered, unacked) when we started ...
+        self._inherited_left = 0        # ... and how many of their redeliveries that can explain
         self._ids = itertools.count(1)
         self._open: dict[int, list[tuple[Death, HeldJob]]] = {}      # seq -> held jobs not yet resolved
         self._expected: OrderedDict[int, str] = OrderedDict()        # seq -> why it will come back
@@ -166,7 +168,15 @@ class CrashLedger:
             return f"held by worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
         if seq in self._expected:
             return self._expected.pop(seq)
+        if seq <= self._inherited_up_to and self._inherited_left > 0:
+            self._inherited_left -= 1
+            return "pending when this supervisor started (delivered by a previous run or another process)"
         return self._attribute_in_transit(t, seq)
+
+    def inherit(self, num_ack_pending: int, delivered_stream_seq: int) -> None:
+        """The consumer at our start: `num_ack_pending` deliveries made before we existed (a
+        previous run's drain NAKs, another process's jobs) whose redeliveries we will see."""
+        self._inherited_left, self._inherited_up_to = num_ack_pending, delivered_stream_seq
 
     def delivered_seen(self, t: float, delivered_stream_seq: int) -> None:
         """A ConsumerInfo taken at `t`: bounds what deaths before it can have had in transit."""

@@ -31,6 +31,8 @@ def build_status(sup: Any) -> dict[str, Any]:
         "consumer": consumer_block(mon, cfg),
         "lag": lag,
         "crosscheck": arb.ledger.crosscheck(now),
+        "peers": {"alone": arb.peers.alone(now), "heard": sorted(arb.peers.heard),
+                  "in_transit_checks": dict(arb.in_transit.stats)},
         "jobs": arb.worker_counters(),
         "advisories": dict(mon.advisories) if mon else {},
         "alerts": alerts(sup, lag, now),

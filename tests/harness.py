@@ -101,6 +101,13 @@ class NatsServer:
                             return c
         raise AssertionError(f"consumer {stream}/{name} not found in /jsz")
 
+    def stream_last_seq(self, stream: str = "JOBS") -> int:
+        for account in self.jsz().get("account_details", []):
+            for s in account.get("stream_detail", []):
+                if s["name"] == stream:
+                    return s["state"]["last_seq"]
+        raise AssertionError(f"stream {stream} not found in /jsz")
+
     def stream_msgs(self, stream: str = "JOBS") -> int:
         for account in self.jsz().get("account_details", []):
             for s in account.get("stream_detail", []):

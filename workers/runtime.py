@@ -448,6 +448,7 @@ class Worker:
                 self.running -= len(chunk)
                 self.changed.set()
                 self.wake_pull.set()
+                self.retire_when_done()
 
     def take_chunk(self) -> list[tuple[Any, int, Job]]:
         """One job; or, for a sync handler whose jobs are short, as many queued jobs as fit in
@@ -461,8 +462,15 @@ class Worker:
     def count_start(self) -> None:
         self.started_jobs += 1
         if self.started_jobs == self.spec.job_limit:
-            # The parent starts our replacement now and drains us once it is ready.
+            # The parent starts our replacement now; we leave by ourselves once this last job is
+            # done (no signal, so no graceful_timeout can cut a job short and redo it forever).
             self.emit(ev="recycle_due", jobs=self.started_jobs)
+
+    def retire_when_done(self) -> None:
+        """max_jobs reached and nothing left to run: retire (pull requests end, acks fenced)."""
+        if (self.spec.job_limit and self.started_jobs >= self.spec.job_limit and not self.running
+                and not self.queue and self.mode == SERVING):
+            self.set_mode(RETIRING)
 
     async def run_async(self, i: int, job: Job) -> None:
         """An async handler, on the loop."""
@@ -489,7 +497,6 @@ class Worker:
             if exc is NOT_STARTED:
                 await self.settle(i, job, b"-NAK", "nak", "not started before shutdown")
             else:
-                self.count_start()
                 await self.finish(i, job, exc, elapsed)
 
     def run_chunk(self, chunk: list[tuple[Any, int, Job]], loop: asyncio.AbstractEventLoop) -> list:
@@ -502,6 +509,8 @@ class Worker:
                     out.append((NOT_STARTED, 0.0))
                     continue
                 self.table.start(i)
+            if self.spec.job_limit:      # the parent starts our replacement while this job runs
+                loop.call_soon_threadsafe(self.count_start)
             started = time.monotonic()
             try:
                 result = self.spec.handler(job)

@@ -1,0 +1,62 @@
+"""A TCP relay between clients and a nats-server that, once armed, holds back what a client writes
+after each PING for a while: it widens, deterministically, the moment between a client's PING
+and whatever it wrote next (the window the old drain's `PING, UNSUB` race lived in)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+
+class StallAfterPing:
+    def __init__(self, upstream_port: int, stall: float):
+        self.upstream_port, self.stall = upstream_port, stall
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.port = 0
+        self.armed = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "StallAfterPing":
+        self.thread.start()
+        self.ready.wait(10)
+        return self
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(asyncio.start_server(self._relay, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self.ready.set()
+        self.loop.run_forever()
+        server.close()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(self._pump(reader, up_w, stall=True), self._pump(up_r, writer, stall=False),
+                             return_exceptions=True)
+
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, stall: bool) -> None:
+        try:
+            while data := await src.read(65536):
+                if stall and self.armed and b"PING\r\n" in data:
+                    cut = data.index(b"PING\r\n") + 6
+                    dst.write(data[:cut])
+                    await dst.drain()
+                    await asyncio.sleep(self.stall)
+                    data = data[cut:]
+                dst.write(data)
+                await dst.drain()
+        finally:
+            dst.close()

@@ -1,0 +1,287 @@
+"""Issue 9: the defects a review found in the crash, drain, NAK and ack paths, each forced against
+a real nats-server. AckWait is long (60 s) wherever a test must tell the supervisor's NAK from
+the server's timer: anything back within seconds was the supervisor's doing."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import nats
+import psutil
+import tomli_w
+
+from harness import child_env, publish, wait_until
+
+ACK_WAIT = 60.0
+
+
+def consumer(server) -> dict:
+    c = server.consumer()
+    return {"pending": c["num_pending"], "ack_pending": c["num_ack_pending"], "waiting": c["num_waiting"],
+            "delivered": c["delivered"]["consumer_seq"], "redelivered": c["num_redelivered"]}
+
+
+def pump(server, count: int, rate: int, data: str = "0.002") -> subprocess.Popen:
+    """`supervisor publish --rate` in the background: jobs keep arriving while the test acts."""
+    return subprocess.Popen([sys.executable, "-m", "supervisor", "publish", "--server", server.url, "--count",
+                             str(count), "--rate", str(rate), "--data", data], env=child_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+# ---------------------------------------------------------------- 1. the drain fence
+
+def test_stop_under_load_leaves_nothing_waiting_for_ack_wait(nats_server, supervisor_factory):
+    """Pull requests are live while jobs pour in; SIGTERM, three times over. Whatever the server
+    sent before the workers gave up their requests must be acked or NAKed, never left to wait
+    for AckWait (a message reaching a subscription nats-py had already removed did: the old
+    sub.drain() race). A last supervisor must then finish every job in far less than AckWait."""
+    publisher = pump(nats_server, count=100_000, rate=1500)
+    sups = []
+    try:
+        for _ in range(3):
+            sup = supervisor_factory(nats_server, workers={"count": 6, "graceful_timeout": 5.0},
+                                     consumer={"ack_wait": ACK_WAIT})
+            sups.append(sup)
+            sup.wait_ready(6)
+            wait_until(lambda: len(sup.jobs.done()) > 200, what="jobs flowing")
+            assert sup.stop() == 0
+    finally:
+        publisher.kill()
+        publisher.wait()
+    published = nats_server.stream_last_seq()
+    last = supervisor_factory(nats_server, workers={"count": 6}, consumer={"ack_wait": ACK_WAIT})
+    sups.append(last)
+    t0 = time.monotonic()
+    done = lambda: set().union(*(s.jobs.done_seqs() for s in sups))
+    wait_until(lambda: done() >= set(range(1, published + 1)), timeout=ACK_WAIT / 2,
+               what=f"all {published} jobs done well before AckWait")
+    assert time.monotonic() - t0 < ACK_WAIT / 2
+    assert last.status()["crosscheck"]["unexplained_redeliveries"] == 0
+    assert last.stop() == 0
+
+
+def test_a_client_pausing_after_its_ping_strands_no_pull_reply(nats_server, supervisor_factory):
+    """The same race made deterministic: idle workers wait on pull requests while jobs trickle in;
+    at the stop a relay holds back whatever a client writes after a PING for 0.3 s. A drain that
+    removes its subscription on the PONG while its UNSUB is still held back loses every message
+    the server sends meanwhile to the live pull requests."""
+    from stallproxy import StallAfterPing
+
+    proxy = StallAfterPing(nats_server.port, stall=0.3).start()
+    publisher = pump(nats_server, count=100_000, rate=200)
+    try:
+        sup = supervisor_factory(nats_server, workers={"count": 4}, consumer={"ack_wait": ACK_WAIT},
+                                 nats={"servers": [proxy.url]})
+        sup.wait_ready(4)
+        wait_until(lambda: len(sup.jobs.done()) > 100, what="jobs flowing")
+        wait_until(lambda: consumer(nats_server)["pending"] == 0, what="workers keeping up, waiting on pulls")
+        proxy.armed = True
+        assert sup.stop() == 0
+    finally:
+        publisher.kill()
+        publisher.wait()
+        proxy.stop()
+    published = nats_server.stream_last_seq()
+    last = supervisor_factory(nats_server, workers={"count": 4}, consumer={"ack_wait": ACK_WAIT})
+    done = lambda: sup.jobs.done_seqs() | last.jobs.done_seqs()
+    wait_until(lambda: done() >= set(range(1, published + 1)), timeout=ACK_WAIT / 2,
+               what=f"all {published} jobs done well before AckWait")
+    assert last.stop() == 0
+
+
+def test_scaling_down_under_load_strands_nothing(nats_server, supervisor_factory):
+    """Retired workers (SIGTTOU) give up their pull requests the same careful way: every job
+    published is done within seconds, none waits for AckWait."""
+    sup = supervisor_factory(nats_server, workers={"count": 4}, consumer={"ack_wait": ACK_WAIT})
+    sup.wait_ready(4)
+    publisher = pump(nats_server, count=3000, rate=1000)
+    try:
+        for _ in range(3):
+            wait_until(lambda: len(sup.jobs.done()) > 100 or publisher.poll() is not None, what="jobs flowing")
+            sup.signal(signal.SIGTTOU)
+            wait_until(lambda: len(sup.worker_pids()) < 4, what="a worker retired")
+            sup.signal(signal.SIGTTIN)
+            sup.wait_ready(4)
+        assert publisher.wait(60) == 0, publisher.stderr.read()
+    finally:
+        publisher.kill()
+    wait_until(lambda: sup.jobs.done_seqs() >= set(range(1, 3001)), timeout=30,
+               what="every job done well before AckWait")
+    assert all(r.delivery == 1 for r in sup.jobs.started()), "retiring spends no delivery attempt"
+    assert sup.status()["crosscheck"]["unexplained_redeliveries"] == 0
+    assert sup.stop() == 0
+
+
+# ---------------------------------------------------------------- 3. graceful_timeout: one NAK, not two
+
+async def hold_redelivery(url: str, got: list, stop: asyncio.Event) -> None:
+    """A plain pull subscriber on the same durable that takes deliveries and never acks them:
+    a second NAK of a job it holds would show up here as one more delivery at once."""
+    nc = await nats.connect(url)
+    try:
+        sub = await nc.jetstream().pull_subscribe_bind("workers", stream="JOBS")
+        while not stop.is_set():
+            try:
+                for msg in await sub.fetch(1, timeout=0.5):
+                    got.append((msg.metadata.sequence.stream, msg.metadata.num_delivered, time.monotonic()))
+            except nats.errors.TimeoutError:
+                pass
+    finally:
+        await nc.close()
+
+
+def run_beside(url: str, action) -> list:
+    """Run `action()` in a thread while hold_redelivery() runs; return what it received."""
+    import threading
+
+    got, stop = [], None
+
+    async def main():
+        nonlocal stop
+        stop = asyncio.Event()
+        holder = asyncio.ensure_future(hold_redelivery(url, got, stop))
+        await asyncio.get_running_loop().run_in_executor(None, action)
+        stop.set()
+        await holder
+
+    t = threading.Thread(target=asyncio.run, args=(main(),))
+    t.start()
+    t.join(120)
+    return got
+
+
+def test_graceful_timeout_naks_a_running_job_once(nats_server, supervisor_factory):
+    sup = supervisor_factory(nats_server, workers={"count": 1, "graceful_timeout": 1.0},
+                             consumer={"ack_wait": ACK_WAIT})
+    sup.wait_ready(1)
+    publish(nats_server.url, count=1, data="30")
+    wait_until(lambda: sup.jobs.running(), what="the long job running")
+
+    def stop_and_wait():
+        assert sup.stop() == 0
+        time.sleep(3)        # an observation window for a stray second NAK, not a synchronisation
+
+    got = run_beside(nats_server.url, stop_and_wait)
+    assert [(seq, n) for seq, n, _ in got] == [(1, 2)], f"one NAK gives exactly one redelivery: {got}"
+    assert "still running when graceful_timeout ran out" in sup.log() or "still running after graceful_timeout" in sup.log()
+
+
+def test_max_jobs_recycling_never_cuts_the_last_job_short(nats_server, supervisor_factory):
+    """max_jobs = 1 and jobs longer than graceful_timeout: the replacement boots while the last
+    job runs, and the old worker leaves by itself when it is done: no job is cut short and redone
+    (a recycle signalled at the job's start would abort it, and its redelivery, forever)."""
+    sup = supervisor_factory(nats_server, workers={"count": 1, "max_jobs": 1, "graceful_timeout": 0.5},
+                             consumer={"ack_wait": ACK_WAIT})
+    sup.wait_ready(1)
+    publish(nats_server.url, count=3, data="1.5")
+    wait_until(lambda: len(sup.jobs.done()) == 3, timeout=30, what="three jobs, three workers")
+    assert sorted((r.seq, r.delivery) for r in sup.jobs.started()) == [(1, 1), (2, 1), (3, 1)]
+    assert len({r.pid for r in sup.jobs.started()}) == 3
+    wait_until(lambda: nats_server.stream_msgs() == 0, what="all acked")
+    assert sup.status()["crosscheck"]["crashes"] == 0
+    assert sup.stop() == 0
+
+
+def test_a_config_roll_past_graceful_timeout_naks_the_running_job_once(nats_server, supervisor_factory):
+    """SIGHUP changes a key workers read at fork: the running worker is retired with
+    graceful_timeout 1 s while a 4 s job runs. It NAKs the job once; the replacement redoes it
+    (delivery 2); nobody NAKs it again behind the replacement's back (that would be delivery 3)."""
+    sup = supervisor_factory(nats_server, workers={"count": 1, "graceful_timeout": 1.0},
+                             consumer={"ack_wait": ACK_WAIT})
+    sup.wait_ready(1)
+    publish(nats_server.url, count=1, data="4")
+    wait_until(lambda: sup.jobs.running(), what="the job running")
+    sup.config["workers"]["batch"] = 8
+    sup.config_path.write_text(tomli_w.dumps(sup.config))
+    sup.signal(signal.SIGHUP)
+    wait_until(lambda: len(sup.jobs.done()) == 1, timeout=30, what="the job redone by the replacement")
+    time.sleep(1.0)                              # an observation window for a stray NAK, not a synchronisation
+    assert sorted(r.delivery for r in sup.jobs.started()) == [1, 2]
+    wait_until(lambda: nats_server.stream_msgs() == 0, what="acked")
+    assert consumer(nats_server)["delivered"] == 2
+    cc = sup.status()["crosscheck"]
+    assert cc["crashes"] == 0 and cc["unexplained_redeliveries"] == 0
+    assert sup.stop() == 0
+
+
+# ---------------------------------------------------------------- 5. a death while NATS is down
+
+def test_a_worker_dying_while_nats_is_down_is_naked_when_it_comes_back(nats_server, supervisor_factory):
+    sup = supervisor_factory(nats_server, workers={"count": 1}, consumer={"ack_wait": ACK_WAIT})
+    sup.wait_ready(1)
+    publish(nats_server.url, count=1, data="30")
+    wait_until(lambda: sup.jobs.running(), what="the long job running")
+    victim = sup.workers()[0]
+    nats_server.proc.kill()                      # the server goes away; nobody can NAK now
+    nats_server.proc.wait()
+    wait_until(lambda: "disconnected from NATS" in sup.log(), what="the parent sees it")
+    victim.send_signal(signal.SIGKILL)
+    wait_until(lambda: "died" in sup.log(), what="the death reaped while disconnected")
+    nats_server.start()                          # same port, same store
+    t_back = time.monotonic()
+    wait_until(lambda: any(r.delivery == 2 for r in sup.jobs.started()), timeout=30,
+               what="the job redelivered after the server came back")
+    assert time.monotonic() - t_back < ACK_WAIT / 3, "the held-back NAK was sent, not AckWait"
+    assert "NAK(s) held back while disconnected" in sup.log()
+    assert sup.stop() == 0
+
+
+# ---------------------------------------------------------------- 9. process mechanics
+
+def test_stop_marks_workers_draining_in_status(nats_server, supervisor_factory):
+    sup = supervisor_factory(nats_server, workers={"count": 2, "graceful_timeout": 20.0})
+    sup.wait_ready(2)
+    publish(nats_server.url, count=2, data="3")
+    wait_until(lambda: len(sup.jobs.running()) == 2, what="both workers busy")
+    sup.signal(signal.SIGTERM)
+    status = wait_until(lambda: (s := sup.try_status()) and s["state"] == "draining" and s, what="draining")
+    assert {w["state"] for w in status["workers"]["list"]} == {"draining"}
+    assert sup.wait() == 0
+
+
+def test_a_stop_while_workers_boot_is_not_a_crash(nats_server, supervisor_factory):
+    """SIGTERM right after start: workers still booting die of our SIGTERM before they installed
+    their handlers; that is a stop, not a crash (no crash in the ledger, exit 0)."""
+    sup = supervisor_factory(nats_server, workers={"count": 4})
+    wait_until(lambda: len(sup.worker_pids()) == 4, what="workers forked")
+    sup.signal(signal.SIGTERM)
+    assert sup.wait() == 0
+    assert " died: " not in sup.log(), sup.log()[-2000:]
+
+
+# ---------------------------------------------------------------- 11. in transit at a death
+
+def test_a_message_in_transit_to_a_dead_worker_is_back_in_seconds(nats_server, supervisor_factory):
+    """A SIGSTOPped worker cannot read what the server sends to its live pull request: that
+    message is in no slot table. SIGKILL it: the supervisor (alone on a work queue) finds the
+    message and NAKs it, instead of leaving it for AckWait."""
+    sup = supervisor_factory(nats_server, workers={"count": 1}, consumer={"ack_wait": ACK_WAIT},
+                             restart={"backoff_initial": 0.05})
+    sup.wait_ready(1)
+    wait_until(lambda: sup.status()["peers"]["alone"], timeout=30, what="the supervisor sure it is alone")
+    victim = psutil.Process(sup.workers()[0].pid)
+    for seq in range(1, 21):                     # until a delivery lands in the frozen worker's socket
+        wait_until(lambda: consumer(nats_server)["waiting"] >= 1, what="a pull request waiting")
+        victim.suspend()
+        publish(nats_server.url, count=1, data="0")
+        c = wait_until(lambda: (c := consumer(nats_server))["pending"] + c["ack_pending"] >= 1 and c,
+                       what="the job delivered or waiting")
+        if c["ack_pending"] == 1:
+            break
+        victim.resume()                         # its request had expired; the job waits: try again
+        wait_until(lambda: nats_server.stream_msgs() == 0, what="that job done")
+    else:
+        raise AssertionError("never caught a delivery in flight")
+    assert seq not in {r.seq for r in sup.jobs.started()}
+    t_kill = time.monotonic()
+    victim.kill()
+    wait_until(lambda: seq in sup.jobs.done_seqs(), timeout=20,
+               what="the in-transit job redone by the replacement")
+    assert time.monotonic() - t_kill < 10, "found and NAKed, not left for AckWait"
+    cc = sup.status()["crosscheck"]
+    assert cc["in_transit_naked"] == 1 and cc["unexplained_redeliveries"] == 0
+    assert sup.stop() == 0
