@@ -371,6 +371,19 @@ def test_the_page_formatters(crashed, browser):
     got = {expr: page.evaluate(f"(({{{names}}}) => {expr})(window.dashboard)") for expr in cases}
     assert got == cases
 
+    # The wave-2 blocks (SPEC: /status "autoscale" and "fleet"): drawn when present, hidden when
+    # absent. Drawn and read in one synchronous call, so no refresh comes in between.
+    shown = page.evaluate("""(() => { const d = window.dashboard, text = (id) => document.getElementById(id);
+        d.drawBlock("autoscale", {enabled: true, target: 5, min: 1, max: 8, reason: "pending rising",
+                                  last_change_s: 12.5}, d.autoscalePairs);
+        d.drawBlock("fleet", {name: "host-a", peers: 2}, d.fleetPairs);
+        const on = [text("autoscale").hidden, text("autoscale-kv").textContent, text("fleet").hidden,
+                    text("fleet-kv").textContent];
+        d.drawBlock("autoscale", undefined, d.autoscalePairs);
+        return on.concat([text("autoscale").hidden]); })()""")
+    assert shown == [False, "enabledyestarget5 workers (min 1, max 8)last change12.5 s agoreasonpending rising",
+                     False, "this supervisorhost-apeers2", True]
+
 
 # ---------------------------------------------------------------- supervisor demo --dashboard
 
