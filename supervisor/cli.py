@@ -71,6 +71,9 @@ def build_parser() -> ArgumentParser:
     p = sub.add_parser("demo", parents=[common], help="the seed post's scenario on an embedded server")
     p.add_argument("--workers", type=int, default=3, metavar="N")
     p.add_argument("--jobs", type=int, default=30, metavar="N")
+    p.add_argument("--dashboard", nargs="?", type=float, const=float("inf"), metavar="SECONDS",
+                   help="print the dashboard URL and keep the supervisor serving it after the jobs are done: "
+                        "for SECONDS, or until Ctrl-C when SECONDS is left out")
     return parser
 
 

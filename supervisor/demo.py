@@ -18,6 +18,7 @@ numbers come from its /status. Exit 0 only if every published job was acked.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import queue
 import re
@@ -59,6 +60,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise ConfigError("--workers", f"must be 1 or more, got {args.workers}")
     if args.jobs < 1:
         raise ConfigError("--jobs", f"must be 1 or more, got {args.jobs}")
+    if args.dashboard is not None and not args.dashboard >= 0:
+        raise ConfigError("--dashboard", f"must be 0 seconds or more, got {args.dashboard:g}")
     return Demo(args, Out(sys.stdout)).run()
 
 
@@ -229,6 +232,8 @@ class Demo:
             self.publish()
             self.watch()
             failure = self.verify()
+            if failure is None and self.args.dashboard is not None:
+                self.keep_serving(self.args.dashboard)
         except DemoFailed as exc:
             failure = str(exc)
         except KeyboardInterrupt:
@@ -278,6 +283,8 @@ class Demo:
                      f"{time.monotonic() - started:.2f} s: {pids}")
         self.out.say(f"  status: supervisor status --url {self.http}    "
                      f"(AckWait {self.cfg.consumer.ack_wait:g} s)")
+        if self.args.dashboard is not None:
+            self.out.say(f"  dashboard: {self.base}/")
 
     def publish(self) -> None:
         payloads = ["crash-once" if i == self.crash_index else f"job-{i:02d}" for i in range(1, self.jobs + 1)]
@@ -322,6 +329,19 @@ class Demo:
             if now > deadline:
                 raise DemoFailed(f"not every job acked after {time.time() - self.out.t0:.0f}s")
             self.drain_events(min(next_poll, next_tick) - time.monotonic())
+
+    def keep_serving(self, seconds: float) -> None:
+        """--dashboard: the jobs are done; leave the supervisor up so its dashboard can be read.
+        Ctrl-C (or SIGTERM) ends the wait early and the demo stops and reports as usual."""
+        until = "until Ctrl-C" if math.isinf(seconds) else f"for {seconds:g} s (Ctrl-C ends it sooner)"
+        self.out.say(f"  dashboard stays up at {self.base}/ {until}")
+        deadline = time.monotonic() + seconds
+        try:
+            while time.monotonic() < deadline:
+                self.check_child()
+                self.drain_events(min(0.5, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            self.out.say()
 
     def all_acked(self, s: dict[str, Any]) -> bool:
         c = s.get("consumer", {})

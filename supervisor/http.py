@@ -1,7 +1,9 @@
 """The supervisor's HTTP endpoint (monitor.http), on the parent's loop: no threads.
 
+    GET /         the dashboard: one self-contained page (dashboard.html) drawing /status and /history
     GET /healthz  200 ok | 503 <reason>
     GET /status   JSON (SPEC.md)
+    GET /history  JSON: the last monitor.lag_window of ConsumerInfo samples and crash moments
     GET /metrics  Prometheus text
     POST /scale?workers=N   loopback clients only
 
@@ -15,6 +17,9 @@ import asyncio
 import ipaddress
 import json
 import logging
+import os
+import time
+from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -26,6 +31,10 @@ log = logging.getLogger("supervisor.http")
 MAX_HEAD = 16 * 1024
 READ_TIMEOUT = 5.0
 MAX_WORKERS = 1024
+# The dashboard may talk to this server and nothing else: the browser enforces it.
+PAGE_HEADERS = ("Content-Security-Policy: default-src 'none'; connect-src 'self'; script-src 'unsafe-inline'; "
+                "style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'; "
+                "frame-ancestors 'none'\r\nX-Content-Type-Options: nosniff\r\n")
 REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
            405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large", 500: "Internal Server Error",
            503: "Service Unavailable"}
@@ -36,10 +45,11 @@ class HttpServer:
         self.sup = sup
         self.host, self.port = host, port
         self.server: asyncio.AbstractServer | None = None
+        self.page = resources.files("supervisor").joinpath("dashboard.html").read_bytes()
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self.handle, self.host, self.port, limit=MAX_HEAD)
-        log.info("status on http://%s:%d (/status /metrics /healthz)", self.host, self.port)
+        log.info("status on http://%s:%d (/ /status /history /metrics /healthz)", self.host, self.port)
 
     async def close(self) -> None:
         if self.server:
@@ -53,7 +63,8 @@ class HttpServer:
             log.exception("HTTP handler failed")
             status, ctype, body = 500, "text/plain", b"internal error\n"
         head = (f"HTTP/1.1 {status} {REASONS.get(status, '')}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\nCache-Control: no-store\r\n\r\n")
+                f"Content-Length: {len(body)}\r\nConnection: close\r\nCache-Control: no-store\r\n"
+                f"{PAGE_HEADERS if ctype.startswith('text/html') else ''}\r\n")
         try:
             writer.write(head.encode() + body)
             await writer.drain()
@@ -77,7 +88,7 @@ class HttpServer:
         method, target = parts[0], urlsplit(parts[1])
         route = ROUTES.get(target.path)
         if route is None:
-            return 404, "text/plain", b"not found: try /status /metrics /healthz\n"
+            return 404, "text/plain", b"not found: try / /status /history /metrics /healthz\n"
         allowed, fn = route
         if method not in allowed:
             return 405, "text/plain", f"use {' or '.join(allowed)}\n".encode()
@@ -85,6 +96,21 @@ class HttpServer:
 
     def get_status(self, query: str, peer: Any) -> tuple[int, str, bytes]:
         return 200, "application/json", json.dumps(build_status(self.sup), indent=1).encode() + b"\n"
+
+    def get_dashboard(self, query: str, peer: Any) -> tuple[int, str, bytes]:
+        return 200, "text/html; charset=utf-8", self.page
+
+    def get_history(self, query: str, peer: Any) -> tuple[int, str, bytes]:
+        """/history[?after=SEQ]: the samples of the window newer than SEQ (all without it)."""
+        values = parse_qs(query).get("after", ["0"])
+        if len(values) != 1 or not (values[0].isascii() and values[0].isdigit()):
+            return 400, "text/plain", b"expected /history or /history?after=SEQ with SEQ a sample number >= 0\n"
+        mon = self.sup.monitor
+        if mon is None:
+            return 503, "text/plain", b"not monitoring yet\n"
+        body = mon.history.as_dict(time.monotonic(), time.time(), self.sup.arbiter.ledger.deaths, int(values[0]))
+        body["pid"] = os.getpid()           # a restarted supervisor numbers its samples anew
+        return 200, "application/json", json.dumps(body, separators=(",", ":")).encode() + b"\n"
 
     def get_metrics(self, query: str, peer: Any) -> tuple[int, str, bytes]:
         return 200, "text/plain; version=0.0.4; charset=utf-8", metrics.render(self.sup)
@@ -112,5 +138,6 @@ def is_loopback(peer: Any) -> bool:
         return False
 
 
-ROUTES = {"/status": (("GET",), HttpServer.get_status), "/metrics": (("GET",), HttpServer.get_metrics),
+ROUTES = {"/": (("GET",), HttpServer.get_dashboard), "/status": (("GET",), HttpServer.get_status),
+          "/history": (("GET",), HttpServer.get_history), "/metrics": (("GET",), HttpServer.get_metrics),
           "/healthz": (("GET",), HttpServer.get_healthz), "/scale": (("POST",), HttpServer.post_scale)}

@@ -38,6 +38,17 @@ class HeldJob:
                 "cause": death.cause, "age_s": round(now - death.t, 3),
                 "redelivered": self.redelivered_at is not None}
 
+    def fate(self, died_at: float) -> dict:
+        """What became of this job after the death: came back (redelivered) and acked, in
+        seconds after it; `resolved` names how it was settled ("ack", "term", "below ack floor",
+        "quarantined", ...; "" while outstanding)."""
+        def after(t: float | None) -> float | None:
+            return None if t is None else round(t - died_at, 3)
+        return {"stream_seq": self.seq, "delivery": self.delivery, "state_at_death": self.state,
+                "naked": self.naked, "came_back_after_s": after(self.redelivered_at),
+                "acked_after_s": after(self.acked_at) if self.resolved == "ack" else None,
+                "resolved": self.resolved}
+
 
 @dataclass
 class Death:
@@ -53,9 +64,12 @@ class Death:
     # message in transit at the death had been delivered, so its sequence is at most this.
     delivered_bound: int | None = None
 
-    def summary(self) -> dict:
-        return {"id": self.id, "slot": self.slot, "pid": self.pid, "cause": self.cause,
-                "held": [h.seq for h in self.held], "in_transit": self.in_transit}
+    def summary(self, now: float) -> dict:
+        """`held` lists the seqs; `held_jobs` says per job when it came back and when it was
+        acked, in seconds after this death (None: not yet, or not seen by this supervisor)."""
+        return {"id": self.id, "slot": self.slot, "pid": self.pid, "cause": self.cause, "age_s": round(now - self.t, 3),
+                "held": [h.seq for h in self.held], "in_transit": self.in_transit,
+                "held_jobs": [h.fate(self.t) for h in self.held]}
 
 
 @dataclass
@@ -268,7 +282,7 @@ class CrashLedger:
         out["in_transit_redeliveries"] = self.counts["in_transit_redeliveries"]
         out["in_transit_naked"] = self.counts["in_transit_naked"]
         out["outstanding"] = self.outstanding(now)
-        out["recent_deaths"] = [d.summary() for d in list(self.deaths)[-10:]]
+        out["recent_deaths"] = [d.summary(now) for d in list(self.deaths)[-10:]]
         out["recent_unexplained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "age_s": round(now - r.t, 3)}
                                      for r in list(self.unexplained)[-10:]]
         return out

@@ -1,8 +1,8 @@
 """Watching the consumer: ConsumerInfo every monitor.interval, and the server's advisories.
 
-Each poll feeds the lag analyzer (pure, lag.py) and the crash ledger's ack floor. A failed
-poll (server down, consumer deleted) clears nothing and crashes nothing: the numbers age
-(`poll_age_s`) until the lag state turns `unknown`. Advisories: MAX_DELIVERIES means the server
+Each poll feeds the lag analyzer (pure, lag.py), the dashboard's history ring (history.py) and
+the crash ledger's ack floor. A failed poll (server down, consumer deleted) clears nothing and
+crashes nothing: the numbers age (`poll_age_s`) until the lag state turns `unknown`. Advisories: MAX_DELIVERIES means the server
 gave up on a job; it is still in the stream, so it is copied to the dead-letter subject and
 nothing vanishes silently. MSG_TERMINATED is counted.
 """
@@ -21,6 +21,7 @@ from workers import Job
 from workers.runtime import dead_letter
 
 from .config import Config
+from .history import History
 from .lag import LagAnalyzer, Sample
 from .tools import consumer_dict
 
@@ -33,6 +34,7 @@ class Monitor:
         self.nc = nc
         self.arbiter = arbiter
         self.analyzer = LagAnalyzer(cfg.monitor.lag_window, cfg.consumer.ack_wait, cfg.monitor.interval)
+        self.history = History(cfg.monitor.lag_window, cfg.monitor.interval)
         self.consumer: dict[str, Any] | None = None
         self.polled_at: float | None = None
         self.error = ""
@@ -43,6 +45,7 @@ class Monitor:
         if (old.monitor.lag_window, old.monitor.interval, old.consumer.ack_wait) != \
                 (cfg.monitor.lag_window, cfg.monitor.interval, cfg.consumer.ack_wait):
             self.analyzer = LagAnalyzer(cfg.monitor.lag_window, cfg.consumer.ack_wait, cfg.monitor.interval)
+            self.history.resize(cfg.monitor.lag_window, cfg.monitor.interval)
 
     async def run(self) -> None:
         await self.subscribe_advisories()
@@ -77,6 +80,7 @@ class Monitor:
                                  ack_floor_consumer_seq=self.consumer["ack_floor_consumer_seq"],
                                  local_acked=self.arbiter.worker_counters()["ack"],
                                  progress_alive=beat is not None, progress_at=beat))
+        self.history.add(self.polled_at, self.consumer, self.analyzer.report(self.polled_at).state)
         ledger, c, t = self.arbiter.ledger, self.consumer, self.polled_at
         self.arbiter.post(lambda: (ledger.ack_floor(c["ack_floor_stream_seq"]),
                                    ledger.delivered_seen(t, c["delivered_stream_seq"])))
@@ -100,6 +104,7 @@ class Monitor:
             log.warning("%s", error)
         self.error = error
         self.analyzer.poll_failed(t, error)
+        self.history.gap(t, self.analyzer.report(t).state)
 
     def after_poll(self) -> None:
         now = time.monotonic()

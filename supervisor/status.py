@@ -19,6 +19,7 @@ def build_status(sup: Any) -> dict[str, Any]:
     arb, mon, cfg = sup.arbiter, sup.monitor, sup.cfg
     now = time.monotonic()
     lag = mon.analyzer.report(now).as_dict() if mon else {"state": "unknown"}
+    consumer = consumer_block(mon, cfg)
     return {
         "version": __version__,
         "pid": os.getpid(),
@@ -28,7 +29,7 @@ def build_status(sup: Any) -> dict[str, Any]:
         "workers": {"target": arb.target, "alive": len(arb.slots), "ready": arb.ready_count(),
                     "retiring": len(arb.retiring),
                     "list": [worker_block(arb, w, now) for w in sorted(arb.living(), key=lambda w: (w.slot, w.pid))]},
-        "consumer": consumer_block(mon, cfg),
+        "consumer": consumer,
         "lag": lag,
         "crosscheck": arb.ledger.crosscheck(now),
         "peers": {"alone": arb.peers.alone(now), "heard": sorted(arb.peers.heard),
@@ -36,6 +37,7 @@ def build_status(sup: Any) -> dict[str, Any]:
         "jobs": arb.worker_counters(),
         "advisories": dict(mon.advisories) if mon else {},
         "alerts": alerts(sup, lag, now),
+        "headline": headline(lag, consumer),
     }
 
 
@@ -100,6 +102,27 @@ def alerts(sup: Any, lag: dict[str, Any], now: float) -> list[dict[str, str]]:
     if sup.nc is not None and not sup.nc.is_connected:
         out.append({"kind": "nats_disconnected", "message": "the supervisor's NATS connection is down"})
     return out
+
+
+# What the queue is doing, in one word a person reads at a glance (the dashboard's headline).
+HEADLINES = {
+    "draining": "The workers are working the queue down.",
+    "idle": "Nothing waiting, nothing in flight.",
+    "growing": "Jobs arrive faster than the workers finish them: pending rises across the window.",
+    "stuck": "Work is waiting, but nothing has been acked for longer than AckWait.",
+    "unknown": "No fresh numbers from the consumer.",
+}
+
+
+def headline(lag: dict[str, Any], consumer: dict[str, Any]) -> dict[str, str]:
+    """The lag state said for the queue: `ok` with work waiting or in flight is draining, `ok`
+    with none is idle; growing, stuck and unknown are themselves."""
+    state = lag.get("state", "unknown")
+    if state == "ok":
+        work = (consumer.get("num_pending") or 0) + (consumer.get("num_ack_pending") or 0)
+        state = "draining" if work else "idle"
+    state = state if state in HEADLINES else "unknown"
+    return {"state": state, "text": HEADLINES[state], "reason": lag.get("reason", "")}
 
 
 def health(sup: Any) -> tuple[bool, str]:

@@ -87,6 +87,26 @@ def test_recent_deaths_and_history_are_bounded():
     assert out["recent_deaths"][-1]["held"] == [ledger_mod.HISTORY + 50]
 
 
+def test_recent_deaths_say_when_each_held_job_came_back_and_was_acked():
+    led = make()
+    led.record_death(100.0, 1, 4321, "signal SIGKILL", [(9, 1, "running", True), (10, 1, "held", True),
+                                                        (11, 1, "acked", True), (12, 1, "held", False)])
+    led.redelivered(100.012, 9, 2)
+    led.settled(100.23, 9, 2, "ack")
+    led.redelivered(100.02, 10, 2)
+    led.settled(100.5, 10, 2, "term")
+    led.ack_floor(11)                               # the ack in doubt did land
+    [d] = led.crosscheck(103.0)["recent_deaths"]
+    assert d["age_s"] == 3.0 and d["held"] == [9, 10, 11, 12]
+    fates = {j["stream_seq"]: (j["came_back_after_s"], j["acked_after_s"], j["resolved"]) for j in d["held_jobs"]}
+    assert fates == {9: (0.012, 0.23, "ack"), 10: (0.02, None, "term"), 11: (None, None, "below ack floor"),
+                     12: (None, None, "")}
+    assert [(j["delivery"], j["state_at_death"], j["naked"]) for j in d["held_jobs"]] == \
+        [(1, "running", True), (1, "held", True), (1, "acked", True), (1, "held", False)]
+    led.redelivered(104.0, 12, 2)                   # came back late; not acked yet
+    assert led.crosscheck(105.0)["recent_deaths"][0]["held_jobs"][3]["came_back_after_s"] == 4.0
+
+
 # ---------------------------------------------------------------- redeliveries
 
 def test_redelivery_with_no_death_and_no_nak_is_unexplained():
