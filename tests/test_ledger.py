@@ -573,3 +573,58 @@ def test_acks_in_doubt_are_listed_until_resolved():
     ledger.redelivered(1.0, 6, 2)
     ledger.settled(1.5, 6, 2, "ack")
     assert ledger.outstanding(2.0) == []
+
+
+# ---------------------------------------------------------------- issue 9: bounds and blame
+
+def test_in_transit_needs_a_sequence_the_consumer_had_delivered_by_the_death():
+    led = make()
+    led.record_death(100.0, 0, 1, "SIGKILL", [], in_transit=5)
+    led.delivered_seen(100.2, 40)                  # the first ConsumerInfo after the death
+    due = 100.0 + ACK_WAIT
+    assert "in transit" in led.redelivered(due, 40, 2)
+    assert led.redelivered(due, 41, 2) == "", "delivered after the death: it cannot have been on the wire"
+
+
+def test_delivered_seen_bounds_only_deaths_before_it_and_only_once():
+    led = make()
+    led.record_death(100.0, 0, 1, "a", [], in_transit=1)
+    led.delivered_seen(99.0, 10)                   # taken before the death: says nothing about it
+    led.delivered_seen(100.5, 20)
+    led.delivered_seen(101.0, 30)                  # later polls do not widen the bound
+    assert led.deaths[-1].delivered_bound == 20
+
+
+def test_in_transit_window_follows_consumer_backoff():
+    led = CrashLedger(ack_wait=30.0, poison_after=3, backoff=(2.0, 10.0))
+    led.record_death(100.0, 0, 1, "a", [], in_transit=1)
+    assert "in transit" in led.redelivered(102.0, 7, 2), "the first delivery's AckWait is backoff[0]"
+
+
+def test_a_kill_by_the_supervisor_is_no_poison_evidence():
+    led = make(poison_after=2)
+    for pid in (1, 2, 3):
+        led.record_death(float(pid), 0, pid, "SIGQUIT: stop at once", [(9, pid, "running", True)], job_to_blame=False)
+    assert not led.is_poison(9)
+    led.record_death(4.0, 0, 4, "exit code 70", [(9, 4, "running", True)])
+    led.record_death(5.0, 0, 5, "exit code 70", [(9, 5, "running", True)])
+    assert led.is_poison(9)
+
+
+def test_inherited_pending_explains_redeliveries_up_to_its_count_and_sequence():
+    led = make()
+    led.inherit(num_ack_pending=2, delivered_stream_seq=50)
+    assert "previous run" in led.redelivered(FAR, 10, 2)
+    assert led.redelivered(FAR, 60, 2) == "", "delivered after we started: not inherited"
+    assert "previous run" in led.redelivered(FAR, 11, 3)
+    assert led.redelivered(FAR, 12, 2) == "", "only as many as were pending at the start"
+    confirm(led)
+    assert counts(led)["unexplained_redeliveries"] == 2
+
+
+def test_in_transit_naked_explains_its_redelivery_and_is_counted():
+    led = make()
+    led.in_transit_naked(33, "in transit to worker 0 (pid 5) at its death (found and NAKed)")
+    assert led.expecting(33)
+    assert "found and NAKed" in led.redelivered(FAR, 33, 2)
+    assert led.crosscheck(FAR)["in_transit_naked"] == 1 and not led.expecting(33)

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from supervisor.policy import (HEALTHY_AFTER, STORM_WINDOW, BootFailures, DeathRate, RestartPolicy, SlotBackoff,
+                               ack_wait_for, nak_is_safe,
                                did_useful_work, job_limit)
 
 
@@ -239,3 +240,22 @@ def test_job_limit_spreads_workers_started_together():
     rng = random.Random(3)
     limits = [job_limit(1000, 100, rng) for _ in range(16)]
     assert len(set(limits)) > 8
+
+
+# ---------------------------------------------------------------- AckWait and the NAK guard
+
+@pytest.mark.parametrize("backoff,delivery,expected", [
+    ((), 1, 30.0), ((), 7, 30.0),
+    ((2.0, 10.0, 60.0), 1, 2.0), ((2.0, 10.0, 60.0), 2, 10.0), ((2.0, 10.0, 60.0), 3, 60.0),
+    ((2.0, 10.0, 60.0), 9, 60.0),
+])
+def test_ack_wait_for_follows_the_server(backoff, delivery, expected):
+    assert ack_wait_for(30.0, backoff, delivery) == expected
+
+
+@pytest.mark.parametrize("ack_wait,age,safe", [
+    (30.0, 0.0, True), (30.0, 28.99, True), (30.0, 29.0, False), (30.0, 31.0, False),   # 1 s margin
+    (2.0, 1.79, True), (2.0, 1.81, False),                                               # 10 % margin
+])
+def test_a_nak_near_the_end_of_ack_wait_is_not_sent(ack_wait, age, safe):
+    assert nak_is_safe(100.0 + age, 100.0, ack_wait) is safe
