@@ -1,6 +1,9 @@
-"""A TCP relay between clients and a nats-server that, once armed, holds back what a client writes
-after each PING for a while: it widens, deterministically, the moment between a client's PING
-and whatever it wrote next (the window the old drain's `PING, UNSUB` race lived in)."""
+"""A TCP relay between clients and a nats-server, for faults a test must place exactly:
+- once `armed`, it holds back what a client writes after each PING for `stall` seconds: it
+  widens, deterministically, the moment between a client's PING and whatever it wrote next (the
+  window the old drain's `PING, UNSUB` race lived in);
+- `blackhole(port)` stops forwarding, both ways, on the connection from that client port while
+  keeping both sockets open: a half-open connection, as a dead link or a stalled NAT makes."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ class StallAfterPing:
         self.ready = threading.Event()
         self.port = 0
         self.armed = False
+        self.holes: set[int] = set()            # client ports whose traffic goes nowhere
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> "StallAfterPing":
@@ -25,6 +29,9 @@ class StallAfterPing:
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+    def blackhole(self, client_port: int) -> None:
+        self.holes.add(client_port)
 
     @property
     def url(self) -> str:
@@ -44,12 +51,15 @@ class StallAfterPing:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(self._pump(reader, up_w, stall=True), self._pump(up_r, writer, stall=False),
+        port = writer.get_extra_info("peername")[1]
+        await asyncio.gather(self._pump(reader, up_w, True, port), self._pump(up_r, writer, False, port),
                              return_exceptions=True)
 
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, stall: bool) -> None:
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, stall: bool, port: int) -> None:
         try:
             while data := await src.read(65536):
+                if port in self.holes:
+                    continue
                 if stall and self.armed and b"PING\r\n" in data:
                     cut = data.index(b"PING\r\n") + 6
                     dst.write(data[:cut])

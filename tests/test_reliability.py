@@ -230,6 +230,40 @@ def test_a_worker_dying_while_nats_is_down_is_naked_when_it_comes_back(nats_serv
     assert sup.stop() == 0
 
 
+# ---------------------------------------------------------------- 6. a beating worker with a dead link
+
+def test_no_in_progress_pings_for_a_worker_whose_connection_went_half_open(nats_server, supervisor_factory):
+    """Worker A runs a long job; its NATS connection goes half-open (a relay drops its bytes both
+    ways, sockets open). A keeps beating in shared memory, but its liveness PINGs get no PONG: the
+    parent stops sending +WPI for its job, so the server redelivers it to B after AckWait instead
+    of the job being kept alive for a worker whose ack can never arrive."""
+    from stallproxy import StallAfterPing
+
+    proxy = StallAfterPing(nats_server.port, stall=0).start()
+    try:
+        sup = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": 4.0},
+                                 nats={"servers": [proxy.url]})
+        sup.wait_ready(2)
+        publish(nats_server.url, count=1, data="30")
+        holder = wait_until(lambda: sup.jobs.running(), what="the long job running")[0].pid
+        link = [c for c in psutil.Process(holder).net_connections("tcp") if c.raddr and c.raddr.port == proxy.port]
+        assert len(link) == 1, link
+        proxy.blackhole(link[0].laddr.port)
+        t_cut = time.monotonic()
+        again = wait_until(lambda: [r for r in sup.jobs.started() if r.delivery == 2], timeout=30,
+                           what="the job redelivered to the other worker")
+        assert again[0].pid != holder
+        assert time.monotonic() - t_cut < 15, "no +WPI kept it alive for the cut-off worker"
+        status = sup.status()
+        assert any(a["kind"] == "stale_connection" for a in status["alerts"]), status["alerts"]
+        wait_until(lambda: sup.status()["crosscheck"]["explained_redeliveries"] >= 1, what="explained")
+        assert sup.status()["crosscheck"]["unexplained_redeliveries"] == 0
+        sup.signal(signal.SIGQUIT)                 # nothing to wait for: the 30 s jobs are not the point
+        sup.wait()
+    finally:
+        proxy.stop()
+
+
 # ---------------------------------------------------------------- 9. process mechanics
 
 def test_stop_marks_workers_draining_in_status(nats_server, supervisor_factory):
