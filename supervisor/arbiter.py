@@ -364,9 +364,9 @@ class Arbiter:
                 self.peers.announce(seq, f"NAKed by a worker at delivery {delivery}")
             elif delivery > 1:
                 self.peers.settled(seq, delivery, outcome)
-        elif kind == "recycle_due":        # it retires by itself after this job; start its replacement
+        elif kind == "recycle_due":        # its last job has started: start its replacement
             w.recycle_reason = f"ran {event['jobs']} jobs (workers.max_jobs)"
-            w.leaves_by_itself = True
+            w.last_job_started = True
 
     def worker_ready(self, w: WorkerProcess, now: float) -> None:
         if w.state == "starting":
@@ -375,7 +375,7 @@ class Arbiter:
         self.restarts.ready()
         log.info("worker %d ready (pid %d, %.0f ms)", w.slot, w.pid, 1000 * (now - w.started_at))
         old = self.replacing.pop(w.slot, None)
-        if old is not None and not old.leaves_by_itself:   # the replacement serves: retire the old one
+        if old is not None and not old.last_job_started:   # the replacement serves: retire the old one
             self.drain(old, signal.SIGUSR1)
         self.check_all_ready()
 
@@ -632,7 +632,14 @@ class Arbiter:
 
     def recycle(self) -> None:
         """Replace one worker at a time that ran max_jobs or outgrew max_rss_mb: the replacement
-        starts first, the old one retires once the new one is ready, so capacity never drops."""
+        starts first, the old one retires once the new one is ready, so capacity never drops.
+        One that reached max_jobs is retired only once its last job is done too: a retirement
+        signalled mid-job would let graceful_timeout cut the job short, and its redelivery would
+        reach a fresh worker's limit the same way, forever."""
+        for w in self.retiring:
+            if w.last_job_started and w.drain_deadline is None and w not in self.replacing.values() \
+                    and not any(e.state in (slots.HELD, slots.RUNNING) for e in w.table.snapshot()):
+                self.drain(w, signal.SIGUSR1)
         if self.stopping or self.replacing:
             return
         now = time.monotonic()

@@ -150,12 +150,19 @@ class CrashLedger:
         return why
 
     def confirm_suspects(self, now: float, grace: float) -> list[Redelivery]:
-        """Suspects older than `grace` that nothing explained: counted as unexplained."""
-        confirmed = [Redelivery(t, seq, d, "unexplained") for (seq, d), t in self._suspects.items() if now - t >= grace]
-        for r in confirmed:
-            del self._suspects[(r.seq, r.delivery)]
+        """Suspects older than `grace` that nothing explained: counted as unexplained, unless they
+        were pending before we started (the weakest explanation, so a peer's word wins if it came)."""
+        due = [(seq, d, t) for (seq, d), t in self._suspects.items() if now - t >= grace]
+        confirmed = []
+        for seq, d, t in due:
+            del self._suspects[(seq, d)]
+            if seq <= self._inherited_up_to and self._inherited_left > 0:
+                self._inherited_left -= 1
+                self.counts["explained_redeliveries"] += 1
+                continue
             self.counts["unexplained_redeliveries"] += 1
-            self.unexplained.append(r)
+            self.unexplained.append(Redelivery(t, seq, d, "unexplained"))
+            confirmed.append(self.unexplained[-1])
         return confirmed
 
     def _mark_redelivered(self, t: float, seq: int, delivery: int) -> list[tuple[Death, HeldJob]]:
@@ -182,9 +189,6 @@ class CrashLedger:
             return f"held by worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
         if seq in self._expected:
             return self._expected.pop(seq)
-        if seq <= self._inherited_up_to and self._inherited_left > 0:
-            self._inherited_left -= 1
-            return "pending when this supervisor started (delivered by a previous run or another process)"
         return self._attribute_in_transit(t, seq)
 
     def inherit(self, num_ack_pending: int, delivered_stream_seq: int) -> None:

@@ -35,8 +35,8 @@ class WorkerProcess:
         self.kill_reason = ""            # set when the arbiter kills it (heartbeat, job_timeout)
         self.drain_deadline: float | None = None
         self.job_limit = 0               # recycle after this many jobs (0 = never)
-        self.recycle_reason = ""         # set when the worker reports it reached job_limit ...
-        self.leaves_by_itself = False    # ... after which it exits by itself once its last job is done
+        self.recycle_reason = ""         # why it is due for replacement (max_jobs, RSS, a config roll)
+        self.last_job_started = False    # it started its max_jobs-th job and will take no other
         self.status: int | None = None   # wait status once reaped
         self._buf = b""
 

@@ -614,12 +614,19 @@ def test_a_kill_by_the_supervisor_is_no_poison_evidence():
 def test_inherited_pending_explains_redeliveries_up_to_its_count_and_sequence():
     led = make()
     led.inherit(num_ack_pending=2, delivered_stream_seq=50)
-    assert "previous run" in led.redelivered(FAR, 10, 2)
-    assert led.redelivered(FAR, 60, 2) == "", "delivered after we started: not inherited"
-    assert "previous run" in led.redelivered(FAR, 11, 3)
-    assert led.redelivered(FAR, 12, 2) == "", "only as many as were pending at the start"
-    confirm(led)
-    assert counts(led)["unexplained_redeliveries"] == 2
+    for seq in (10, 60, 11, 12):                    # 60: delivered after we started; 12: over the count
+        assert led.redelivered(FAR, seq, 2) == ""   # a suspect first: a peer's word would be better
+    assert [(r.seq, r.delivery) for r in confirm(led)] == [(60, 2), (12, 2)]
+    c = counts(led)
+    assert c["unexplained_redeliveries"] == 2 and c["explained_redeliveries"] == 2
+
+
+def test_a_peer_explanation_beats_the_inherited_one():
+    led = make()
+    led.inherit(num_ack_pending=1, delivered_stream_seq=50)
+    led.redelivered(FAR, 10, 2)
+    assert led.expect(10, "held by worker 0 (pid 7) at its death (on hostB/1)")
+    assert confirm(led) == [] and led._inherited_left == 1
 
 
 def test_in_transit_naked_explains_its_redelivery_and_is_counted():

@@ -448,7 +448,6 @@ class Worker:
                 self.running -= len(chunk)
                 self.changed.set()
                 self.wake_pull.set()
-                self.retire_when_done()
 
     def take_chunk(self) -> list[tuple[Any, int, Job]]:
         """One job; or, for a sync handler whose jobs are short, as many queued jobs as fit in
@@ -462,15 +461,9 @@ class Worker:
     def count_start(self) -> None:
         self.started_jobs += 1
         if self.started_jobs == self.spec.job_limit:
-            # The parent starts our replacement now; we leave by ourselves once this last job is
-            # done (no signal, so no graceful_timeout can cut a job short and redo it forever).
+            # The parent starts our replacement now (we take no further job: pull_size) and
+            # retires us once the replacement is ready and our last job is done.
             self.emit(ev="recycle_due", jobs=self.started_jobs)
-
-    def retire_when_done(self) -> None:
-        """max_jobs reached and nothing left to run: retire (pull requests end, acks fenced)."""
-        if (self.spec.job_limit and self.started_jobs >= self.spec.job_limit and not self.running
-                and not self.queue and self.mode == SERVING):
-            self.set_mode(RETIRING)
 
     async def run_async(self, i: int, job: Job) -> None:
         """An async handler, on the loop."""
