@@ -8,7 +8,8 @@ survives a restart: $STATE_DIRECTORY (systemd's StateDirectory=), else
 $XDG_STATE_HOME/jetstream-supervisor, else ~/.local/state/jetstream-supervisor. Two servers on
 one store would corrupt it (nats-server takes no lock of its own), so the supervisor holds an
 flock on the store while its server runs. `embedded.store_dir = ":memory:"` asks for the old
-throw-away temp dir: created in start(), removed on every way out, jobs lost at exit.
+throw-away temp dir: created in start(), removed on every way out, jobs lost at exit. A SIGKILLed
+supervisor cannot remove its own, so the next throw-away start removes those whose lock is free.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ log = logging.getLogger("supervisor.embedded")
 MEMORY = ":memory:"                  # embedded.store_dir: a throw-away store
 STORE_LOCK = "supervisor.lock"       # held (flock) by the supervisor whose server uses the store
 TEMP_PREFIX = "jetstream-supervisor-"
+ORPHAN_AGE = 60.0                    # seconds: younger throw-away stores may still be taking their lock
 
 
 def default_store_dir(env: Mapping[str, str]) -> Path:
@@ -112,6 +114,7 @@ class EmbeddedServer:
 
     def _open_store(self) -> None:
         if self.throwaway:
+            remove_orphans(Path(tempfile.gettempdir()))
             self.store_dir = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
             log.warning("embedded.store_dir is %s: the JetStream store is a temporary directory removed at "
                         "exit, so jobs still waiting when the supervisor stops are lost", MEMORY)
@@ -174,6 +177,28 @@ class EmbeddedServer:
         if self.throwaway and self.store_dir is not None:
             shutil.rmtree(self.store_dir, ignore_errors=True)
             self.store_dir = None
+
+
+def remove_orphans(tempdir: Path, now: float | None = None) -> None:
+    """Remove throw-away stores left by supervisors that were killed: ours (same uid, our lock
+    file inside), older than ORPHAN_AGE, and with the lock free (a live owner holds it)."""
+    now = time.time() if now is None else now
+    for store in tempdir.glob(TEMP_PREFIX + "*"):
+        try:
+            st = store.stat()
+            if st.st_uid != os.getuid() or now - st.st_mtime < ORPHAN_AGE:
+                continue
+            fd = os.open(store / STORE_LOCK, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue                     # gone meanwhile, or not one of ours
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue                     # its supervisor is alive
+        finally:
+            os.close(fd)
+        shutil.rmtree(store, ignore_errors=True)
+        log.info("removed %s, the throw-away store of a supervisor that was killed", store)
 
 
 def _server_child_setup() -> None:

@@ -4,11 +4,14 @@ Real processes and a real nats-server where behaviour matters; the parser, the r
 the reload comparison as units."""
 
 import argparse
+import fcntl
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -20,7 +23,7 @@ from natsauth import free_port
 
 from supervisor import cli, config
 from supervisor.app import overruled, user_frame
-from supervisor.embedded import TEMP_PREFIX, EmbeddedServer, default_store_dir
+from supervisor.embedded import STORE_LOCK, TEMP_PREFIX, EmbeddedServer, default_store_dir
 from supervisor.errors import NatsUnavailable
 from supervisor.tools import render_status
 
@@ -131,6 +134,36 @@ def test_a_store_in_use_is_refused_and_the_refused_start_leaves_nothing(tmp_path
     finally:
         memory.stop()
     assert not list(private_tempdir.iterdir())
+
+
+def fake_store(parent: Path, name: str, age: float) -> Path:
+    store = parent / (TEMP_PREFIX + name)
+    (store / "jetstream").mkdir(parents=True)
+    (store / STORE_LOCK).write_text("")
+    os.utime(store, (time.time() - age, time.time() - age))
+    return store
+
+
+def test_a_killed_supervisors_throw_away_store_is_removed_by_the_next(private_tempdir):
+    """SIGKILL leaves no chance to clean up: the next throw-away start removes stores whose lock
+    is free, and leaves a live supervisor's (lock held) and a just-made one (no lock yet) alone."""
+    orphan = fake_store(private_tempdir, "orphan", 3600)
+    young = fake_store(private_tempdir, "young", 0)
+    live = fake_store(private_tempdir, "live", 3600)
+    held = os.open(live / STORE_LOCK, os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        server = EmbeddedServer("127.0.0.1", 0, 0, ":memory:")
+        server.start(30)
+        try:
+            assert not orphan.exists() and young.exists() and live.exists()
+        finally:
+            server.stop()
+    finally:
+        os.close(held)
+    assert {p.name for p in private_tempdir.iterdir()} == {young.name, live.name}
+    for store in (young, live):
+        shutil.rmtree(store)
 
 
 # ---------------------------------------------------------------- 2. global flags anywhere
