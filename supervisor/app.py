@@ -12,8 +12,11 @@ import importlib
 import logging
 import os
 import sys
-from typing import Any, Callable
+import sysconfig
+import traceback
+from typing import Any, Callable, Mapping
 
+import setproctitle
 import uvloop
 
 from . import logs, natsconn, provision, reload
@@ -29,6 +32,16 @@ from .notify import Notifier
 log = logging.getLogger("supervisor")
 
 WORKER_PING_INTERVAL = 5     # seconds; two unanswered pings and nats-py reconnects
+TITLE_INTERVAL = 0.5         # how often the parent's process title is brought up to date
+# What `start` says when there is no handler: the key, what to write, and an example to try.
+NO_HANDLER = ("not set; `supervisor start` needs the function that runs each job: pass --handler "
+              "myjobs:handle, or write handler = \"myjobs:handle\" under [workers] in the config "
+              "(workers.examples:sleep_job to try things out)")
+
+
+def require_handler(cfg: Config) -> None:
+    if not cfg.workers.handler:
+        raise ConfigError("workers.handler", NO_HANDLER)
 
 
 def load_callable(spec: str, key: str) -> Callable:
@@ -39,7 +52,9 @@ def load_callable(spec: str, key: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise HandlerError(f"{key}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+        where = user_frame(exc, module_name)
+        raise HandlerError(f"{key}: cannot import {module_name!r}: {type(exc).__name__}: {exc}"
+                           + (f" (at {where})" if where else "")) from None
     try:
         obj = getattr(module, attr)
     except AttributeError:
@@ -49,6 +64,54 @@ def load_callable(spec: str, key: str) -> Callable:
     return obj
 
 
+def user_frame(exc: BaseException, module_name: str) -> str:
+    """`path:line: code` of the innermost frame of the user's code in an import failure.
+
+    The user's code is what is neither Python's nor an installed library's nor ours; when the
+    handler's package is itself installed (site-packages), its own frames. A SyntaxError is
+    raised by the compiler, so it carries the place itself. "" when no frame qualifies."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{_shown_path(exc.filename)}:{exc.lineno}"
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    libraries = tuple(p + os.sep for p in {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib",
+                                                                             "platlib")} if p)
+    ours = tuple(os.path.dirname(sys.modules[n].__file__) + os.sep for n in ("supervisor", "workers")
+                 if n in sys.modules)
+    top = module_name.split(".")[0]
+
+    def outside(frame: Any) -> bool:
+        name = frame.f_code.co_filename
+        return not name.startswith("<") and not name.startswith(libraries) and not name.startswith(ours)
+
+    def in_package(frame: Any) -> bool:
+        name = frame.f_globals.get("__name__", "")
+        return name == top or name.startswith(top + ".")
+
+    chosen = [f for f in frames if outside(f[0])] or [f for f in frames if in_package(f[0])]
+    if not chosen:
+        return ""
+    frame, line = chosen[-1]
+    code = (traceback.FrameSummary(frame.f_code.co_filename, line, frame.f_code.co_name).line or "").strip()
+    return f"{_shown_path(frame.f_code.co_filename)}:{line}" + (f": {code[:80]}" if code else "")
+
+
+def _shown_path(path: str) -> str:
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def overruled(new: Config, from_config: Config, pins: Mapping[str, str]) -> list[tuple[str, str, Any, Any]]:
+    """(key, flag, value kept, value the file/environment now gives) for each key a command-line
+    flag pins while the reloaded config says otherwise: a SIGHUP cannot change those."""
+    out = []
+    for dotted, flag in pins.items():
+        section, name = dotted.split(".")
+        kept, said = getattr(getattr(new, section), name), getattr(getattr(from_config, section), name)
+        if kept != said:
+            out.append((dotted, flag, kept, said))
+    return out
+
+
 def with_servers(cfg: Config, servers: tuple[str, ...]) -> Config:
     return dataclasses.replace(cfg, nats=dataclasses.replace(cfg.nats, servers=servers))
 
@@ -56,9 +119,14 @@ def with_servers(cfg: Config, servers: tuple[str, ...]) -> Config:
 class Supervisor:
     """Owns the pieces of one `supervisor start` run and tears them down in order."""
 
-    def __init__(self, cfg: Config, reload_config: Callable[[], Config] | None = None):
+    def __init__(self, cfg: Config, reload_config: Callable[[], Config] | None = None,
+                 file_config: Callable[[], Config] | None = None, pins: Mapping[str, str] | None = None):
         self.cfg = cfg
         self.reload_source = reload_config
+        # The config without command-line flags, and the keys the flags pin (key -> flag): a
+        # reload says which edits of the file the flags overrule.
+        self.file_source = file_config
+        self.pins = dict(pins or {})
         self.embedded: EmbeddedServer | None = None
         self.nc: Any = None
         self.arbiter: Arbiter | None = None
@@ -68,6 +136,8 @@ class Supervisor:
 
     def run(self) -> int:
         cfg = self.cfg
+        require_handler(cfg)
+        self.set_title("starting")
         handler = load_callable(cfg.workers.handler, "workers.handler")
         init = load_callable(cfg.workers.init, "workers.init") if cfg.workers.init else None
         if not cfg.nats.servers:
@@ -101,6 +171,7 @@ class Supervisor:
                 except OSError as exc:
                     raise ConfigError("monitor.http", f"cannot listen on {cfg.monitor.http}: {exc.strerror}") from None
             tasks.append(asyncio.ensure_future(self.monitor.run()))
+            tasks.append(asyncio.ensure_future(self.keep_title()))
             code = await self.arbiter.run()
             if code == EXIT_HALTED:
                 raise Halted(self.arbiter.halt_message)
@@ -108,6 +179,7 @@ class Supervisor:
         finally:
             for task in tasks:
                 task.cancel()
+            self.set_title("stopping")
             if self.http:
                 await self.http.close()
             await self.close()
@@ -128,6 +200,8 @@ class Supervisor:
         self.notifier.reloading()
         try:
             new = self.reload_source()
+            require_handler(new)
+            pinned = overruled(new, self.file_source(), self.pins) if self.file_source and self.pins else []
             if self.embedded and not new.nats.servers:
                 new = with_servers(new, self.cfg.nats.servers)
             change = reload.plan(self.cfg, new)
@@ -143,6 +217,8 @@ class Supervisor:
             log.error("reload failed; still running on the previous config: %s", why)
             self.notifier.ready(self.arbiter.status_line())
             return
+        for key, flag, kept, said in pinned:
+            log.warning("reload: %s stays %r (set by %s); the config now says %r", key, kept, flag, said)
         for key in change.needs_restart:
             log.warning("reload: %s changed; it takes effect at the next start", key)
         for key, old, new_value in change.changed:
@@ -159,6 +235,23 @@ class Supervisor:
         self.monitor.apply_config(cfg)
         logs.setup(cfg.log.level, cfg.log.format)
         self.notifier.ready(self.arbiter.status_line())
+
+    # ------------------------------------------------------------ the process title in `ps`
+
+    def set_title(self, state: str) -> None:
+        setproctitle.setproctitle(f"supervisor: parent [{self.cfg.stream.name}/{self.cfg.consumer.name}] {state}")
+
+    async def keep_title(self) -> None:
+        """`supervisor: parent [JOBS/workers] 4/4 ready` in ps/top, kept current (a read of the
+        arbiter's state every TITLE_INTERVAL; the arbiter is not disturbed)."""
+        shown = ""
+        while True:
+            a = self.arbiter
+            state = f"{a.ready_count()}/{a.target} ready" + (f", {a.state}" if a.state != "running" else "")
+            if state != shown:
+                self.set_title(state)
+                shown = state
+            await asyncio.sleep(TITLE_INTERVAL)
 
     async def connect_worker(self, slot: int) -> Any:
         # A short ping interval: a half-open connection is noticed (and replaced) in seconds, not

@@ -86,7 +86,8 @@ class ConsumerConfig:
     name: str = key("workers", "the durable pull consumer every worker binds to", reload=RESTART)
     filter_subject: str = key("", "empty: every subject of the stream", reload=LIVE)
     ack_wait: float = key(30.0, "seconds before an unacked delivery is redelivered", reload=LIVE, lo=0.001)
-    max_deliver: int = key(-1, "deliveries before giving up (-1 = unlimited)", reload=LIVE, lo=-1)
+    max_deliver: int = key(10, "deliveries before the server gives up on a job; it is then copied to "
+                               "restart.dead_letter_subject (-1 = retry forever)", reload=LIVE, lo=-1)
     max_ack_pending: int = key(1000, "jobs in flight across all workers", reload=LIVE, lo=1)
     backoff: tuple[float, ...] = key((), "server-side redelivery delays (seconds) by delivery count", reload=LIVE)
 
@@ -94,7 +95,8 @@ class ConsumerConfig:
 @dataclass(frozen=True)
 class WorkersConfig:
     count: int = key(4, "worker processes", reload=LIVE, lo=0, hi=1024)
-    handler: str = key("workers.examples:sleep_job", "MOD:FUNC called for each job", reload=REPLACE)
+    handler: str = key("", "MOD:FUNC called for each job; `start` needs one (to try things: "
+                           "workers.examples:sleep_job)", reload=REPLACE)
     init: str = key("", "MOD:FUNC called once in each worker after fork", reload=REPLACE)
     concurrency: int = key(1, "jobs in flight at once per worker", reload=REPLACE, lo=1, hi=1024)
     batch: int = key(16, "messages asked for per pull", reload=REPLACE, lo=1, hi=4096)
@@ -383,8 +385,6 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
         spec = getattr(cfg.workers, dotted.split(".")[1])
         if spec and (spec.count(":") != 1 or not all(spec.split(":"))):
             fail(dotted, f"expected MODULE:FUNCTION, got {spec!r}")
-    if not cfg.workers.handler:
-        fail("workers.handler", "must name a handler as MODULE:FUNCTION")
     if not cfg.stream.subjects:
         fail("stream.subjects", "needs at least one subject")
     if cfg.autoscale.max < cfg.autoscale.min:

@@ -1,4 +1,4 @@
-"""`supervisor demo`: the seed post's scenario end to end, on a supervisor of its own.
+"""`supervisor demo`: a worker crash end to end, on a supervisor of its own.
 
     demo -> `supervisor start` (child process, own session, JSON logs on a pipe)
          -> wait for N ready workers (/status) -> publish the jobs, one of them `crash-once`
@@ -77,7 +77,7 @@ class Out:
         print(text, file=self.stream, flush=True)
 
     def at(self, wall: float, text: str) -> None:
-        """A line stamped with seconds since the jobs were published, like the seed post's log."""
+        """A line stamped with seconds since the jobs were published."""
         stamp = f"{wall - self.t0:5.1f}s" if self.t0 is not None else " " * 6     # before the jobs: no time
         self.say(f"{stamp}  {text}")
 
@@ -159,7 +159,7 @@ class Demo:
     def __init__(self, args: argparse.Namespace, out: Out):
         self.args, self.out = args, out
         self.n, self.jobs = args.workers, args.jobs
-        self.crash_index = max(1, args.jobs // 5)          # 30 jobs: job-06, as in the seed post
+        self.crash_index = max(1, args.jobs // 5)          # 30 jobs: job-06
         self.configured = bool(args.config or args.server)
         self.tmp = Path(tempfile.mkdtemp(prefix="supervisor-demo-"))
         self.http = f"127.0.0.1:{free_port()}"
@@ -496,6 +496,15 @@ class Demo:
                 o.say(f"    {line}")
         return EXIT_BUG
 
+    def explain(self, deliveries: int, unique: int) -> list[str]:
+        """What the ticker's numbers mean, for someone reading them for the first time."""
+        again = deliveries - unique
+        return ["redelivered= counts jobs in flight that had been delivered before (a crashed worker's job "
+                "on its second try); it drops back to 0 once they are acked.",
+                f"delivered= counts deliveries, not jobs: {deliveries} for {_plural(unique, 'job')}"
+                + (f"; the extra {again} {'is' if again == 1 else 'are'} the redeliver{'y' if again == 1 else 'ies'} "
+                   "after the crash." if again else ", one each.")]
+
     def report_lines(self, s: dict[str, Any]) -> list[str]:
         c, base = s["consumer"], self.base_status.get("consumer", {})
         deliveries = c.get("delivered_consumer_seq", 0) - base.get("delivered_consumer_seq", 0)
@@ -508,7 +517,8 @@ class Demo:
                  f"cross-check: crashes={x.get('crashes', 0)} held at crash={x.get('jobs_held_at_crash', 0)} "
                  f"NAKed={x.get('held_jobs_naked', 0)} redelivered={x.get('held_jobs_redelivered', 0)} "
                  f"acked after crash={x.get('held_jobs_acked_after_crash', 0)} "
-                 f"unexplained={x.get('unexplained_redeliveries', 0)} outstanding={len(x.get('outstanding', []))}"]
+                 f"unexplained={x.get('unexplained_redeliveries', 0)} outstanding={len(x.get('outstanding', []))}",
+                 *self.explain(deliveries, unique)]
         for seq, seconds in self.latencies:
             lines.append(f"{self.labels.get(seq, f'seq {seq}')} was back in {1000 * seconds:.0f} ms; without the "
                          f"supervisor's NAK the server would have waited AckWait ({self.cfg.consumer.ack_wait:g} s)")

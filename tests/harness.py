@@ -160,7 +160,7 @@ class JobLog:
 def base_config(server: NatsServer | None, tmp: Path, **sections: dict) -> dict:
     cfg: dict[str, dict] = {
         "nats": {"servers": [server.url] if server else [], "startup_timeout": 10.0},
-        "embedded": {"port": 0, "monitor_port": 0},
+        "embedded": {"port": 0, "monitor_port": 0, "store_dir": str(tmp / "embedded-store")},
         "workers": {"count": 2, "handler": "testhandlers:record"},
         "restart": {"backoff_initial": 0.05, "backoff_max": 1.0},
         "monitor": {"http": f"127.0.0.1:{free_port()}", "interval": 0.25},

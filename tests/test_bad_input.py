@@ -9,6 +9,7 @@ from harness import free_port, run_cli
 
 
 def start(tmp_path, config: dict, *args: str, env: dict | None = None):
+    config = {**config, "workers": {"handler": "workers.examples:noop", **config.get("workers", {})}}
     path = tmp_path / "config.toml"
     path.write_text(tomli_w.dumps(config))
     return run_cli("start", "--config", str(path), *args, tmp=tmp_path, env=env)

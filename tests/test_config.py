@@ -48,12 +48,12 @@ duplicate_window = 120.0
 name = "workers"
 filter_subject = ""
 ack_wait = 30.0
-max_deliver = -1
+max_deliver = 10
 max_ack_pending = 1000
 backoff = []
 [workers]
 count = 4
-handler = "workers.examples:sleep_job"
+handler = ""
 init = ""
 concurrency = 1
 batch = 16
@@ -481,7 +481,6 @@ def test_env_bool_and_float():
     ('[workers]\nhandler = "a:b:c"', "workers.handler", "MODULE:FUNCTION"),
     ('[workers]\nhandler = ":f"', "workers.handler", "MODULE:FUNCTION"),
     ('[workers]\nhandler = "m:"', "workers.handler", "MODULE:FUNCTION"),
-    ('[workers]\nhandler = ""', "workers.handler", "must name a handler"),
     ('[workers]\ninit = "setup"', "workers.init", "MODULE:FUNCTION"),
     ('[stream]\nsubjects = []', "stream.subjects", "at least one subject"),
     ('[restart]\nbackoff_initial = 5.0\nbackoff_max = 1.0', "restart.backoff_max", "restart.backoff_initial"),

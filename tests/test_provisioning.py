@@ -54,13 +54,14 @@ def test_push_consumer_of_the_same_name_is_refused(nats_server, tmp_path):
         await js.add_consumer("JOBS", api.ConsumerConfig(durable_name="workers", deliver_subject="push.here",
                                                          ack_policy=api.AckPolicy.EXPLICIT))
     asyncio.run(js_call(nats_server.url, setup))
-    r = run_cli("start", "--server", nats_server.url, "--http", "", tmp=tmp_path)
+    r = run_cli("start", "--server", nats_server.url, "--http", "", "--handler", "workers.examples:noop", tmp=tmp_path)
     assert r.returncode == 4
     assert "not a pull consumer" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_missing_stream_without_create_exits_4(nats_server, tmp_path):
-    (tmp_path / "config.toml").write_text("[stream]\ncreate = false\n[monitor]\nhttp = \"\"\n")
+    (tmp_path / "config.toml").write_text("[stream]\ncreate = false\n[monitor]\nhttp = \"\"\n"
+                                          "[workers]\nhandler = \"workers.examples:noop\"\n")
     r = run_cli("start", "--server", nats_server.url, tmp=tmp_path)
     assert r.returncode == 4
     assert "stream JOBS does not exist and stream.create is false" in r.stderr

@@ -5,7 +5,6 @@ import json
 import signal
 import subprocess
 import sys
-import uuid
 
 import psutil
 
@@ -184,11 +183,14 @@ def test_scale_usage_errors(nats_server, supervisor_factory):
 
 # ---------------------------------------------------------------- demo
 
-def marked_processes(mark: str) -> list[int]:
+def marked_processes(where) -> list[int]:
+    """Every process started in the test's own directory (the demo's processes change neither
+    their directory nor, unlike their environment in /proc, keep it out of reach: process titles
+    overwrite the memory /proc/PID/environ reads)."""
     found = []
     for p in psutil.process_iter():
         try:
-            if p.environ().get("DEMO_TEST_MARK") == mark:
+            if p.cwd() == str(where):
                 found.append(p.pid)
         except psutil.Error:
             pass
@@ -196,34 +198,34 @@ def marked_processes(mark: str) -> list[int]:
 
 
 def test_demo_runs_the_seed_scenario_and_exits_0(tmp_path):
-    mark = uuid.uuid4().hex
-    r = run_cli("demo", tmp=tmp_path, env={"DEMO_TEST_MARK": mark}, timeout=DEADLINE)
+    r = run_cli("demo", tmp=tmp_path, timeout=DEADLINE)
     out = r.stdout
     assert r.returncode == 0, out + r.stderr
     assert "CRASHED (exit code 13) holding job-06 (seq 6), no ack; the supervisor NAKed it at once" in out, out
     assert "got job-06 again (seq 6, delivery #2)" in out and "ms after the crash" in out, out
     assert "restarted: pid" in out, out
     assert "deliveries=31 unique=30 redelivered=1  (workers acked 30)" in out, out
+    assert "redelivered= counts jobs in flight that had been delivered before" in out, out
+    assert "delivered= counts deliveries, not jobs: 31 for 30 jobs; the extra 1 is the redelivery" in out, out
     assert ("cross-check: crashes=1 held at crash=1 NAKed=1 redelivered=1 acked after crash=1 unexplained=0 "
             "outstanding=0") in out, out
     assert "stream JOBS: 0 message(s) left" in out and "one worker needs about 6.0 s" in out, out
     assert out.rstrip().splitlines()[-1].startswith("PASS: every job acked (30/30)"), out
     assert len(out.splitlines()) <= 40 and "\x1b[" not in out, out
     assert "Traceback" not in r.stderr, r.stderr
-    wait_until(lambda: not marked_processes(mark), 10, "every process the demo started to be gone")
+    wait_until(lambda: not marked_processes(tmp_path), 10, "every process the demo started to be gone")
 
 
 def test_demo_ctrl_c_stops_its_supervisor_and_leaves_nothing_behind(tmp_path):
-    mark = uuid.uuid4().hex
     proc = subprocess.Popen([sys.executable, "-m", "supervisor", "demo", "--jobs", "300"], cwd=tmp_path, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(DEMO_TEST_MARK=mark))
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env())
     try:
         lines = []
         for line in proc.stdout:
             lines.append(line)
             if "published 300 jobs" in line:
                 break
-        assert len(marked_processes(mark)) >= 5, "demo, supervisor, nats-server and 3 workers"
+        assert len(marked_processes(tmp_path)) >= 5, "demo, supervisor, nats-server and 3 workers"
         proc.send_signal(signal.SIGINT)
         out = "".join(lines) + proc.stdout.read()
         assert proc.wait(DEADLINE) == 1, out
@@ -232,4 +234,4 @@ def test_demo_ctrl_c_stops_its_supervisor_and_leaves_nothing_behind(tmp_path):
             proc.kill()
     assert out.rstrip().endswith("FAIL: interrupted"), out
     assert "supervisor stopped cleanly" in out and "Traceback" not in out, out
-    wait_until(lambda: not marked_processes(mark), 10, "every process the demo started to be gone")
+    wait_until(lambda: not marked_processes(tmp_path), 10, "every process the demo started to be gone")

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, NoReturn
 
+import setproctitle
 from nats.js.api import Header
 
 from supervisor.notify import scrub_child_env
@@ -34,6 +35,7 @@ from . import slots
 from .slots import SlotTable
 
 log = logging.getLogger("worker")
+dead_log = logging.getLogger("supervisor.dead_letter")   # worker Rejects, poison jobs, max deliveries
 
 PULL_EXPIRES = 2.0          # a pull request lives this long: an idle worker renews it this often, and a
                             # retiring worker waits at most this long for its last request to end
@@ -106,6 +108,7 @@ def become_child(spec: ChildSpec) -> None:
     scrub_child_env(os.environ)              # only the main process talks to systemd
     random.seed()
     asyncio.events._set_running_loop(None)   # we were forked from inside the parent's loop
+    setproctitle.setproctitle(f"supervisor: worker {spec.slot} [{spec.cfg.stream.name}/{spec.cfg.consumer.name}]")
 
 
 def set_parent_death_signal(sig: int) -> None:
@@ -577,6 +580,8 @@ class Worker:
                               f"dead-letter failed: {exc}")
             return
         await self.settle(i, job, b"+TERM " + reason.encode()[:200], "term", reason)
+        log.warning("worker %d: job seq=%d subject=%s rejected by the handler (TERM): %s", self.spec.slot,
+                    job.stream_seq, job.subject, reason, extra={"event": "rejected", "seq": job.stream_seq})
 
     async def settler(self) -> None:
         while not self.closing:
@@ -689,3 +694,5 @@ async def dead_letter(nc: Any, cfg: Any, job: Job, reason: str, extra: dict[str,
         await nc.jetstream().publish(subject, job.data, headers=headers, timeout=5.0)
     else:
         await nc.publish(subject, job.data, headers=headers)
+    dead_log.warning("job seq=%d subject=%s dead-lettered to %s: %s", job.stream_seq, job.subject, subject, reason,
+                     extra={"event": "dead_letter", "seq": job.stream_seq})
