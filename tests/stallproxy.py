@@ -27,8 +27,13 @@ class StallAfterPing:
         return self
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop.call_soon_threadsafe(self._shutdown)
         self.thread.join(10)
+
+    def _shutdown(self) -> None:
+        for task in asyncio.all_tasks(self.loop):
+            task.cancel()
+        self.loop.call_soon(self.loop.stop)
 
     def blackhole(self, client_port: int) -> None:
         self.holes.add(client_port)
@@ -44,6 +49,9 @@ class StallAfterPing:
         self.ready.set()
         self.loop.run_forever()
         server.close()
+        pending = asyncio.all_tasks(self.loop)
+        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.close()
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
