@@ -34,6 +34,14 @@ def targets(sup) -> list[int]:
     return [sup.config["workers"]["count"], *(int(b) for _, b in moves)]
 
 
+def until(sup, predicate, timeout: float, what: str, interval: float = 0.1):
+    """wait_until, and on a timeout say where the count went and why."""
+    try:
+        return wait_until(predicate, timeout, what, interval)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; targets {targets(sup)}; autoscale {sup.status()['autoscale']}") from None
+
+
 def direction_changes(seq: list[int]) -> int:
     signs = [b > a for a, b in zip(seq, seq[1:]) if a != b]
     return sum(1 for a, b in zip(signs, signs[1:]) if a != b)
@@ -56,18 +64,17 @@ def test_free_work_scales_up_with_a_backlog_and_back_to_min(nats_server, supervi
     jobs = 1500
     started = time.monotonic()
     publish(nats_server.url, count=jobs, data="0.1")
-    wait_until(lambda: target(sup) >= 5, timeout=30 - (time.monotonic() - started),
-               what=f">= 5 workers within 30 s of the backlog (targets {targets(sup)})")
+    until(sup, lambda: target(sup) >= 5, 30 - (time.monotonic() - started), ">= 5 workers within 30 s of the backlog")
     up_after = time.monotonic() - started
     wait_until(lambda: work_left(nats_server) == 0, timeout=120, what="the backlog done")
     gone = time.monotonic()
-    wait_until(lambda: target(sup) == 1, timeout=60, what=f"back to 1 within 60 s (targets {targets(sup)})")
+    until(sup, lambda: target(sup) == 1, 60, "back to 1 within 60 s of the backlog's end")
     down_after = time.monotonic() - gone
     wait_until(lambda: len(sup.worker_pids()) == 1, what="the retired workers gone")
     seq = targets(sup)
     assert max(seq) <= 6 and direction_changes(seq) == 1, seq
     assert sup.jobs.done_seqs() == set(range(1, jobs + 1))
-    status = wait_until(lambda: (a := sup.status()["autoscale"])["kind"] == "steady" and a, what="steady at min")
+    status = until(sup, lambda: (a := sup.status()["autoscale"])["kind"] == "steady" and a, 60, "steady at min")
     assert "autoscale.min = 1" in status["reason"] and "down" in status["last_change"], status
     print(f"\nfree work: >= 5 workers {up_after:.1f} s after the backlog, 1 worker {down_after:.1f} s after "
           f"it was gone; targets {seq}")
@@ -84,11 +91,9 @@ def test_a_pool_of_two_connections_holds_the_count_down(nats_server, supervisor_
                      env={"POOL_SIZE": "2", "POOL_DIR": str(pool)})
     started = time.monotonic()
     publish(nats_server.url, count=1500, data="0.1")          # 75 s of work at 2 at a time
-    wait_until(lambda: sup.status()["autoscale"]["kind"] == "plateau", timeout=45,
-               what=f"a plateau (targets {targets(sup)})")
+    until(sup, lambda: sup.status()["autoscale"]["kind"] == "plateau", 45, "a plateau")
     # The issue's check is at 45 s: watch the count until then.
-    wait_until(lambda: max(targets(sup)) > 5 or time.monotonic() - started >= 45, timeout=50, interval=0.5,
-               what="45 s")
+    until(sup, lambda: max(targets(sup)) > 5 or time.monotonic() - started >= 45, 50, "45 s", interval=0.5)
     status = sup.status()
     a = status["autoscale"]
     assert work_left(nats_server) > 0, "the backlog must outlast the observation"
@@ -106,13 +111,12 @@ def test_cpu_bound_jobs_settle_near_the_core_count(nats_server, supervisor_facto
     """Jobs burning 50 ms of CPU on this 2-core box: the count settles at 3 or below, never at max."""
     sup = autoscaled(supervisor_factory, nats_server, "testhandlers:burn")
     publish(nats_server.url, count=3000, data="0.05")
-    wait_until(lambda: sup.status()["autoscale"]["kind"] in ("cpu", "plateau"), timeout=60,
-               what=f"a hold: CPUs full or a plateau (targets {targets(sup)})")
+    until(sup, lambda: sup.status()["autoscale"]["kind"] in ("cpu", "plateau"), 60, "a hold: CPUs full or a plateau")
     settled = time.monotonic()
     held = []
     # Ten more decisions: the hold holds (a noisy policy would wander off within a few).
-    wait_until(lambda: held.append(target(sup)) or time.monotonic() - settled >= 10 * INTERVAL, timeout=30,
-               interval=0.5, what="ten decisions")
+    until(sup, lambda: held.append(target(sup)) or time.monotonic() - settled >= 10 * INTERVAL, 30, "ten decisions",
+          interval=0.5)
     a = sup.status()["autoscale"]
     assert work_left(nats_server) > 0, "the backlog must outlast the observation"
     assert max(held) <= 3 and max(targets(sup)) < 6, (held, targets(sup))

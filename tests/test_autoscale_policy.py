@@ -366,6 +366,15 @@ def test_hysteresis_a_load_between_the_thresholds_holds():
     assert sim.targets() == [3, 2], sim.timeline()
 
 
+@pytest.mark.parametrize("pending, kind", [((0, 0, 0, 0), "down"), ((0, 0, 5, 0), "steady")])
+def test_a_step_down_needs_no_waiting_work_at_any_sample(pending, kind):
+    """Workers 10 % busy, but 5 jobs waited at one sample: that is not "waiting on nothing"."""
+    p = Autoscaler(params())
+    for t, waiting in enumerate(pending):
+        d = p.decide(x_(now=t, pending=waiting, in_flight=0, busy=0.2, running=0, completed=2.0))
+    assert d.kind == kind, d
+
+
 def test_bounds_apply_at_once():
     sim = Sim(free(), steady(0.0), params(lo=2, hi=4), workers=7)
     sim.run(1.0)
