@@ -117,10 +117,10 @@ def test_cpu_bound_jobs_settle_near_the_core_count(nats_server, supervisor_facto
     # Ten more decisions: the hold holds (a noisy policy would wander off within a few).
     until(sup, lambda: held.append(target(sup)) or time.monotonic() - settled >= 10 * INTERVAL, 30, "ten decisions",
           interval=0.5)
-    a = sup.status()["autoscale"]
+    # Between holds it may be measuring a step; it must come back to one, still at 3 or below.
+    a = until(sup, lambda: (a := sup.status()["autoscale"])["kind"] in ("cpu", "plateau") and a, 30, "a hold again")
     assert work_left(nats_server) > 0, "the backlog must outlast the observation"
-    assert max(held) <= 3 and max(targets(sup)) < 6, (held, targets(sup))
-    assert a["kind"] in ("cpu", "plateau"), a
+    assert max(held) <= 3 and a["target"] <= 3 and max(targets(sup)) < 6, (held, targets(sup))
     print(f"\nCPU-bound: targets {targets(sup)}; /status autoscale: {a['kind']}: {a['reason']}")
     assert sup.stop() == 0
 
