@@ -163,6 +163,7 @@ class Supervisor:
                                    reload_config=self.reload if self.reload_source else None)
             await self.inherit_pending()
             self.monitor = Monitor(cfg, self.nc, self.arbiter)
+            self.arbiter.autoscale.monitor = self.monitor      # its lag analysis and consumer numbers
             if cfg.monitor.http:
                 host, port = parse_hostport(cfg.monitor.http, "monitor.http")
                 self.http = HttpServer(self, host, port)

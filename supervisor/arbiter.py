@@ -38,6 +38,7 @@ from .peers import SUSPECT_GRACE, Peers
 from .policy import RestartPolicy, ack_wait_for, job_limit, nak_is_safe
 from .process import WorkerProcess
 from .reconcile import InTransit
+from .scaler import Scaler
 
 log = logging.getLogger("supervisor")
 
@@ -118,6 +119,7 @@ class Arbiter:
         self.last_storm_log = 0.0
         self.ever_all_ready = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.autoscale = Scaler(self)
 
     # ================================================================ the loop
 
@@ -140,6 +142,7 @@ class Arbiter:
             await self.send_held_back()
             await self.inspect_workers()
             self.recycle()
+            self.autoscale.tick(time.monotonic())
             self.check_boot_failures()
             await self.audit()
         for sig in SIGNALS:
@@ -156,6 +159,7 @@ class Arbiter:
             timeout = min(timeout, min(due) - time.monotonic())
         if self.dead:
             timeout = min(timeout, REAP_RETRY)
+        timeout = min(timeout, self.autoscale.due_in(time.monotonic()))
         try:
             await asyncio.wait_for(self.wakeup.wait(), max(0.0, timeout))
         except asyncio.TimeoutError:
@@ -214,10 +218,10 @@ class Arbiter:
         self.begin_stop("quit")
 
     def on_increment(self) -> None:
-        self.scale(self.target + 1)
+        self.scale(self.target + 1, source="SIGTTIN")
 
     def on_decrement(self) -> None:
-        self.scale(max(0, self.target - 1))
+        self.scale(max(0, self.target - 1), source="SIGTTOU")
 
     def on_reload(self) -> None:
         if self.reload_config is None or self.stopping:
@@ -235,11 +239,12 @@ class Arbiter:
         self.ledger.ack_wait, self.ledger.backoff = cfg.consumer.ack_wait, cfg.consumer.backoff
         self.ledger.poison_after = cfg.restart.poison_after_crashes
         self.in_transit.cfg = cfg
+        self.autoscale.reload(cfg)                 # before scale_to: a changed workers.count pauses it again
         if change.replace_workers:
             for w in self.slots.values():
                 w.recycle_reason = w.recycle_reason or "config reloaded"
         if change.scale_to is not None:
-            self.scale(change.scale_to)
+            self.scale(change.scale_to, source="reload: workers.count")
         self.wakeup.set()
 
     def begin_stop(self, mode: str) -> None:
@@ -259,9 +264,13 @@ class Arbiter:
             else:                  # retiring ones too: a shutdown NAKs what they have not started
                 self.drain(w, signal.SIGTERM)
 
-    def scale(self, n: int) -> None:
+    def scale(self, n: int, source: str = "POST /scale") -> None:
+        """Set the worker count. Any source but the autoscaler is a person, whose count autoscaling
+        then leaves alone for a while (scaler.py)."""
         if self.stopping:
             return
+        if source != "autoscale":
+            self.autoscale.manual(n, source)
         log.info("scaling from %d to %d worker(s)", self.target, n)
         self.target = n
         self.wakeup.set()

@@ -40,6 +40,12 @@ class Collector:
             g.add_metric([state], states.count(state))
         yield g
         yield GaugeMetricFamily(P + "workers_target", "Worker count asked for", value=arb.target)
+        autoscale = arb.autoscale.status(time.monotonic())
+        yield GaugeMetricFamily(P + "autoscale_target", "Worker count autoscaling runs (workers_target when off)",
+                                value=autoscale["target"])
+        yield GaugeMetricFamily(P + "autoscale_enabled", "1 when autoscale.enabled", value=int(autoscale["enabled"]))
+        yield GaugeMetricFamily(P + "autoscale_paused", "1 while a manual scale pauses autoscaling",
+                                value=int(autoscale["resumes_in_s"] is not None))
         yield CounterMetricFamily(P + "worker_restarts", "Workers restarted after dying", value=arb.totals.restarts)
         yield CounterMetricFamily(P + "worker_deaths", "Workers that died unexpectedly", value=arb.totals.worker_deaths)
         yield CounterMetricFamily(P + "in_progress_pings", "+WPI sent for long jobs", value=arb.totals.pings)

@@ -31,6 +31,7 @@ def build_status(sup: Any) -> dict[str, Any]:
                     "list": [worker_block(arb, w, now) for w in sorted(arb.living(), key=lambda w: (w.slot, w.pid))]},
         "consumer": consumer,
         "lag": lag,
+        "autoscale": arb.autoscale.status(now),
         "crosscheck": arb.ledger.crosscheck(now),
         "peers": {"alone": arb.peers.alone(now), "heard": sorted(arb.peers.heard),
                   "in_transit_checks": dict(arb.in_transit.stats)},

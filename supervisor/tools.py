@@ -370,7 +370,17 @@ def status_header(s: dict[str, Any], color: bool) -> list[str]:
     return [f"supervisor  pid {s.get('pid', '?')}, {shown}, up {fmt_age(s.get('uptime_s'))} "
             f"(jetstream-supervisor {s.get('version', '?')})",
             f"nats        {where} {link}{', embedded server' if nats.get('embedded') else ''}",
-            f"workers     {w.get('alive', 0)} alive, {w.get('ready', '?')} ready, target {w.get('target', '?')}"]
+            f"workers     {w.get('alive', 0)} alive, {w.get('ready', '?')} ready, target {w.get('target', '?')}",
+            *autoscale_line(s.get("autoscale"))]
+
+
+def autoscale_line(a: dict[str, Any] | None) -> list[str]:
+    if not a:
+        return []
+    if not a.get("enabled"):
+        return ["autoscale   off"]
+    return [f"autoscale   {a.get('min', '?')}..{a.get('max', '?')}, target {a.get('target', '?')} "
+            f"({a.get('kind', '?')}): {a.get('reason', '')}"]
 
 
 WORKER_COLUMNS = (("slot", ">4"), ("pid", ">7"), ("state", "<9"), ("acked", ">6"), ("nacked", ">6"),

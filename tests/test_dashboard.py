@@ -286,7 +286,8 @@ def test_the_page_renders_workers_lag_numbers_chart_and_the_crash_in_chromium(cr
     ledger = " ".join(texts(page, "#crashes td"))
     assert "signal SIGKILL" in ledger and "back after" in ledger and "acked after" in ledger
     assert texts(page, "#alerts p") == ["none"]
-    assert page.evaluate("document.getElementById('autoscale').hidden")   # /status has no autoscale block yet
+    assert not page.evaluate("document.getElementById('autoscale').hidden")   # /status's autoscale block ...
+    assert texts(page, "#autoscale-kv dd")[0] == "no"                          # ... with autoscaling off
 
     # nothing but this supervisor: every request the page made, and the DOM after its scripts ran
     page.wait_for("Number(document.body.dataset.renders) >= 3", what="a third render")

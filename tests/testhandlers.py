@@ -63,3 +63,49 @@ def boom_init() -> None:
 
 
 NOT_CALLABLE = 42
+
+
+# ---------------------------------------------------------------- autoscaling workloads
+
+_pool_fds: list[int] = []
+
+
+def _pool() -> list[int]:
+    """$POOL_SIZE lock files in $POOL_DIR: the "connections" of a pool every worker shares."""
+    if not _pool_fds:
+        size, where = int(os.environ["POOL_SIZE"]), os.environ["POOL_DIR"]
+        _pool_fds.extend(os.open(os.path.join(where, f"conn{i}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+                         for i in range(size))
+    return _pool_fds
+
+
+def pooled(job: Job) -> None:
+    """Hold one of the pool's connections (a file lock) for the payload's seconds (0.1 by default),
+    waiting for a free one like a client of a saturated database pool. Logged inside the lock,
+    so the test can check that no more than $POOL_SIZE jobs ever ran at once."""
+    import fcntl
+
+    seconds = float(job.data or b"0.1")
+    while True:
+        for fd in _pool():
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            try:
+                _log("start", job)
+                time.sleep(seconds)
+                _log("done", job)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            return
+        time.sleep(0.002)
+
+
+def burn(job: Job) -> None:
+    """Spend the payload's seconds (0.05 by default) of this thread's CPU time: however many
+    workers share the cores, each job costs the same CPU."""
+    seconds = float(job.data or b"0.05")
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass

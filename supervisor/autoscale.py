@@ -1,0 +1,366 @@
+"""Autoscaling policy: more workers only while they help.
+
+Pure and deterministic: no I/O, no clock reads. Every ``autoscale.interval`` the supervisor
+hands :meth:`Autoscaler.decide` one :class:`Inputs` (the lag analysis, what the workers finished
+over the last interval, how busy the CPUs were) and applies the :class:`Decision` it returns.
+
+The seed post's warning is the whole design: "More workers only helps when the work is the
+bottleneck. Check that the database or API behind the workers can take the extra concurrency."
+Scaling on lag alone (KEDA's way) piles workers onto a saturated database. We also see what each
+step did to the completion rate, so:
+
+- **Up**, one worker at a time, while undelivered work waits at every sample and either it is
+  not draining (pending grows, or stands still) or it would take longer than ``Params.eta_up``
+  to drain (a backlog gone before a step can even be measured is not worth one), and the
+  previous step up paid: the completion rate rose by at least HELP_FRACTION of what one more
+  worker as productive as the others would add. The trend and the ETA are measured over the
+  policy's own window, between the ConsumerInfo polls behind its first and last sample: lag.py's
+  fits span 15-60 s for alerting and would lag behind a count that moves every few seconds. Its
+  state still gates: ``unknown`` waits, ``stuck`` holds (more workers do not unstick workers).
+- **Plateau**: a step up that did not pay is undone (the extra worker only held jobs), the count
+  where it stopped paying is remembered, and the reason says whether the CPUs were full or the
+  bottleneck is downstream (a pool, a database, an API). Another step past it is probed only after
+  ``probe_first_s``, doubling after each failed probe up to PROBE_MAX_S.
+- **CPUs full**: while the box is at CPU_FULL and the workers spend CPU_BOUND of their time on a
+  CPU or queued for one, no step up: it would only take cores from others.
+- **Down**, one worker at a time, when nothing waited at any sample and the remaining workers
+  would be at most DOWN_UTIL busy (idle, or workers waiting on nothing), never below ``min``.
+- **Bounds**: never below ``min``, never above ``max``; a count outside them is moved in at once.
+
+Hysteresis you can read off the numbers: up needs waiting work at every sample of the window and
+an ETA beyond ``eta_up``; down needs no waiting work at any sample and utilisation at most
+DOWN_UTIL after the step. Between the two the count holds. And every change is followed by a
+dwell: the samples taken while new workers start are dropped (SETTLE_SAMPLES), then
+MEASURE_SAMPLES samples are averaged before the next decision, so one noisy interval never moves
+the count, and each step is judged on a settled rate.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+# --- tuning (module constants; the config exposes only enabled/min/max/interval) ---------------
+
+#: Samples dropped after every worker of a new count is ready: the interval they cover includes
+#: the fork and first fetch, so its rate belongs to neither count.
+SETTLE_SAMPLES = 1
+#: Samples averaged per measurement. Three intervals of a 10 jobs/s queue hold ~30 completions:
+#: the rate is good to a few %, well inside HELP_FRACTION.
+MEASURE_SAMPLES = 3
+#: A step up paid when the rate rose by at least this fraction of what the added workers would
+#: add at the current per-worker rate. Free work gains ~100 %, a saturated pool or full CPUs ~0 %;
+#: a quarter sits far from both and from the few % of measurement noise.
+HELP_FRACTION = 0.25
+#: Scale up for a backlog only when it would outlast this many measured steps (and this long):
+#: one that drains before a step is even measured (the seed's 40-job burst) is not worth one.
+ETA_UP_STEPS = 3
+ETA_UP_MIN_S = 10.0
+#: Scale down only when the workers left would be at most this busy (jobs in service / slots).
+DOWN_UTIL = 0.5
+#: The box's CPUs count as full at this fraction busy ...
+CPU_FULL = 0.9
+#: ... and the workers as CPU-bound when they spend this fraction of their time running on a CPU
+#: or queued for one. Box CPU alone cannot tell our CPU-bound workers filling the cores from a
+#: neighbour filling them while our workers sleep on I/O (more of those would still help).
+CPU_BOUND = 0.5
+#: The first probe past a plateau waits this long (or three steps, if longer); each failed probe
+#: doubles the wait, up to PROBE_MAX_S.
+PROBE_FIRST_S = 60.0
+PROBE_MAX_S = 1800.0
+#: A count set by hand (signal, POST /scale, `supervisor scale`, a reload changing workers.count)
+#: is honoured this long before autoscaling resumes (a SIGHUP resumes it at once).
+MANUAL_PAUSE_S = 600.0
+
+#: Decision kinds: up, down, bounds (changes); plateau (a step undone, then the holds after it);
+#: settling, waiting, steady, max, cpu, stuck, stalled (holds).
+KINDS = ("up", "down", "bounds", "plateau", "settling", "waiting", "steady", "max", "cpu", "stuck", "stalled")
+
+
+@dataclass(frozen=True)
+class Params:
+    min: int
+    max: int
+    interval: float
+    settle_samples: int = SETTLE_SAMPLES
+    measure_samples: int = MEASURE_SAMPLES
+    help_fraction: float = HELP_FRACTION
+    down_util: float = DOWN_UTIL
+    cpu_full: float = CPU_FULL
+    cpu_bound: float = CPU_BOUND
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "Params":
+        """From the config's [autoscale] section. Decisions need fresh ConsumerInfo, so they are
+        never more frequent than monitor.interval polls."""
+        a = cfg.autoscale
+        return cls(min=a.min, max=a.max, interval=max(a.interval, cfg.monitor.interval))
+
+    @property
+    def step_s(self) -> float:
+        """The dwell: the least time from one change to the next decision that may move again."""
+        return (self.settle_samples + self.measure_samples) * self.interval
+
+    @property
+    def eta_up(self) -> float:
+        return max(ETA_UP_MIN_S, ETA_UP_STEPS * self.step_s)
+
+    @property
+    def probe_first_s(self) -> float:
+        return max(PROBE_FIRST_S, 3 * self.step_s)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the supervisor saw over the last interval, at time ``now``."""
+    now: float
+    workers: int                # the current target
+    ready: int                  # workers ready now
+    concurrency: int            # jobs one worker runs at once
+    lag_state: str              # unknown | ok | growing | stuck (lag.py)
+    pending: int                # num_pending: stored, not yet delivered
+    in_flight: int              # num_ack_pending
+    polled_at: float | None     # when that ConsumerInfo answered (monotonic)
+    completed: float            # jobs/s acked by our workers over the last interval
+    job_time: float | None      # mean handler time of the jobs finished in the interval
+    busy: float                 # jobs in service on average over the interval (Little's law)
+    running: int                # jobs running at this instant
+    cpu: float                  # fraction of the box's cores busy over the interval
+    worker_cpu: float | None    # fraction of the workers' time on a CPU or queued for one
+    cores: int
+
+    @property
+    def work(self) -> int:
+        return self.pending + self.in_flight
+
+
+@dataclass(frozen=True)
+class Decision:
+    workers: int                # the count it was decided at
+    target: int
+    kind: str                   # see KINDS
+    reason: str                 # one human line
+
+    @property
+    def changes(self) -> bool:
+        return self.target != self.workers
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """MEASURE_SAMPLES samples at one count, averaged."""
+    workers: int
+    rate: float                 # jobs/s acked
+    busy: float                 # jobs in service
+    running_max: int
+    job_time: float | None
+    cpu: float
+    worker_cpu: float | None
+    backlog: bool               # undelivered work at every sample
+    any_pending: bool           # undelivered work at some sample
+    work: int                   # pending + in flight at the last sample
+    work_slope: float | None    # jobs/s between the first and last poll: < 0 draining; None: one poll
+
+    @property
+    def eta(self) -> float | None:
+        """Seconds until the work is gone at the window's net drain; None: not draining (or unknown)."""
+        if self.work == 0:
+            return 0.0
+        return self.work / -self.work_slope if self.work_slope is not None and self.work_slope < 0 else None
+
+    @classmethod
+    def of(cls, xs: list[Inputs]) -> "Measurement":
+        n = len(xs)
+        polled = (xs[-1].polled_at or 0.0) - (xs[0].polled_at or 0.0)
+        times = [x.job_time for x in xs if x.job_time is not None]
+        wcpu = [x.worker_cpu for x in xs if x.worker_cpu is not None]
+        return cls(workers=xs[-1].workers, rate=sum(x.completed for x in xs) / n,
+                   busy=sum(x.busy for x in xs) / n, running_max=max(x.running for x in xs),
+                   job_time=sum(times) / len(times) if times else None, cpu=sum(x.cpu for x in xs) / n,
+                   worker_cpu=sum(wcpu) / len(wcpu) if wcpu else None,
+                   backlog=all(x.pending > 0 for x in xs), any_pending=any(x.pending > 0 for x in xs),
+                   work=xs[-1].work, work_slope=(xs[-1].work - xs[0].work) / polled if polled > 0 else None)
+
+    def cpus_full(self, p: Params) -> bool:
+        return self.cpu >= p.cpu_full and self.worker_cpu is not None and self.worker_cpu >= p.cpu_bound
+
+
+class Autoscaler:
+    """The policy's memory: the current count's samples, the last step up, the plateau."""
+
+    def __init__(self, params: Params):
+        self.params = params
+        self.target: int | None = None          # what we last asked for (or found)
+        self.changed_at: float | None = None    # when we last changed it ...
+        self.last_change: Decision | None = None    # ... and why
+        self.window: deque[Inputs] = deque(maxlen=params.measure_samples)
+        self.skip = params.settle_samples
+        self.baseline: Measurement | None = None    # the count before the last step up, measured
+        self.plateau: int | None = None             # the count past which a step did not pay
+        self.plateau_note = ""                      # what that step did, and why
+        self.probe_at: float | None = None
+        self.probe_wait = params.probe_first_s
+        self.last: Decision | None = None
+
+    # ------------------------------------------------------------ the one entry point
+
+    def decide(self, x: Inputs) -> Decision:
+        p = self.params
+        if self.window.maxlen != p.measure_samples:       # params replaced (a reload)
+            self.window = deque(self.window, maxlen=p.measure_samples)
+        if x.workers != self.target:       # first call, or someone else set the count
+            self.restart(x.workers)
+            self.baseline = None           # their step is not ours to judge
+        bounded = min(max(x.workers, p.min), p.max)
+        if bounded != x.workers:
+            which = f"autoscale.min = {p.min}" if bounded > x.workers else f"autoscale.max = {p.max}"
+            return self.change(x, bounded, "bounds", f"{x.workers} worker(s) is outside {which}")
+        self.observe(x)
+        if len(self.window) < p.measure_samples:
+            return self.hold(x, "settling", self.settling_reason(x))
+        m = Measurement.of(list(self.window))
+        return self.judge_step(x, m) or self.rules(x, m)
+
+    # ------------------------------------------------------------ measuring
+
+    def restart(self, workers: int) -> None:
+        """A new count: its samples start over (the settle samples dropped first)."""
+        self.target = workers
+        self.window.clear()
+        self.skip = self.params.settle_samples
+
+    def observe(self, x: Inputs) -> None:
+        # A worker starting (a step, a crash's restart, a recycle's replacement): this interval's
+        # rate is not this count's. Skipped, not a reason to start over: a fleet that recycles
+        # every few seconds (workers.max_jobs) must still be measurable.
+        if x.ready < x.workers:
+            return
+        if self.skip > 0:
+            self.skip -= 1
+        else:
+            self.window.append(x)
+
+    def settling_reason(self, x: Inputs) -> str:
+        if x.ready < x.workers:
+            return f"waiting for {x.workers - x.ready} of {x.workers} worker(s) to be ready"
+        return f"measuring {x.workers} worker(s): {len(self.window)} of {self.params.measure_samples} samples"
+
+    # ------------------------------------------------------------ judging the last step up
+
+    def judge_step(self, x: Inputs, m: Measurement) -> Decision | None:
+        """Once per step up, on its first full measurement: did it pay? If not, undo it."""
+        b, self.baseline = self.baseline, None
+        if b is None or not (b.backlog and m.backlog) or b.rate <= 0.0 or b.workers <= 0:
+            return None                    # no backlog on both sides: the rates say nothing
+        added = m.workers - b.workers
+        expected = added * b.rate / b.workers
+        gain = m.rate - b.rate
+        if gain >= self.params.help_fraction * expected:
+            if self.plateau is not None and m.workers > self.plateau:
+                self.plateau, self.probe_at = None, None          # the bottleneck moved
+                self.probe_wait = self.params.probe_first_s
+            return None
+        self.plateau = b.workers
+        self.probe_at = x.now + self.probe_wait
+        wait, self.probe_wait = self.probe_wait, min(2 * self.probe_wait, PROBE_MAX_S)
+        self.plateau_note = (f"{b.workers} -> {m.workers} workers moved jobs/s {b.rate:.1f} -> {m.rate:.1f} "
+                             f"({gain / b.rate:+.0%}, where one more worker like the others would add "
+                             f"{expected / b.rate:+.0%}){self.job_time_note(b, m)}: {self.bottleneck(m)}")
+        return self.change(x, b.workers, "plateau", f"{self.plateau_note}; back to {b.workers}, "
+                                                    f"probing again in {wait:.0f} s")
+
+    def bottleneck(self, m: Measurement) -> str:
+        p = self.params
+        if m.cpu >= p.cpu_full and (m.worker_cpu is None or m.worker_cpu >= p.cpu_bound):
+            return f"the CPUs are full (box {m.cpu:.0%} busy)"
+        return f"a downstream bottleneck (box CPU {m.cpu:.0%})"
+
+    @staticmethod
+    def job_time_note(b: Measurement, m: Measurement) -> str:
+        if b.job_time and m.job_time:
+            return f", jobs took {b.job_time * 1000:.0f} -> {m.job_time * 1000:.0f} ms"
+        return ""
+
+    # ------------------------------------------------------------ the rules
+
+    def rules(self, x: Inputs, m: Measurement) -> Decision:
+        p, n = self.params, x.workers
+        if x.lag_state == "unknown":
+            return self.hold(x, "waiting", "no lag analysis yet (waiting for ConsumerInfo)")
+        if x.lag_state == "stuck" and n > 0:
+            return self.hold(x, "stuck", f"lag is stuck: more workers cannot fix workers that do not finish")
+        want = self.wants_more(x, m)
+        if want:
+            if n > 0 and m.rate <= 0.0:
+                return self.hold(x, "stalled", f"{want}, but {n} worker(s) acked nothing: "
+                                               f"more would not either")
+            if n >= p.max:
+                return self.hold(x, "max", f"{want}; at autoscale.max = {p.max}")
+            if m.cpus_full(p):
+                return self.hold(x, "cpu", f"{want}, but the CPUs are full: box {m.cpu:.0%} busy and workers "
+                                           f"{m.worker_cpu:.0%} of their time on or queued for a CPU "
+                                           f"({x.cores} cores); more would only share them")
+            if self.plateau is not None and n >= self.plateau:
+                if self.probe_at is not None and x.now < self.probe_at:
+                    return self.hold(x, "plateau", f"holding at the plateau of {self.plateau}: "
+                                                   f"{self.plateau_note}. {want[0].upper()}{want[1:]}; "
+                                                   f"probing again in {self.probe_at - x.now:.0f} s")
+                want += f"; probing past the plateau at {self.plateau}"
+            self.baseline = m
+            return self.change(x, n + 1, "up", f"{want} ({m.rate:.1f} jobs/s at {n})")
+        shed = self.can_shed(x, m)
+        if shed and n > p.min:
+            return self.change(x, n - 1, "down", shed)
+        return self.hold(x, "steady", self.steady_reason(x, m, shed))
+
+    def wants_more(self, x: Inputs, m: Measurement) -> str:
+        """Why one more worker would help ("" when it would not): work waits at every sample
+        and is not draining, or would outlast eta_up at the window's net drain. Measured over
+        the policy's own window: lag.py's trends span 15-60 s for alerting, and lag behind a
+        count that changes every few seconds."""
+        if not m.backlog or m.work_slope is None:
+            return ""
+        if m.eta is None:
+            return f"{x.pending} waiting and not draining ({m.work_slope:+.1f}/s)"
+        if m.eta > self.params.eta_up:
+            return f"backlog of {m.work} would take ~{m.eta:.1f} s (> {self.params.eta_up:g} s)"
+        return ""
+
+    def can_shed(self, x: Inputs, m: Measurement) -> str:
+        """Why one worker fewer would do ("" when it would not): nothing waited at any sample
+        and the workers left would be at most down_util busy."""
+        n, slots = x.workers, max(1, x.concurrency)
+        if n == 0 or m.any_pending:
+            return ""
+        left = (n - 1) * slots
+        if m.busy > self.params.down_util * left or m.running_max > left:
+            return ""
+        if m.busy < 0.05 and m.running_max == 0:
+            return f"idle: nothing pending, nothing running at {n} worker(s)"
+        return (f"nothing pending and {m.busy:.1f} job(s) in service at {n} worker(s): "
+                f"{n - 1} would be at most {self.params.down_util:.0%} busy")
+
+    def steady_reason(self, x: Inputs, m: Measurement, shed: str) -> str:
+        n = x.workers
+        if shed:
+            return f"{shed}; at autoscale.min = {self.params.min}"
+        if m.backlog and m.work_slope is None:
+            return f"{x.pending} waiting; no new ConsumerInfo in the window to tell whether it drains"
+        if m.backlog and m.eta is not None:
+            return (f"backlog of {m.work} drains in ~{m.eta:.0f} s at {n} worker(s) "
+                    f"(another is worth it beyond {self.params.eta_up:g} s)")
+        util = m.busy / max(1, n * max(1, x.concurrency))
+        return f"{n} worker(s) {util:.0%} busy, {m.rate:.1f} jobs/s, keeping up"
+
+    # ------------------------------------------------------------ outcomes
+
+    def change(self, x: Inputs, target: int, kind: str, reason: str) -> Decision:
+        self.restart(target)
+        self.last = self.last_change = Decision(x.workers, target, kind, reason)
+        self.changed_at = x.now
+        return self.last
+
+    def hold(self, x: Inputs, kind: str, reason: str) -> Decision:
+        self.last = Decision(x.workers, x.workers, kind, reason)
+        return self.last
