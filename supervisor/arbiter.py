@@ -264,7 +264,7 @@ class Arbiter:
             else:                  # retiring ones too: a shutdown NAKs what they have not started
                 self.drain(w, signal.SIGTERM)
 
-    def scale(self, n: int, source: str = "POST /scale") -> None:
+    def scale(self, n: int, source: str) -> None:
         """Set the worker count. Any source but the autoscaler is a person, whose count autoscaling
         then leaves alone for a while (scaler.py)."""
         if self.stopping:

@@ -127,7 +127,8 @@ class HttpServer:
             return 400, "text/plain", f"expected /scale?workers=N with 0 <= N <= {MAX_WORKERS}\n".encode()
         if self.sup.arbiter.stopping:
             return 503, "text/plain", b"supervisor is stopping\n"
-        self.sup.arbiter.scale(int(values[0]))
+        n = int(values[0])
+        self.sup.arbiter.post(lambda: self.sup.arbiter.scale(n, source="POST /scale"))   # the loop applies it
         return 202, "application/json", json.dumps({"target": int(values[0])}).encode() + b"\n"
 
 
