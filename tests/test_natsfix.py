@@ -98,3 +98,46 @@ def test_a_cancelled_flush_does_not_break_the_next_one(nats_server):
             await nc.close()
 
     assert asyncio.run(run()) == b"x"
+
+
+def test_stop_delivery_hands_over_everything_the_server_sent_and_nothing_after(nats_server):
+    """A pull request with room for thousands is live while a publisher pumps jobs; stop_delivery()
+    returns once the server has stopped delivering, and every delivery the consumer counted has
+    reached the callback: none dropped (they would wait for AckWait), none after."""
+    async def run():
+        nc, pub = Client(), Client()
+        await nc.connect(nats_server.url)
+        await pub.connect(nats_server.url)
+        js = pub.jetstream()
+        await js.add_stream(name="FENCE", subjects=["fence.>"])
+        await js.add_consumer("FENCE", durable_name="c", ack_policy="explicit", ack_wait=60)
+        got = []
+
+        async def on_msg(msg):
+            if msg.reply:
+                got.append(msg.reply)
+
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox, cb=on_msg)
+        await nc.publish("$JS.API.CONSUMER.MSG.NEXT.FENCE.c", b'{"batch":100000,"expires":30000000000}', reply=inbox)
+
+        async def pump():
+            while True:
+                await js.publish("fence.job", b"x")
+
+        pumping = asyncio.ensure_future(pump())
+        while len(got) < 200:
+            await asyncio.sleep(0.01)
+        await nc.stop_delivery(sub)
+        handed_over = len(got)
+        delivered = (await js.consumer_info("FENCE", "c")).delivered.consumer_seq
+        await asyncio.sleep(0.3)                   # the publisher goes on: nothing more may arrive
+        after = (await js.consumer_info("FENCE", "c")).delivered.consumer_seq
+        pumping.cancel()
+        await asyncio.gather(pumping, return_exceptions=True)
+        await nc.close()
+        await pub.close()
+        return handed_over, delivered, after, len(got)
+
+    handed_over, delivered, after, total = asyncio.run(run())
+    assert handed_over == delivered == after == total, (handed_over, delivered, after, total)

@@ -41,6 +41,7 @@ PULL_EXPIRES = 2.0          # a pull request lives this long: an idle worker ren
                             # retiring worker waits at most this long for its last request to end
 PULL_MARGIN = 1.0           # past a request's local expiry, before its credits are given up (the server's
                             # clock starts when the request arrives; one round trip at most)
+STOP_DELIVERY_TIMEOUT = 5.0 # for the server to confirm it read our UNSUB (else: wait for the requests to expire)
 LIVENESS_EVERY = 0.25       # a worker proves its NATS connection with a PING/PONG this often ...
 LIVENESS_TIMEOUT = 2.0      # ... and gives up waiting for the PONG after this
 PULL_RTT_GUESS = 0.05       # prefetch hides one pull round trip plus the scheduling and GIL latency of a
@@ -285,13 +286,15 @@ class Worker:
         self.changed.set()
 
     async def wind_down(self) -> None:
-        """Stop pulling. Run (RETIRING) or NAK (STOPPING) what was pulled but not started; let
-        running jobs finish within graceful_timeout and NAK what still runs after it. Keep the
-        subscription until every pull request we sent has ended (filled, expired or refused):
-        a message the server sends on a live request after we unsubscribed would be dropped by
-        nats-py and wait for AckWait. Then unsubscribe and fence every ack."""
+        """Stop pulling and end our pull requests: the server stops delivering to our inbox, and
+        what it sent before reaches on_message (natsfix stop_delivery); if that cannot be done
+        (no connection), keep the subscription until every request we sent has expired, since
+        a message sent on a live request to a removed subscription would wait for AckWait.
+        Run (RETIRING) or NAK (STOPPING) what was pulled but not started; let running jobs
+        finish within graceful_timeout and NAK what still runs after it; fence every ack."""
         self.table.set_state(slots.DRAINING)
         deadline = time.monotonic() + self.grace
+        subscribed = not await self.stop_delivery()
         while True:
             if self.mode == STOPPING:
                 await self.nak_unstarted("not started before shutdown")
@@ -300,7 +303,7 @@ class Worker:
             if busy and now >= deadline:
                 await self.abandon()
                 busy = False
-            pulls_end = self.pull_deadline + PULL_MARGIN if self.credits > 0 else 0.0
+            pulls_end = self.pull_deadline + PULL_MARGIN if subscribed and self.credits > 0 else 0.0
             if not busy and now >= pulls_end:
                 break
             wake = min(deadline if busy else float("inf"), pulls_end if pulls_end > now else float("inf"))
@@ -311,11 +314,24 @@ class Worker:
                 pass
         self.credits = 0
         self.table.set_credits(0)
-        try:
-            await self.sub.unsubscribe()
-        except Exception as exc:         # closed: nothing more can reach us anyway
-            log.debug("worker %d: unsubscribe: %s", self.spec.slot, exc)
+        if subscribed:
+            try:
+                await self.sub.unsubscribe()
+            except Exception as exc:     # closed: nothing more can reach us anyway
+                log.debug("worker %d: unsubscribe: %s", self.spec.slot, exc)
         await self.confirm_settled()
+
+    async def stop_delivery(self) -> bool:
+        """True once the server delivers nothing more to us and what it sent has been handled."""
+        try:
+            await self.nc.stop_delivery(self.sub, timeout=STOP_DELIVERY_TIMEOUT)
+        except Exception as exc:
+            log.info("worker %d: cannot end pull requests now (%s); waiting for them to expire", self.spec.slot,
+                     exc or type(exc).__name__)
+            return False
+        self.credits = 0
+        self.table.set_credits(0)
+        return True
 
     async def nak_unstarted(self, why: str) -> None:
         while self.queue:
@@ -330,10 +346,11 @@ class Worker:
         for task in self.runners:
             task.cancel()
         await asyncio.gather(*self.runners, return_exceptions=True)
-        for entry in self.table.snapshot():
-            if entry.state == slots.RUNNING:
-                log.warning("worker %d: job seq=%d still running after graceful_timeout (%gs); NAKing it",
-                            self.spec.slot, entry.stream_seq, self.grace)
+        for entry in self.table.snapshot():      # HELD here: taken by a runner, not started yet
+            if entry.state in (slots.HELD, slots.RUNNING):
+                log.warning("worker %d: job seq=%d still %s after graceful_timeout (%gs); NAKing it",
+                            self.spec.slot, entry.stream_seq,
+                            "running" if entry.state == slots.RUNNING else "waiting to start", self.grace)
                 job = Job(data=b"", subject="", headers={}, stream_seq=entry.stream_seq,
                           consumer_seq=entry.consumer_seq, delivery=entry.delivery)
                 await self.settle(entry.index, job, b"-NAK", "nak", "still running when graceful_timeout ran out")
