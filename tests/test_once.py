@@ -6,6 +6,7 @@ real server when the PostgreSQL binaries are installed."""
 from __future__ import annotations
 
 import random
+import re
 import signal
 import sqlite3
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 
 import oncehandlers
 import pgserver
-from harness import TESTS, child_env, publish, wait_until
+from harness import TESTS, child_env, publish, run_cli, wait_until
 from workers import Job, once
 from workers.once import TABLE
 
@@ -362,3 +363,18 @@ def test_sigkill_between_side_effect_and_ack_gives_each_side_effect_once(nats_se
         assert again and not any(again), (seq, delivery, again)
     assert sup.status()["crosscheck"]["crashes"] == kills
     assert sup.stop() == 0
+
+
+# ---------------------------------------------------------------- the demo
+
+def test_demo_once_scenario_shows_the_guard_holding(tmp_path):
+    r = run_cli("demo", "--scenario", "once", tmp=tmp_path, timeout=120)
+    out = r.stdout
+    assert r.returncode == 0, out + r.stderr
+    assert "a publisher retry sends the same 30 ids again: 0 stored, 30 dropped by the stream as duplicates" in out, out
+    assert "CRASHED (exit code 13) holding job-06 (seq 6), no ack" in out and "got job-06 again" in out, out
+    assert "records.db: 30 rows for 30 jobs, each key once" in out, out
+    assert re.search(r"job-06's row was written by delivery #1 \(pid \d+\), which died before its ack", out), out
+    assert re.search(r"late copy of demo-\w+-6 \(seq 31\): acked as a duplicate, not run", out), out
+    assert out.rstrip().splitlines()[-1].startswith("PASS"), out
+    assert "Traceback" not in r.stderr

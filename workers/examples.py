@@ -37,9 +37,10 @@ _records = threading.local()           # one connection per handler thread (sqli
 def record_once(job: Job) -> None:
     """Record the job as one row of `records` in the sqlite file $RECORD_ONCE_DB (default
     ./records.db), exactly once however often it is delivered: the row and the job's done-marker
-    commit in one transaction (workers.once). The payload `crash-after-commit` exits the worker on
-    the first delivery right after the commit, before the ack: a crash in the worst place, and the
-    redelivery finds the marker and writes nothing (`supervisor demo --scenario once`)."""
+    commit in one transaction (workers.once). Then the rest of the job's work, standing in for
+    whatever follows a side effect: a sleep, like sleep_job's. The payload `crash-after-commit`
+    exits the worker on the first delivery right after the commit, before the ack: a crash in the
+    worst place; the redelivery finds the marker and writes nothing (`supervisor demo --scenario once`)."""
     conn = records_connection()
     with once(job, conn) as fresh:
         if fresh:
@@ -47,6 +48,7 @@ def record_once(job: Job) -> None:
                          (job.key, job.stream_seq, job.delivery, os.getpid(), job.data.decode(errors="replace")))
     if job.data.strip() == b"crash-after-commit" and job.delivery == 1:
         os._exit(13)
+    sleep_job(job)
 
 
 def records_connection() -> sqlite3.Connection:
