@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import secrets
 import socket
 import time
@@ -65,13 +64,13 @@ class Conflict(Exception):
 
 # ---------------------------------------------------------------- pure pieces
 
-_KEEP = re.compile(r"[A-Za-z0-9_\-/]")
+_KEEP = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-/")
 
 
 def kv_key(key: str) -> str:
     """A job key as a KV key: [A-Za-z0-9_-/] kept, every other byte (dots, colons, '=', UTF-8)
     written =XX. Readable for common ids ("order-17", "JOBS=3A42"), and never ambiguous."""
-    return "".join(c if _KEEP.fullmatch(c) else "".join(f"={b:02X}" for b in c.encode()) for c in key)
+    return "".join(c if c in _KEEP else "".join(f"={b:02X}" for b in c.encode()) for c in key)
 
 
 @dataclass(frozen=True)

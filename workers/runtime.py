@@ -517,10 +517,11 @@ class Worker:
         """Sync handlers in the handler thread: one hop for the chunk, outcomes back in order."""
         loop = asyncio.get_running_loop()
         outcomes = await loop.run_in_executor(self.pool, self.run_chunk, chunk, loop)
+        if self.guard:                   # done-markers (leases of failed or unstarted jobs released) for the
+                                         # whole chunk at once, not a round trip per job; finish() finds them done
+            await asyncio.gather(*(self.guard.after(job, exc is None) for (_, _, job), (exc, _) in zip(chunk, outcomes)))
         for (_, i, job), (exc, elapsed) in zip(chunk, outcomes):
             if exc is NOT_STARTED:
-                if self.guard:
-                    await self.guard.after(job, False)
                 await self.settle(i, job, b"-NAK", "nak", "not started before shutdown")
             else:
                 await self.finish(i, job, exc, elapsed)
