@@ -55,7 +55,7 @@ def test_kv_key_keeps_readable_ids_and_escapes_the_rest_unambiguously():
     assert re.fullmatch(r"[-/_=a-zA-Z0-9]+", kv_key("x.y:z *>"))
 
 
-ME = Holder("hostA", "boot-1", 4026531836, 100, 5000)
+ME = Holder("hostA", "boot-1", 4026531836, 0, 100, 5000)
 
 
 def lease(holder: Holder) -> bytes:
@@ -68,11 +68,12 @@ def test_judge_tells_done_free_dead_and_busy():
     assert judge(b"set by hand", None, ME, starts)[0] == "done"
     assert judge(b"", {"KV-Operation": "DEL"}, ME, starts)[0] == "free"
     assert judge(lease(ME), None, ME, starts) == ("busy", "pid 100 on hostA")          # ourselves, alive
-    assert judge(lease(Holder("hostA", "boot-1", ME.pidns, 200, 7000)), None, ME, starts)[0] == "busy"
-    assert judge(lease(Holder("hostA", "boot-1", ME.pidns, 300, 1)), None, ME, starts) == ("dead", "pid 300 on hostA")
-    assert judge(lease(Holder("hostA", "boot-1", ME.pidns, 200, 6999)), None, ME, starts)[0] == "dead"  # pid reused
-    assert judge(lease(Holder("hostB", "boot-2", ME.pidns, 300, 1)), None, ME, starts)[0] == "busy"    # can't tell
-    assert judge(lease(Holder("hostA", "boot-1", 999, 300, 1)), None, ME, starts)[0] == "busy"        # other pidns
+    assert judge(lease(Holder("hostA", "boot-1", ME.pidns, 0, 200, 7000)), None, ME, starts)[0] == "busy"
+    assert judge(lease(Holder("hostA", "boot-1", ME.pidns, 0, 300, 1)), None, ME, starts) == ("dead", "pid 300 on hostA")
+    assert judge(lease(Holder("hostA", "boot-1", ME.pidns, 0, 200, 6999)), None, ME, starts)[0] == "dead"  # pid reused
+    assert judge(lease(Holder("hostB", "boot-2", ME.pidns, 0, 300, 1)), None, ME, starts)[0] == "busy"    # can't tell
+    assert judge(lease(Holder("hostA", "boot-1", 999, 0, 300, 1)), None, ME, starts)[0] == "busy"        # other pidns
+    assert judge(lease(Holder("hostA", "boot-1", ME.pidns, 1000, 300, 1)), None, ME, starts)[0] == "busy"  # other user
     assert judge(b"lease garbled", None, ME, starts)[0] == "busy"
 
 
@@ -133,15 +134,14 @@ def test_guard_claims_marks_done_and_skips_duplicates(nats_server):
 
 def test_guard_takes_over_a_dead_holders_lease_and_waits_for_a_live_one(nats_server):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead_holder = Holder(ME.host, this_process().boot, this_process().pidns, dead.pid,
-                         guard_mod.process_start(dead.pid) or 1)
+    me = this_process()
+    dead_holder = Holder(ME.host, me.boot, me.pidns, me.uid, dead.pid, guard_mod.process_start(dead.pid) or 1)
     dead.wait()
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         wait_until(lambda: guard_mod.process_start(live.pid), what="the live holder started")
-        live_holder = Holder(ME.host, this_process().boot, this_process().pidns, live.pid,
-                             guard_mod.process_start(live.pid))
-        other_host = Holder("elsewhere", "another-boot", 1, 1, 1)
+        live_holder = Holder(ME.host, me.boot, me.pidns, me.uid, live.pid, guard_mod.process_start(live.pid))
+        other_host = Holder("elsewhere", "another-boot", 1, 0, 1, 1)
 
         async def body(g, js):
             out = {}
@@ -161,7 +161,7 @@ def test_guard_takes_over_a_dead_holders_lease_and_waits_for_a_live_one(nats_ser
 def test_lease_expires_by_its_ttl_when_nobody_renews_it(nats_server):
     """A holder on another machine that died: its lease is gone after the per-message TTL."""
     async def body(g, js):
-        await js.publish("$KV.JOBS_DONE.far", lease(Holder("elsewhere", "b", 1, 1, 1)), msg_ttl=1)
+        await js.publish("$KV.JOBS_DONE.far", lease(Holder("elsewhere", "b", 1, 0, 1, 1)), msg_ttl=1)
         first = await g.before(gjob("far"))
         deadline = asyncio.get_running_loop().time() + 30
         while (v := await g.before(gjob("far", 2))).action != RUN:

@@ -12,7 +12,7 @@ subject sequence 0" and a per-message TTL (Nats-TTL, nats-server 2.11+; the buck
   - the key has a done-marker             -> DUPLICATE: acked without running
   - a lease whose holder is alive, or on another machine -> RETRY: NAKed with a delay; the holder
     is running this very job (a redelivery after AckWait ran out elsewhere)
-  - a lease of a process that is gone (same boot, same pid namespace, pid dead or reused), or a
+  - a lease of a process that is gone (same boot, pid namespace and user; pid dead or reused), or a
     deleted entry -> taken over with "expected last sequence = its revision" -> RUN
   - the bucket does not answer (deleted, server down, timeout) -> RETRY with backoff: a job never
     runs unguarded
@@ -79,18 +79,20 @@ class Holder:
     host: str
     boot: str                # /proc/sys/kernel/random/boot_id: a reboot makes every old pid dead
     pidns: int               # pid namespace inode: pids of another container mean nothing here
+    uid: int                 # /proc may hide other users' processes (hidepid): only judge our own
     pid: int
     start: int               # the process's start time in clock ticks since boot: pid reuse
 
     def lease_value(self, nonce: str, job: Any) -> bytes:
-        return (f"lease host={self.host} boot={self.boot} pidns={self.pidns} pid={self.pid} start={self.start} "
-                f"nonce={nonce} seq={job.stream_seq} delivery={job.delivery}").encode()
+        return (f"lease host={self.host} boot={self.boot} pidns={self.pidns} uid={self.uid} pid={self.pid} "
+                f"start={self.start} nonce={nonce} seq={job.stream_seq} delivery={job.delivery}").encode()
 
     @staticmethod
     def parse(value: bytes) -> "Holder | None":
         fields = dict(f.split("=", 1) for f in value.decode(errors="replace").split()[1:] if "=" in f)
         try:
-            return Holder(fields["host"], fields["boot"], int(fields["pidns"]), int(fields["pid"]), int(fields["start"]))
+            return Holder(fields["host"], fields["boot"], int(fields["pidns"]), int(fields["uid"]), int(fields["pid"]),
+                          int(fields["start"]))
         except (KeyError, ValueError):
             return None
 
@@ -104,7 +106,7 @@ def this_process() -> Holder:
         pidns = os.stat("/proc/self/ns/pid").st_ino
     except OSError:                      # not Linux: leases of others are only ever left to expire
         boot, pidns = "", 0
-    return Holder(socket.gethostname(), boot, pidns, os.getpid(), process_start(os.getpid()) or 0)
+    return Holder(socket.gethostname(), boot, pidns, os.getuid(), os.getpid(), process_start(os.getpid()) or 0)
 
 
 def process_start(pid: int) -> int | None:
@@ -129,7 +131,8 @@ def judge(value: bytes, headers: dict[str, str] | None, me: Holder,
     holder = Holder.parse(value)
     if holder is None:
         return "busy", "an unreadable lease"
-    if holder.boot and holder.boot == me.boot and holder.pidns == me.pidns and start_of(holder.pid) != holder.start:
+    same_place = holder.boot and (holder.boot, holder.pidns, holder.uid) == (me.boot, me.pidns, me.uid)
+    if same_place and start_of(holder.pid) != holder.start:
         return "dead", holder.describe()
     return "busy", holder.describe()
 
