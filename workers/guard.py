@@ -29,6 +29,7 @@ effect that commits its own marker (workers.once) is exactly once. See README "E
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -37,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import NotFoundError
 
 log = logging.getLogger("worker")
 
@@ -60,6 +61,10 @@ class Verdict:
 
 class Conflict(Exception):
     """The entry's last revision is not the one the write expected."""
+
+
+class BucketError(Exception):
+    """The bucket's stream refused a write for another reason."""
 
 
 # ---------------------------------------------------------------- pure pieces
@@ -148,7 +153,7 @@ def retry_after(delay: float, lease_ttl: float) -> float:
 class Guard:
     def __init__(self, nc: Any, bucket: str, name: str, delay_for: Callable[[int], float],
                  lease_ttl: int = LEASE_TTL):
-        self.js = nc.jetstream()
+        self.nc, self.js = nc, nc.jetstream()
         self.bucket, self.name = bucket, name
         self.stream, self.prefix = f"KV_{bucket}", f"$KV.{bucket}."
         self.delay_for = delay_for
@@ -295,17 +300,21 @@ class Guard:
 
     async def write(self, key: str, value: bytes, *, last: int | None, ttl: int | None = None,
                     op: str | None = None) -> int:
+        """A JetStream publish, by a plain request: js.publish costs 70% more client CPU (its PubAck
+        dataclass), and this runs twice per job."""
         headers = {} if last is None else {"Nats-Expected-Last-Subject-Sequence": str(last)}
+        if ttl is not None:
+            headers["Nats-TTL"] = str(int(ttl))
         if op:
             headers[KV_OPERATION] = op
-        try:
-            ack = await self.js.publish(self.prefix + key, value, headers=headers or None, timeout=KV_TIMEOUT,
-                                        msg_ttl=ttl)
-        except APIError as exc:
-            if exc.err_code == WRONG_LAST_SEQUENCE:
-                raise Conflict(key) from None
-            raise
-        return ack.seq
+        reply = json.loads((await self.nc.request(self.prefix + key, value, timeout=KV_TIMEOUT,
+                                                  headers=headers or None)).data)
+        error = reply.get("error")
+        if error:
+            if error.get("err_code") == WRONG_LAST_SEQUENCE:
+                raise Conflict(key)
+            raise BucketError(f"{error.get('description', 'error')} (err_code {error.get('err_code')})")
+        return int(reply["seq"])
 
     async def read(self, key: str) -> Any:
         try:
