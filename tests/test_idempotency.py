@@ -10,12 +10,16 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import tomllib
 
 import nats
 import pytest
+import tomli_w
 from nats.js import api
+from nats.js.errors import NotFoundError
 
 from harness import publish, run_cli, wait_until
 from workers import Job
@@ -309,3 +313,28 @@ def test_bad_bucket_name_exits_2(nats_server, tmp_path):
                 env={"SUPERVISOR_IDEMPOTENCY_ENABLED": "true", "SUPERVISOR_IDEMPOTENCY_BUCKET": "done.markers"})
     assert r.returncode == 2, r.stderr
     assert "idempotency.bucket" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_sighup_turns_the_guard_on_and_creates_its_bucket(nats_server, supervisor_factory, tmp_path):
+    sup = idempotent(supervisor_factory, nats_server, idempotency={"enabled": False})
+    sup.wait_ready()
+    before = sup.worker_pids()
+    config = tomllib.loads(sup.config_path.read_text())
+    config["idempotency"]["enabled"] = True
+    sup.config_path.write_text(tomli_w.dumps(config))
+    sup.signal(signal.SIGHUP)
+
+    async def bucket_exists(js):
+        try:
+            return (await js.stream_info("KV_JOBS_DONE")).config.allow_msg_ttl
+        except NotFoundError:
+            return False
+    wait_until(lambda: asyncio.run(js_call(nats_server.url, bucket_exists)), what="the bucket created by the reload")
+    wait_until(lambda: not (sup.worker_pids() & before) and sup.wait_ready(), what="every worker replaced")
+    publish(nats_server.url, count=1, data="0", tmp=tmp_path, extra=("--msg-id", "R"))
+    wait_until(lambda: len(sup.jobs.done()) == 1, what="the job done")
+
+    async def marker(js):
+        return (await js.get_msg("KV_JOBS_DONE", subject="$KV.JOBS_DONE.R-1")).data
+    assert wait_until(lambda: asyncio.run(js_call(nats_server.url, marker)), what="its done-marker").startswith(b"done ")
+    assert sup.stop() == 0
