@@ -258,9 +258,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--dashboard", nargs="?", type=float, const=float("inf"), metavar="SECONDS",
                    help="print the dashboard URL and keep the supervisor serving it after the jobs are done: "
                         "for SECONDS, or until Ctrl-C when SECONDS is left out")
-    p.add_argument("--scenario", choices=("seed", "once"), default="seed",
-                   help="seed: a crash redelivered in milliseconds; once: a crash after the side effect, "
-                        "which still happens once (workers.once, [idempotency])")
+    p.add_argument("--scenario", choices=("redelivery", "once"), default="redelivery",
+                   help="redelivery (default): a worker crashes holding a job and the job comes back at once; "
+                        "once: a worker crashes after its job's side effect, which still happens once "
+                        "(workers.once, [idempotency])")
     return parser
 
 

@@ -301,7 +301,7 @@ def test_missing_bucket_with_stream_create_off_exits_4(nats_server, tmp_path):
         await js.add_consumer("JOBS", api.ConsumerConfig(durable_name="workers", ack_policy=api.AckPolicy.EXPLICIT,
                                                          ack_wait=30, max_ack_pending=1000))
     asyncio.run(js_call(nats_server.url, setup))
-    r = run_cli("start", "--server", nats_server.url, "--http", "", tmp=tmp_path,
+    r = run_cli("start", "--server", nats_server.url, "--http", "", "--handler", "workers.examples:noop", tmp=tmp_path,
                 env={"SUPERVISOR_IDEMPOTENCY_ENABLED": "true", "SUPERVISOR_STREAM_CREATE": "false",
                      "SUPERVISOR_RESTART_DEAD_LETTER_STREAM": ""})
     assert r.returncode == 4, r.stderr
@@ -309,7 +309,7 @@ def test_missing_bucket_with_stream_create_off_exits_4(nats_server, tmp_path):
 
 
 def test_bad_bucket_name_exits_2(nats_server, tmp_path):
-    r = run_cli("start", "--server", nats_server.url, "--http", "", tmp=tmp_path,
+    r = run_cli("start", "--server", nats_server.url, "--http", "", "--handler", "workers.examples:noop", tmp=tmp_path,
                 env={"SUPERVISOR_IDEMPOTENCY_ENABLED": "true", "SUPERVISOR_IDEMPOTENCY_BUCKET": "done.markers"})
     assert r.returncode == 2, r.stderr
     assert "idempotency.bucket" in r.stderr and "Traceback" not in r.stderr
