@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import secrets
+import signal
 import sqlite3
+import subprocess
 import sys
 import time
 from typing import Any
@@ -28,7 +30,7 @@ from typing import Any
 import uvloop
 
 from . import config as config_mod
-from .demo import Demo, DemoFailed, Out, _plural
+from .demo import ChildLog, Demo, DemoFailed, Out, _plural
 from .errors import ConfigError
 from .tools import default_subject
 
@@ -69,12 +71,7 @@ class OnceDemo(Demo):
         return env
 
     def start(self) -> None:
-        import subprocess
-        import signal
-
         from workers.runtime import set_parent_death_signal
-
-        from .demo import ChildLog
 
         o = self.out
         o.say(o.paint(f"supervisor demo --scenario once: {_plural(self.n, 'worker')}, {_plural(self.jobs, 'job')} "
