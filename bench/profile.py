@@ -27,6 +27,9 @@ class Profile:
     settle_s: float = 1.0     # after workers report ready, before memory is read
     idle_s: float = 3.0       # how long idle CPU is measured
     with_faststream: bool = True
+    # 5. the [idempotency] guard's cost (sync no-op, with and without the guard)
+    guard_jobs: int = 20_000
+    guard_workers: int = 2
 
 
 PROFILES = {
@@ -40,5 +43,5 @@ PROFILES = {
     "smoke": Profile("smoke", repeats=1, jobs=400, workers=(1,), cpu_jobs=40, cpu_job_s=0.001,
                      cpu_workers=(1, 2), kills=2, ack_wait=2.0, paced_rate=500, paced_s=1.5,
                      idle_workers=2, many_workers=4, settle_s=0.2, idle_s=0.5,
-                     with_faststream=False),
+                     with_faststream=False, guard_jobs=400),
 }

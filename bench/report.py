@@ -96,6 +96,15 @@ def footprint_table(res: dict) -> str:
     return table(["footprint", "figure"], rows)
 
 
+def guard_table(res: dict) -> str:
+    rows = [[r["variant"], str(r["workers"]), num(r["jobs_per_s"]), num(r["vs_no_guard"], ".2f", "x"),
+             num(r["extra_us_per_job"], ".0f"), num(r["cpu_ms_per_1k_jobs"], ".0f"),
+             num(r["server_cpu_ms_per_1k_jobs"], ".0f"), " ".join(num(v) for v in r["jobs_per_s_all"])]
+            for r in res["summary"]]
+    return table(["sync no-op", "N", "jobs/s", "vs no guard", "extra µs/job", "CPU ms/1k jobs", "server CPU ms/1k",
+                  "each repeat"], rows)
+
+
 # ---------------------------------------------------------------- targets
 
 def targets(results: dict) -> list[dict]:
@@ -164,6 +173,9 @@ def render(results: dict) -> str:
         parts += ["### 3. Crash recovery", crash_table(results["crash"])]
     if "footprint" in results:
         parts += ["### 4. Footprint", footprint_table(results["footprint"])]
+    if "guard" in results:
+        parts += [f"### 5. The [idempotency] guard's cost ({results['guard']['jobs']:,} jobs)",
+                  guard_table(results["guard"])]
     parts += ["### Targets", targets_table(targets(results))]
     return "\n\n".join(parts) + "\n"
 

@@ -1,4 +1,4 @@
-"""The four scenarios of issue 6. Each returns {"runs": [...raw figures...], "summary": {...}}.
+"""The four scenarios of issue 6, and the [idempotency] guard's cost (issue 10). Each returns {"runs": [...raw figures...], "summary": {...}}.
 
 Fairness rules applied everywhere: one nats-server for the whole run; every contender binds to
 the same durable pull consumer, reset before each drain with the backlog already published;
@@ -9,6 +9,7 @@ ratios are taken between figures of the same repeat, then the median is reported
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -63,19 +64,20 @@ def rotated(names: list[str], k: int) -> list[str]:
 
 
 def starter(ctx: Ctx, name: str, n: int, rundir: Path, handler: str | None = None, batch: int = 256,
-            **workers: Any) -> Callable[[], procs.Contender]:
+            sections: dict | None = None, **workers: Any) -> Callable[[], procs.Contender]:
     url = ctx.server.url
     if name in ("plain", "seed"):
         return lambda: procs.start_loops(name, n, url, rundir, batch)
     if name == FASTSTREAM:
         return lambda: procs.start_faststream(n, url, rundir, batch)
     config = procs.supervisor_config(url, n, handler or OURS[name], batch=batch, **workers)
+    config.update(sections or {})
     return lambda: procs.start_supervisor(name, config, rundir)
 
 
 async def measured_drain(ctx: Ctx, name: str, n: int, total: int, data: bytes, handler: str | None = None,
-                         **workers: Any) -> DrainResult:
-    start = starter(ctx, name, n, ctx.rundir(f"{name}-{n}"), handler, **workers)
+                         sections: dict | None = None, **workers: Any) -> DrainResult:
+    start = starter(ctx, name, n, ctx.rundir(f"{name}-{n}"), handler, sections=sections, **workers)
     result, contender = await drain(ctx.server.url, total, start, data=data, server_pid=ctx.server.proc.pid,
                                     parent_pid=lambda c: c.pid if isinstance(c, procs.Supervisor) else None)
     contender.stop()
@@ -201,6 +203,8 @@ def resummarize(results: dict) -> dict:
     if "footprint" in results:
         fp = results["footprint"]
         fp["summary"] = summarize_footprint(fp["parent_cpu"], fp["memory"], fp["many"])
+    if "guard" in results:
+        results["guard"]["summary"] = summarize_guard(results["guard"]["runs"], results["guard"]["workers"])
     return results
 
 
@@ -546,6 +550,67 @@ def summarize_footprint(parent: list[dict], memory: list[dict], many: list[dict]
         "many_workers_serving": min((r["workers_serving"] for r in many), default=None),
         "many_uss_total": med(many, "uss_total"), "many_idle_parent_cpu_pct": med(many, "idle_parent_cpu_pct"),
     }
+
+
+# ================================================================ 5. the [idempotency] guard's cost
+
+# The same sync no-op drain four ways, in the same run: no guard; the guard (a lease written
+# before each job, replaced by its done-marker after: two KV writes); double_ack alone; and the
+# guard with double_ack, the setting the README recommends beside it. Each run starts with an empty bucket: without a
+# Nats-Msg-Id a job's key is JOBS:<seq>, and reset_queue starts the sequences at 1 again.
+GUARD_VARIANTS = {"no guard": ({}, False), "guard": ({"idempotency": {"enabled": True}}, False),
+                  "double_ack alone": ({}, True), "guard + double_ack": ({"idempotency": {"enabled": True}}, True)}
+GUARD_BUCKET = "KV_JOBS_DONE"
+
+
+async def guard_cost(ctx: Ctx) -> dict:
+    p = ctx.profile
+    runs = []
+    for rep in range(p.repeats):
+        for name in rotated(list(GUARD_VARIANTS), rep):
+            sections, double_ack = GUARD_VARIANTS[name]
+            await drop_stream(ctx.server.url, GUARD_BUCKET)
+            r = await measured_drain(ctx, "supervisor-sync", p.guard_workers, p.guard_jobs, b"x", sections=sections,
+                                     double_ack=double_ack)
+            r.extra.update(repeat=rep, variant=name)
+            runs.append(r.as_dict())
+            ctx.say(f"  guard rep {rep + 1} N={p.guard_workers} {name:18s} {fmt(r.jobs_per_s, '.0f')} jobs/s, "
+                    f"{fmt(r.cpu_ms_per_1k_jobs, '.0f')} + server {fmt(r.server_cpu_ms_per_1k_jobs, '.0f')} CPU ms/1k jobs")
+    await drop_stream(ctx.server.url, GUARD_BUCKET)
+    return {"jobs": p.guard_jobs, "workers": p.guard_workers, "runs": runs,
+            "summary": summarize_guard(runs, p.guard_workers)}
+
+
+async def drop_stream(url: str, name: str) -> None:
+    from nats.js.errors import NotFoundError
+
+    nc = await nats.connect(url)
+    try:
+        with contextlib.suppress(NotFoundError):
+            await nc.jetstream().delete_stream(name)
+    finally:
+        await nc.close()
+
+
+def summarize_guard(runs: list[dict], n: int) -> list[dict]:
+    """Per variant: median jobs/s, and against "no guard" of the same repeat: the ratio and the
+    extra wall time per job (1/rate - 1/base, at n workers)."""
+    by = {(r["extra"]["variant"], r["extra"]["repeat"]): r for r in runs}
+    repeats = sorted({r["extra"]["repeat"] for r in runs})
+    rows = []
+    for name in GUARD_VARIANTS:
+        mine = [by[(name, k)] for k in repeats if (name, k) in by]
+        pairs = [(by[(name, k)]["jobs_per_s"], by[("no guard", k)]["jobs_per_s"]) for k in repeats
+                 if (name, k) in by and ("no guard", k) in by]
+        pairs = [(a, b) for a, b in pairs if a and b]
+        rows.append({"variant": name, "workers": n, "repeats": len(mine),
+                     "jobs_per_s": median([r["jobs_per_s"] for r in mine]),
+                     "jobs_per_s_all": [r["jobs_per_s"] for r in mine],
+                     "vs_no_guard": median([a / b for a, b in pairs]),
+                     "extra_us_per_job": median([1e6 * (1 / a - 1 / b) for a, b in pairs]),
+                     "cpu_ms_per_1k_jobs": median([r["cpu_ms_per_1k_jobs"] for r in mine]),
+                     "server_cpu_ms_per_1k_jobs": median([r["server_cpu_ms_per_1k_jobs"] for r in mine])})
+    return rows
 
 
 # ================================================================ formatting helpers

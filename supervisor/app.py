@@ -213,6 +213,8 @@ class Supervisor:
                 init = load_callable(cfg.workers.init, "workers.init") if cfg.workers.init else None
             if change.update_consumer:
                 await provision.ensure_consumer(self.nc.jetstream(), cfg)
+            if cfg.idempotency.enabled and not self.cfg.idempotency.enabled:    # the new workers need the bucket
+                await provision.ensure_idempotency(self.nc.jetstream(), cfg)
         except Exception as exc:      # whatever went wrong, the running config stays
             why = str(exc) if isinstance(exc, SupervisorError) else f"{type(exc).__name__}: {exc}"
             log.error("reload failed; still running on the previous config: %s", why)

@@ -60,6 +60,7 @@ class Totals:
     acked: int = 0
     naked: int = 0
     termed: int = 0
+    duplicates: int = 0
     restarts: int = 0
     worker_deaths: int = 0
     pings: int = 0
@@ -526,6 +527,7 @@ class Arbiter:
         self.totals.acked += t.header(slots.ACKED_N)
         self.totals.naked += t.header(slots.NAKED_N)
         self.totals.termed += t.header(slots.TERMED_N)
+        self.totals.duplicates += t.header(slots.DUPLICATE_N)
         buckets, total = t.histogram()
         self.totals.buckets = [a + b for a, b in zip(self.totals.buckets, buckets)]
         self.totals.duration_sum += total
@@ -774,8 +776,10 @@ class Arbiter:
         return latest
 
     def worker_counters(self) -> dict[str, int]:
-        """Jobs acked/naked/termed since start: exited workers' totals plus the living's tables."""
+        """Jobs acked/naked/termed (and acked as duplicates without running) since start: exited
+        workers' totals plus the living's tables."""
         live = self.living()
         return {"ack": self.totals.acked + sum(w.table.header(slots.ACKED_N) for w in live),
                 "nak": self.totals.naked + sum(w.table.header(slots.NAKED_N) for w in live),
-                "term": self.totals.termed + sum(w.table.header(slots.TERMED_N) for w in live)}
+                "term": self.totals.termed + sum(w.table.header(slots.TERMED_N) for w in live),
+                "duplicate": self.totals.duplicates + sum(w.table.header(slots.DUPLICATE_N) for w in live)}

@@ -147,6 +147,7 @@ examples:
   supervisor demo
   supervisor demo --workers 5 --jobs 100
   supervisor demo --dashboard                        # then watch it at the printed URL until Ctrl-C
+  supervisor demo --scenario once                    # a crash after the side effect, recorded once all the same
 """,
 }
 
@@ -257,6 +258,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--dashboard", nargs="?", type=float, const=float("inf"), metavar="SECONDS",
                    help="print the dashboard URL and keep the supervisor serving it after the jobs are done: "
                         "for SECONDS, or until Ctrl-C when SECONDS is left out")
+    p.add_argument("--scenario", choices=("redelivery", "once"), default="redelivery",
+                   help="redelivery (default): a worker crashes holding a job and the job comes back at once; "
+                        "once: a worker crashes after its job's side effect, which still happens once "
+                        "(workers.once, [idempotency])")
     return parser
 
 
@@ -352,5 +357,5 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": _lazy("tools", "cmd_status"),
     "scale": _lazy("tools", "cmd_scale"),
     "dlq": _lazy("dlq", "cmd_dlq"),
-    "demo": _lazy("demo", "cmd_demo"),
+    "demo": lambda args: _lazy("demo_once" if args.scenario == "once" else "demo", "cmd_demo")(args),
 }

@@ -51,6 +51,8 @@ class JsonFormatter(logging.Formatter):
                "message": record.getMessage()}
         if not self.journald:
             out = {"ts": round(record.created, 3), **out}
+        if getattr(record, "event", None):          # extra={"event": ...}: what programs and tests read
+            out["event"] = record.event
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)

@@ -1,13 +1,15 @@
-"""Reach NATS within nats.startup_timeout, then ensure the stream, the durable pull consumer and
-the dead-letter stream. An existing stream is never changed behind the user's back: we log what
-differs and leave it. The consumer is ours, so the settings the server lets us change are
-changed, each change logged; anything else that differs is an error (exit 4)."""
+"""Reach NATS within nats.startup_timeout, then ensure the stream, the durable pull consumer, the
+dead-letter stream and (with [idempotency] on) the KV bucket of done-markers. An existing stream
+is never changed behind the user's back: we log what differs and leave it. The consumer is ours,
+so the settings the server lets us change are changed, each change logged; anything else that
+differs is an error (exit 4)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 from typing import Any
 
@@ -16,7 +18,7 @@ from nats.js.errors import NotFoundError
 
 from . import natsconn
 from .config import Config
-from .errors import NatsUnavailable
+from .errors import ConfigError, NatsUnavailable
 
 log = logging.getLogger("supervisor.nats")
 
@@ -25,6 +27,7 @@ RETENTION = {"workqueue": api.RetentionPolicy.WORK_QUEUE, "limits": api.Retentio
 STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
 # Consumer settings a running server lets us update in place.
 CONSUMER_UPDATABLE = ("ack_wait", "max_deliver", "max_ack_pending", "backoff", "filter_subject")
+VALID_BUCKET = re.compile(r"[a-zA-Z0-9_-]+")
 
 
 async def connect_until(cfg: Config, *, name: str, **options: Any) -> Any:
@@ -70,7 +73,9 @@ async def ensure(nc: Any, cfg: Config) -> None:
                                    retention=api.RetentionPolicy.LIMITS, storage=STORAGE[cfg.stream.storage],
                                    num_replicas=cfg.stream.replicas, duplicate_window=cfg.stream.duplicate_window)
             await ensure_stream(js, dlq, cfg.stream.create, "restart.dead_letter_stream")
-    except NatsUnavailable:
+        if cfg.idempotency.enabled:
+            await ensure_idempotency(js, cfg)
+    except (NatsUnavailable, ConfigError):
         raise
     except Exception as exc:
         raise NatsUnavailable(f"cannot ensure stream {cfg.stream.name} / consumer {cfg.consumer.name}: "
@@ -115,6 +120,49 @@ async def ensure_consumer(js: Any, cfg: Config) -> None:
     for name, had, wanted in changes if not cfg.stream.create else ():
         log.warning("consumer %s has %s=%s (config: %s); stream.create is false, so left as it is",
                     cfg.consumer.name, name, had, wanted)
+
+
+async def ensure_idempotency(js: Any, cfg: Config) -> None:
+    """The KV bucket of done-markers (workers/guard.py): max_age = idempotency.ttl, per-message
+    TTL allowed (the job leases expire by it). Warns about settings that weaken the guard."""
+    bucket = cfg.idempotency.bucket
+    if not VALID_BUCKET.fullmatch(bucket):
+        raise ConfigError("idempotency.bucket", f"{bucket!r} is not a KV bucket name (letters, digits, _ and - only)")
+    try:
+        have = (await js.stream_info(f"KV_{bucket}")).config
+    except NotFoundError:
+        if not cfg.stream.create:
+            raise NatsUnavailable(f"idempotency.bucket: KV bucket {bucket} does not exist and stream.create is false") from None
+        await js.create_key_value(bucket=bucket, ttl=cfg.idempotency.ttl, history=1, storage=STORAGE[cfg.stream.storage],
+                                  replicas=cfg.stream.replicas, description="jetstream-supervisor done-markers and job leases")
+        log.info("created KV bucket %s (done-markers kept %gs)", bucket, cfg.idempotency.ttl)
+    else:
+        await _check_bucket(js, cfg, have)
+    warn_idempotency(cfg, (await js.stream_info(cfg.stream.name)).config.duplicate_window or 0.0)
+
+
+async def _check_bucket(js: Any, cfg: Config, have: api.StreamConfig) -> None:
+    bucket = cfg.idempotency.bucket
+    if not have.allow_msg_ttl:
+        if not cfg.stream.create:
+            raise NatsUnavailable(f"idempotency.bucket: KV bucket {bucket} does not allow per-message TTLs, which the "
+                                  "job leases need, and stream.create is false (recreate it, or let us update it)")
+        await js.update_stream(dataclasses.replace(have, allow_msg_ttl=True))
+        log.warning("KV bucket %s: allowed per-message TTLs (the job leases expire by them)", bucket)
+    if _norm(have.max_age) != _norm(cfg.idempotency.ttl):
+        log.warning("KV bucket %s exists with max_age=%ss (idempotency.ttl: %gs); left as it is: done-markers live "
+                    "max_age", bucket, _norm(have.max_age), cfg.idempotency.ttl)
+
+
+def warn_idempotency(cfg: Config, duplicate_window: float) -> None:
+    """Two settings that leave holes in the exactly-once story (README "Exactly once")."""
+    if cfg.idempotency.ttl < duplicate_window:
+        log.warning("idempotency.ttl (%gs) is shorter than stream %s's duplicate window (%gs): done-markers should "
+                    "outlive the time publishers may retry", cfg.idempotency.ttl, cfg.stream.name, duplicate_window,
+                    extra={"event": "idempotency_ttl_short"})
+    if not cfg.workers.double_ack:
+        log.warning("[idempotency] is on but workers.double_ack is off: acks are not confirmed, so a lost ack "
+                    "redelivers a finished job (the done-marker then skips it)", extra={"event": "idempotency_no_double_ack"})
 
 
 def _differences(have: Any, want: Any, names: tuple[str, ...]) -> list[tuple[str, Any, Any]]:

@@ -36,6 +36,7 @@ def build_status(sup: Any) -> dict[str, Any]:
         "peers": {"alone": arb.peers.alone(now), "heard": sorted(arb.peers.heard),
                   "in_transit_checks": dict(arb.in_transit.stats)},
         "jobs": arb.worker_counters(),
+        "idempotency": idempotency_block(cfg),
         "advisories": dict(mon.advisories) if mon else {},
         "alerts": alerts(sup, lag, now),
         "headline": headline(lag, consumer),
@@ -62,9 +63,19 @@ def worker_block(arb: Any, w: Any, now: float) -> dict[str, Any]:
     return {"slot": w.slot, "pid": w.pid, "state": w.state if w.state != "dead" else "draining",
             "jobs_acked": t.header(slots.ACKED_N), "jobs_nacked": t.header(slots.NAKED_N),
             "jobs_terminated": t.header(slots.TERMED_N), "jobs_started": t.header(slots.STARTED_N),
+            "jobs_duplicate": t.header(slots.DUPLICATE_N),
             "restarts": arb.slot_restarts.get(w.slot, 0), "rss_bytes": arb.rss_of(w),
             "heartbeat_age_s": round(now - beat, 3) if beat > 0 else None,
             "uptime_s": round(now - w.started_at, 3), "retiring": w.retiring, "in_flight": in_flight}
+
+
+def idempotency_block(cfg: Any) -> dict[str, Any]:
+    """What dedupes what (README "Exactly once"): the stream drops a re-published Nats-Msg-Id
+    within its duplicate window; with [idempotency] on, workers skip keys whose done-marker is in
+    the KV bucket for `ttl` seconds."""
+    i = cfg.idempotency
+    return {"enabled": i.enabled, "bucket": i.bucket if i.enabled else None, "ttl_s": i.ttl,
+            "duplicate_window_s": cfg.stream.duplicate_window, "double_ack": cfg.workers.double_ack}
 
 
 def consumer_block(mon: Any, cfg: Any) -> dict[str, Any]:

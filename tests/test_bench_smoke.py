@@ -78,10 +78,21 @@ def test_footprint_figures_are_sane(smoke):
     assert "plain" in s["baselines"]
 
 
+def test_guard_cost_figures_are_sane(smoke):
+    results, _ = smoke
+    guard = results["guard"]
+    assert {r["extra"]["variant"] for r in guard["runs"]} == {"no guard", "guard", "double_ack alone",
+                                                               "guard + double_ack"}
+    for row in guard["summary"]:
+        assert positive(row["jobs_per_s"]) and positive(row["vs_no_guard"]), row
+    base = next(r for r in guard["summary"] if r["variant"] == "no guard")
+    assert base["vs_no_guard"] == 1.0 and base["extra_us_per_job"] == 0
+
+
 def test_report_is_written(smoke):
     results, out = smoke
     text = (out / "tables.md").read_text()
-    for heading in ("Throughput", "CPU-bound", "Crash recovery", "Footprint", "Targets"):
+    for heading in ("Throughput", "CPU-bound", "Crash recovery", "Footprint", "guard's cost", "Targets"):
         assert heading in text
     assert results["targets"] and all("met" in t for t in results["targets"])
     if importlib.util.find_spec("matplotlib"):

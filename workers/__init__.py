@@ -7,9 +7,14 @@
 
 Return to ack; raise Retry(delay=s) to NAK with a delay; raise Reject("why") to terminate the
 job and copy it to the dead-letter subject; any other exception NAKs with workers.retry_backoff.
+
+Delivery is at least once: a job can run twice (a worker died after its side effect, before its
+ack). `with once(job, conn) as fresh:` makes a database side effect happen once (workers/once.py).
 """
 
 from dataclasses import dataclass, field
+
+from .once import once
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,13 @@ class Job:
     consumer_seq: int = 0
     delivery: int = 1
     msg_id: str | None = None
+    stream: str = ""
+
+    @property
+    def key(self) -> str:
+        """The idempotency key: the publisher's Nats-Msg-Id when it set one, else "<stream>:<seq>"
+        (unique only for the life of the stream: a recreated stream counts from 1 again)."""
+        return self.msg_id if self.msg_id else f"{self.stream}:{self.stream_seq}"
 
 
 class Retry(Exception):
@@ -39,4 +51,4 @@ class Reject(Exception):
         self.reason = reason
 
 
-__all__ = ["Job", "Retry", "Reject"]
+__all__ = ["Job", "Retry", "Reject", "once"]

@@ -32,6 +32,7 @@ from supervisor.notify import scrub_child_env
 
 from . import Job, Reject, Retry
 from . import slots
+from .guard import DUPLICATE, RUN, Guard
 from .slots import SlotTable
 
 log = logging.getLogger("worker")
@@ -59,6 +60,10 @@ EXIT_CONNECT_FAILED = 4
 EXIT_CRASHED = 70
 CHILD_EXIT_REASONS = {EXIT_INIT_FAILED: "init hook failed", EXIT_CONNECT_FAILED: "cannot reach NATS or bind the consumer",
                       EXIT_CRASHED: "worker crashed"}
+# Slot-table counter per outcome; a duplicate is acked without running its handler ([idempotency]).
+OUTCOME_COUNTERS = {"ack": slots.ACKED_N, "duplicate": slots.DUPLICATE_N, "nak": slots.NAKED_N,
+                    "term": slots.TERMED_N}
+ACKS = ("ack", "duplicate")
 
 
 @dataclass
@@ -200,6 +205,7 @@ class Worker:
         # Handler threads start jobs under this lock, and the switch to STOPPING takes it: once a
         # shutdown has NAKed what runs, no handler thread can start another job behind its back.
         self.start_lock = threading.Lock()
+        self.guard: Guard | None = None   # [idempotency] (workers/guard.py)
 
     # -- lifecycle
 
@@ -213,6 +219,9 @@ class Worker:
                       self.consumer, exc or type(exc).__name__)
             return EXIT_CONNECT_FAILED
         self.table.server_answered(time.monotonic())
+        if self.spec.cfg.idempotency.enabled:          # issue 10: done-markers and leases
+            self.guard = Guard(self.nc, self.spec.cfg.idempotency.bucket, f"worker {self.spec.slot}",
+                               lambda delivery: retry_delay(self.wcfg.retry_backoff, delivery)).start()
         self.inbox = self.nc.new_inbox()
         self.sub = await self.nc.subscribe(self.inbox, cb=self.on_message, pending_msgs_limit=0,
                                            pending_bytes_limit=0)
@@ -231,6 +240,8 @@ class Worker:
         for task in tasks + self.runners:
             task.cancel()
         await settler                  # never cancel a task inside a flush: see supervisor/natsfix.py
+        if self.guard:
+            await self.guard.close()   # leases of jobs we did not finish: free for their redelivery
         await self.close_connection()
         return EXIT_DRAINED
 
@@ -460,14 +471,31 @@ class Worker:
             self.running += len(chunk)
             self.wake_pull.set()        # slots of the buffer are free again
             try:
-                if self.is_async:
-                    await self.run_async(*chunk[0][1:])
+                runnable = await self.admit(chunk) if self.guard else chunk   # [idempotency], issue 10
+                if not runnable:
+                    pass
+                elif self.is_async:
+                    await self.run_async(*runnable[0][1:])
                 else:
-                    await self.run_sync(chunk)
+                    await self.run_sync(runnable)
             finally:
                 self.running -= len(chunk)
                 self.changed.set()
                 self.wake_pull.set()
+
+    async def admit(self, chunk: list[tuple[Any, int, Job]]) -> list[tuple[Any, int, Job]]:
+        """[idempotency] (workers/guard.py): ack the jobs already done without running them, NAK
+        those another worker is running or that cannot be checked; return the ones to run."""
+        verdicts = await asyncio.gather(*(self.guard.before(job) for _, _, job in chunk))
+        runnable = []
+        for (msg, i, job), verdict in zip(chunk, verdicts):
+            if verdict.action == RUN:
+                runnable.append((msg, i, job))
+            elif verdict.action == DUPLICATE:
+                await self.ack(i, job, "duplicate")
+            else:
+                await self.settle(i, job, nak_payload(verdict.delay), "nak", verdict.reason)
+        return runnable
 
     def take_chunk(self) -> list[tuple[Any, int, Job]]:
         """One job; or, for a sync handler whose jobs are short, as many queued jobs as fit in
@@ -506,6 +534,9 @@ class Worker:
         """Sync handlers in the handler thread: one hop for the chunk, outcomes back in order."""
         loop = asyncio.get_running_loop()
         outcomes = await loop.run_in_executor(self.pool, self.run_chunk, chunk, loop)
+        if self.guard:                   # done-markers (leases of failed or unstarted jobs released) for the
+                                         # whole chunk at once, not a round trip per job; finish() finds them done
+            await asyncio.gather(*(self.guard.after(job, exc is None) for (_, _, job), (exc, _) in zip(chunk, outcomes)))
         for (_, i, job), (exc, elapsed) in zip(chunk, outcomes):
             if exc is NOT_STARTED:
                 await self.settle(i, job, b"-NAK", "nak", "not started before shutdown")
@@ -541,6 +572,8 @@ class Worker:
         """Ack, NAK or TERM by the handler's outcome."""
         self.table.observe(elapsed)
         self.job_ewma = elapsed if self.job_ewma is None else 0.8 * self.job_ewma + 0.2 * elapsed
+        if self.guard:                   # the done-marker before the ack; a failed job's lease released
+            await self.guard.after(job, exc is None)
         if exc is None:
             await self.ack(i, job)
         elif isinstance(exc, Retry):
@@ -557,32 +590,34 @@ class Worker:
                       self.spec.slot, type(exc).__name__, job.stream_seq)
             os._exit(EXIT_CRASHED)
 
-    async def ack(self, i: int, job: Job) -> None:
+    async def ack(self, i: int, job: Job, outcome: str = "ack") -> None:
         if self.wcfg.double_ack:
             try:
                 await self.nc.request(self.reply_of(i), b"+ACK", timeout=5.0)
             except Exception as exc:
                 log.warning("worker %d: double ack of seq=%d not confirmed: %s", self.spec.slot, job.stream_seq, exc)
             else:
-                self.table.count(slots.ACKED_N)
-                self.report(job, "ack", "")
+                self.table.count(OUTCOME_COUNTERS[outcome])
+                self.report(job, outcome, "")
                 self.table.release(i)
                 return
-        await self.settle(i, job, b"+ACK", "ack", "")
+        await self.settle(i, job, b"+ACK", outcome, "")
 
     async def settle(self, i: int, job: Job, payload: bytes, outcome: str, reason: str) -> None:
         """Publish the ack/nak/term and keep the entry until a flush confirms it."""
         await self.nc.publish(self.reply_of(i), payload)
-        self.table.mark(i, slots.ACKED if outcome == "ack" else slots.SETTLED)
-        self.table.count({"ack": slots.ACKED_N, "nak": slots.NAKED_N, "term": slots.TERMED_N}[outcome])
+        self.table.mark(i, slots.ACKED if outcome in ACKS else slots.SETTLED)
+        self.table.count(OUTCOME_COUNTERS[outcome])
         self.report(job, outcome, reason)
-        self.unconfirmed.append((i, self.nc.stats["reconnects"], outcome == "ack"))
+        self.unconfirmed.append((i, self.nc.stats["reconnects"], outcome in ACKS))
         self.wake_settle.set()
 
     def report(self, job: Job, outcome: str, reason: str) -> None:
         # Only what explains a future redelivery (or follows one) goes to the parent: acks of
         # first deliveries, the hot path, stay in the table counters.
         if outcome != "ack" or job.delivery > 1:
+            if outcome == "duplicate":   # the parent's ledger knows acks, naks and terms
+                outcome, reason = "ack", "duplicate: already done"
             self.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome=outcome, reason=reason)
 
     def reply_of(self, i: int) -> str:
@@ -660,7 +695,7 @@ def make_job(msg: Any) -> Job:
     sseq, cseq, delivery = parse_ack_reply(msg.reply)
     headers = {k: v for k, v in (msg.headers or {}).items() if isinstance(k, str)}
     return Job(data=msg.data, subject=msg.subject, headers=headers, stream_seq=sseq, consumer_seq=cseq,
-               delivery=delivery, msg_id=headers.get("Nats-Msg-Id"))
+               delivery=delivery, msg_id=headers.get("Nats-Msg-Id"), stream=ack_reply_stream(msg.reply))
 
 
 def parse_ack_reply(reply: str) -> tuple[int, int, int]:
@@ -668,6 +703,13 @@ def parse_ack_reply(reply: str) -> tuple[int, int, int]:
     t = reply.split(".")
     at = 4 if len(t) == 9 else 6         # v2 adds domain and account hash after $JS.ACK
     return int(t[at + 1]), int(t[at + 2]), int(t[at])
+
+
+def ack_reply_stream(reply: str) -> str:
+    """The stream name in a $JS.ACK reply subject: $JS.ACK.<stream>... (v1) or
+    $JS.ACK.<domain>.<account hash>.<stream>... (v2)."""
+    t = reply.split(".")
+    return t[2] if len(t) == 9 else t[4]
 
 
 def nak_payload(delay: float) -> bytes:

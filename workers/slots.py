@@ -34,9 +34,10 @@ ENTRY_STATES = {HELD: "held", RUNNING: "running", ACKED: "acked", SETTLED: "sett
 # Header words (8 bytes each; doubles and int64s share the buffer through two casts).
 # SERVER_SEEN: when the worker last had a reply from the NATS server (a PING/PONG of its own), so
 # the parent can tell a beating worker whose connection has gone half-open from a healthy one.
+# DUPLICATE_N: jobs acked without running because their key was already done ([idempotency]).
 (PID, STATE, HEARTBEAT, ACKED_N, NAKED_N, TERMED_N, STARTED_N, CREDITS, HIGH_WATER,
- MAX_DURATION, DURATION_SUM, SERVER_SEEN) = range(12)
-BUCKETS_AT = 12
+ MAX_DURATION, DURATION_SUM, SERVER_SEEN, DUPLICATE_N) = range(13)
+BUCKETS_AT = 13
 HEADER_WORDS = BUCKETS_AT + len(DURATION_BUCKETS) + 1
 
 # Entry words.
