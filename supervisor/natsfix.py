@@ -55,7 +55,8 @@ def check_version() -> None:
 class Client(_NatsClient):
     async def fence(self, timeout: float = 5.0) -> None:
         """The server has read every command this client published before the call."""
-        await self._flush_pending(force_flush=True)   # the queued PUBs reach the socket first ...
+        # The queued PUBs reach the socket first (bounded: nats-py's flush_timeout is None) ...
+        await asyncio.wait_for(self._flush_pending(force_flush=True), timeout)
         await self.flush(timeout)                     # ... then PING, PONG: ordered behind them
 
     async def stop_delivery(self, sub: Subscription, timeout: float = 5.0) -> None:

@@ -101,43 +101,51 @@ def test_a_cancelled_flush_does_not_break_the_next_one(nats_server):
 
 
 def test_stop_delivery_hands_over_everything_the_server_sent_and_nothing_after(nats_server):
-    """A pull request with room for thousands is live while a publisher pumps jobs; stop_delivery()
+    """A pull request with room for thousands is live while jobs keep arriving; stop_delivery()
     returns once the server has stopped delivering, and every delivery the consumer counted has
     reached the callback: none dropped (they would wait for AckWait), none after."""
     async def run():
         nc, pub = Client(), Client()
         await nc.connect(nats_server.url)
         await pub.connect(nats_server.url)
-        js = pub.jetstream()
-        await js.add_stream(name="FENCE", subjects=["fence.>"])
-        await js.add_consumer("FENCE", durable_name="c", ack_policy="explicit", ack_wait=60)
-        got = []
+        try:
+            js = pub.jetstream()
+            await js.add_stream(name="FENCE", subjects=["fence.>"])
+            await js.add_consumer("FENCE", durable_name="c", ack_policy="explicit", ack_wait=60, max_ack_pending=-1)
+            got = []
 
-        async def on_msg(msg):
-            if msg.reply:
-                got.append(msg.reply)
+            async def on_msg(msg):
+                if msg.reply:
+                    got.append(msg.reply)
 
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox, cb=on_msg)
-        await nc.publish("$JS.API.CONSUMER.MSG.NEXT.FENCE.c", b'{"batch":100000,"expires":30000000000}', reply=inbox)
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox, cb=on_msg)
+            await nc.publish("$JS.API.CONSUMER.MSG.NEXT.FENCE.c", b'{"batch":100000,"expires":30000000000}',
+                             reply=inbox)
 
-        async def pump():
-            while True:
-                await js.publish("fence.job", b"x")
+            async def pump():                      # core publishes: the stream stores them, no PubAcks
+                for _ in range(200):
+                    for _ in range(50):
+                        await pub.publish("fence.job", b"x")
+                    await pub.flush(timeout=5)
 
-        pumping = asyncio.ensure_future(pump())
-        while len(got) < 200:
-            await asyncio.sleep(0.01)
-        await nc.stop_delivery(sub)
-        handed_over = len(got)
-        delivered = (await js.consumer_info("FENCE", "c")).delivered.consumer_seq
-        await asyncio.sleep(0.3)                   # the publisher goes on: nothing more may arrive
-        after = (await js.consumer_info("FENCE", "c")).delivered.consumer_seq
-        pumping.cancel()
-        await asyncio.gather(pumping, return_exceptions=True)
-        await nc.close()
-        await pub.close()
-        return handed_over, delivered, after, len(got)
+            pumping = asyncio.ensure_future(pump())
+            await asyncio.wait_for(wait_for_count(got, 200), 20)
+            await nc.stop_delivery(sub)
+            handed_over = len(got)
+            delivered = (await js.consumer_info("FENCE", "c")).delivered.consumer_seq
+            await asyncio.wait_for(pumping, 30)   # the rest arrives in the stream; none may reach us
+            info = await js.consumer_info("FENCE", "c")
+            return handed_over, delivered, info.delivered.consumer_seq, len(got), info.num_pending
+        finally:
+            await nc.close()
+            await pub.close()
 
-    handed_over, delivered, after, total = asyncio.run(run())
+    handed_over, delivered, after, total, left = asyncio.run(run())
     assert handed_over == delivered == after == total, (handed_over, delivered, after, total)
+    assert left > 0, "the publisher went on after the stop, so the server had more to deliver"
+
+
+async def wait_for_count(items: list, n: int) -> None:
+    while len(items) < n:
+        await asyncio.sleep(0.01)
