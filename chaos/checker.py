@@ -7,6 +7,7 @@ the journal, not trusted). Per job (stream sequence):
 - lost: stored, never completed by the end of the run (after waiting out AckWait).
 - vanished: stored (PubAck'd), never delivered to any handler and gone from the stream at the
   end: the server lost it (a handler runs before any ack, so no ack of ours can remove it).
+- dead-lettered: never completed, copied to the dead-letter stream (max_deliver or poison).
 - completed twice: the journal has two `D` lines. Each is explained only by a named fault that
   touched the worker of the earlier completion between its start and the redelivery (it died
   before its ack got out, its connection was cut, the server restarted...); otherwise it is
@@ -38,7 +39,7 @@ SLACK = 0.05                # seconds: journal lines and fault times come from d
 
 # Verdicts in table order, with what each must be unless a scenario says otherwise (None: reported only).
 VERDICTS = {
-    "jobs": None, "lost": 0, "vanished": 0, "dup": None, "dup_unexplained": 0, "redelivered": None, "unexplained": 0,
+    "jobs": None, "lost": 0, "vanished": 0, "dead_lettered": 0, "dup": None, "dup_unexplained": 0, "redelivered": None, "unexplained": 0,
     "ackwait": 0, "ackwait_outside": None, "unacked": 0, "sup_unexplained": 0, "sup_open": 0,
     "sup_died": 0, "exit": 0, "healthz_s": None,
 }
@@ -78,6 +79,7 @@ class Evidence:
     origin: float                               # monotonic time the run began (for +offsets)
     lives: dict[int, Life] = field(default_factory=dict)
     unacked: list[int] = field(default_factory=list)
+    dead_lettered: list[int] = field(default_factory=list)     # seqs copied to the dead-letter stream
     status: dict | None = None                  # the supervisor's /status at the end
     sup_died: int = 0
     bad_exits: int = 0                          # supervisors that did not exit 0 when stopped
@@ -141,7 +143,8 @@ class Checker:
             if seq not in self.ev.stored:
                 self.find("unknown", seq, "run by a worker but never stored (publish side bookkeeping is wrong)")
             if not any(r.done is not None for r in runs):
-                verdict = "vanished" if not runs and seq not in self.ev.unacked else "lost"
+                verdict = ("dead_lettered" if seq in self.ev.dead_lettered else
+                           "vanished" if not runs and seq not in self.ev.unacked else "lost")
                 c[verdict] += 1
                 self.find(verdict, seq, self.describe_lost(seq, runs))
             extra, unexplained = self.duplicates(seq, runs)
@@ -160,6 +163,8 @@ class Checker:
         return Report(c, self.findings, notes)
 
     def describe_lost(self, seq: int, runs: list[RunOfJob]) -> str:
+        if seq in self.ev.dead_lettered:
+            return f"dead-lettered after {len(runs)} run(s) (consumer.max_deliver or poison)"
         if not runs:
             where = "still in the stream" if seq in self.ev.unacked else "gone from the stream: the server lost it"
             return f"stored (PubAck), never delivered to a handler; {where}"

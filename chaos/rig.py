@@ -31,12 +31,13 @@ from nats.js.errors import NotFoundError
 from harness import NatsServer, SupervisorProc, base_config, wait_until
 from natscluster import NatsCluster
 from supervisor.peers import SUSPECT_GRACE
+from workers.runtime import DLQ_HEADER
 
 from .checker import Evidence, Report, check
 from .facts import Fault, Life, Rec, Stored
 from .proxy import Proxy
 
-STREAM, CONSUMER, SUBJECT = "JOBS", "workers", "jobs.chaos"
+STREAM, CONSUMER, SUBJECT, DLQ_STREAM = "JOBS", "workers", "jobs.chaos", "JOBS_DLQ"
 ACK_WAIT = 30.0             # long: an expiry (AckWait wait) cannot be mistaken for a prompt NAK
 NATS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, OSError)
 
@@ -386,9 +387,10 @@ class Run:
             if i not in self.stopped:
                 self.stop_supervisor(s)
         unacked = self.bg.call(self.unacked())
+        dead = self.bg.call(self.dead_letters())
         stored = dict(self.publisher.stored)
         ev = Evidence(stored=stored, journal=self.tail.poll(), faults=self.faults, ack_wait=self.ack_wait,
-                      origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, status=self.status,
+                      origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead, status=self.status,
                       sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes),
                       healthz_s=max(self.healthz) if self.healthz else None)
         return check(ev)
@@ -428,6 +430,20 @@ class Run:
             key = (msg.data or b"").decode(errors="replace").partition(":")[0]
             self.publisher.stored.setdefault(seq, Stored(seq, key, self.origin))
         return left
+
+    async def dead_letters(self) -> list[int]:
+        """Stream sequences of the jobs copied to the dead-letter stream (workers/runtime.py headers)."""
+        js = self.nc.jetstream()
+        try:
+            info = await js.stream_info(DLQ_STREAM)
+        except NATS_ERRORS:
+            return []                                # no dead-letter stream: nothing was dead-lettered
+        seqs = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1 if info.state.messages else 0):
+            with contextlib.suppress(NotFoundError):
+                msg = await js.get_msg(DLQ_STREAM, seq)
+                seqs.append(int((msg.headers or {}).get(DLQ_HEADER + "Sequence", 0)))
+        return seqs
 
     def close(self) -> None:
         self.watcher.stopped.set()

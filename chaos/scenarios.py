@@ -156,7 +156,13 @@ def outage(run: Run, kind: str, take: Callable[[], Any], restore: Callable[[], A
     flowing(run, 60)
     t0 = time.monotonic()
     take()
-    time.sleep(seconds)                               # the outage
+    time.sleep(seconds / 2)                           # the outage, with a look at /healthz half way
+    try:
+        code, text = run.sup.get("/healthz")
+    except OSError as exc:
+        code, text = 0, f"no answer ({exc})"
+    run.notes.append(f"/healthz during '{kind}': {code} {text.strip()}")
+    time.sleep(seconds / 2)
     restore()
     f = run.fault(kind, t0, time.monotonic(), in_control=False)
     run.measure_healthz(f.t1)

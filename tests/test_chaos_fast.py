@@ -54,20 +54,20 @@ def test_server_sigkill_and_restart(tmp_path):
     run("server-kill", tmp_path)
 
 
-@pytest.mark.xfail(raises=KnownDefect, strict=True, reason="issue 9 point 2: recycling NAKs jobs it pulled")
 def test_recycling_alone_redelivers_nothing(tmp_path):
-    run("recycle", tmp_path, known={"redelivered"})
+    """Issue 9 point 2: a retiring worker took jobs it would never run and NAKed them."""
+    run("recycle", tmp_path)
 
 
-@pytest.mark.xfail(raises=KnownDefect, strict=True,
-                   reason="issue 9 point 3: the parent NAKs again after graceful_timeout")
 def test_graceful_timeout_during_a_recycle(tmp_path):
-    run("graceful-recycle", tmp_path, known={"dup_unexplained", "sup_unexplained"})
+    """Issue 9 point 3: the parent NAKed again after graceful_timeout, taking the job from its
+    new holder (a third delivery running beside the second)."""
+    run("graceful-recycle", tmp_path)
 
 
-@pytest.mark.xfail(raises=KnownDefect, strict=True, reason="issue 9 point 9: fork() EAGAIN kills the parent")
 def test_fork_failure_is_survived(tmp_path):
-    run("fork-fail", tmp_path, known={"lost", "unacked", "sup_died", "exit"})
+    """Issue 9 point 9: fork() failing with EAGAIN (TasksMax) killed the parent."""
+    run("fork-fail", tmp_path)
 
 
 # ---------------------------------------------------------------- the checker on made-up evidence
@@ -91,6 +91,11 @@ def test_checker_tells_a_job_the_server_lost_from_one_still_queued():
     assert check(evidence([])).counts["vanished"] == 1
     c = check(evidence([], unacked=[1])).counts
     assert (c["lost"], c["vanished"], c["unacked"]) == (1, 0, 1)
+
+
+def test_checker_names_a_dead_lettered_job():
+    c = check(evidence([("S", 1, 1, 1, 0.1)], dead_lettered=[1])).counts
+    assert (c["dead_lettered"], c["lost"], c["vanished"]) == (1, 0, 0)
 
 
 def test_checker_explains_a_duplicate_only_by_a_fault_on_the_first_worker():

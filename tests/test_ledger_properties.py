@@ -2,13 +2,15 @@
 
 Hypothesis drives random interleavings of what the arbiter feeds the ledger (deaths holding
 random jobs in random states, redeliveries, handler and peer NAKs, acks, TERMs, ack floors,
-quarantines, the passage of time) and checks after every step that:
+ConsumerInfo polls, what was pending at start, quarantines, the passage of time) and checks
+after every step that:
   - every redelivery of a job held at a death (and not yet seen back) is explained by it;
   - a redelivery after a NAK is explained by the NAK, once;
   - `outstanding` lists exactly the held jobs nothing has resolved;
   - the counts add up (every redelivery is explained, unexplained, or still a suspect) and
-    match the model; the in-transit budget of a death is never exceeded; poison and
-    "ack in doubt" are what the model says.
+    match the model; a death is blamed for a job in transit only within its credits and only
+    if the consumer had delivered that job by then; poison and "ack in doubt" are what the
+    model says.
 Pure and fast: times are plain numbers.
 """
 
@@ -45,6 +47,7 @@ class DeathModel:
     t: float
     in_transit: int
     attributed: int = 0
+    bound: int | None = None            # the consumer's delivered stream seq seen after the death
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -61,6 +64,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.suspects: dict[tuple[int, int], float] = {}
         self.fatal: dict[int, int] = defaultdict(int)
         self.quarantined: set[int] = set()
+        self.inherited_up_to = self.inherited_left = 0
         self.calls = self.explained = self.unexplained = self.in_transit = self.acked_after = 0
 
     # ------------------------------------------------------------ the world moves
@@ -108,7 +112,7 @@ class LedgerMachine(RuleBasedStateMachine):
         elif seq in self.naks:
             assert why == self.naks.pop(seq), (seq, d, why)
             self.explained += 1
-        elif self.attribute_in_transit():
+        elif self.attribute_in_transit(seq):
             assert why.startswith("in transit to worker"), (seq, d, why)
             self.explained += 1
             self.in_transit += 1
@@ -116,12 +120,13 @@ class LedgerMachine(RuleBasedStateMachine):
             assert why == "", (seq, d, why)
             self.suspects[(seq, d)] = self.t
 
-    def attribute_in_transit(self) -> bool:
-        """The ledger's rule: the latest death whose in-transit budget is not spent and whose
-        AckWait is (about) up now takes the blame."""
+    def attribute_in_transit(self, seq: int) -> bool:
+        """The ledger's rule: the latest death whose in-transit budget is not spent, whose AckWait
+        is (about) up now and which the consumer had delivered `seq` by, takes the blame."""
         for death in reversed(self.deaths):
             due = death.t + ACK_WAIT
-            if death.attributed < death.in_transit and due - 1.0 <= self.t <= due + max(5.0, ACK_WAIT):
+            in_range = death.bound is None or seq <= death.bound
+            if death.attributed < death.in_transit and in_range and due - 1.0 <= self.t <= due + max(5.0, ACK_WAIT):
                 death.attributed += 1
                 return True
         return False
@@ -182,14 +187,39 @@ class LedgerMachine(RuleBasedStateMachine):
             if h.seq == seq:
                 h.resolved = True
 
+    @rule(data=st.data())
+    def consumer_info(self, data: st.DataObject) -> None:
+        """A ConsumerInfo poll: what the consumer had delivered bounds what the deaths before it
+        can have had in transit (issue 9 point 8)."""
+        delivered = data.draw(st.integers(0, self.next_seq))
+        self.led.delivered_seen(self.t, delivered)
+        for death in reversed(self.deaths):
+            if death.bound is not None:
+                break
+            if death.t <= self.t:
+                death.bound = delivered
+
+    @rule(pending=st.integers(0, 4), data=st.data())
+    def inherit(self, pending: int, data: st.DataObject) -> None:
+        """What the consumer had pending when this supervisor started (a previous run's drain)."""
+        up_to = data.draw(st.integers(0, self.next_seq))
+        self.led.inherit(pending, up_to)
+        self.inherited_left, self.inherited_up_to = pending, up_to
+
     @rule(grace=st.sampled_from([0.0, 2.0]))
     def confirm_suspects(self, grace: float) -> None:
         confirmed = self.led.confirm_suspects(self.t, grace)
-        due = {k for k, t in self.suspects.items() if self.t - t >= grace}
-        assert {(r.seq, r.delivery) for r in confirmed} == due
-        for k in due:
-            del self.suspects[k]
-        self.unexplained += len(due)
+        unexplained = set()
+        for seq, d in sorted((k for k, t in self.suspects.items() if self.t - t >= grace),
+                             key=lambda k: self.suspects[k]):
+            del self.suspects[(seq, d)]
+            if seq <= self.inherited_up_to and self.inherited_left > 0:
+                self.inherited_left -= 1         # pending before we started: the weakest explanation
+                self.explained += 1
+            else:
+                unexplained.add((seq, d))
+        assert {(r.seq, r.delivery) for r in confirmed} == unexplained
+        self.unexplained += len(unexplained)
 
     @precondition(lambda self: any(self.is_poison(s) for s in self.fatal))
     @rule(data=st.data())
@@ -232,9 +262,10 @@ class LedgerMachine(RuleBasedStateMachine):
         assert c["explained_redeliveries"] + c["unexplained_redeliveries"] + len(self.suspects) == self.calls
 
     @invariant()
-    def in_transit_budgets_hold(self) -> None:
-        for death in self.led.deaths:
+    def in_transit_budgets_and_bounds_hold(self) -> None:
+        for death, model in zip(self.led.deaths, self.deaths):
             assert death.attributed <= death.in_transit
+            assert death.delivered_bound == model.bound
 
     @invariant()
     def poison_and_doubt_match_the_model(self) -> None:

@@ -18,7 +18,6 @@ import types
 from dataclasses import dataclass
 
 import hypothesis.strategies as st
-import pytest
 from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -46,7 +45,7 @@ class Model:
     delivery: int
     reply: str
     t_held: float
-    t_started: float | None = None      # known once started in this use of the entry
+    t_started: float = 0.0              # 0 until started in this use of the entry
 
 
 class SlotMachine(RuleBasedStateMachine):
@@ -125,8 +124,7 @@ class SlotMachine(RuleBasedStateMachine):
             m = self.model[e.index]
             assert (e.state, e.stream_seq, e.consumer_seq, e.delivery, e.reply, e.t_held) == \
                    (m.state, m.sseq, m.cseq, m.delivery, m.reply, m.t_held), (e, m)
-            if m.t_started is not None:
-                assert e.t_started == m.t_started
+            assert e.t_started == m.t_started, (e, m)
 
     @invariant()
     def header_and_counters_are_the_model(self) -> None:
@@ -142,8 +140,8 @@ SlotMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40
 test_slot_table_against_its_model = SlotMachine.TestCase
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 point 9: hold() does not reset a reused entry's start time")
 def test_a_reused_entry_shows_no_stale_start_time():
+    """Issue 9 point 9: hold() resets the start time a reused entry kept from its previous job."""
     clock = FakeClock(5.0)
     saved, slots.time = slots.time, types.SimpleNamespace(monotonic=clock.monotonic)
     t = SlotTable(1, 64)
@@ -204,8 +202,11 @@ def check_entry(e: slots.Entry, program: list, started: dict[int, bool]) -> int:
     assert e.reply == (raw.decode() if len(raw) <= REPLY_BYTES else ""), e
     assert e.t_held == float(k), e
     assert e.state in (HELD, RUNNING, ACKED, SETTLED), e
-    if e.state == RUNNING or (e.state in (ACKED, SETTLED) and started[(k - 1) % len(program)]):
-        assert e.t_started == k + 0.5, e
+    starts = started[(k - 1) % len(program)]
+    # start() writes the time before the state word, so a HELD entry being started right now may
+    # already show it; never the start time of the entry's previous job.
+    allowed = {k + 0.5} if e.state == RUNNING or (e.state != HELD and starts) else {0.0, k + 0.5} if starts else {0.0}
+    assert e.t_started in allowed, e
     return k
 
 
