@@ -8,6 +8,8 @@ the journal, not trusted). Per job (stream sequence):
 - vanished: stored (PubAck'd), never delivered to any handler and gone from the stream at the
   end: the server lost it (a handler runs before any ack, so no ack of ours can remove it).
 - dead-lettered: never completed, copied to the dead-letter stream (max_deliver or poison).
+- bounced: first ran at a delivery higher than the run's drains + 1: handed out and NAKed
+  unstarted more often than there were drains to do it (each spends consumer.max_deliver).
 - completed twice: the journal has two `D` lines. Each is explained only by a named fault that
   touched the worker of the earlier completion between its start and the redelivery (it died
   before its ack got out, its connection was cut, the server restarted...); otherwise it is
@@ -39,7 +41,8 @@ SLACK = 0.05                # seconds: journal lines and fault times come from d
 
 # Verdicts in table order, with what each must be unless a scenario says otherwise (None: reported only).
 VERDICTS = {
-    "jobs": None, "lost": 0, "vanished": 0, "dead_lettered": 0, "dup": None, "dup_unexplained": 0, "redelivered": None, "unexplained": 0,
+    "jobs": None, "lost": 0, "vanished": 0, "dead_lettered": 0, "dup": None, "dup_unexplained": 0, "redelivered": None,
+    "bounced": None, "unexplained": 0,
     "ackwait": 0, "ackwait_outside": None, "unacked": 0, "sup_unexplained": 0, "sup_open": 0,
     "sup_died": 0, "exit": 0, "healthz_s": None,
 }
@@ -80,6 +83,7 @@ class Evidence:
     lives: dict[int, Life] = field(default_factory=dict)
     unacked: list[int] = field(default_factory=list)
     dead_lettered: list[int] = field(default_factory=list)     # seqs copied to the dead-letter stream
+    drains: int = 0                                            # supervisors stopped (each may NAK a job once)
     status: dict | None = None                  # the supervisor's /status at the end
     sup_died: int = 0
     bad_exits: int = 0                          # supervisors that did not exit 0 when stopped
@@ -152,6 +156,10 @@ class Checker:
             c["dup_unexplained"] += unexplained
             if len(runs) > 1 or (runs and runs[0].delivery > 1):
                 c["redelivered"] += 1
+            if runs and runs[0].delivery - 1 > self.ev.drains:
+                c["bounced"] += 1
+                self.find("bounced", seq, f"first ran at delivery {runs[0].delivery}: {runs[0].delivery - 1} "
+                                          f"deliveries never ran, in a run with {self.ev.drains} drain(s)")
             for i, run in enumerate(runs):
                 if i > 0 or run.delivery > 1:
                     self.redelivery(seq, runs[:i], run, c)

@@ -72,6 +72,11 @@ def exhaust_memory() -> None:
 
 # ---------------------------------------------------------------- workers.init hooks
 
+def slow_init() -> None:
+    """A worker that takes $CHAOS_INIT_SECONDS to get ready (imports, a model to load...)."""
+    time.sleep(float(os.environ.get("CHAOS_INIT_SECONDS", "0.3")))
+
+
 def join_memory_cgroup() -> None:
     """Move this worker into the memory cgroup $CHAOS_MEMCG (cgroup v1 or v2 directory)."""
     with open(os.path.join(os.environ["CHAOS_MEMCG"], "cgroup.procs"), "w") as f:

@@ -39,6 +39,7 @@ from .proxy import Proxy
 
 STREAM, CONSUMER, SUBJECT, DLQ_STREAM = "JOBS", "workers", "jobs.chaos", "JOBS_DLQ"
 ACK_WAIT = 30.0             # long: an expiry (AckWait wait) cannot be mistaken for a prompt NAK
+STALLED = 10.0              # nothing in flight and nothing moving this long: the run is over
 NATS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, OSError)
 
 
@@ -118,7 +119,7 @@ class Watcher(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        while not self.stopped.wait(0.02):
+        while not self.stopped.wait(0.005):
             now = time.monotonic()
             seen = set()
             for sup in list(self.sups):
@@ -361,21 +362,29 @@ class Run:
 
     # ------------------------------------------------------------ the end of a run
 
-    def settled(self) -> bool:
-        self.tail.poll()
-        if any(seq not in self.tail.done for seq in self.publisher.stored):
-            return False
-        return self.bg.call(self.queue_state()) == (0, 0, 0)
-
     def settle(self) -> None:
         """Wait until every stored job is done and acked, or until long enough after the last fault
-        that any job waiting for AckWait has come back (so it counts as a wait, not as lost)."""
+        that any job waiting for AckWait has come back (so it counts as a wait, not as lost).
+        Stop early when nothing can change any more: no supervisor left, or nothing ack pending
+        (so no AckWait timer runs) and nothing moved for STALLED seconds."""
         self.publisher.wait(timeout=600)
         last = max([self.publisher.finished_at, *(f.t1 for f in self.faults)])
         deadline = last + 1.5 * self.ack_wait + 10.0
-        while not self.settled() and time.monotonic() < deadline:
+        seen, moved = None, time.monotonic()
+        while time.monotonic() < deadline:
+            self.tail.poll()
+            state = self.bg.call(self.queue_state())
+            if state == (0, 0, 0) and all(seq in self.tail.done for seq in self.publisher.stored):
+                return
             if not any(s.proc.poll() is None for s in self.sups):
-                break                 # nobody left to run the rest
+                return                               # nobody left to run the rest
+            now = (len(self.tail.recs), state)
+            if now != seen:
+                seen, moved = now, time.monotonic()
+            elif state is not None and state[2] == 0 and time.monotonic() - moved > STALLED:
+                self.notes.append(f"stalled: {state[0]} message(s) in the stream, {state[1]} pending, none in flight, "
+                                  f"nothing done for {STALLED:g}s")
+                return
             time.sleep(0.1)
 
     def finish(self) -> Report:
@@ -391,7 +400,7 @@ class Run:
         stored = dict(self.publisher.stored)
         ev = Evidence(stored=stored, journal=self.tail.poll(), faults=self.faults, ack_wait=self.ack_wait,
                       origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead, status=self.status,
-                      sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes),
+                      sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), drains=len(self.exit_codes),
                       healthz_s=max(self.healthz) if self.healthz else None)
         return check(ev)
 

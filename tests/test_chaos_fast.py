@@ -1,11 +1,13 @@
-"""The fast subset of the fault matrix (`python -m chaos` runs all of it), and the checker's own
-unit tests.
+"""The fast subset of the fault matrix (`python -m chaos` runs all of it: SIGSTOP, churn, OOM,
+server and network faults, the cluster), and the checker's own unit tests.
 
 Each scenario runs against a real nats-server and the real supervisor and is judged by
 chaos/checker.py from the handlers' journal. Scenarios that fail on the code as it is, because
 of a defect issue 9 names, are marked xfail(strict) and may fail only on the verdicts that
 defect explains: any other verdict, or the run itself breaking, fails the test; once the
-defect is fixed the test passes, the xfail turns strict XPASS, and the marker must go.
+defect is fixed the test passes, the xfail turns strict XPASS, and the marker must go. A defect
+that shows only now and then (issue 9 point 11) is a non-strict xfail, excused on its verdict
+alone.
 Seeds are random; CHAOS_SEED=N replays one.
 """
 
@@ -38,20 +40,25 @@ def run(name: str, tmp_path, known: set[str] = frozenset()) -> None:
     assert result.passed, result.summary()
 
 
+@pytest.mark.xfail(raises=KnownDefect, strict=False,
+                   reason="issue 9 point 11: a message in transit to a SIGKILLed worker comes back only after "
+                          "AckWait (about 1 kill in 100 here); only that verdict is excused")
 def test_worker_sigkill_at_random_moments(tmp_path):
-    run("kill", tmp_path)
+    run("kill", tmp_path, known={"ackwait"})
 
 
-def test_worker_sigstop_is_killed_by_the_heartbeat_check(tmp_path):
-    run("stop", tmp_path)
+@pytest.mark.xfail(raises=KnownDefect, strict=True,
+                   reason="a scale-down that retires a recycle's replacement leaves Arbiter.replacing stuck: "
+                          "recycling stops, workers at max_jobs stop pulling, the pool stops")
+def test_scale_down_during_a_recycle_keeps_the_pool_going(tmp_path):
+    run("scale-recycle", tmp_path, known={"lost", "unacked"})
 
 
-def test_churn_ttin_ttou_hup_scale_under_load(tmp_path):
-    run("churn", tmp_path)
-
-
-def test_server_sigkill_and_restart(tmp_path):
-    run("server-kill", tmp_path)
+@pytest.mark.xfail(raises=KnownDefect, strict=True,
+                   reason="concurrent drains bounce unstarted jobs between draining workers' live pull requests "
+                          "until consumer.max_deliver; the dead-letter read-back then times out at shutdown")
+def test_restarts_under_a_burst_spend_no_deliveries(tmp_path):
+    run("term-restart", tmp_path, known={"lost", "dead_lettered", "unacked", "bounced"})
 
 
 def test_recycling_alone_redelivers_nothing(tmp_path):
@@ -96,6 +103,12 @@ def test_checker_tells_a_job_the_server_lost_from_one_still_queued():
 def test_checker_names_a_dead_lettered_job():
     c = check(evidence([("S", 1, 1, 1, 0.1)], dead_lettered=[1])).counts
     assert (c["dead_lettered"], c["lost"], c["vanished"]) == (1, 0, 0)
+
+
+def test_checker_counts_deliveries_spent_beyond_the_drains():
+    runs = [("S", 1, 1, 4, 0.1), ("D", 1, 1, 4, 0.2)]
+    assert check(evidence(runs, drains=3)).counts["bounced"] == 0
+    assert check(evidence(runs, drains=2)).counts["bounced"] == 1
 
 
 def test_checker_explains_a_duplicate_only_by_a_fault_on_the_first_worker():
