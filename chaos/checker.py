@@ -8,8 +8,8 @@ the journal, not trusted). Per job (stream sequence):
 - vanished: stored (PubAck'd), never delivered to any handler and gone from the stream at the
   end: the server lost it (a handler runs before any ack, so no ack of ours can remove it).
 - dead-lettered: never completed, copied to the dead-letter stream (max_deliver or poison).
-- bounced: first ran at a delivery higher than the run's drains + 1: handed out and NAKed
-  unstarted more often than there were drains to do it (each spends consumer.max_deliver).
+- bounced: first ran at a delivery higher than 1 + the drains between its PubAck and that run:
+  handed out and NAKed unstarted more often than drains could (each spends consumer.max_deliver).
 - completed twice: the journal has two `D` lines. Each is explained only by a named fault that
   touched the worker of the earlier completion between its start and the redelivery (it died
   before its ack got out, its connection was cut, the server restarted...); otherwise it is
@@ -83,7 +83,7 @@ class Evidence:
     lives: dict[int, Life] = field(default_factory=dict)
     unacked: list[int] = field(default_factory=list)
     dead_lettered: list[int] = field(default_factory=list)     # seqs copied to the dead-letter stream
-    drains: int = 0                                            # supervisors stopped (each may NAK a job once)
+    drains: list[float] = field(default_factory=list)          # when supervisors were stopped (each may NAK a job once)
     status: dict | None = None                  # the supervisor's /status at the end
     sup_died: int = 0
     bad_exits: int = 0                          # supervisors that did not exit 0 when stopped
@@ -156,10 +156,11 @@ class Checker:
             c["dup_unexplained"] += unexplained
             if len(runs) > 1 or (runs and runs[0].delivery > 1):
                 c["redelivered"] += 1
-            if runs and runs[0].delivery - 1 > self.ev.drains:
+            drains = self.drains_before(seq, runs)
+            if runs and runs[0].delivery - 1 > drains:
                 c["bounced"] += 1
                 self.find("bounced", seq, f"first ran at delivery {runs[0].delivery}: {runs[0].delivery - 1} "
-                                          f"deliveries never ran, in a run with {self.ev.drains} drain(s)")
+                                          f"deliveries never ran, with {drains} drain(s) in between")
             for i, run in enumerate(runs):
                 if i > 0 or run.delivery > 1:
                     self.redelivery(seq, runs[:i], run, c)
@@ -169,6 +170,13 @@ class Checker:
         self.supervisor_word(c)
         notes = self.queueing_note()
         return Report(c, self.findings, notes)
+
+    def drains_before(self, seq: int, runs: list[RunOfJob]) -> int:
+        """Drains between the job's PubAck and its first run: each could NAK it once."""
+        stored = self.ev.stored.get(seq)
+        lo = stored.t if stored else self.ev.origin
+        hi = runs[0].start if runs else float("inf")
+        return sum(lo - SLACK <= t <= hi + SLACK for t in self.ev.drains)
 
     def describe_lost(self, seq: int, runs: list[RunOfJob]) -> str:
         if seq in self.ev.dead_lettered:

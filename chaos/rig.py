@@ -218,6 +218,7 @@ class Run:
         self.healthz: list[float] = []
         self.exit_codes: list[int] = []             # of every supervisor we stopped (-9: had to kill it)
         self.stopped: set[int] = set()               # supervisors stopped on purpose (by index)
+        self.drains: list[float] = []                # when each was told to stop
         self.sup_died = 0
         self.undo: list[Callable[[], None]] = []            # cleanups beyond processes, run last-first
         self.status: dict | None = None
@@ -347,6 +348,7 @@ class Run:
     def stop_supervisor(self, sup: SupervisorProc, timeout: float = 90.0) -> int | None:
         """SIGTERM and wait for the exit; a supervisor that had already died is counted."""
         self.stopped.add(self.sups.index(sup))
+        self.drains.append(time.monotonic())
         if sup.proc.poll() is not None:
             self.sup_died += 1
             self.exit_codes.append(sup.proc.returncode)
@@ -400,7 +402,7 @@ class Run:
         stored = dict(self.publisher.stored)
         ev = Evidence(stored=stored, journal=self.tail.poll(), faults=self.faults, ack_wait=self.ack_wait,
                       origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead, status=self.status,
-                      sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), drains=len(self.exit_codes),
+                      sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), drains=self.drains,
                       healthz_s=max(self.healthz) if self.healthz else None)
         return check(ev)
 

@@ -105,10 +105,11 @@ def test_checker_names_a_dead_lettered_job():
     assert (c["dead_lettered"], c["lost"], c["vanished"]) == (1, 0, 0)
 
 
-def test_checker_counts_deliveries_spent_beyond_the_drains():
-    runs = [("S", 1, 1, 4, 0.1), ("D", 1, 1, 4, 0.2)]
-    assert check(evidence(runs, drains=3)).counts["bounced"] == 0
-    assert check(evidence(runs, drains=2)).counts["bounced"] == 1
+def test_checker_counts_deliveries_spent_beyond_the_drains_in_between():
+    runs = [("S", 1, 1, 4, 0.5), ("D", 1, 1, 4, 0.6)]
+    assert check(evidence(runs, drains=[T0 + 0.1, T0 + 0.2, T0 + 0.3])).counts["bounced"] == 0
+    assert check(evidence(runs, drains=[T0 + 0.1, T0 + 0.2])).counts["bounced"] == 1
+    assert check(evidence(runs, drains=[T0 + 0.1, T0 + 0.2, T0 + 9.0])).counts["bounced"] == 1   # too late to NAK it
 
 
 def test_checker_explains_a_duplicate_only_by_a_fault_on_the_first_worker():
