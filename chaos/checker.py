@@ -1,0 +1,293 @@
+"""The one ground-truth checker every chaos run goes through.
+
+It reads what the server confirmed storing, the handlers' own journal and the runner's fault
+log, never the supervisor's account (the supervisor's /status cross-check is compared against
+the journal, not trusted). Per job (stream sequence):
+
+- lost: stored, never completed by the end of the run (after waiting out AckWait).
+- vanished: stored (PubAck'd), never delivered to any handler and gone from the stream at the
+  end: the server lost it (a handler runs before any ack, so no ack of ours can remove it).
+- dead-lettered: never completed, copied to the dead-letter stream (max_deliver or poison).
+- bounced: first ran at a delivery higher than 1 + the drains between its PubAck and that run:
+  handed out and NAKed unstarted more often than drains could (each spends consumer.max_deliver).
+- completed twice: the journal has two `D` lines. Each is explained only by a named fault that
+  touched the worker of the earlier completion between its start and the redelivery (it died
+  before its ack got out, its connection was cut, the server restarted...); otherwise it is
+  an unexplained duplicate.
+- redelivered: a job run more than once, or first seen at delivery > 1 (a server that lost its
+  consumer state runs a job again at delivery 1, so delivery numbers alone miss repeats).
+  Explained by a fault that touched the previous run's worker; unexplained when the previous
+  run did not finish and nothing touched it. A delivery that never started leaves no trace
+  in the journal
+  (NAKed unstarted by a drain, in transit at a death, dropped): counted, named as such.
+- waited for AckWait: a job that came back no sooner than an AckWait expiry would have brought
+  it: more than half of AckWait after the last evidence of the previous delivery. AckWait is
+  long (30 s) and scenario loads keep queueing short, so only an expiry (or a NAK held up as
+  long, in a stalled connection) takes that long; the lag is reported. A wait counts against
+  the supervisor unless every fault that could have caused it is outside its control.
+- unacked: still in the work-queue stream at the end (an ack that never landed).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .facts import Fault, Life, Rec, Stored
+
+ACKWAIT_FRACTION = 0.5      # a redelivery later than this share of AckWait waited for AckWait
+SLACK = 0.05                # seconds: journal lines and fault times come from different processes
+
+# Verdicts in table order, with what each must be unless a scenario says otherwise (None: reported only).
+VERDICTS = {
+    "jobs": None, "lost": 0, "vanished": 0, "dead_lettered": 0, "dup": None, "dup_unexplained": 0, "redelivered": None,
+    "bounced": None, "unexplained": 0,
+    "ackwait": 0, "ackwait_outside": None, "unacked": 0, "sup_unexplained": 0, "sup_open": 0,
+    "sup_died": 0, "exit": 0, "healthz_s": None,
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    verdict: str
+    seq: int
+    key: str
+    text: str
+
+
+@dataclass
+class Report:
+    counts: dict[str, Any]
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def failures(self, expect: dict[str, Any]) -> list[str]:
+        """Every verdict over its limit, as `name=value (limit)`."""
+        out = []
+        for name, limit in expect.items():
+            value = self.counts.get(name)
+            if limit is not None and value is not None and value > limit:
+                out.append(f"{name}={value} (must be <= {limit})")
+        return out
+
+
+@dataclass
+class Evidence:
+    """Everything the checker reads."""
+    stored: dict[int, Stored]
+    journal: list[Rec]
+    faults: list[Fault]
+    ack_wait: float
+    origin: float                               # monotonic time the run began (for +offsets)
+    lives: dict[int, Life] = field(default_factory=dict)
+    unacked: list[int] = field(default_factory=list)
+    dead_lettered: list[int] = field(default_factory=list)     # seqs copied to the dead-letter stream
+    drains: list[float] = field(default_factory=list)          # when supervisors were stopped (each may NAK a job once)
+    status: dict | None = None                  # the supervisor's /status at the end
+    sup_died: int = 0
+    bad_exits: int = 0                          # supervisors that did not exit 0 when stopped
+    healthz_s: float | None = None
+
+
+@dataclass
+class RunOfJob:
+    pid: int
+    delivery: int
+    start: float
+    done: float | None = None
+
+
+def runs_by_seq(journal: list[Rec]) -> dict[int, list[RunOfJob]]:
+    """Each job's runs in start order (a run = one delivery in one process)."""
+    runs: dict[int, dict[tuple[int, int], RunOfJob]] = defaultdict(dict)
+    for r in sorted(journal, key=lambda r: r.t):
+        slot = runs[r.seq]
+        if r.event == "S":
+            slot[(r.pid, r.delivery)] = RunOfJob(r.pid, r.delivery, r.t)
+        elif (r.pid, r.delivery) in slot:
+            slot[(r.pid, r.delivery)].done = r.t
+    return {seq: sorted(v.values(), key=lambda x: x.start) for seq, v in runs.items()}
+
+
+class Checker:
+    def __init__(self, ev: Evidence):
+        self.ev = ev
+        self.runs = runs_by_seq(ev.journal)
+        self.keys = {r.seq: r.key for r in ev.journal}
+        self.keys.update({s.seq: s.key for s in ev.stored.values()})
+        self.findings: list[Finding] = []
+        self.first_start = self._first_starts()
+
+    def _first_starts(self) -> list[tuple[int, float]]:
+        """(seq, start) of every first delivery, by seq: the consumer sends first deliveries in
+        stream order, so a later seq's first start bounds when an earlier seq was sent."""
+        out = [(seq, runs[0].start) for seq, runs in self.runs.items() if runs and runs[0].delivery == 1]
+        return sorted(out)
+
+    def at(self, t: float) -> str:
+        return f"+{t - self.ev.origin:.2f}s"
+
+    def find(self, verdict: str, seq: int, text: str) -> None:
+        self.findings.append(Finding(verdict, seq, self.keys.get(seq, "?"), text))
+
+    def touching(self, pid: int, lo: float, hi: float) -> list[Fault]:
+        return [f for f in self.ev.faults if f.touches(pid, lo - SLACK, hi + SLACK)]
+
+    def overlapping(self, lo: float, hi: float) -> list[Fault]:
+        return [f for f in self.ev.faults if f.t0 <= hi + SLACK and f.t1 >= lo - SLACK]
+
+    # ------------------------------------------------------------ per job
+
+    def check(self) -> Report:
+        c = dict.fromkeys(VERDICTS, 0)
+        c["jobs"] = len(self.ev.stored)
+        for seq in sorted(set(self.ev.stored) | set(self.runs)):
+            runs = self.runs.get(seq, [])
+            if seq not in self.ev.stored:
+                self.find("unknown", seq, "run by a worker but never stored (publish side bookkeeping is wrong)")
+            if not any(r.done is not None for r in runs):
+                verdict = ("dead_lettered" if seq in self.ev.dead_lettered else
+                           "vanished" if not runs and seq not in self.ev.unacked else "lost")
+                c[verdict] += 1
+                self.find(verdict, seq, self.describe_lost(seq, runs))
+            extra, unexplained = self.duplicates(seq, runs)
+            c["dup"] += extra
+            c["dup_unexplained"] += unexplained
+            if len(runs) > 1 or (runs and runs[0].delivery > 1):
+                c["redelivered"] += 1
+            drains = self.drains_before(seq, runs)
+            if runs and runs[0].delivery - 1 > drains:
+                c["bounced"] += 1
+                self.find("bounced", seq, f"first ran at delivery {runs[0].delivery}: {runs[0].delivery - 1} "
+                                          f"deliveries never ran, with {drains} drain(s) in between")
+            for i, run in enumerate(runs):
+                if i > 0 or run.delivery > 1:
+                    self.redelivery(seq, runs[:i], run, c)
+        c["unacked"] = len(self.ev.unacked)
+        for seq in self.ev.unacked:
+            self.find("unacked", seq, "still in the work-queue stream at the end: no ack landed")
+        self.supervisor_word(c)
+        notes = self.queueing_note()
+        return Report(c, self.findings, notes)
+
+    def drains_before(self, seq: int, runs: list[RunOfJob]) -> int:
+        """Drains between the job's PubAck and its first run: each could NAK it once."""
+        stored = self.ev.stored.get(seq)
+        lo = stored.t if stored else self.ev.origin
+        hi = runs[0].start if runs else float("inf")
+        return sum(lo - SLACK <= t <= hi + SLACK for t in self.ev.drains)
+
+    def describe_lost(self, seq: int, runs: list[RunOfJob]) -> str:
+        if seq in self.ev.dead_lettered:
+            return f"dead-lettered after {len(runs)} run(s) (consumer.max_deliver or poison)"
+        if not runs:
+            where = "still in the stream" if seq in self.ev.unacked else "gone from the stream: the server lost it"
+            return f"stored (PubAck), never delivered to a handler; {where}"
+        last = runs[-1]
+        return f"started {len(runs)}x, never completed; last: delivery {last.delivery} by pid {last.pid} {self.at(last.start)}"
+
+    def duplicates(self, seq: int, runs: list[RunOfJob]) -> tuple[int, int]:
+        """(completions beyond the first, of which unexplained)."""
+        done = [r for r in runs if r.done is not None]
+        extra = unexplained = 0
+        for earlier in done[:-1]:
+            extra += 1
+            # Whatever ran it next (a server that lost its consumer state redelivers at delivery 1).
+            redo = min([r.start for r in runs if r.start > earlier.start], default=earlier.done)
+            faults = self.touching(earlier.pid, earlier.start, redo)
+            if not faults:
+                unexplained += 1
+                again = [r for r in done if r is not earlier and r.start >= earlier.start]
+                second = again[0] if again else earlier
+                self.find("dup_unexplained", seq,
+                          f"completed at delivery {earlier.delivery} by pid {earlier.pid} {self.at(earlier.done)} "
+                          f"and again at delivery {second.delivery} by pid {second.pid} {self.at(second.done)}; "
+                          f"no fault touched pid {earlier.pid} in between")
+            else:
+                self.find("dup", seq, f"completed at delivery {earlier.delivery} by pid {earlier.pid} and again: "
+                                      f"{faults[0].name(self.ev.origin)}")
+        return extra, unexplained
+
+    def redelivery(self, seq: int, before: list[RunOfJob], run: RunOfJob, c: dict) -> None:
+        """A job run again (or first seen at delivery > 1): why, and how long after it was free?"""
+        if before:
+            p = before[-1]
+            faults = self.touching(p.pid, p.start, run.start)
+            t_ref = max([p.start, p.done or p.start, *(min(f.t0, run.start) for f in faults if f.t0 >= p.start)])
+            if not faults and p.done is None:
+                c["unexplained"] += 1
+                self.find("unexplained", seq, f"delivery {run.delivery} {self.at(run.start)} after pid {p.pid} "
+                                              f"started delivery {p.delivery} {self.at(p.start)} and never finished "
+                                              "it; no fault touched that pid")
+            culprits = faults
+        else:
+            t_ref = self.sent_by(seq)
+            culprits = self.overlapping(t_ref, run.start)
+        lag = run.start - t_ref
+        cause = culprits[0].name(self.ev.origin) if culprits else (
+            "an earlier delivery never started" if not before else "no fault")
+        self.find("redelivered", seq, f"delivery {run.delivery} by pid {run.pid} {self.at(run.start)}, {max(lag, 0):.2f}s "
+                                      f"after the previous delivery was last seen; {cause}")
+        if lag < ACKWAIT_FRACTION * self.ev.ack_wait:
+            return
+        outside = culprits and all(not f.in_control for f in culprits)
+        verdict = "ackwait_outside" if outside else "ackwait"
+        c[verdict] += 1
+        why = self.wait_context(run.start, culprits)
+        self.find(verdict, seq, f"delivery {run.delivery} started {lag:.1f}s after the previous delivery was last "
+                                f"seen{'' if before else ' (it never started)'}; {why}")
+
+    def sent_by(self, seq: int) -> float:
+        """A time by which a never-journaled first delivery of `seq` had surely been sent: the
+        first start of any later job (first deliveries go out in stream order), else the PubAck."""
+        stored = self.ev.stored.get(seq)
+        later = [t for s, t in self.first_start if s > seq]
+        if later:
+            return min(later)
+        return stored.t if stored else self.ev.origin
+
+    def wait_context(self, t: float, culprits: list[Fault]) -> str:
+        """What happened about one AckWait before the redelivery: what the wait started with."""
+        due = t - self.ev.ack_wait
+        deaths = sorted((lf for lf in self.ev.lives.values() if lf.died is not None and abs(lf.died - due) <= 3.0),
+                        key=lambda lf: abs(lf.died - due))
+        faults = sorted((f for f in self.ev.faults if abs(f.t0 - due) <= 3.0), key=lambda f: abs(f.t0 - due)) or culprits
+        parts = [f.name(self.ev.origin) for f in faults[:2]]
+        parts += [f"worker pid {lf.pid} exited {self.at(lf.died)}" for lf in deaths[:3]]
+        return "about AckWait after: " + "; ".join(parts) if parts else "no fault or worker exit one AckWait before"
+
+    # ------------------------------------------------------------ the supervisor's own word
+
+    def supervisor_word(self, c: dict) -> None:
+        c["sup_died"] = self.ev.sup_died
+        c["exit"] = self.ev.bad_exits
+        c["healthz_s"] = self.ev.healthz_s
+        status = self.ev.status
+        if status is None:
+            c["sup_unexplained"] = c["sup_open"] = None
+            return
+        cc = status["crosscheck"]
+        c["sup_unexplained"] = cc["unexplained_redeliveries"]
+        c["sup_open"] = len(cc["outstanding"])
+        for o in cc["outstanding"]:
+            self.find("sup_open", o["stream_seq"], f"the supervisor's ledger still lists it as held at a death: {o}")
+        journal_unexplained = c["dup_unexplained"] + c["unexplained"]
+        if journal_unexplained > cc["unexplained_redeliveries"]:
+            self.findings.append(Finding("crosscheck", 0, "", (
+                f"the journal shows {journal_unexplained} unexplained redelivery(ies) or duplicate(s), the "
+                f"supervisor's cross-check counts {cc['unexplained_redeliveries']}: it explained away what it "
+                "should have flagged")))
+
+    def queueing_note(self) -> list[str]:
+        """The AckWait verdict assumes jobs wait in the queue far less than AckWait: say if not."""
+        waits = [runs[0].start - self.ev.stored[seq].t for seq, runs in self.runs.items()
+                 if runs and runs[0].delivery == 1 and seq in self.ev.stored]
+        worst = max(waits, default=0.0)
+        if worst >= ACKWAIT_FRACTION * self.ev.ack_wait:
+            return [f"jobs waited up to {worst:.1f}s in the queue: AckWait waits may be overcounted"]
+        return []
+
+
+def check(ev: Evidence) -> Report:
+    return Checker(ev).check()

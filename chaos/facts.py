@@ -1,0 +1,69 @@
+"""What a chaos run knows for certain, apart from anything the supervisor says.
+
+- `Stored`: jobs the server confirmed storing (a PubAck, or found in the stream at the end).
+- `Run` records: the handlers' journal (chaos/handlers.py), one line per start and per finish.
+- `Fault`: each fault the runner injected, with its time window and the worker processes it
+  touched (None: all of them, e.g. a server restart), and whether it is inside the
+  supervisor's control (a job it touches must never wait for AckWait).
+- `Life`: each worker process's first and last sighting, from the runner's process watcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Stored:
+    seq: int
+    key: str
+    t: float                    # monotonic time of the PubAck (or of the end-of-run scan)
+
+
+@dataclass(frozen=True)
+class Rec:
+    event: str                  # S (started) | D (done)
+    pid: int
+    seq: int
+    delivery: int
+    t: float                    # monotonic
+    wall: float
+    key: str
+
+
+@dataclass
+class Fault:
+    kind: str                   # e.g. "worker SIGKILL", "nats-server SIGSTOP"
+    t0: float
+    t1: float
+    pids: frozenset[int] | None = None    # the workers it touched; None = every connection
+    in_control: bool = True     # AckWait waits and unexplained duplicates it causes are defects
+    note: str = ""
+
+    def touches(self, pid: int, lo: float, hi: float) -> bool:
+        """Did this fault act on `pid` at some moment in [lo, hi]?"""
+        return (self.pids is None or pid in self.pids) and self.t0 <= hi and self.t1 >= lo
+
+    def name(self, origin: float) -> str:
+        who = " (every worker)" if self.pids is None else "".join(f" (pid {p})" for p in sorted(self.pids))
+        return f"{self.kind}{who} at +{self.t0 - origin:.2f}s" + (f": {self.note}" if self.note else "")
+
+
+@dataclass
+class Life:
+    pid: int
+    born: float
+    died: float | None = None
+
+
+def read_journal(path: Path) -> list[Rec]:
+    """Every whole line of the journal (a worker killed mid-write cannot leave half a line:
+    each line is one write(2) of a few dozen bytes to an O_APPEND file)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        event, pid, seq, delivery, t, wall, key = line.split(" ", 6)
+        out.append(Rec(event, int(pid), int(seq), int(delivery), float(t), float(wall), key))
+    return out

@@ -1,0 +1,92 @@
+"""The handler the chaos runs put inside real workers, and the init hooks that constrain them.
+
+Every job's payload is `KEY:FIRST[:LATER]`: what the first delivery does and what later ones do
+(default: the same), each either seconds to sleep, seconds of CPU to burn (`0.01cpu`) or `oom`. The handler journals each run to
+$CHAOS_JOURNAL before and after the work, one line per event written with a single
+O_APPEND write (line-atomic between processes, no fsync: a SIGKILLed worker loses nothing it
+wrote, and nothing it did not write can appear):
+
+    S|D  pid  stream_seq  delivery  monotonic  wall  key
+
+`S` is written right before the work starts, `D` right after it returned, before the worker
+acks: a `D` without an ack behind it is exactly the duplicate a crash can cause. CLOCK_MONOTONIC
+is system-wide, so the runner compares these times with the moments it injected faults.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+from workers import Job
+
+_fd: int | None = None
+_hoard: list[bytearray] = []     # memory an `oom` job keeps on purpose
+
+
+def _journal(event: str, job: Job, key: str) -> None:
+    global _fd
+    if _fd is None:
+        _fd = os.open(os.environ["CHAOS_JOURNAL"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    line = f"{event} {os.getpid()} {job.stream_seq} {job.delivery} {time.monotonic():.6f} {time.time():.6f} {key}\n"
+    os.write(_fd, line.encode())
+
+
+def parse_payload(data: bytes, delivery: int) -> tuple[str, str]:
+    """(key, what this delivery does): seconds to sleep, or `oom`."""
+    key, _, rest = data.decode(errors="replace").partition(":")
+    first, _, later = rest.partition(":")
+    return key, (first if delivery == 1 else later or first) or "0"
+
+
+def journal(job: Job) -> None:
+    key, what = parse_payload(job.data, job.delivery)
+    _journal("S", job, key)
+    if what == "oom":
+        exhaust_memory()
+    elif what.endswith("cpu"):
+        spin(float(what[:-3]))
+    else:
+        time.sleep(float(what))
+    _journal("D", job, key)
+
+
+def spin(seconds: float) -> None:
+    """Burn CPU holding the GIL, as a CPU-bound handler does: the worker's loop thread then gets
+    it back only every switch interval (5 ms), which widens any race in the loop."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def exhaust_memory() -> None:
+    """Allocate and touch 8 MB at a time until the kernel says no: a memory cgroup's OOM killer
+    SIGKILLs us, or RLIMIT_AS makes the allocation raise MemoryError (which we let escape with
+    the hoard kept, as a leaking handler would)."""
+    while True:
+        chunk = bytearray(8 * 1024 * 1024)
+        chunk[::4096] = b"x" * len(chunk[::4096])
+        _hoard.append(chunk)
+
+
+# ---------------------------------------------------------------- workers.init hooks
+
+def slow_init() -> None:
+    """A worker that takes $CHAOS_INIT_SECONDS to get ready (imports, a model to load...)."""
+    time.sleep(float(os.environ.get("CHAOS_INIT_SECONDS", "0.3")))
+
+
+def join_memory_cgroup() -> None:
+    """Move this worker into the memory cgroup $CHAOS_MEMCG (cgroup v1 or v2 directory)."""
+    with open(os.path.join(os.environ["CHAOS_MEMCG"], "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def limit_address_space() -> None:
+    """RLIMIT_AS = what this worker maps now + $CHAOS_AS_HEADROOM_MB: enough for its loop, its
+    connection and a handler thread, not for an `oom` job."""
+    with open("/proc/self/status") as f:
+        vm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+    limit = vm_kb * 1024 + int(os.environ.get("CHAOS_AS_HEADROOM_MB", "160")) * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))

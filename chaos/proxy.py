@@ -1,0 +1,177 @@
+"""A loopback TCP proxy between NATS clients and one nats-server, that can misbehave on cue.
+
+It reads each client's first command (CONNECT {...,"name":...}) to learn who the connection
+belongs to: the supervisor's parent connects as `nats.name`, each worker as
+`<nats.name> worker <slot>`. Faults then target connections by a regular expression on that
+name (`^jetstream-supervisor$` is the parent alone):
+
+    cut(pattern)     close both sides now, and close every new connection of that name
+                     after its CONNECT until heal(): a partition that clients notice
+    stall(pattern)   stop forwarding in both directions, sockets kept open: a half-open
+                     connection nobody notices until a ping goes unanswered
+    reset(pattern)   abort with an RST, once (clients reconnect through the proxy at once)
+    heal(pattern)    lift cut/stall rules; stalled connections flow again
+
+Runs on an asyncio loop (the chaos runner's background loop); every method is a coroutine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import socket
+import struct
+from dataclasses import dataclass, field
+
+log = logging.getLogger("chaos.proxy")
+CHUNK = 65536
+
+
+@dataclass(eq=False)
+class Conn:
+    client: tuple[asyncio.StreamReader, asyncio.StreamWriter]
+    server: tuple[asyncio.StreamReader, asyncio.StreamWriter]
+    name: str | None = None
+    flowing: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def close(self, rst: bool = False) -> None:
+        for _, writer in (self.client, self.server):
+            if rst:
+                sock = writer.get_extra_info("socket")
+                if sock is not None:   # linger 0: close() sends RST instead of FIN
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            if rst:
+                writer.transport.abort()
+            else:
+                writer.close()
+        for task in self.tasks:
+            task.cancel()
+
+
+class Proxy:
+    def __init__(self, upstream_host: str, upstream_port: int):
+        self.upstream = (upstream_host, upstream_port)
+        self.conns: set[Conn] = set()
+        self.rules: dict[str, str] = {}       # pattern -> "cut" | "stall"
+        self.server: asyncio.AbstractServer | None = None
+        self.port = 0
+        self.accepted = 0
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    async def start(self) -> "Proxy":
+        self.server = await asyncio.start_server(self.accept, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def close(self) -> None:
+        if self.server:
+            self.server.close()
+        for conn in list(self.conns):
+            conn.close()
+        self.conns.clear()
+
+    # ------------------------------------------------------------ faults
+
+    def matching(self, pattern: str) -> list[Conn]:
+        return [c for c in self.conns if c.name is not None and re.search(pattern, c.name)]
+
+    async def cut(self, pattern: str) -> int:
+        self.rules[pattern] = "cut"
+        victims = self.matching(pattern)
+        for conn in victims:
+            self.drop(conn)
+        return len(victims)
+
+    async def stall(self, pattern: str) -> int:
+        self.rules[pattern] = "stall"
+        victims = self.matching(pattern)
+        for conn in victims:
+            conn.flowing.clear()
+        return len(victims)
+
+    async def reset(self, pattern: str) -> int:
+        victims = self.matching(pattern)
+        for conn in victims:
+            self.drop(conn, rst=True)
+        return len(victims)
+
+    async def heal(self, pattern: str) -> None:
+        self.rules.pop(pattern, None)
+        for conn in self.matching(pattern):
+            if self.rule_for(conn.name) is None:
+                conn.flowing.set()
+
+    def rule_for(self, name: str | None) -> str | None:
+        for pattern, mode in self.rules.items():
+            if name is not None and re.search(pattern, name):
+                return mode
+        return None
+
+    def drop(self, conn: Conn, rst: bool = False) -> None:
+        self.conns.discard(conn)
+        conn.close(rst)
+
+    # ------------------------------------------------------------ forwarding
+
+    async def accept(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+        try:
+            s_reader, s_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            c_writer.close()                   # the server is down: so is the proxy, to the client
+            return
+        self.accepted += 1
+        conn = Conn((c_reader, c_writer), (s_reader, s_writer))
+        conn.flowing.set()
+        self.conns.add(conn)
+        conn.tasks = [asyncio.ensure_future(self.client_to_server(conn)),
+                      asyncio.ensure_future(self.pump(conn, s_reader, c_writer))]
+
+    async def client_to_server(self, conn: Conn) -> None:
+        """The first line a NATS client sends is CONNECT: learn the name, apply the rules."""
+        reader, _ = conn.client
+        _, writer = conn.server
+        try:
+            first = await reader.readline()
+        except (ConnectionError, asyncio.LimitOverrunError, ValueError):
+            first = b""
+        conn.name = connect_name(first)
+        mode = self.rule_for(conn.name)
+        if not first or mode == "cut":
+            self.drop(conn)
+            return
+        if mode == "stall":
+            conn.flowing.clear()
+        await conn.flowing.wait()
+        writer.write(first)
+        await self.pump(conn, reader, writer)
+
+    async def pump(self, conn: Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                data = await reader.read(CHUNK)
+                if not data:
+                    break
+                await conn.flowing.wait()      # a stall holds what was read; the kernel buffers the rest
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass                               # either side went away: the other follows below
+        finally:
+            if conn in self.conns:
+                self.drop(conn)
+
+
+def connect_name(line: bytes) -> str | None:
+    """The `name` of a `CONNECT {json}` line, or None."""
+    if not line.startswith(b"CONNECT "):
+        return None
+    try:
+        return json.loads(line[8:]).get("name")
+    except ValueError:
+        return None

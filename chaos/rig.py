@@ -1,0 +1,483 @@
+"""One chaos run's moving parts: real nats-servers, the real `supervisor start`, a publisher that
+records every PubAck, a watcher that sees worker processes come and go, the fault log, and
+the end of a run (settle, stop, check).
+
+The runner is synchronous like tests/harness.py (whose NatsServer and SupervisorProc it
+reuses); what has to be asynchronous (the NATS client that publishes and inspects the stream,
+the TCP proxy) lives on one background asyncio loop in a thread. Every wait polls a
+condition against a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Coroutine
+
+import nats
+import nats.errors
+from nats.js.errors import NotFoundError
+
+from harness import NatsServer, SupervisorProc, base_config, wait_until
+from natscluster import NatsCluster
+from supervisor.peers import SUSPECT_GRACE
+from workers.runtime import DLQ_HEADER
+
+from .checker import Evidence, Report, check
+from .facts import Fault, Life, Rec, Stored
+from .proxy import Proxy
+
+STREAM, CONSUMER, SUBJECT, DLQ_STREAM = "JOBS", "workers", "jobs.chaos", "JOBS_DLQ"
+ACK_WAIT = 30.0             # long: an expiry (AckWait wait) cannot be mistaken for a prompt NAK
+STALLED = 10.0              # nothing in flight and nothing moving this long: the run is over
+NATS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, OSError)
+
+
+class Background:
+    """An asyncio loop in a thread, for the runner's NATS client, publisher and proxy."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="chaos-bg", daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Coroutine, timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def spawn(self, coro: Coroutine) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+class ChaosNats(NatsServer):
+    """tests/harness.py's nats-server, plus the faults: SIGKILL, SIGSTOP/SIGCONT, restart on
+    the same ports and store."""
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+
+class JournalTail:
+    """The journal read incrementally: whole lines only, so a poll never sees half a line."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.rest = b""
+        self.recs: list[Rec] = []
+        self.done: set[int] = set()
+        self.open: dict[tuple[int, int, int], Rec] = {}     # (pid, seq, delivery) started, not done
+
+    def poll(self) -> list[Rec]:
+        if not self.path.exists():
+            return self.recs
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        self.offset += len(data)
+        *lines, self.rest = (self.rest + data).split(b"\n")
+        for line in lines:
+            event, pid, seq, delivery, t, wall, key = line.decode().split(" ", 6)
+            rec = Rec(event, int(pid), int(seq), int(delivery), float(t), float(wall), key)
+            self.recs.append(rec)
+            if event == "S":
+                self.open[(rec.pid, rec.seq, rec.delivery)] = rec
+            else:
+                self.open.pop((rec.pid, rec.seq, rec.delivery), None)
+                self.done.add(rec.seq)
+        return self.recs
+
+
+class Watcher(threading.Thread):
+    """Polls the supervisors' children: when each worker pid appeared and when it was reaped."""
+
+    def __init__(self, sups: list[SupervisorProc]):
+        super().__init__(name="chaos-watcher", daemon=True)
+        self.sups = sups
+        self.lives: dict[int, Life] = {}
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(0.005):
+            now = time.monotonic()
+            seen = set()
+            for sup in list(self.sups):
+                if sup.proc is not None and sup.proc.poll() is None:
+                    seen |= sup.worker_pids()
+            for pid in seen:
+                self.lives.setdefault(pid, Life(pid, now))
+            for life in self.lives.values():
+                if life.died is None and life.pid not in seen:
+                    life.died = now
+
+    def alive(self, pid: int) -> bool:
+        life = self.lives.get(pid)
+        return life is not None and life.died is None
+
+
+class Publisher:
+    """Publishes `KEY:WHAT` jobs at a steady rate, each with a Nats-Msg-Id so a retry after a
+    lost PubAck (server down, partition) stores it once; records every PubAck's sequence."""
+
+    def __init__(self, run: "Run"):
+        self.run = run
+        self.stored: dict[int, Stored] = {}
+        self.next = 0
+        self.failures = 0
+        self.futures: list[Any] = []
+        self.finished_at = 0.0
+
+    def start(self, count: int, rate: float, what: Callable[[int], str] | str, window: int = 1) -> Any:
+        make = what if callable(what) else (lambda i: what)
+        first, self.next = self.next, self.next + count
+        fut = self.run.bg.spawn(self.pump(range(first, first + count), rate, make, window))
+        self.futures.append(fut)
+        return fut
+
+    async def pump(self, indices: range, rate: float, make: Callable[[int], str], window: int) -> None:
+        """At `rate` jobs/s, with up to `window` PubAcks awaited at once (1: one after the other)."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        slots = asyncio.Semaphore(window)
+        tasks = []
+
+        async def one(i: int) -> None:
+            try:
+                await self.publish(i, make(i))
+            finally:
+                slots.release()
+        for n, i in enumerate(indices):
+            delay = start + n / rate - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await slots.acquire()
+            tasks.append(asyncio.ensure_future(one(i)))
+        await asyncio.gather(*tasks)
+        self.finished_at = time.monotonic()
+
+    async def publish(self, i: int, what: str) -> None:
+        key = f"j{i}"
+        js = self.run.nc.jetstream()
+        while True:
+            try:
+                ack = await js.publish(SUBJECT, f"{key}:{what}".encode(), timeout=2.0,
+                                       headers={"Nats-Msg-Id": f"chaos-{key}"})
+            except NATS_ERRORS:
+                self.failures += 1        # server down or unreachable: the same id again shortly
+                await asyncio.sleep(0.25)
+                continue
+            self.stored[ack.seq] = Stored(ack.seq, key, time.monotonic())
+            return
+
+    def wait(self, timeout: float) -> None:
+        for fut in self.futures:
+            fut.result(timeout)
+
+
+class Run:
+    def __init__(self, name: str, workdir: Path, quick: bool, ack_wait: float = ACK_WAIT):
+        self.name = name
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.quick = quick
+        self.ack_wait = ack_wait
+        self.origin = time.monotonic()
+        self.rng = random.Random()                   # the scenario's choices; seeded by run_scenario
+        self.bg = Background()
+        self.journal = self.dir / "journal.log"
+        self.tail = JournalTail(self.journal)
+        self.faults: list[Fault] = []
+        self.servers: list[Any] = []
+        self.sups: list[SupervisorProc] = []
+        self.watcher = Watcher(self.sups)
+        self.watcher.start()
+        self.publisher = Publisher(self)
+        self.proxy: Proxy | None = None
+        self.nc: Any = None
+        self.healthz: list[float] = []
+        self.exit_codes: list[int] = []             # of every supervisor we stopped (-9: had to kill it)
+        self.stopped: set[int] = set()               # supervisors stopped on purpose (by index)
+        self.drains: list[float] = []                # when each was told to stop
+        self.sup_died = 0
+        self.undo: list[Callable[[], None]] = []            # cleanups beyond processes, run last-first
+        self.status: dict | None = None
+        self.notes: list[str] = []                   # what the run saw that the verdicts do not say
+
+    def pick(self, quick: Any, full: Any) -> Any:
+        return quick if self.quick else full
+
+    def at(self, t: float | None = None) -> str:
+        return f"+{(t or time.monotonic()) - self.origin:.2f}s"
+
+    # ------------------------------------------------------------ servers and clients
+
+    def start_server(self, store: Path | None = None) -> ChaosNats:
+        server = ChaosNats(store or self.dir / f"store{len(self.servers)}")
+        self.servers.append(server)
+        return server.start()
+
+    def start_cluster(self) -> NatsCluster:
+        cluster = NatsCluster(self.dir / "cluster")
+        self.servers.extend(cluster.nodes)
+        return cluster.start()
+
+    def connect(self, urls: list[str]) -> None:
+        """The runner's own NATS client (publishing, stream and consumer state); reconnects forever."""
+        async def quiet(*_: Any) -> None:
+            return None
+        self.nc = self.bg.call(nats.connect(urls, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
+                                            error_cb=quiet, disconnected_cb=quiet, reconnected_cb=quiet,
+                                            connect_timeout=2))
+
+    def start_proxy(self, server: ChaosNats) -> Proxy:
+        self.proxy = self.bg.call(Proxy("127.0.0.1", server.port).start())
+        return self.proxy
+
+    def start_supervisor(self, servers: list[str], env: dict[str, str] | None = None, ready: bool = True,
+                         **sections: dict) -> SupervisorProc:
+        sub = self.dir / f"sup{len(self.sups)}"
+        sub.mkdir()
+        defaults = {"nats": {"servers": servers},
+                    "workers": {"count": 4, "handler": "chaos.handlers:journal", "graceful_timeout": 10.0},
+                    "consumer": {"ack_wait": self.ack_wait},
+                    "restart": {"poison_after_crashes": 100}}
+        cfg = base_config(None, sub)
+        for section, values in [*defaults.items(), *sections.items()]:
+            cfg.setdefault(section, {}).update(values)
+        sup = SupervisorProc(sub, cfg, env={"CHAOS_JOURNAL": str(self.journal), **(env or {})})
+        self.sups.append(sup)
+        sup.start()
+        if ready:
+            self.wait_ready(sup)
+        return sup
+
+    def wait_ready(self, sup: SupervisorProc | None = None, timeout: float = 90.0) -> None:
+        """Every configured worker ready; fails at once if the supervisor has exited."""
+        sup = sup or self.sup
+        n = sup.config["workers"]["count"]
+
+        def ready() -> bool:
+            if sup.proc.poll() is not None:
+                raise AssertionError(f"the supervisor exited ({sup.proc.returncode}) instead of getting {n} workers ready")
+            s = sup.try_status()
+            return bool(s) and s["workers"]["alive"] == n and sum(w["state"] == "ready" for w in s["workers"]["list"]) == n
+        wait_until(ready, timeout, f"{n} ready workers")
+
+    @property
+    def sup(self) -> SupervisorProc:
+        return self.sups[-1]
+
+    # ------------------------------------------------------------ load and observation
+
+    def load(self, count: int, rate: float, what: Callable[[int], str] | str = "0.05", window: int = 1) -> Any:
+        return self.publisher.start(count, rate, what, window)
+
+    def running(self, sup: SupervisorProc | None = None) -> list[Rec]:
+        """Journal runs started and not finished by a live worker of `sup` (default: the current)."""
+        self.tail.poll()
+        pids = (sup or self.sup).worker_pids()
+        return [r for r in self.tail.open.values() if r.pid in pids]
+
+    def wait_running(self, what: str = "a job in flight", timeout: float = 60.0) -> list[Rec]:
+        return wait_until(self.running, timeout, what, interval=0.005)
+
+    def done_count(self) -> int:
+        self.tail.poll()
+        return len(self.tail.done)
+
+    async def queue_state(self) -> tuple[int, int, int] | None:
+        """(messages in the stream, pending, ack pending), or None while the server does not answer."""
+        js = self.nc.jetstream()
+        try:
+            si = await js.stream_info(STREAM)
+            ci = await js.consumer_info(STREAM, CONSUMER, timeout=2)
+        except NATS_ERRORS:
+            return None
+        return si.state.messages, ci.num_pending or 0, ci.num_ack_pending or 0
+
+    # ------------------------------------------------------------ faults
+
+    def fault(self, kind: str, t0: float, t1: float | None = None, pids: set[int] | None = None,
+              in_control: bool = True, note: str = "") -> Fault:
+        f = Fault(kind, t0, t0 if t1 is None else t1, None if pids is None else frozenset(pids), in_control, note)
+        self.faults.append(f)
+        return f
+
+    def signal_worker(self, pid: int, sig: int, kind: str, note: str = "", death_within: float = 60.0) -> Fault:
+        """Signal a worker and wait until its supervisor reaped it; the fault spans both moments."""
+        f = self.fault(kind, time.monotonic(), pids={pid}, note=note)
+        os.kill(pid, sig)
+        wait_until(lambda: not self.watcher.alive(pid), death_within, f"worker {pid} reaped after {kind}")
+        f.t1 = self.watcher.lives[pid].died or time.monotonic()
+        return f
+
+    def measure_healthz(self, since: float, timeout: float = 60.0) -> float:
+        """Seconds from `since` (a recovery) until /healthz answers 200."""
+        def ok() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://{self.sup.http}/healthz", timeout=2) as r:
+                    return r.status == 200
+            except (OSError, urllib.error.HTTPError):
+                return False
+        wait_until(ok, timeout, "/healthz 200 after recovery", interval=0.05)
+        took = time.monotonic() - since
+        self.healthz.append(took)
+        return took
+
+    def stop_supervisor(self, sup: SupervisorProc, timeout: float = 90.0) -> int | None:
+        """SIGTERM and wait for the exit; a supervisor that had already died is counted."""
+        self.stopped.add(self.sups.index(sup))
+        self.drains.append(time.monotonic())
+        if sup.proc.poll() is not None:
+            self.sup_died += 1
+            self.exit_codes.append(sup.proc.returncode)
+            return sup.proc.returncode
+        sup.signal(signal.SIGTERM)
+        try:
+            code = sup.proc.wait(timeout)
+        except subprocess.TimeoutExpired:        # still running: killed, counted as a bad exit
+            code = None
+            sup.cleanup()
+        self.exit_codes.append(code if code is not None else -9)
+        return code
+
+    # ------------------------------------------------------------ the end of a run
+
+    def settle(self) -> None:
+        """Wait until every stored job is done and acked, or until long enough after the last fault
+        that any job waiting for AckWait has come back (so it counts as a wait, not as lost).
+        Stop early when nothing can change any more: no supervisor left, or nothing ack pending
+        (so no AckWait timer runs) and nothing moved for STALLED seconds."""
+        self.publisher.wait(timeout=600)
+        last = max([self.publisher.finished_at, *(f.t1 for f in self.faults)])
+        deadline = last + 1.5 * self.ack_wait + 10.0
+        seen, moved = None, time.monotonic()
+        while time.monotonic() < deadline:
+            self.tail.poll()
+            state = self.bg.call(self.queue_state())
+            if state == (0, 0, 0) and all(seq in self.tail.done for seq in self.publisher.stored):
+                return
+            if not any(s.proc.poll() is None for s in self.sups):
+                return                               # nobody left to run the rest
+            now = (len(self.tail.recs), state)
+            if now != seen:
+                seen, moved = now, time.monotonic()
+            elif state is not None and state[2] == 0 and time.monotonic() - moved > STALLED:
+                self.notes.append(f"stalled: {state[0]} message(s) in the stream, {state[1]} pending, none in flight, "
+                                  f"nothing done for {STALLED:g}s")
+                return
+            time.sleep(0.1)
+
+    def finish(self) -> Report:
+        self.settle()
+        sup = self.sup
+        if sup.proc.poll() is None:
+            self.status = self.ledger_status(sup)
+        for i, s in enumerate(self.sups):
+            if i not in self.stopped:
+                self.stop_supervisor(s)
+        unacked = self.bg.call(self.unacked())
+        dead = self.bg.call(self.dead_letters())
+        stored = dict(self.publisher.stored)
+        ev = Evidence(stored=stored, journal=self.tail.poll(), faults=self.faults, ack_wait=self.ack_wait,
+                      origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead, status=self.status,
+                      sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), drains=self.drains,
+                      healthz_s=max(self.healthz) if self.healthz else None)
+        return check(ev)
+
+    def ledger_status(self, sup: SupervisorProc) -> dict | None:
+        """/status once the supervisor has had its grace to explain the last redelivery."""
+        recs = self.tail.poll()
+        last = max((r.t for r in recs if r.event == "S" and r.delivery > 1), default=0.0)
+        ready_at = last + SUSPECT_GRACE + 2 * 0.25 + 0.5         # the grace, then two monitor polls
+        wait_until(lambda: time.monotonic() >= ready_at, SUSPECT_GRACE + 5, "the ledger's grace")
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: (s := sup.try_status()) and not s["crosscheck"]["outstanding"], 10, "ledger settled")
+        return sup.try_status()
+
+    async def unacked(self) -> list[int]:
+        """Stored jobs still in the work-queue stream (never acked); adds any the publisher never
+        got a PubAck for but the stream holds."""
+        js = self.nc.jetstream()
+        try:
+            info = await js.stream_info(STREAM)
+        except NATS_ERRORS:
+            return sorted(self.publisher.stored)     # cannot tell: everything is in doubt
+        if not info.state.messages:
+            return []
+        with contextlib.suppress(*NATS_ERRORS):
+            ci = await js.consumer_info(STREAM, CONSUMER, timeout=2)
+            self.notes.append(f"at the end: {info.state.messages} message(s) in the stream; consumer pending "
+                              f"{ci.num_pending}, ack pending {ci.num_ack_pending}, redelivered {ci.num_redelivered}, "
+                              f"ack floor stream seq {ci.ack_floor.stream_seq}")
+        left = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            try:
+                msg = await js.get_msg(STREAM, seq)
+            except NotFoundError:
+                continue
+            left.append(seq)
+            key = (msg.data or b"").decode(errors="replace").partition(":")[0]
+            self.publisher.stored.setdefault(seq, Stored(seq, key, self.origin))
+        return left
+
+    async def dead_letters(self) -> list[int]:
+        """Stream sequences of the jobs copied to the dead-letter stream (workers/runtime.py headers)."""
+        js = self.nc.jetstream()
+        try:
+            info = await js.stream_info(DLQ_STREAM)
+        except NATS_ERRORS:
+            return []                                # no dead-letter stream: nothing was dead-lettered
+        seqs = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1 if info.state.messages else 0):
+            with contextlib.suppress(NotFoundError):
+                msg = await js.get_msg(DLQ_STREAM, seq)
+                seqs.append(int((msg.headers or {}).get(DLQ_HEADER + "Sequence", 0)))
+        return seqs
+
+    def close(self) -> None:
+        self.watcher.stopped.set()
+        for sup in self.sups:
+            sup.cleanup()
+        if self.proxy is not None:
+            with contextlib.suppress(Exception):
+                self.bg.call(self.proxy.close(), timeout=10)
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                self.bg.call(self.nc.close(), timeout=10)
+        for server in self.servers:
+            server.stop()
+        for undo in reversed(self.undo):
+            undo()
+        self.bg.close()
+        self.watcher.join(5)
+
+    def keep_logs(self, dest: Path) -> None:
+        """Copy the journal and every supervisor log to `dest` (for a failed run)."""
+        dest.mkdir(parents=True, exist_ok=True)
+        if self.journal.exists():
+            shutil.copy(self.journal, dest / "journal.log")
+        for i, sup in enumerate(self.sups):
+            if sup.log_path.exists():
+                shutil.copy(sup.log_path, dest / f"supervisor{i}.log")
