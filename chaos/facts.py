@@ -18,7 +18,7 @@ from pathlib import Path
 class Stored:
     seq: int
     key: str
-    t: float                    # monotonic time of the PubAck (or of the end-of-run scan)
+    t: float                    # monotonic time its publish was sent (or of the end-of-run scan)
 
 
 @dataclass(frozen=True)

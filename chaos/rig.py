@@ -180,14 +180,15 @@ class Publisher:
         key = f"j{i}"
         js = self.run.nc.jetstream()
         while True:
-            try:
+            sent = time.monotonic()       # the job exists from here on at the earliest: a PubAck read
+            try:                          # late on a busy box must not make a drain look later than it
                 ack = await js.publish(SUBJECT, f"{key}:{what}".encode(), timeout=2.0,
                                        headers={"Nats-Msg-Id": f"chaos-{key}"})
             except NATS_ERRORS:
                 self.failures += 1        # server down or unreachable: the same id again shortly
                 await asyncio.sleep(0.25)
                 continue
-            self.stored[ack.seq] = Stored(ack.seq, key, time.monotonic())
+            self.stored[ack.seq] = Stored(ack.seq, key, sent)
             return
 
     def wait(self, timeout: float) -> None:

@@ -343,8 +343,11 @@ def net_cut_parent(run: Run) -> None:
 
 @scenario("net-stall-parent")
 def net_stall_parent(run: Run) -> None:
-    """The parent's connection stalls (half-open, 20 s) and a worker is SIGKILLed meanwhile: the
-    parent's NAK sits in a dead socket."""
+    """The parent's connection stalls (half-open, 12 s; the proxy stalls its reconnections too: a
+    partition of the parent alone) and a worker is SIGKILLed meanwhile. Nothing the parent sends
+    reaches the server until the partition heals, so the NAK (held back once the parent's 5 s
+    pings notice the dead link, or buffered in the stalled socket before that) lands then: the
+    job comes back after the partition, well before AckWait (30 s), and nothing else goes wrong."""
     single(run, proxy=True)
     run.load(run.pick(150, 250), rate=6, what="0.5")
     flowing(run, 5)
@@ -352,9 +355,9 @@ def net_stall_parent(run: Run) -> None:
     assert run.bg.call(run.proxy.stall(PARENT)) == 1
     victim = run.rng.choice(run.wait_running()).pid
     run.signal_worker(victim, signal.SIGKILL, "worker SIGKILL while the parent's connection is stalled")
-    time.sleep(20.0)                                  # the stall
+    time.sleep(12.0)                                  # the stall
     run.bg.call(run.proxy.heal(PARENT))
-    run.fault("network: the parent's connection stalled 20 s", t0, time.monotonic(), pids=set())
+    run.fault("network: the parent's connection stalled 12 s", t0, time.monotonic(), pids=set())
 
 
 @scenario("net-stall-worker", expect=OUTSIDE)

@@ -31,7 +31,9 @@ from .notify import Notifier
 
 log = logging.getLogger("supervisor")
 
-WORKER_PING_INTERVAL = 5     # seconds; two unanswered pings and nats-py reconnects
+# Seconds between nats-py's PINGs on the parent's and each worker's connection; two unanswered
+# and it reconnects: a half-open link is noticed in about 10-15 s, not nats-py's default 4 min.
+PING_INTERVAL = 5
 TITLE_INTERVAL = 0.5         # how often the parent's process title is brought up to date
 # What `start` says when there is no handler: the key, what to write, and an example to try.
 NO_HANDLER = ("not set; `supervisor start` needs the function that runs each job: pass --handler "
@@ -155,7 +157,8 @@ class Supervisor:
 
     async def serve(self, handler: Callable, init: Callable | None) -> int:
         cfg = self.cfg
-        self.nc = await provision.connect_until(cfg, name=cfg.nats.name)
+        self.nc = await provision.connect_until(cfg, name=cfg.nats.name, ping_interval=PING_INTERVAL,
+                                                max_outstanding_pings=2)
         tasks: list[asyncio.Task] = []
         try:
             await provision.ensure(self.nc, cfg)
@@ -257,10 +260,9 @@ class Supervisor:
             await asyncio.sleep(TITLE_INTERVAL)
 
     async def connect_worker(self, slot: int) -> Any:
-        # A short ping interval: a half-open connection is noticed (and replaced) in seconds, not
-        # nats-py's default 2 minutes; the worker's own liveness PINGs tell the parent meanwhile.
+        # The worker's own liveness PINGs tell the parent sooner (slot table SERVER_SEEN).
         return await natsconn.connect(self.cfg.nats, name=f"{self.cfg.nats.name} worker {slot}",
-                                      max_reconnect_attempts=-1, ping_interval=WORKER_PING_INTERVAL,
+                                      max_reconnect_attempts=-1, ping_interval=PING_INTERVAL,
                                       max_outstanding_pings=2)
 
     async def close(self) -> None:

@@ -70,6 +70,15 @@ class Totals:
 
 
 @dataclasses.dataclass
+class SentNak:
+    """A dead worker's job we NAKed, until some supervisor sees it again (renak_unseen)."""
+    reply: str
+    delivery: int
+    sent_at: float
+    confirmed_at: float | None = None     # when a fence proved the server had read it
+
+
+@dataclasses.dataclass
 class HeldBack:
     """A NAK for a dead worker's job that could not be sent (NATS disconnected): sent on reconnect
     if its AckWait still allows it."""
@@ -103,7 +112,7 @@ class Arbiter:
         self.totals = Totals()
         self.alerts: collections.deque = collections.deque(maxlen=50)
         self.pings: dict[tuple[int, int], float] = {}
-        self.renak: dict[int, tuple[str, float, int]] = {}   # seq -> (reply, NAKed at, delivery)
+        self.renak: dict[int, SentNak] = {}                  # a dead worker's job NAKed, by stream seq
         self.held_back: list[HeldBack] = []
         self.stale_links: set[int] = set()                  # pids whose NATS connection looks dead
         self.signals: collections.deque[int] = collections.deque()
@@ -284,6 +293,8 @@ class Arbiter:
         for slot in sorted(self.slots, reverse=True):
             if slot >= self.target:
                 self.retire(self.slots.pop(slot), "scaled down")
+        for slot in [s for s in self.replacing if s >= self.target]:
+            self.release_replaced(slot)         # its replacement is gone with the slot: no waiting for it
         for slot in [s for s in self.restart_at if s >= self.target]:
             del self.restart_at[slot]
         now = time.monotonic()
@@ -384,10 +395,15 @@ class Arbiter:
         w.ready_at = now
         self.restarts.ready()
         log.info("worker %d ready (pid %d, %.0f ms)", w.slot, w.pid, 1000 * (now - w.started_at))
-        old = self.replacing.pop(w.slot, None)
-        if old is not None and not old.last_job_started:   # the replacement serves: retire the old one
-            self.drain(old, signal.SIGUSR1)
+        self.release_replaced(w.slot)         # the replacement serves: retire the old one
         self.check_all_ready()
+
+    def release_replaced(self, slot: int) -> None:
+        """The worker a recycle is replacing in `slot` may go now. One that reached max_jobs goes
+        once its last job is done too (recycle() sees to it)."""
+        old = self.replacing.pop(slot, None)
+        if old is not None and not old.last_job_started:
+            self.drain(old, signal.SIGUSR1)
 
     def check_all_ready(self) -> None:
         """The first time every worker is ready: state running, READY=1 to systemd."""
@@ -455,7 +471,6 @@ class Arbiter:
             if not clean and e.state == slots.RUNNING and self.ledger.is_poison(e.stream_seq):
                 await self.quarantine(e)
             else:
-                self.renak[e.stream_seq] = (e.reply, now, e.delivery)
                 await self.nak(HeldBack(e.stream_seq, e.delivery, e.reply, self.timer_started(w, e)))
         if any(nak):
             await self.flush()
@@ -487,6 +502,7 @@ class Arbiter:
             return
         log.debug("NAK seq=%d (delivery %d) via %s", order.seq, order.delivery, order.reply)
         await self.nc.publish(order.reply, b"-NAK")
+        self.renak[order.seq] = SentNak(order.reply, order.delivery, time.monotonic())
 
     async def send_held_back(self) -> None:
         if not self.held_back or not self.nc.is_connected:
@@ -718,33 +734,44 @@ class Arbiter:
     async def renak_unseen(self) -> None:
         """A NAKed job can be handed straight to another dead worker's pull request when something
         else keeps that inbox alive (a `nats sub '>'` or '_INBOX.>' tap does): it would then wait
-        for AckWait. One more NAK, RENAK_AFTER later, but only when that is safe: no supervisor has
-        seen the job again, no worker of ours holds it, and its AckWait is far from over. A NAK
+        for AckWait. One more NAK, RENAK_AFTER after a fence proved the first one arrived (two
+        NAKs stuck in one stalled socket would arrive together and run the job twice), but only
+        when that is safe: no supervisor has seen the job again, no worker of ours holds it, and
+        its AckWait is far from over. A NAK
         matches by stream sequence, so a job redelivered to a consumer outside any supervisor
         would be NAKed too: every process bound to the consumer must be a supervisor's worker."""
         if not self.renak:
             return
+        if any(n.confirmed_at is None for n in self.renak.values()) and self.nc.is_connected:
+            await self.flush()                  # a NAK counts from when the server surely read it
         now, held = time.monotonic(), None
-        for seq, (reply, naked_at, delivery) in list(self.renak.items()):
-            if not self.ledger.awaiting_redelivery(seq, delivery):
+        for seq, n in list(self.renak.items()):
+            if not self.ledger.awaiting_redelivery(seq, n.delivery):
                 del self.renak[seq]
-            elif now - naked_at >= RENAK_AFTER:
+            elif n.confirmed_at is not None and now - n.confirmed_at >= RENAK_AFTER:
                 del self.renak[seq]
                 held = self.held_anywhere() if held is None else held
-                if seq in held or not nak_is_safe(now, naked_at, self.ack_wait(delivery)) or not self.nc.is_connected:
+                if seq in held or not nak_is_safe(now, n.sent_at, self.ack_wait(n.delivery)) \
+                        or not self.nc.is_connected:
                     continue
                 log.warning("job seq=%d not seen again %.0fs after its NAK: NAKing it once more (is something "
                             "subscribed to '>' or '_INBOX.>'? it keeps dead pull requests alive)", seq,
-                            now - naked_at)
-                await self.nc.publish(reply, b"-NAK")
+                            now - n.sent_at)
+                await self.nc.publish(n.reply, b"-NAK")
 
     # ================================================================ helpers
 
     async def flush(self) -> None:
+        """Fence what we published (NAKs): on success, every NAK sent so far has arrived."""
         try:
             await self.nc.fence(timeout=2)
         except Exception as exc:
             log.warning("flushing NAKs to NATS failed: %s", exc or type(exc).__name__)
+            return
+        now = time.monotonic()
+        for n in self.renak.values():
+            if n.confirmed_at is None:
+                n.confirmed_at = now
 
     def alert(self, kind: str, message: str) -> None:
         self.alerts.append({"kind": kind, "message": message, "t": time.time()})

@@ -7,11 +7,6 @@ clients are made, so every connection of ours (parent, workers, one-shot command
   `flush()` writes its PING straight to the socket while `publish()` queues its bytes for the
   flusher task, so `publish(); flush()` can put `PING, PUB` on the wire and the PONG proves
   nothing about the PUB (DESIGN.md). `fence()` makes the flusher write the queue first.
-- `stop_delivery(sub)`: the server stops delivering to a subscription, and every message it sent
-  before reaches the subscription's callback: UNSUB goes out alone first, then a fence, then the
-  subscription's queue is left to empty, and only then is it removed locally. nats-py's own
-  `unsubscribe()` and `drain()` remove it locally before the server has read the UNSUB (drain:
-  `PING, UNSUB` on the wire), so a message still on its way is dropped and waits for AckWait.
 - `_process_pong`: a `flush()` that times out, or whose task is cancelled, leaves its future in
   the client's PONG queue. When that PING's PONG arrives, nats-py calls set_result() on the
   cancelled future, raises InvalidStateError inside the protocol parser, drops the rest of the
@@ -31,8 +26,6 @@ from importlib.metadata import version
 from typing import Any
 
 from nats.aio.client import Client as _NatsClient
-from nats.aio.subscription import Subscription
-from nats.protocol.command import unsub_cmd
 
 from .errors import SupervisorError
 
@@ -58,14 +51,6 @@ class Client(_NatsClient):
         # The queued PUBs reach the socket first (bounded: nats-py's flush_timeout is None) ...
         await asyncio.wait_for(self._flush_pending(force_flush=True), timeout)
         await self.flush(timeout)                     # ... then PING, PONG: ordered behind them
-
-    async def stop_delivery(self, sub: Subscription, timeout: float = 5.0) -> None:
-        """Server-side UNSUB, fenced; the messages sent before it are handed to `sub`'s callback;
-        then the subscription is removed here too."""
-        await self._send_command(unsub_cmd(sub._id, 0))
-        await self.fence(timeout)                     # the server read the UNSUB; what it sent before
-        await asyncio.wait_for(sub._pending_queue.join(), timeout)   # ... is parsed and now handled
-        await sub.unsubscribe()                       # local removal (its own UNSUB is a no-op now)
 
     async def _process_pong(self) -> None:
         if self._pongs:

@@ -24,7 +24,8 @@ log = logging.getLogger("supervisor.peers")
 SUSPECT_GRACE = 2.0     # seconds a peer has to explain a redelivery before it counts as unexplained
 CHUNK = 500             # NAKs per announcement
 HELLO_EVERY = 2.0       # a supervisor says it exists this often, even with nothing to announce ...
-PEER_QUIET = 3 * HELLO_EVERY + 1.0   # ... and counts as alone once it heard no other for this long
+PEER_QUIET = 3 * HELLO_EVERY + 1.0   # ... a peer unheard for this long is gone ...
+LISTEN_FIRST = HELLO_EVERY + 1.0     # ... and a fresh supervisor knows whether it is alone after this
 
 
 class Peers:
@@ -46,6 +47,7 @@ class Peers:
         try:
             await self.nc.subscribe(self.subject, cb=self.on_message)
             self.listening_since = time.monotonic()
+            await self._publish({"origin": self.origin, "hello": 1, "ask": 1})   # peers: say hello now
         except Exception as exc:
             log.warning("cannot subscribe to %s (%s): redeliveries caused by other supervisors will read as "
                         "unexplained", self.subject, exc)
@@ -59,11 +61,14 @@ class Peers:
     def settled(self, seq: int, delivery: int, outcome: str) -> None:
         self.outbox["settled"].append((seq, delivery, outcome))
 
-    def alone(self, now: float) -> bool:
-        """No other supervisor on this consumer: we listened for PEER_QUIET and heard none."""
-        if self.listening_since is None or now - self.listening_since < PEER_QUIET:
+    def alone(self, now: float) -> bool | None:
+        """No other supervisor on this consumer? None while we cannot tell yet (a peer says
+        hello every HELLO_EVERY, and answers a newcomer's question at once)."""
+        if self.listening_since is None:
+            return False                         # deaf to peers: never assume we are alone
+        if any(now - t <= PEER_QUIET for t in self.heard.values()):
             return False
-        return all(now - t > PEER_QUIET for t in self.heard.values())
+        return None if now - self.listening_since < LISTEN_FIRST else True
 
     async def flush(self) -> None:
         now = time.monotonic()
@@ -99,11 +104,13 @@ class Peers:
             log.warning("ignoring a malformed ledger message on %s: %r", self.subject, msg.data[:100])
             return
         if origin != self.origin:
-            self.post(lambda: self.apply(origin, naks, seen, settled))
+            self.post(lambda: self.apply(origin, naks, seen, settled, asked=bool(body.get("ask"))))
 
-    def apply(self, origin: str, naks: list, seen: list, settled: list) -> None:
+    def apply(self, origin: str, naks: list, seen: list, settled: list, asked: bool = False) -> None:
         now = time.monotonic()
         self.heard[origin] = now
+        if asked:
+            self.last_hello = 0.0                # a newcomer asks who is there: hello at the next flush
         for seq, why in naks:
             if self.ledger.expect(seq, f"{why} (on {origin})"):
                 log.info("job seq=%d, redelivered here a moment ago, is explained: %s (on %s)", seq, why, origin)

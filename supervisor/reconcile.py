@@ -12,7 +12,8 @@ sequence in range; supervisor/natsfix.py has nothing to do with it: it is the wi
 
 That is safe only when nothing else can hold a delivery of this consumer, so it runs only when:
  - the stream is a work queue (elsewhere an acked message stays stored: no way to tell);
- - no other supervisor spoke on the ledger subject lately (Peers.alone());
+ - no other supervisor spoke on the ledger subject lately (Peers.alone(); a supervisor that just
+   started waits until it can tell, a few seconds, far less than AckWait);
  - every live worker proved, with a PING/PONG it sent after the ConsumerInfo was read (plus
    SLACK for the server's internal delivery queue), that it has read and recorded every message
    the server sent it before (TCP keeps the server's writes in order: the MSG before the PONG);
@@ -57,9 +58,9 @@ class InTransit:
             self.deaths.append(who)
 
     async def step(self, now: float, held_anywhere: Callable[[], set[int]],
-                   links_fresh_since: Callable[[float], bool], alone: bool) -> None:
-        if not self.credits:
-            return
+                   links_fresh_since: Callable[[float], bool], alone: bool | None) -> None:
+        if not self.credits or alone is None:
+            return                          # nothing to look for, or wait: peers may still say hello
         if self.cfg.stream.retention != "workqueue" or not alone or not self.nc.is_connected:
             self.done("skipped")            # not provably safe here: AckWait it is
             return

@@ -33,7 +33,7 @@ def build_status(sup: Any) -> dict[str, Any]:
         "lag": lag,
         "autoscale": arb.autoscale.status(now),
         "crosscheck": arb.ledger.crosscheck(now),
-        "peers": {"alone": arb.peers.alone(now), "heard": sorted(arb.peers.heard),
+        "peers": {"alone": bool(arb.peers.alone(now)), "heard": sorted(arb.peers.heard),
                   "in_transit_checks": dict(arb.in_transit.stats)},
         "jobs": arb.worker_counters(),
         "idempotency": idempotency_block(cfg),

@@ -38,11 +38,14 @@ from .slots import SlotTable
 log = logging.getLogger("worker")
 dead_log = logging.getLogger("supervisor.dead_letter")   # worker Rejects, poison jobs, max deliveries
 
-PULL_EXPIRES = 2.0          # a pull request lives this long: an idle worker renews it this often, and a
-                            # retiring worker waits at most this long for its last request to end
+PULL_EXPIRES = 1.0          # a pull request lives this long: an idle worker renews it this often, and a
+                            # stopping worker waits at most this long (+ PULL_MARGIN) for its last one to end
 PULL_MARGIN = 1.0           # past a request's local expiry, before its credits are given up (the server's
                             # clock starts when the request arrives; one round trip at most)
-STOP_DELIVERY_TIMEOUT = 5.0 # for the server to confirm it read our UNSUB (else: wait for the requests to expire)
+# A shutdown NAKs what it had not started with this delay: every worker of the supervisor is
+# stopping too, and one whose pull request is still live would take the job only to NAK it
+# again, spending another of consumer.max_deliver. By then every such request has ended.
+SHUTDOWN_NAK_DELAY = PULL_EXPIRES + PULL_MARGIN
 LIVENESS_EVERY = 0.25       # a worker proves its NATS connection with a PING/PONG this often ...
 LIVENESS_TIMEOUT = 2.0      # ... and gives up waiting for the PONG after this
 PULL_RTT_GUESS = 0.05       # prefetch hides one pull round trip plus the scheduling and GIL latency of a
@@ -297,24 +300,25 @@ class Worker:
         self.changed.set()
 
     async def wind_down(self) -> None:
-        """Stop pulling and end our pull requests: the server stops delivering to our inbox, and
-        what it sent before reaches on_message (natsfix stop_delivery); if that cannot be done
-        (no connection), keep the subscription until every request we sent has expired, since
-        a message sent on a live request to a removed subscription would wait for AckWait.
-        Run (RETIRING) or NAK (STOPPING) what was pulled but not started; let running jobs
-        finish within graceful_timeout and NAK what still runs after it; fence every ack."""
+        """Stop pulling. Run (RETIRING) or NAK (STOPPING) what was pulled but not started; let
+        running jobs finish within graceful_timeout and NAK what still runs after it. Keep the
+        subscription until every pull request we sent has ended (filled, 408 on expiry, 409),
+        at most PULL_EXPIRES + PULL_MARGIN: no interest may be dropped while a request is live.
+        An UNSUB, however well fenced, races the server itself: a message it has just assigned
+        to our request is routed after the UNSUB to nobody, and waits for AckWait (and nats-py's
+        drain() even removes the subscription before the server reads the UNSUB). Then fence
+        every ack."""
         self.table.set_state(slots.DRAINING)
         deadline = time.monotonic() + self.grace
-        subscribed = not await self.stop_delivery()
         while True:
             if self.mode == STOPPING:
-                await self.nak_unstarted("not started before shutdown")
+                await self.nak_queued()
             now = time.monotonic()
             busy = bool(self.running or self.queue)
             if busy and now >= deadline:
                 await self.abandon()
                 busy = False
-            pulls_end = self.pull_deadline + PULL_MARGIN if subscribed and self.credits > 0 else 0.0
+            pulls_end = self.pull_deadline + PULL_MARGIN if self.credits > 0 else 0.0
             if not busy and now >= pulls_end:
                 break
             wake = min(deadline if busy else float("inf"), pulls_end if pulls_end > now else float("inf"))
@@ -325,35 +329,26 @@ class Worker:
                 pass
         self.credits = 0
         self.table.set_credits(0)
-        if subscribed:
-            try:
-                await self.sub.unsubscribe()
-            except Exception as exc:     # closed: nothing more can reach us anyway
-                log.debug("worker %d: unsubscribe: %s", self.spec.slot, exc)
+        try:
+            await self.sub.unsubscribe()
+        except Exception as exc:         # closed: nothing more can reach us anyway
+            log.debug("worker %d: unsubscribe: %s", self.spec.slot, exc)
         await self.confirm_settled()
 
-    async def stop_delivery(self) -> bool:
-        """True once the server delivers nothing more to us and what it sent has been handled."""
-        try:
-            await self.nc.stop_delivery(self.sub, timeout=STOP_DELIVERY_TIMEOUT)
-        except Exception as exc:
-            log.info("worker %d: cannot end pull requests now (%s); waiting for them to expire", self.spec.slot,
-                     exc or type(exc).__name__)
-            return False
-        self.credits = 0
-        self.table.set_credits(0)
-        return True
-
-    async def nak_unstarted(self, why: str) -> None:
+    async def nak_queued(self) -> None:
         while self.queue:
             _, i, job = self.queue.popleft()
-            await self.settle(i, job, b"-NAK", "nak", why)
+            await self.nak_unstarted_job(i, job)
+
+    async def nak_unstarted_job(self, i: int, job: Job) -> None:
+        """A shutdown gives back a job it never started, with a delay (SHUTDOWN_NAK_DELAY)."""
+        await self.settle(i, job, nak_payload(SHUTDOWN_NAK_DELAY), "nak", "not started before shutdown")
 
     async def abandon(self) -> None:
         """graceful_timeout ran out: NAK what still runs (its handler's outcome will never be
         sent: the runners are cancelled first, so no late ack can hit the job's next delivery)."""
         self.set_mode(STOPPING)
-        await self.nak_unstarted("not started before graceful_timeout ran out")
+        await self.nak_queued()
         for task in self.runners:
             task.cancel()
         await asyncio.gather(*self.runners, return_exceptions=True)
@@ -516,7 +511,7 @@ class Worker:
     async def run_async(self, i: int, job: Job) -> None:
         """An async handler, on the loop."""
         if self.mode == STOPPING:
-            await self.settle(i, job, b"-NAK", "nak", "not started before shutdown")
+            await self.nak_unstarted_job(i, job)
             return
         self.table.start(i)
         self.count_start()
@@ -539,7 +534,7 @@ class Worker:
             await asyncio.gather(*(self.guard.after(job, exc is None) for (_, _, job), (exc, _) in zip(chunk, outcomes)))
         for (_, i, job), (exc, elapsed) in zip(chunk, outcomes):
             if exc is NOT_STARTED:
-                await self.settle(i, job, b"-NAK", "nak", "not started before shutdown")
+                await self.nak_unstarted_job(i, job)
             else:
                 await self.finish(i, job, exc, elapsed)
 
