@@ -83,7 +83,7 @@ class Evidence:
     lives: dict[int, Life] = field(default_factory=dict)
     unacked: list[int] = field(default_factory=list)
     dead_lettered: list[int] = field(default_factory=list)     # seqs copied to the dead-letter stream
-    drains: list[float] = field(default_factory=list)          # when supervisors were stopped (each may NAK a job once)
+    drains: list[tuple[float, float]] = field(default_factory=list)  # supervisor stops, SIGTERM to exit (each may NAK a job once)
     status: dict | None = None                  # the supervisor's /status at the end
     sup_died: int = 0
     bad_exits: int = 0                          # supervisors that did not exit 0 when stopped
@@ -172,11 +172,13 @@ class Checker:
         return Report(c, self.findings, notes)
 
     def drains_before(self, seq: int, runs: list[RunOfJob]) -> int:
-        """Drains between the job's PubAck and its first run: each could NAK it once."""
+        """Drains under way between the job's PubAck and its first run: each could NAK it once.
+        A drain lasts from its SIGTERM to the exit: until its workers' UNSUB reaches the server,
+        their pull requests still take new jobs, which the drain then NAKs unstarted."""
         stored = self.ev.stored.get(seq)
         lo = stored.t if stored else self.ev.origin
         hi = runs[0].start if runs else float("inf")
-        return sum(lo - SLACK <= t <= hi + SLACK for t in self.ev.drains)
+        return sum(t0 <= hi + SLACK and t1 >= lo - SLACK for t0, t1 in self.ev.drains)
 
     def describe_lost(self, seq: int, runs: list[RunOfJob]) -> str:
         if seq in self.ev.dead_lettered:

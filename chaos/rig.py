@@ -219,7 +219,7 @@ class Run:
         self.healthz: list[float] = []
         self.exit_codes: list[int] = []             # of every supervisor we stopped (-9: had to kill it)
         self.stopped: set[int] = set()               # supervisors stopped on purpose (by index)
-        self.drains: list[float] = []                # when each was told to stop
+        self.drains: list[tuple[float, float]] = []  # each stop: from its SIGTERM to its exit
         self.sup_died = 0
         self.undo: list[Callable[[], None]] = []            # cleanups beyond processes, run last-first
         self.status: dict | None = None
@@ -349,10 +349,11 @@ class Run:
     def stop_supervisor(self, sup: SupervisorProc, timeout: float = 90.0) -> int | None:
         """SIGTERM and wait for the exit; a supervisor that had already died is counted."""
         self.stopped.add(self.sups.index(sup))
-        self.drains.append(time.monotonic())
+        t0 = time.monotonic()
         if sup.proc.poll() is not None:
             self.sup_died += 1
             self.exit_codes.append(sup.proc.returncode)
+            self.drains.append((t0, t0))
             return sup.proc.returncode
         sup.signal(signal.SIGTERM)
         try:
@@ -360,6 +361,7 @@ class Run:
         except subprocess.TimeoutExpired:        # still running: killed, counted as a bad exit
             code = None
             sup.cleanup()
+        self.drains.append((t0, time.monotonic()))
         self.exit_codes.append(code if code is not None else -9)
         return code
 

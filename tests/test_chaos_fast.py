@@ -104,9 +104,18 @@ def test_checker_names_a_dead_lettered_job():
 
 def test_checker_counts_deliveries_spent_beyond_the_drains_in_between():
     runs = [("S", 1, 1, 4, 0.5), ("D", 1, 1, 4, 0.6)]
-    assert check(evidence(runs, drains=[T0 + 0.1, T0 + 0.2, T0 + 0.3])).counts["bounced"] == 0
-    assert check(evidence(runs, drains=[T0 + 0.1, T0 + 0.2])).counts["bounced"] == 1
-    assert check(evidence(runs, drains=[T0 + 0.1, T0 + 0.2, T0 + 9.0])).counts["bounced"] == 1   # too late to NAK it
+    stop = [(T0 + 0.1, T0 + 0.15), (T0 + 0.2, T0 + 0.25), (T0 + 0.3, T0 + 0.35)]
+    assert check(evidence(runs, drains=stop)).counts["bounced"] == 0
+    assert check(evidence(runs, drains=stop[:2])).counts["bounced"] == 1
+    assert check(evidence(runs, drains=stop[:2] + [(T0 + 9.0, T0 + 9.5)])).counts["bounced"] == 1   # too late to NAK it
+
+
+def test_checker_counts_a_drain_still_under_way_when_the_job_was_stored():
+    """A stop's workers take jobs until their UNSUB reaches the server, and NAK them: a drain
+    signalled before the PubAck but not yet over explains one delivery."""
+    runs = [("S", 1, 1, 2, 0.5), ("D", 1, 1, 2, 0.6)]
+    assert check(evidence(runs, drains=[(T0 - 1.0, T0 + 0.2)])).counts["bounced"] == 0
+    assert check(evidence(runs, drains=[(T0 - 1.0, T0 - 0.5)])).counts["bounced"] == 1   # over before it
 
 
 def test_checker_explains_a_duplicate_only_by_a_fault_on_the_first_worker():
