@@ -7,7 +7,6 @@ Everything that can fail on bad input fails here, before a single worker is fork
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import importlib
 import logging
 import os
@@ -21,7 +20,7 @@ import uvloop
 
 from . import logs, natsconn, provision, reload
 from .arbiter import Arbiter
-from .config import Config
+from .config import Config, with_servers
 from .embedded import EmbeddedServer
 from .config import parse_hostport
 from .errors import EXIT_HALTED, ConfigError, Halted, HandlerError, SupervisorError
@@ -112,10 +111,6 @@ def overruled(new: Config, from_config: Config, pins: Mapping[str, str]) -> list
         if kept != said:
             out.append((dotted, flag, kept, said))
     return out
-
-
-def with_servers(cfg: Config, servers: tuple[str, ...]) -> Config:
-    return dataclasses.replace(cfg, nats=dataclasses.replace(cfg.nats, servers=servers))
 
 
 class Supervisor:

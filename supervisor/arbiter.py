@@ -31,9 +31,11 @@ from workers import slots
 from workers.runtime import CHILD_EXIT_REASONS, ChildSpec, dead_letter
 from workers.slots import SlotTable
 
+from . import liveness
 from .config import Config
 from .errors import EXIT_HALTED, EXIT_OK
 from .ledger import CrashLedger
+from .liveness import DRAIN_MARGIN, Limits
 from .peers import SUSPECT_GRACE, Peers
 from .policy import RestartPolicy, ack_wait_for, job_limit, nak_is_safe
 from .process import WorkerProcess
@@ -44,14 +46,8 @@ log = logging.getLogger("supervisor")
 
 SIGNALS = {signal.SIGTERM: "stop", signal.SIGINT: "interrupt", signal.SIGQUIT: "quit", signal.SIGHUP: "reload",
            signal.SIGTTIN: "increment", signal.SIGTTOU: "decrement"}
-DRAIN_MARGIN = 5.0          # beyond graceful_timeout before a draining worker is killed
-RSS_EVERY = 5.0             # seconds between RSS checks (psutil reads /proc)
-RENAK_AFTER = 4.0           # a dead worker's NAKed job nobody has seen again by then is NAKed once more
-FRESH_BEAT = 1.5            # a worker whose last beat is older than this shows no progress, gets no +WPI
-STALE_LINK = 3.0            # a worker that had no PONG from NATS for this long has a stale connection
 REAP_RETRY = 0.05           # a pidfd said "exited" but waitpid did not agree yet: look again this soon
 STORM_LOG_EVERY = 60.0      # while workers keep dying fast, say so this often
-MB = 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -163,7 +159,7 @@ class Arbiter:
         return self.exit_code
 
     async def sleep(self) -> None:
-        timeout = self.tick()
+        timeout = liveness.inspect_every(Limits.of(self.cfg))
         due = [t for s, t in self.restart_at.items() if s not in self.slots]
         if due and not self.stopping:
             timeout = min(timeout, min(due) - time.monotonic())
@@ -175,14 +171,6 @@ class Arbiter:
         except asyncio.TimeoutError:
             pass
         self.wakeup.clear()
-
-    def tick(self) -> float:
-        """How often the living are inspected: often enough for heartbeats and AckWait."""
-        w, c = self.cfg.workers, self.cfg.consumer
-        candidates = [0.5, w.heartbeat_timeout / 4, c.ack_wait / 6, *(b / 6 for b in c.backoff)]
-        if w.job_timeout:
-            candidates.append(w.job_timeout / 4)
-        return max(0.02, min(candidates))
 
     def living(self) -> list[WorkerProcess]:
         return [*self.slots.values(), *self.retiring]
@@ -347,7 +335,7 @@ class Arbiter:
 
     def drain(self, w: WorkerProcess, sig: int) -> None:
         """SIGUSR1: retire (finish what it holds). SIGTERM: stop (NAK what has not started)."""
-        deadline = time.monotonic() + self.cfg.workers.graceful_timeout + DRAIN_MARGIN
+        deadline = liveness.drain_deadline(time.monotonic(), self.cfg.workers.graceful_timeout)
         w.drain_deadline = min(w.drain_deadline or deadline, deadline)
         w.state = "draining"
         w.send(sig)
@@ -588,14 +576,14 @@ class Arbiter:
     # ================================================================ inspecting the living
 
     async def inspect_workers(self) -> None:
-        now = time.monotonic()
+        now, lim = time.monotonic(), Limits.of(self.cfg)
         pings, held = [], set()
         for w in self.living():
             entries = w.table.snapshot()
             held.update((w.pid, e.stream_seq) for e in entries)   # a dying worker's pings still date its jobs
             if w.status is not None or w.kill_reason:
                 continue
-            reason = self.why_kill(w, entries, now)
+            reason = liveness.why_kill(now, lim, w.table.heartbeat(), w.started_at, entries, w.drain_deadline)
             if reason:
                 self.kill(w, reason)
                 continue
@@ -608,19 +596,6 @@ class Arbiter:
         if self.ever_all_ready and self.notifier and self.ready_count() > 0:
             self.notifier.watchdog()
 
-    def why_kill(self, w: WorkerProcess, entries: list[slots.Entry], now: float) -> str:
-        beat = w.table.heartbeat()
-        silent = now - (beat if beat > 0 else w.started_at)
-        if silent > self.cfg.workers.heartbeat_timeout:
-            return f"no heartbeat for {silent:.1f}s (workers.heartbeat_timeout={self.cfg.workers.heartbeat_timeout:g}s)"
-        limit = self.cfg.workers.job_timeout
-        for e in entries:
-            if limit and e.state == slots.RUNNING and now - e.t_started > limit:
-                return f"job seq={e.stream_seq} ran {now - e.t_started:.1f}s (workers.job_timeout={limit:g}s)"
-        if w.drain_deadline is not None and now > w.drain_deadline:
-            return f"still draining {now - w.drain_deadline + DRAIN_MARGIN:.1f}s past graceful_timeout"
-        return ""
-
     def kill(self, w: WorkerProcess, reason: str) -> None:
         log.warning("killing worker %d (pid %d): %s", w.slot, w.pid, reason)
         w.kill_reason = f"killed: {reason}"
@@ -630,18 +605,18 @@ class Arbiter:
         """+WPI for jobs a live, beating worker still holds, before their AckWait runs out.
         A worker that has stopped beating, or whose NATS connection has gone quiet, gets none:
         its jobs must be free to come back (its ack could not reach the server anyway)."""
-        if not self.cfg.workers.progress_pings or now - w.table.heartbeat() > FRESH_BEAT:
+        if not self.cfg.workers.progress_pings or not liveness.beat_fresh(now, w.table.heartbeat()):
             return []
-        held = [e for e in entries if e.state in (slots.HELD, slots.RUNNING) and e.reply]
+        held = [e for e in entries if e.state in liveness.UNSETTLED and e.reply]
         if not self.link_fresh(w, held, now):
             return []
-        return [(w, e) for e in held if now - self.timer_started(w, e) >= self.ack_wait(e.delivery) / 3]
+        return [(w, e) for e in liveness.pings_due(now, held, lambda e: self.timer_started(w, e), self.ack_wait)]
 
     def link_fresh(self, w: WorkerProcess, held: list[slots.Entry], now: float) -> bool:
         """Did the worker hear from NATS lately? Say so once when it stops, and explain in advance
         the redeliveries of what it holds: the server will hand them to someone else."""
         quiet = now - w.table.server_seen()
-        if quiet <= STALE_LINK:
+        if liveness.link_fresh(now, w.table.server_seen()):
             if w.pid in self.stale_links:
                 self.stale_links.discard(w.pid)
                 log.info("worker %d (pid %d): NATS answers again", w.slot, w.pid)
@@ -664,22 +639,21 @@ class Arbiter:
         signalled mid-job would let graceful_timeout cut the job short, and its redelivery would
         reach a fresh worker's limit the same way, forever."""
         for w in self.retiring:
-            if w.last_job_started and w.drain_deadline is None and w not in self.replacing.values() \
-                    and not any(e.state in (slots.HELD, slots.RUNNING) for e in w.table.snapshot()):
+            if liveness.may_retire(w.last_job_started, w.drain_deadline is not None,
+                                   w in self.replacing.values(), w.table.snapshot()):
                 self.drain(w, signal.SIGUSR1)
         if self.stopping or self.replacing:
             return
         now = time.monotonic()
-        check_rss = self.cfg.workers.max_rss_mb and now - self.last_rss_check >= RSS_EVERY
+        check_rss = liveness.rss_check_due(now, self.last_rss_check, self.cfg.workers.max_rss_mb)
         if check_rss:
             self.last_rss_check = now
         for w in list(self.slots.values()):
             if w.state != "ready":
                 continue
             reason = w.recycle_reason
-            rss = self.rss_of(w) if check_rss and not reason else 0
-            if rss > self.cfg.workers.max_rss_mb * MB:
-                reason = f"RSS {rss / MB:.0f} MB > workers.max_rss_mb={self.cfg.workers.max_rss_mb}"
+            if check_rss and not reason:
+                reason = liveness.rss_over(self.rss_of(w), self.cfg.workers.max_rss_mb)
             if reason:
                 log.info("recycling worker %d (pid %d): %s", w.slot, w.pid, reason)
                 w.retiring = True
@@ -734,7 +708,7 @@ class Arbiter:
     async def renak_unseen(self) -> None:
         """A NAKed job can be handed straight to another dead worker's pull request when something
         else keeps that inbox alive (a `nats sub '>'` or '_INBOX.>' tap does): it would then wait
-        for AckWait. One more NAK, RENAK_AFTER after a fence proved the first one arrived (two
+        for AckWait. One more NAK, liveness.RENAK_AFTER after a fence proved the first one arrived (two
         NAKs stuck in one stalled socket would arrive together and run the job twice), but only
         when that is safe: no supervisor has seen the job again, no worker of ours holds it, and
         its AckWait is far from over. A NAK
@@ -748,7 +722,7 @@ class Arbiter:
         for seq, n in list(self.renak.items()):
             if not self.ledger.awaiting_redelivery(seq, n.delivery):
                 del self.renak[seq]
-            elif n.confirmed_at is not None and now - n.confirmed_at >= RENAK_AFTER:
+            elif liveness.renak_due(now, n.confirmed_at):
                 del self.renak[seq]
                 held = self.held_anywhere() if held is None else held
                 if seq in held or not nak_is_safe(now, n.sent_at, self.ack_wait(n.delivery)) \
@@ -796,7 +770,7 @@ class Arbiter:
         now, limit, latest = time.monotonic(), self.cfg.workers.job_timeout, None
         for w in self.living():
             beat = w.table.heartbeat()
-            if w.status is None and now - beat <= FRESH_BEAT:
+            if w.status is None and liveness.beat_fresh(now, beat):
                 if any(e.state == slots.RUNNING and (not limit or now - e.t_started < limit)
                        for e in w.table.snapshot()):
                     latest = beat if latest is None else max(latest, beat)

@@ -16,12 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from . import __version__, config, logs
+from . import __version__, config, demo, demo_once, dlq, logs, natsconn, tools
+from .app import Supervisor, load_callable, require_handler
 from .errors import EXIT_BUG, EXIT_OK, ConfigError, SupervisorError
 
-# flag dest -> config key it overrides
-FLAG_KEYS = {"workers": "workers.count", "handler": "workers.handler", "http": "monitor.http",
-             "log_format": "log.format"}
 GLOBALS = ("config", "server", "log_format")
 AFTER = "cmd_"               # dest prefix of a global flag given after the command name
 
@@ -269,25 +267,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return merge_globals(build_parser().parse_args(argv))
 
 
-def flag_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The config keys the command line sets: key -> value."""
-    flags: dict[str, Any] = {key: getattr(args, dest, None) for dest, key in FLAG_KEYS.items()}
-    if args.server:
-        flags["nats.servers"] = list(args.server)
-    return {k: v for k, v in flags.items() if v is not None}
-
-
-def pins(args: argparse.Namespace) -> dict[str, str]:
-    """key -> the flag that sets it, for each key the command line pins (SIGHUP cannot change them)."""
-    names = {key: "--" + dest.replace("_", "-") for dest, key in FLAG_KEYS.items()} | {"nats.servers": "--server"}
-    return {key: names[key] for key in flag_values(args)}
-
-
-def load_config(args: argparse.Namespace, with_flags: bool = True) -> config.Config:
-    path = config.find_config_path(args.config, os.environ)
-    return config.load(path, os.environ, flag_values(args) if with_flags else {})
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(argv)
@@ -307,12 +286,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from .app import Supervisor
-
-    cfg = load_config(args)
+    cfg = config.from_args(args)
     logs.setup(cfg.log.level, cfg.log.format)
-    return Supervisor(cfg, reload_config=lambda: load_config(args),
-                      file_config=lambda: load_config(args, with_flags=False), pins=pins(args)).run()
+    return Supervisor(cfg, reload_config=lambda: config.from_args(args),
+                      file_config=lambda: config.from_args(args, with_flags=False), pins=config.flag_pins(args)).run()
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -323,15 +300,11 @@ def cmd_config(args: argparse.Namespace) -> int:
         path.write_text(config.render(config.Config(), redact=False))
         print(f"wrote {path}; set workers.handler before `supervisor start`")
         return EXIT_OK
-    cfg = load_config(args)
+    cfg = config.from_args(args)
     if args.action == "show":
         sys.stdout.write(config.render(cfg, comments=False))
         return EXIT_OK
-    from . import natsconn
-    from .app import load_callable, require_handler
-    from .tools import client_config
-
-    natsconn.connect_kwargs(client_config(cfg).nats)      # secret files exist and parse
+    natsconn.connect_kwargs(config.client_config(cfg).nats)      # secret files exist and parse
     require_handler(cfg)
     load_callable(cfg.workers.handler, "workers.handler")  # exit 3, as `start` would
     if cfg.workers.init:
@@ -341,21 +314,13 @@ def cmd_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        import importlib
-
-        return getattr(importlib.import_module(f"supervisor.{module}"), name)(args)
-    return run
-
-
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "start": cmd_start,
     "config": cmd_config,
-    "publish": _lazy("tools", "cmd_publish"),
-    "lag": _lazy("tools", "cmd_lag"),
-    "status": _lazy("tools", "cmd_status"),
-    "scale": _lazy("tools", "cmd_scale"),
-    "dlq": _lazy("dlq", "cmd_dlq"),
-    "demo": lambda args: _lazy("demo_once" if args.scenario == "once" else "demo", "cmd_demo")(args),
+    "publish": tools.cmd_publish,
+    "lag": tools.cmd_lag,
+    "status": tools.cmd_status,
+    "scale": tools.cmd_scale,
+    "dlq": dlq.cmd_dlq,
+    "demo": lambda args: (demo_once if args.scenario == "once" else demo).cmd_demo(args),
 }

@@ -7,6 +7,7 @@ renders the same declarations, so the example config can never drift from the co
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import math
@@ -223,6 +224,44 @@ def load(path: Path | None, env: Mapping[str, str] | None = None,
             raw[section][name] = value
             sources[dotted] = "command line"
     return build(raw, sources)
+
+
+# ---------------------------------------------------------------- the command line's share
+
+# flag dest -> the config key it overrides
+FLAG_KEYS = {"workers": "workers.count", "handler": "workers.handler", "http": "monitor.http",
+             "log_format": "log.format"}
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The config keys the command line sets: key -> value."""
+    flags: dict[str, Any] = {key: getattr(args, dest, None) for dest, key in FLAG_KEYS.items()}
+    if getattr(args, "server", None):
+        flags["nats.servers"] = list(args.server)
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+def flag_pins(args: argparse.Namespace) -> dict[str, str]:
+    """key -> the flag that sets it, for each key the command line pins (SIGHUP cannot change them)."""
+    names = {key: "--" + dest.replace("_", "-") for dest, key in FLAG_KEYS.items()} | {"nats.servers": "--server"}
+    return {key: names[key] for key in flag_values(args)}
+
+
+def from_args(args: argparse.Namespace, with_flags: bool = True) -> Config:
+    """The config a command runs with: --config (or its fallbacks), the environment, the flags."""
+    path = find_config_path(args.config, os.environ)
+    return load(path, os.environ, flag_values(args) if with_flags else {})
+
+
+def with_servers(cfg: Config, servers: tuple[str, ...]) -> Config:
+    return dataclasses.replace(cfg, nats=dataclasses.replace(cfg.nats, servers=servers))
+
+
+def client_config(cfg: Config) -> Config:
+    """With no servers configured, talk to the embedded server `supervisor start` runs."""
+    if cfg.nats.servers:
+        return cfg
+    return with_servers(cfg, (f"nats://{cfg.embedded.host}:{cfg.embedded.port}",))
 
 
 def read_file(path: Path) -> dict[str, Any]:

@@ -42,7 +42,8 @@ from . import config as config_mod
 from .embedded import free_port
 from .errors import EXIT_BUG, EXIT_OK, ConfigError
 from .notify import scrub_child_env
-from .tools import SupervisorUnreachable, default_subject, http_call, lag_line, paint, use_color
+from .consumer import lag_line
+from .tools import SupervisorUnreachable, default_subject, http_call, paint, use_color
 
 HANDLER = "workers.examples:crash_on_marker"
 JOB_SECONDS = 0.2            # what sleep_job does with a payload that is not a number
@@ -190,9 +191,7 @@ class Demo:
 
     def load_config(self) -> config_mod.Config:
         if self.configured:
-            from .cli import load_config
-
-            return load_config(self.args)
+            return config_mod.from_args(self.args)
         path = self.tmp / "config.toml"
         path.write_text(tomli_w.dumps({
             "nats": {"servers": []},
@@ -303,11 +302,9 @@ class Demo:
 
     def nats_config(self) -> config_mod.Config:
         """Where to publish: the child's embedded server (its real port), else the configured servers."""
-        from .app import with_servers
-
         nats = self.base_status.get("nats", {})
         if nats.get("embedded") and nats.get("server"):
-            return with_servers(self.cfg, (f"nats://{nats['server']}",))
+            return config_mod.with_servers(self.cfg, (f"nats://{nats['server']}",))
         return self.cfg
 
     def watch(self) -> None:

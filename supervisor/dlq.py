@@ -26,10 +26,10 @@ from typing import Any
 import uvloop
 from nats.js.errors import NotFoundError
 
-from .cli import load_config
 from .config import Config
 from .errors import EXIT_OK, ConfigError, NatsUnavailable
-from .tools import client_config, connect_oneshot, one_line, publish_failure
+from .config import client_config, from_args
+from .tools import connect_oneshot, one_line, publish_failure
 from workers.runtime import DLQ_HEADER
 
 REPLAYED_FROM = "Supervisor-Replayed-From"
@@ -77,7 +77,7 @@ def replay_id(dlq_stream: str, letter: Letter) -> str:
 
 
 def cmd_dlq(args: argparse.Namespace) -> int:
-    cfg = client_config(load_config(args))
+    cfg = client_config(from_args(args))
     if not cfg.restart.dead_letter_stream:
         raise ConfigError("restart.dead_letter_stream", "is empty, so no dead letters are kept (they are only "
                                                         "published to restart.dead_letter_subject)")

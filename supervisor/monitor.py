@@ -23,7 +23,7 @@ from workers.runtime import dead_letter
 from .config import Config
 from .history import History
 from .lag import LagAnalyzer, Sample
-from .tools import consumer_dict
+from .consumer import consumer_dict
 
 log = logging.getLogger("supervisor.monitor")
 

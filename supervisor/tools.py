@@ -17,21 +17,12 @@ import nats.js.errors
 import uvloop
 
 from . import provision
-from .cli import load_config
-from .config import Config
+from .config import Config, client_config, from_args
+from .consumer import consumer_info, lag_line
 from .errors import EXIT_BUG, EXIT_OK, ConfigError, NatsUnavailable, SupervisorError
 from .lag import STALE_MIN_S
 
 PUBLISH_WINDOW = 256        # PubAcks awaited at once
-
-
-def client_config(cfg: Config) -> Config:
-    """With no servers configured, talk to the embedded server `supervisor start` runs."""
-    if cfg.nats.servers:
-        return cfg
-    from .app import with_servers
-
-    return with_servers(cfg, (f"nats://{cfg.embedded.host}:{cfg.embedded.port}",))
 
 
 async def connect_oneshot(cfg: Config, purpose: str) -> Any:
@@ -57,7 +48,7 @@ def default_subject(cfg: Config) -> str:
 # ---------------------------------------------------------------- publish
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    cfg = client_config(load_config(args))
+    cfg = client_config(from_args(args))
     if args.count < 0:
         raise ConfigError("--count", f"must be 0 or more, got {args.count}")
     if args.rate is not None and args.rate <= 0:
@@ -121,7 +112,7 @@ def publish_failure(exc: BaseException) -> str:
 # ---------------------------------------------------------------- lag
 
 def cmd_lag(args: argparse.Namespace) -> int:
-    cfg = client_config(load_config(args))
+    cfg = client_config(from_args(args))
     if args.watch is not None and args.watch <= 0:
         raise ConfigError("--watch", f"must be more than 0 seconds, got {args.watch:g}")
     return uvloop.run(lag(cfg, args.stream or cfg.stream.name, args.consumer or cfg.consumer.name,
@@ -145,30 +136,6 @@ async def lag(cfg: Config, stream: str, consumer: str, as_json: bool, watch: flo
             await asyncio.sleep(watch - (time.monotonic() - started) % watch)
     finally:
         await nc.close()
-
-
-async def consumer_info(js: Any, stream: str, consumer: str) -> dict[str, Any]:
-    from nats.js.errors import NotFoundError
-
-    try:
-        info = await js.consumer_info(stream, consumer)
-    except NotFoundError:
-        raise NatsUnavailable(f"consumer {consumer} not found on stream {stream}") from None
-    return consumer_dict(info)
-
-
-def consumer_dict(info: Any) -> dict[str, Any]:
-    return {"stream": info.stream_name, "name": info.name, "num_pending": info.num_pending or 0,
-            "num_ack_pending": info.num_ack_pending or 0, "num_redelivered": info.num_redelivered or 0,
-            "num_waiting": info.num_waiting or 0, "delivered_consumer_seq": info.delivered.consumer_seq,
-            "delivered_stream_seq": info.delivered.stream_seq, "ack_floor_consumer_seq": info.ack_floor.consumer_seq,
-            "ack_floor_stream_seq": info.ack_floor.stream_seq}
-
-
-def lag_line(c: dict[str, Any]) -> str:
-    """The consumer's numbers as one ticker line (delivered and ackFloor are consumer sequences)."""
-    return (f"pending={c['num_pending']:<4} ackPending={c['num_ack_pending']:<3} redelivered={c['num_redelivered']:<3} "
-            f"delivered={c['delivered_consumer_seq']:<5} ackFloor={c['ack_floor_consumer_seq']}")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -240,7 +207,7 @@ def supervisor_url(args: argparse.Namespace) -> str:
     The config is only read when --url is absent: a broken config must not hide a live supervisor."""
     if args.url:
         return base_url(args.url, "--url")
-    http = load_config(args).monitor.http
+    http = from_args(args).monitor.http
     if not http:
         raise ConfigError("monitor.http", "is empty (the supervisor's HTTP endpoint is disabled); pass --url HOST:PORT")
     return base_url(http, "monitor.http")
