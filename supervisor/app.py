@@ -215,18 +215,21 @@ class Supervisor:
                 await provision.ensure_idempotency(self.nc.jetstream(), cfg)
         except Exception as exc:      # whatever went wrong, the running config stays
             why = str(exc) if isinstance(exc, SupervisorError) else f"{type(exc).__name__}: {exc}"
-            log.error("reload failed; still running on the previous config: %s", why)
+            log.error("reload failed; still running on the previous config: %s", why,
+                      extra={"event": "reload_failed", "reason": why})
             self.notifier.ready(self.arbiter.status_line())
             return
         for key, flag, kept, said in pinned:
             log.warning("reload: %s stays %r (set by %s); the config now says %r", key, kept, flag, said)
         for key in change.needs_restart:
-            log.warning("reload: %s changed; it takes effect at the next start", key)
+            log.warning("reload: %s changed; it takes effect at the next start", key,
+                        extra={"event": "reload_needs_restart", "key": key})
         for key, old, new_value in change.changed:
             if key not in change.needs_restart:
-                log.info("reload: %s: %r -> %r", key, old, new_value)
+                log.info("reload: %s: %r -> %r", key, old, new_value,
+                         extra={"event": "reload_applied", "key": key, "old": old, "new": new_value})
         if not change.changed:
-            log.info("reload: configuration unchanged")
+            log.info("reload: configuration unchanged", extra={"event": "reload_unchanged"})
         self.arbiter.post(lambda: self.apply_config(cfg, change, handler, init))
 
     def apply_config(self, cfg: Config, change: Any, handler: Callable | None, init: Callable | None) -> None:

@@ -199,7 +199,7 @@ class Arbiter:
     def dispatch_signals(self) -> None:
         while self.signals:
             sig = self.signals.popleft()
-            log.info("received %s", signal.Signals(sig).name)
+            log.info("received %s", signal.Signals(sig).name, extra={"event": "signal", "signal": signal.Signals(sig).name})
             getattr(self, "on_" + SIGNALS[sig])()
 
     def on_stop(self) -> None:
@@ -254,7 +254,8 @@ class Arbiter:
             if mode == "drain":    # ask systemd for the drain's worth of time, whatever TimeoutStopSec says
                 self.notifier.extend_timeout(grace + 2 * DRAIN_MARGIN)
         log.info("%s %d worker(s)%s", "draining" if mode == "drain" else "killing", len(self.living()),
-                 f" (graceful_timeout {grace:g}s)" if mode == "drain" else "")
+                 f" (graceful_timeout {grace:g}s)" if mode == "drain" else "",
+                 extra={"event": "stop_begun", "mode": mode, "workers": len(self.living())})
         for w in self.living():
             if mode == "quit":
                 w.kill_reason = "SIGQUIT: stop at once"
@@ -269,7 +270,8 @@ class Arbiter:
             return
         if source != "autoscale":
             self.autoscale.manual(n, source)
-        log.info("scaling from %d to %d worker(s)", self.target, n)
+        log.info("scaling from %d to %d worker(s)", self.target, n,
+                 extra={"event": "scaling", "from": self.target, "to": n, "source": source})
         self.target = n
         self.wakeup.set()
 
@@ -304,7 +306,8 @@ class Arbiter:
         table.q[slots.PID] = w.pid
         self.slots[slot] = w
         self.restart_at.pop(slot, None)
-        log.debug("worker %d started (pid %d)", slot, w.pid)
+        log.debug("worker %d started (pid %d)", slot, w.pid, extra={"event": "worker_started", "slot": slot,
+                                                                    "worker_pid": w.pid})
         return w
 
     def spawn_failed(self, slot: int, exc: OSError) -> None:
@@ -312,7 +315,8 @@ class Arbiter:
         delay = self.restarts.died(time.monotonic(), slot, cause, None, 0)
         self.restart_at[slot] = time.monotonic() + delay
         self.alert("spawn_failed", f"worker {slot}: {cause}; retrying in {delay:.2f}s")
-        log.error("worker %d: %s; retrying in %.2fs", slot, cause, delay)
+        log.error("worker %d: %s; retrying in %.2fs", slot, cause, delay,
+                  extra={"event": "spawn_failed", "slot": slot, "cause": cause, "delay": delay})
 
     def table_entries(self) -> int:
         # Pulled + running (concurrency + one batch), and as many again awaiting ack confirmation.
@@ -328,7 +332,8 @@ class Arbiter:
 
     def retire(self, w: WorkerProcess, why: str) -> None:
         """Take a worker out for good: it stops pulling, runs what it holds, exits (SIGUSR1)."""
-        log.info("worker %d (pid %d): %s; retiring it", w.slot, w.pid, why)
+        log.info("worker %d (pid %d): %s; retiring it", w.slot, w.pid, why,
+                 extra={"event": "worker_retiring", "slot": w.slot, "worker_pid": w.pid, "reason": why})
         w.retiring = True
         self.retiring.append(w)
         self.drain(w, signal.SIGUSR1)
@@ -365,7 +370,8 @@ class Arbiter:
             why = self.ledger.redelivered(now, seq, delivery)
             self.peers.seen(seq, delivery)
             log.info("job seq=%d redelivered (delivery %d) to worker %d: %s", seq, delivery, w.slot,
-                     why or "no explanation yet")
+                     why or "no explanation yet", extra={"event": "redelivered", "seq": seq, "delivery": delivery,
+                                                         "slot": w.slot, "worker_pid": w.pid, "why": why})
         elif kind == "settled":
             seq, delivery, outcome = int(event["seq"]), int(event["delivery"]), event["outcome"]
             self.ledger.settled(now, seq, delivery, outcome)
@@ -382,7 +388,9 @@ class Arbiter:
             w.state = "ready"
         w.ready_at = now
         self.restarts.ready()
-        log.info("worker %d ready (pid %d, %.0f ms)", w.slot, w.pid, 1000 * (now - w.started_at))
+        log.info("worker %d ready (pid %d, %.0f ms)", w.slot, w.pid, 1000 * (now - w.started_at),
+                 extra={"event": "worker_ready", "slot": w.slot, "worker_pid": w.pid,
+                        "ms": round(1000 * (now - w.started_at))})
         self.release_replaced(w.slot)         # the replacement serves: retire the old one
         self.check_all_ready()
 
@@ -463,11 +471,16 @@ class Arbiter:
         if any(nak):
             await self.flush()
         if clean:
-            log.info("worker %d (pid %d) drained and exited", w.slot, w.pid)
+            log.info("worker %d (pid %d) drained and exited", w.slot, w.pid,
+                     extra={"event": "worker_exited", "slot": w.slot, "worker_pid": w.pid,
+                            "naked": [e.stream_seq for e, n in zip(entries, nak) if n]})
         else:
             seqs = ", ".join(f"seq {e.stream_seq}" for e in entries) or "nothing"
             log.warning("worker %d (pid %d) died: %s; held %s%s", w.slot, w.pid, cause, seqs,
-                        f"; NAKed {sum(nak)} for immediate redelivery" if any(nak) else "")
+                        f"; NAKed {sum(nak)} for immediate redelivery" if any(nak) else "",
+                        extra={"event": "worker_died", "slot": w.slot, "worker_pid": w.pid, "cause": cause,
+                               "held": [e.stream_seq for e in entries],
+                               "naked": [e.stream_seq for e, n in zip(entries, nak) if n]})
 
     def timer_started(self, w: WorkerProcess, e: slots.Entry) -> float:
         """When the server's AckWait timer for this delivery last started: held, or our last +WPI."""
@@ -503,9 +516,10 @@ class Arbiter:
                 sent += 1
             else:
                 log.warning("job seq=%d of a dead worker: NATS was down until its AckWait ran out; the server "
-                            "redelivers it", order.seq)
+                            "redelivers it", order.seq, extra={"event": "held_back_expired", "seq": order.seq})
         if sent:
-            log.info("NATS is back: sent %d NAK(s) held back while disconnected", sent)
+            log.info("NATS is back: sent %d NAK(s) held back while disconnected", sent,
+                     extra={"event": "held_back_sent", "count": sent})
             await self.flush()
 
     async def quarantine(self, e: slots.Entry) -> None:
@@ -560,14 +574,15 @@ class Arbiter:
         self.restart_at[w.slot] = now + delay
         self.totals.restarts += 1
         self.slot_restarts[w.slot] += 1
-        log.info("restarting worker %d in %.2fs", w.slot, delay)
+        log.info("restarting worker %d in %.2fs", w.slot, delay,
+                 extra={"event": "worker_restart_planned", "slot": w.slot, "worker_pid": w.pid, "delay": delay})
 
     def check_boot_failures(self) -> None:
         if self.restarts.halted and not self.stopping:
             boot = self.restarts.boot
             message = (f"halting: {boot.count} workers in a row died before becoming ready "
                        f"(restart.boot_failures_to_halt={boot.limit}); last: {boot.last_reason}")
-            log.error(message)
+            log.error(message, extra={"event": "halting", "deaths": boot.count})
             self.halt_message = message
             self.alert("halted", message)
             self.exit_code = EXIT_HALTED
@@ -597,7 +612,8 @@ class Arbiter:
             self.notifier.watchdog()
 
     def kill(self, w: WorkerProcess, reason: str) -> None:
-        log.warning("killing worker %d (pid %d): %s", w.slot, w.pid, reason)
+        log.warning("killing worker %d (pid %d): %s", w.slot, w.pid, reason,
+                    extra={"event": "worker_killed", "slot": w.slot, "worker_pid": w.pid, "reason": reason})
         w.kill_reason = f"killed: {reason}"
         w.send(signal.SIGKILL)
 
@@ -655,7 +671,8 @@ class Arbiter:
             if check_rss and not reason:
                 reason = liveness.rss_over(self.rss_of(w), self.cfg.workers.max_rss_mb)
             if reason:
-                log.info("recycling worker %d (pid %d): %s", w.slot, w.pid, reason)
+                log.info("recycling worker %d (pid %d): %s", w.slot, w.pid, reason,
+                         extra={"event": "worker_recycling", "slot": w.slot, "worker_pid": w.pid, "reason": reason})
                 w.retiring = True
                 self.retiring.append(w)
                 del self.slots[w.slot]
@@ -683,7 +700,8 @@ class Arbiter:
         for r in self.ledger.confirm_suspects(time.monotonic(), SUSPECT_GRACE):
             log.warning("job seq=%d redelivered (delivery %d) and nothing explains it: AckWait (%gs) shorter than "
                         "the job, or held by a process outside any supervisor's ledger", r.seq, r.delivery,
-                        self.ack_wait(r.delivery - 1))
+                        self.ack_wait(r.delivery - 1),
+                        extra={"event": "unexplained_redelivery", "seq": r.seq, "delivery": r.delivery})
         self.watch_deaths()
 
     def held_anywhere(self) -> set[int]:
@@ -730,7 +748,7 @@ class Arbiter:
                     continue
                 log.warning("job seq=%d not seen again %.0fs after its NAK: NAKing it once more (is something "
                             "subscribed to '>' or '_INBOX.>'? it keeps dead pull requests alive)", seq,
-                            now - n.sent_at)
+                            now - n.sent_at, extra={"event": "renak", "seq": seq, "delivery": n.delivery})
                 await self.nc.publish(n.reply, b"-NAK")
 
     # ================================================================ helpers

@@ -8,6 +8,9 @@ import os
 import sys
 import time
 
+# Attributes every LogRecord has; anything else on a record came from `extra={...}`.
+STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 # journald's <N> priority prefixes (sd-daemon.h), read when SyslogLevelPrefix= is on (the default).
 JOURNAL_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
@@ -51,8 +54,9 @@ class JsonFormatter(logging.Formatter):
                "message": record.getMessage()}
         if not self.journald:
             out = {"ts": round(record.created, 3), **out}
-        if getattr(record, "event", None):          # extra={"event": ...}: what programs and tests read
-            out["event"] = record.event
+        # extra={"event": "worker_ready", "slot": 0, "pid": 123}: what programs and tests read
+        # instead of the wording, which stays free to change.
+        out.update({k: v for k, v in vars(record).items() if k not in STANDARD_ATTRS and k not in out})
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)

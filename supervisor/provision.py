@@ -90,11 +90,13 @@ async def ensure_stream(js: Any, want: api.StreamConfig, create: bool, key: str)
             raise NatsUnavailable(f"{key}: stream {want.name} does not exist and stream.create is false") from None
         await js.add_stream(want)
         log.info("created stream %s (subjects %s, %s, %s storage)", want.name, ", ".join(want.subjects),
-                 want.retention.value, want.storage.value)
+                 want.retention.value, want.storage.value, extra={"event": "stream_created", "stream": want.name})
         return
     for name, had, wanted in _differences(have, want, ("subjects", "retention", "storage", "num_replicas",
                                                        "duplicate_window")):
-        log.warning("stream %s exists with %s=%s (config: %s); left as it is", want.name, name, had, wanted)
+        log.warning("stream %s exists with %s=%s (config: %s); left as it is", want.name, name, had, wanted,
+                    extra={"event": "stream_differs", "stream": want.name, "setting": name, "have": had,
+                           "want": wanted})
 
 
 async def ensure_consumer(js: Any, cfg: Config) -> None:
@@ -107,7 +109,8 @@ async def ensure_consumer(js: Any, cfg: Config) -> None:
                                   "and stream.create is false") from None
         await js.add_consumer(cfg.stream.name, want)
         log.info("created durable pull consumer %s on %s (AckWait %gs, max_ack_pending %d)", want.durable_name,
-                 cfg.stream.name, cfg.consumer.ack_wait, cfg.consumer.max_ack_pending)
+                 cfg.stream.name, cfg.consumer.ack_wait, cfg.consumer.max_ack_pending,
+                 extra={"event": "consumer_created", "consumer": want.durable_name})
         return
     if have.deliver_subject or have.ack_policy != api.AckPolicy.EXPLICIT:
         raise NatsUnavailable(f"consumer {cfg.consumer.name} on {cfg.stream.name} exists but is not a pull consumer "
@@ -116,10 +119,14 @@ async def ensure_consumer(js: Any, cfg: Config) -> None:
     if changes and cfg.stream.create:
         await js.add_consumer(cfg.stream.name, dataclasses.replace(have, **{n: getattr(want, n) for n, _, _ in changes}))
         for name, had, wanted in changes:
-            log.warning("consumer %s: updated %s from %s to %s (config)", cfg.consumer.name, name, had, wanted)
+            log.warning("consumer %s: updated %s from %s to %s (config)", cfg.consumer.name, name, had, wanted,
+                        extra={"event": "consumer_updated", "consumer": cfg.consumer.name, "setting": name,
+                               "have": had, "want": wanted})
     for name, had, wanted in changes if not cfg.stream.create else ():
         log.warning("consumer %s has %s=%s (config: %s); stream.create is false, so left as it is",
-                    cfg.consumer.name, name, had, wanted)
+                    cfg.consumer.name, name, had, wanted,
+                    extra={"event": "consumer_differs", "consumer": cfg.consumer.name, "setting": name,
+                           "have": had, "want": wanted})
 
 
 async def ensure_idempotency(js: Any, cfg: Config) -> None:
