@@ -251,7 +251,7 @@ class Supervisor:
         shown = ""
         while True:
             a = self.arbiter
-            state = f"{a.ready_count()}/{a.target} ready" + (f", {a.state}" if a.state != "running" else "")
+            state = f"{a.pool.ready_count()}/{a.pool.target} ready" + (f", {a.state}" if a.state != "running" else "")
             if state != shown:
                 self.set_title(state)
                 shown = state

@@ -26,7 +26,7 @@ class Collector:
         arb, mon = self.sup.arbiter, self.sup.monitor
         yield from self.workers(arb)
         jobs = CounterMetricFamily(P + "jobs", "Jobs settled by workers, by outcome", labels=["outcome"])
-        for outcome, n in arb.worker_counters().items():
+        for outcome, n in arb.stats.worker_counters().items():
             jobs.add_metric([outcome], n)
         yield jobs
         yield self.durations(arb)
@@ -35,23 +35,23 @@ class Collector:
 
     def workers(self, arb: Any) -> Iterator[Metric]:
         g = GaugeMetricFamily(P + "workers", "Worker processes by state", labels=["state"])
-        states = [w.state for w in arb.living()]
+        states = [w.state for w in arb.pool.living()]
         for state in ("starting", "ready", "draining"):
             g.add_metric([state], states.count(state))
         yield g
-        yield GaugeMetricFamily(P + "workers_target", "Worker count asked for", value=arb.target)
+        yield GaugeMetricFamily(P + "workers_target", "Worker count asked for", value=arb.pool.target)
         autoscale = arb.autoscale.status(time.monotonic())
         yield GaugeMetricFamily(P + "autoscale_target", "Worker count autoscaling runs (workers_target when off)",
                                 value=autoscale["target"])
         yield GaugeMetricFamily(P + "autoscale_enabled", "1 when autoscale.enabled", value=int(autoscale["enabled"]))
         yield GaugeMetricFamily(P + "autoscale_paused", "1 while a manual scale pauses autoscaling",
                                 value=int(autoscale["resumes_in_s"] is not None))
-        yield CounterMetricFamily(P + "worker_restarts", "Workers restarted after dying", value=arb.totals.restarts)
-        yield CounterMetricFamily(P + "worker_deaths", "Workers that died unexpectedly", value=arb.totals.worker_deaths)
-        yield CounterMetricFamily(P + "in_progress_pings", "+WPI sent for long jobs", value=arb.totals.pings)
+        yield CounterMetricFamily(P + "worker_restarts", "Workers restarted after dying", value=arb.stats.totals.restarts)
+        yield CounterMetricFamily(P + "worker_deaths", "Workers that died unexpectedly", value=arb.stats.totals.worker_deaths)
+        yield CounterMetricFamily(P + "in_progress_pings", "+WPI sent for long jobs", value=arb.stats.totals.pings)
 
     def durations(self, arb: Any) -> Metric:
-        counts, total = arb.duration_histogram()
+        counts, total = arb.stats.duration_histogram()
         buckets, running = [], 0
         for bound, n in zip([*map(str, slots.DURATION_BUCKETS), "+Inf"], counts):
             running += n

@@ -72,13 +72,13 @@ class Monitor:
         self.error = ""
         self.consumer = consumer_dict(info)
         self.polled_at = now()
-        beat = self.arbiter.progress_beat()
+        beat = self.arbiter.stats.progress_beat(self.arbiter.cfg.workers.job_timeout)
         self.analyzer.add(Sample(t=self.polled_at, num_pending=self.consumer["num_pending"],
                                  num_ack_pending=self.consumer["num_ack_pending"],
                                  num_redelivered=self.consumer["num_redelivered"],
                                  delivered_consumer_seq=self.consumer["delivered_consumer_seq"],
                                  ack_floor_consumer_seq=self.consumer["ack_floor_consumer_seq"],
-                                 local_acked=self.arbiter.worker_counters()["ack"],
+                                 local_acked=self.arbiter.stats.worker_counters()["ack"],
                                  progress_alive=beat is not None, progress_at=beat))
         self.history.add(self.polled_at, self.consumer, self.analyzer.report(self.polled_at).state)
         ledger, c, t = self.arbiter.ledger, self.consumer, self.polled_at

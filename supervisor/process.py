@@ -5,6 +5,7 @@ what to do about a worker (restart it, kill it, recycle it) is the arbiter's bus
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import logging
 import os
@@ -21,6 +22,14 @@ log = logging.getLogger("supervisor.process")
 ALL_SIGNALS = set(signal.Signals)
 
 
+class WorkerState(enum.StrEnum):
+    """A worker's life as the parent sees it (the values are what /status and /metrics show)."""
+    STARTING = "starting"        # forked, not ready yet
+    READY = "ready"              # connected and pulling
+    DRAINING = "draining"        # told to stop or retire: finishing what it holds
+    DEAD = "dead"                # exited, not yet reaped
+
+
 class WorkerProcess:
     def __init__(self, slot: int, table: SlotTable):
         self.slot = slot
@@ -28,7 +37,7 @@ class WorkerProcess:
         self.pid = 0
         self.pidfd = -1
         self.events_fd = -1
-        self.state = "starting"          # starting | ready | draining | dead
+        self.state = WorkerState.STARTING
         self.started_at = time.monotonic()
         self.ready_at: float | None = None
         self.retiring = False            # asked to drain for good (scale down, recycle, stop)
@@ -91,7 +100,7 @@ class WorkerProcess:
         if pid == 0:
             return False
         self.status = status
-        self.state = "dead"
+        self.state = WorkerState.DEAD
         return True
 
     def read_events(self) -> list[dict[str, Any]]:

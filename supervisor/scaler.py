@@ -59,11 +59,11 @@ class Meter:
         self.sched: dict[int, int] = {}
 
     def read(self, now: float, arb: Any) -> Reading | None:
-        acked = arb.worker_counters()["ack"]
-        counts, handler_s = arb.duration_histogram()
+        acked = arb.stats.worker_counters()["ack"]
+        counts, handler_s = arb.stats.duration_histogram()
         finished = sum(counts)
         cpu = box_cpu()
-        sched = {w.pid: n for w in arb.slots.values() if (n := sched_ns(w.pid)) is not None}
+        sched = {w.pid: n for w in arb.pool.slots.values() if (n := sched_ns(w.pid)) is not None}
         prev_at, prev = self.at, (self.acked, self.finished, self.handler_s, self.cpu, self.sched)
         self.at, self.acked, self.finished, self.handler_s, self.cpu, self.sched = \
             now, acked, finished, handler_s, cpu, sched
@@ -145,8 +145,8 @@ class Scaler:
         arb, mon = self.arb, self.monitor
         consumer = (mon.consumer if mon else None) or {}
         lag_state = mon.analyzer.report(now).state if mon and consumer else "unknown"
-        running = sum(1 for w in arb.living() for e in w.table.snapshot() if e.state == slots.RUNNING)
-        return Inputs(now=now, workers=arb.target, ready=arb.ready_count(), concurrency=arb.cfg.workers.concurrency,
+        running = sum(1 for w in arb.pool.living() for e in w.table.snapshot() if e.state == slots.RUNNING)
+        return Inputs(now=now, workers=arb.pool.target, ready=arb.pool.ready_count(), concurrency=arb.cfg.workers.concurrency,
                       lag_state=lag_state, pending=consumer.get("num_pending", 0),
                       in_flight=consumer.get("num_ack_pending", 0), polled_at=mon.polled_at if mon else None,
                       completed=r.completed, job_time=r.job_time,
@@ -190,7 +190,7 @@ class Scaler:
             self.due = min(self.due, time.monotonic() + self.policy.params.interval)
         elif self.policy.target is not None:           # it was on: the configured count again
             self.policy = Autoscaler(self.policy.params)
-            if self.arb.target != cfg.workers.count:
+            if self.arb.pool.target != cfg.workers.count:
                 self.arb.scale(cfg.workers.count, source="reload")
         if was != self.policy.params:
             log.info("autoscale: min %d, max %d, every %g s", cfg.autoscale.min, cfg.autoscale.max,
@@ -201,7 +201,7 @@ class Scaler:
     def status(self, now: float) -> dict[str, Any]:
         a, p, d = self.arb.cfg.autoscale, self.policy, self.policy.last
         paused = self.paused_until is not None and self.enabled
-        block: dict[str, Any] = {"enabled": a.enabled, "target": self.arb.target, "min": a.min, "max": a.max,
+        block: dict[str, Any] = {"enabled": a.enabled, "target": self.arb.pool.target, "min": a.min, "max": a.max,
                                  "interval": p.params.interval}
         if not a.enabled:
             block.update(kind="disabled", reason="autoscale.enabled = false: the count is workers.count, or "

@@ -11,6 +11,7 @@ from workers import slots
 
 from . import __version__
 from .natsconn import redact_url
+from .pool import rss_of
 
 OUTSTANDING_GRACE = 2.0      # poll intervals past AckWait before a missing held job raises an alert
 
@@ -26,16 +27,16 @@ def build_status(sup: Any) -> dict[str, Any]:
         "uptime_s": round(now - arb.started, 3),
         "state": arb.state,
         "nats": nats_block(sup),
-        "workers": {"target": arb.target, "alive": len(arb.slots), "ready": arb.ready_count(),
-                    "retiring": len(arb.retiring),
-                    "list": [worker_block(arb, w, now) for w in sorted(arb.living(), key=lambda w: (w.slot, w.pid))]},
+        "workers": {"target": arb.pool.target, "alive": len(arb.pool.slots), "ready": arb.pool.ready_count(),
+                    "retiring": len(arb.pool.retiring),
+                    "list": [worker_block(arb, w, now) for w in sorted(arb.pool.living(), key=lambda w: (w.slot, w.pid))]},
         "consumer": consumer,
         "lag": lag,
         "autoscale": arb.autoscale.status(now),
         "crosscheck": arb.ledger.crosscheck(now),
         "peers": {"alone": bool(arb.peers.alone(now)), "heard": sorted(arb.peers.heard),
                   "in_transit_checks": dict(arb.in_transit.stats)},
-        "jobs": arb.worker_counters(),
+        "jobs": arb.stats.worker_counters(),
         "idempotency": idempotency_block(cfg),
         "advisories": dict(mon.advisories) if mon else {},
         "alerts": alerts(sup, lag, now),
@@ -64,7 +65,7 @@ def worker_block(arb: Any, w: Any, now: float) -> dict[str, Any]:
             "jobs_acked": t.header(slots.ACKED_N), "jobs_nacked": t.header(slots.NAKED_N),
             "jobs_terminated": t.header(slots.TERMED_N), "jobs_started": t.header(slots.STARTED_N),
             "jobs_duplicate": t.header(slots.DUPLICATE_N),
-            "restarts": arb.slot_restarts.get(w.slot, 0), "rss_bytes": arb.rss_of(w),
+            "restarts": arb.stats.slot_restarts.get(w.slot, 0), "rss_bytes": rss_of(w),
             "heartbeat_age_s": round(now - beat, 3) if beat > 0 else None,
             "uptime_s": round(now - w.started_at, 3), "retiring": w.retiring, "in_flight": in_flight}
 
@@ -94,7 +95,7 @@ def alerts(sup: Any, lag: dict[str, Any], now: float) -> list[dict[str, str]]:
     out = [{"kind": a["kind"], "message": a["message"]} for a in arb.alerts]
     counts = arb.ledger.counts
     if counts["unexplained_redeliveries"]:
-        slowest = max(arb.slowest_job(), 0.0)
+        slowest = max(arb.stats.slowest_job(), 0.0)
         out.append({"kind": "ack_wait_too_short", "message": (
             f"{counts['unexplained_redeliveries']} redelivery(ies) no crash or NAK explains: consumer.ack_wait is "
             f"{cfg.consumer.ack_wait:g}s and the slowest job seen ran {slowest:.2f}s. AckWait must exceed the "
@@ -142,8 +143,8 @@ def health(sup: Any) -> tuple[bool, str]:
     arb = sup.arbiter
     if arb.state not in ("running", "starting"):
         return False, f"supervisor is {arb.state}"
-    if arb.target > 0 and arb.ready_count() == 0:
-        return False, f"no worker ready (0/{arb.target})"
+    if arb.pool.target > 0 and arb.pool.ready_count() == 0:
+        return False, f"no worker ready (0/{arb.pool.target})"
     if sup.monitor:
         report = sup.monitor.analyzer.report(time.monotonic())
         if report.state == "stuck":
