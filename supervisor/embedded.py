@@ -142,8 +142,11 @@ class EmbeddedServer:
                                      stderr=subprocess.DEVNULL, preexec_fn=_server_child_setup,
                                      env=scrub_child_env(dict(os.environ)))
         self._wait_serving(timeout, logfile)
+        monitor = f"http://{self.host}:{self.monitor_port}" if self.monitor_port else ""
         log.info("embedded nats-server %s listening on %s (store %s%s)", self.proc.pid, self.url, self.store_dir,
-                 f", monitoring http://{self.host}:{self.monitor_port}" if self.monitor_port else "")
+                 f", monitoring {monitor}" if monitor else "",
+                 extra={"event": "embedded_server", "server_pid": self.proc.pid, "url": self.url,
+                        "store": str(self.store_dir), "monitor": monitor})
 
     def _wait_serving(self, timeout: float, logfile: Path) -> None:
         deadline = time.monotonic() + max(timeout, 1.0)
