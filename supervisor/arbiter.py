@@ -88,13 +88,12 @@ class Arbiter:
         self.started = time.monotonic()
         self.last_storm_log = 0.0
         self.ever_all_ready = False
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop = asyncio.get_running_loop()          # made inside it (app.py): pidfd readers and signals live there
         self.autoscale = Scaler(self)
 
     # ================================================================ the loop
 
     async def run(self) -> int:
-        self.loop = asyncio.get_running_loop()
         for sig in SIGNALS:
             self.loop.add_signal_handler(sig, self.queue_signal, sig)
         await self.peers.start()
@@ -167,7 +166,7 @@ class Arbiter:
         while self.signals:
             sig = self.signals.popleft()
             log.info("received %s", signal.Signals(sig).name, extra={"event": "signal", "signal": signal.Signals(sig).name})
-            getattr(self, "on_" + SIGNALS[sig])()
+            getattr(self, "on_" + SIGNALS[signal.Signals(sig)])()
 
     def on_stop(self) -> None:
         if not self.stopping:
@@ -315,8 +314,9 @@ class Arbiter:
             self.apply_events(w, w.read_events())      # whatever it said before dying
             clean = self.exited_cleanly(w)
             cause = w.kill_reason or w.describe_exit()
-            if not clean and w.exit_code() in CHILD_EXIT_REASONS:
-                cause += f": {CHILD_EXIT_REASONS[w.exit_code()]}"
+            code = w.exit_code()
+            if not clean and code in CHILD_EXIT_REASONS:
+                cause += f": {CHILD_EXIT_REASONS[code]}"
             if not clean:
                 self.in_transit.death(time.monotonic(), w.table.header(slots.CREDITS), f"worker {w.slot} (pid {w.pid})")
             await self.deaths.settle(w, cause, clean)

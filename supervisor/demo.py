@@ -206,7 +206,7 @@ class Demo:
         return cmd + ["--workers", str(self.n), "--handler", HANDLER, "--http", self.http, "--log-format", "json"]
 
     def child_env(self) -> dict[str, str]:
-        env = scrub_child_env(dict(os.environ))
+        env = dict(scrub_child_env(dict(os.environ)))
         if not self.configured:                            # the temp config is the whole config
             env = {k: v for k, v in env.items() if not k.startswith("SUPERVISOR_")}
         else:
@@ -258,8 +258,8 @@ class Demo:
         while True:
             self.check_child()
             self.drain_events(0.0)
-            s = self.status()
-            workers = (s or {}).get("workers", {})
+            s = self.status() or {}
+            workers = s.get("workers", {})
             if workers.get("ready", 0) >= self.n and workers.get("alive") == self.n \
                     and s["consumer"].get("poll_age_s") is not None:
                 break
@@ -318,7 +318,7 @@ class Demo:
                 self.tick()
                 next_tick += TICK
             if now > deadline:
-                raise DemoFailed(f"not every job acked after {time.time() - self.out.t0:.0f}s")
+                raise DemoFailed(f"not every job acked after {time.time() - (self.out.t0 or time.time()):.0f}s")
             self.drain_events(min(next_poll, next_tick) - time.monotonic())
 
     def keep_serving(self, seconds: float) -> None:
@@ -455,7 +455,7 @@ class Demo:
             time.sleep(0.02)
         if _group_alive(pgid):
             os.killpg(pgid, signal.SIGKILL)
-        if _alive(self.server_pid) and _is_nats_server(self.server_pid):
+        if self.server_pid is not None and _alive(self.server_pid) and _is_nats_server(self.server_pid):
             os.kill(self.server_pid, signal.SIGKILL)
 
     # -- the report

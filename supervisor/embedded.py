@@ -95,6 +95,11 @@ class EmbeddedServer:
         self.lock_fd: int | None = None
         self.proc: subprocess.Popen | None = None
 
+    def store(self) -> Path:
+        """The store directory (a throw-away one exists once start() made it)."""
+        assert self.store_dir is not None, "the throw-away store is made in start()"
+        return self.store_dir
+
     @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
@@ -118,9 +123,10 @@ class EmbeddedServer:
             self.store_dir = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
             log.warning("embedded.store_dir is %s: the JetStream store is a temporary directory removed at "
                         "exit, so jobs still waiting when the supervisor stops are lost", MEMORY)
+        store = self.store()
         try:
-            self.store_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(self.store_dir / STORE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            store.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(store / STORE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise ConfigError("embedded.store_dir", f"cannot use {self.store_dir}: {exc.strerror}") from None
         try:
@@ -136,24 +142,24 @@ class EmbeddedServer:
                 "-n", f"supervisor-{os.getpid()}"]
         if self.monitor_port:
             args += ["-m", str(self.monitor_port)]
-        logfile = self.store_dir / "nats-server.log"
+        logfile = self.store() / "nats-server.log"
         args += ["-l", str(logfile)]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, preexec_fn=_server_child_setup,
                                      env=scrub_child_env(dict(os.environ)))
-        self._wait_serving(timeout, logfile)
+        self._wait_serving(self.proc, timeout, logfile)
         monitor = f"http://{self.host}:{self.monitor_port}" if self.monitor_port else ""
         log.info("embedded nats-server %s listening on %s (store %s%s)", self.proc.pid, self.url, self.store_dir,
                  f", monitoring {monitor}" if monitor else "",
                  extra={"event": "embedded_server", "server_pid": self.proc.pid, "url": self.url,
                         "store": str(self.store_dir), "monitor": monitor})
 
-    def _wait_serving(self, timeout: float, logfile: Path) -> None:
+    def _wait_serving(self, proc: subprocess.Popen, timeout: float, logfile: Path) -> None:
         deadline = time.monotonic() + max(timeout, 1.0)
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if proc.poll() is not None:
                 tail = _tail(logfile)
-                raise NatsUnavailable(f"embedded nats-server exited with code {self.proc.returncode}: {tail}")
+                raise NatsUnavailable(f"embedded nats-server exited with code {proc.returncode}: {tail}")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2):
                     return

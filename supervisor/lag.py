@@ -442,6 +442,7 @@ class LagAnalyzer:
 
     def _growing_reason(self) -> str:
         first, last, fit = self._samples[0], self._samples[-1], self._trends.pending
+        assert fit is not None, "growing is only decided from a fitted trend"
         return (
             f"pending rose {first.num_pending} -> {last.num_pending} over "
             f"{last.t - first.t:.0f} s ({fit.slope:+.1f}/s)"

@@ -50,7 +50,7 @@ class Client(_NatsClient):
         """The server has read every command this client published before the call."""
         # The queued PUBs reach the socket first (bounded: nats-py's flush_timeout is None) ...
         await asyncio.wait_for(self._flush_pending(force_flush=True), timeout)
-        await self.flush(timeout)                     # ... then PING, PONG: ordered behind them
+        await self.flush(timeout)  # type: ignore[arg-type]   # ... then PING, PONG (nats-py types it int; it takes seconds)
 
     async def _process_pong(self) -> None:
         if self._pongs:

@@ -143,7 +143,7 @@ class Notifier:
 
     def _send(self, *lines: str) -> bool:
         """Send one datagram; True when it was handed to the socket. Never raises."""
-        if not lines or not self.enabled:
+        if not lines or not self.enabled or self._address is None:
             return False
         payload = "\n".join(lines).encode("utf-8", "replace")
         try:

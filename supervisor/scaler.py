@@ -200,15 +200,15 @@ class Scaler:
 
     def status(self, now: float) -> dict[str, Any]:
         a, p, d = self.arb.cfg.autoscale, self.policy, self.policy.last
-        paused = self.paused_until is not None and self.enabled
+        paused_until = self.paused_until if self.enabled else None
         block: dict[str, Any] = {"enabled": a.enabled, "target": self.arb.pool.target, "min": a.min, "max": a.max,
                                  "interval": p.params.interval}
         if not a.enabled:
             block.update(kind="disabled", reason="autoscale.enabled = false: the count is workers.count, or "
                                                  "what was set by hand")
-        elif paused:
+        elif paused_until is not None:
             block.update(kind="paused", reason=f"{self.pause_reason}; resumes in "
-                                               f"{self.paused_until - now:.0f} s or at SIGHUP")
+                                               f"{paused_until - now:.0f} s or at SIGHUP")
         elif d is None:
             block.update(kind="starting", reason="first decision after one interval's measurement")
         else:
@@ -218,6 +218,6 @@ class Scaler:
         block["last_change"] = None if c is None else f"{c.workers} -> {c.target} ({c.kind}): {c.reason}"
         block["plateau"] = p.plateau
         block["next_probe_s"] = None if p.probe_at is None else round(max(0.0, p.probe_at - now), 1)
-        block["resumes_in_s"] = round(self.paused_until - now, 1) if paused else None
+        block["resumes_in_s"] = round(paused_until - now, 1) if paused_until is not None else None
         block["dwell_s"] = p.params.step_s
         return block

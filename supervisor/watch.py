@@ -41,7 +41,8 @@ class Watch:
         """Kill the stuck (no heartbeat, a job past job_timeout, a drain past its deadline) and
         send +WPI for the held jobs of the healthy before their AckWait runs out."""
         now, lim = time.monotonic(), Limits.of(self.cfg)
-        pings, held = [], set()
+        pings: list[tuple[WorkerProcess, slots.Entry]] = []
+        held: set[tuple[int, int]] = set()
         for w in living:
             entries = w.table.snapshot()
             held.update((w.pid, e.stream_seq) for e in entries)   # a dying worker's pings still date its jobs
