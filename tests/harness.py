@@ -202,6 +202,29 @@ class SupervisorProc:
             return re.search(pattern, self.log())
         return wait_until(found, timeout, f"log line {pattern!r}")
 
+    def events(self, kind: str | None = None, **match: Any) -> list[dict]:
+        """The structured log events (extra={"event": ...}) of a supervisor started with
+        `--log-format json`, in order; only those of `kind` whose fields equal `match`."""
+        out = []
+        for line in self.log().splitlines():
+            if not line.startswith("{"):
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue                     # a line still being written
+            if "event" in record and kind in (None, record["event"]) and \
+                    all(record.get(k) == v for k, v in match.items()):
+                out.append(record)
+        return out
+
+    def wait_event(self, kind: str, timeout: float = DEADLINE, **match: Any) -> dict:
+        def found():
+            assert self.proc.poll() is None or self.events(kind, **match), \
+                f"supervisor exited ({self.proc.returncode}) before event {kind} {match}:\n{self.log()[-3000:]}"
+            return self.events(kind, **match)
+        return wait_until(found, timeout, f"event {kind} {match}")[0]
+
     @property
     def http(self) -> str:
         return self.config["monitor"]["http"]
