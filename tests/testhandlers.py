@@ -4,9 +4,11 @@ knows exactly which process ran what, when, and how often."""
 
 import asyncio
 import os
+import signal
 import time
+from pathlib import Path
 
-from workers import Job, Reject
+from workers import Job, Reject, Retry
 
 _fd = None
 _hoard = []          # memory kept on purpose by "grow:MB" jobs
@@ -27,6 +29,8 @@ def _act(job: Job) -> float:
         os._exit(13)
     if text == "reject":
         raise Reject("payload asked to be rejected")
+    if text.startswith("retry:") and job.delivery == 1:
+        raise Retry(delay=float(text.split(":")[1]))
     if text == "fail-once" and job.delivery == 1:
         raise RuntimeError("failing the first delivery on purpose")
     if text == "fail":
@@ -60,6 +64,37 @@ async def record_async(job: Job) -> None:
 
 def boom_init() -> None:
     raise RuntimeError("init hook failing on purpose")
+
+
+def gate_init() -> None:
+    """Hold a worker before it becomes ready until the test creates $GATE_DIR/open. With
+    $GATE_ONE set only the first worker to get here waits (it claims the gate); the rest go on."""
+    gate = Path(os.environ["GATE_DIR"])
+    if os.environ.get("GATE_ONE"):
+        try:
+            os.close(os.open(gate / "claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+    while not (gate / "open").exists():
+        time.sleep(0.02)
+
+
+def die_after_ack_init() -> None:
+    """A kill point between an ack and its fence, made explicit: a worker running a job whose
+    payload is `die-after-ack` (first delivery) SIGKILLs itself right after it has published the
+    ack and marked the entry ACKED, before its settler can fence it (nats-py's publish only
+    queues the bytes for the flusher task, and nothing here yields to the loop, so the ack never
+    reaches the server: the parent's NAK is what brings the job back)."""
+    from workers import runtime
+
+    original = runtime.Worker.settle
+
+    async def settle(self, i, job, payload, outcome, reason):
+        await original(self, i, job, payload, outcome, reason)
+        if outcome == "ack" and job.delivery == 1 and job.data == b"die-after-ack":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    runtime.Worker.settle = settle
 
 
 NOT_CALLABLE = 42
