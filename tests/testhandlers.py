@@ -14,11 +14,11 @@ _fd = None
 _hoard = []          # memory kept on purpose by "grow:MB" jobs
 
 
-def _log(event: str, job: Job) -> None:
+def _log(event: str, job: Job, tag: str = "") -> None:
     global _fd
     if _fd is None:
         _fd = os.open(os.environ["JOBS_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    data = job.data.decode(errors="replace").replace("\n", " ")
+    data = tag + job.data.decode(errors="replace").replace("\n", " ")
     os.write(_fd, f"{event} {os.getpid()} {job.stream_seq} {job.delivery} {time.time():.6f} {data}\n".encode())
 
 
@@ -55,6 +55,13 @@ def record(job: Job) -> None:
     _log("done", job)
 
 
+def record_v2(job: Job) -> None:
+    """`record` that tags what it logs (data "v2:<payload>"): which handler ran a job."""
+    _log("start", job, "v2:")
+    time.sleep(_act(job))
+    _log("done", job, "v2:")
+
+
 async def record_async(job: Job) -> None:
     _log("start", job)
     seconds = _act(job)
@@ -77,6 +84,11 @@ def gate_init() -> None:
             return
     while not (gate / "open").exists():
         time.sleep(0.02)
+
+
+def slow_init() -> None:
+    """A worker slow to become ready ($SLOW_INIT seconds): a replacement that takes its time."""
+    time.sleep(float(os.environ.get("SLOW_INIT", "2")))
 
 
 def die_after_ack_init() -> None:
