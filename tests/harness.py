@@ -182,12 +182,13 @@ class SupervisorProc:
         self.env = child_env(JOBS_LOG=str(self.jobs.path), **(env or {}))
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self.wrapper: tuple[str, ...] = ()      # a command the supervisor runs under (strace -f ...)
 
     def start(self) -> "SupervisorProc":
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor", "start", "--config", str(self.config_path),
-                                      *self.args], stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=self.tmp, start_new_session=True)
+        self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-m", "supervisor", "start", "--config",
+                                      str(self.config_path), *self.args], stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, cwd=self.tmp, start_new_session=True)
         return self
 
     # -- observing
