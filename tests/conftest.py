@@ -18,14 +18,19 @@ OUR_TEMP_DIRS = ("jetstream-supervisor-*", "jsbench-*")   # embedded.py's throw-
 SETTLE = 10.0          # seconds the last teardowns get to finish killing what they started
 
 
-def marked_processes(mark: str) -> list[psutil.Process]:
-    """Live processes (zombies excluded) started by this session, the pytest process excluded."""
+def our_processes(mark: str, basetemp: Path) -> list[psutil.Process]:
+    """Live processes (zombies excluded) this session started, the pytest process excluded: the
+    session's mark in their environment, or a working directory in the session's temp tree (a
+    supervisor's process title overwrites the memory /proc/PID/environ reads, so its workers
+    are known by the directory the harness starts each supervisor in)."""
     found = []
     for p in psutil.process_iter():
         if p.pid == os.getpid():
             continue
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(SESSION_MARK) == mark:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if p.environ().get(SESSION_MARK) == mark or Path(p.cwd()).is_relative_to(basetemp):
                 found.append(p)
         except psutil.Error:
             pass
@@ -34,7 +39,7 @@ def marked_processes(mark: str) -> list[psutil.Process]:
 
 def describe(p: psutil.Process) -> str:
     try:
-        return f"pid {p.pid}: {' '.join(p.cmdline())[:200]}"
+        return f"pid {p.pid}: {' '.join(p.cmdline()).strip()[:200]}"
     except psutil.Error:
         return f"pid {p.pid} (gone)"
 
@@ -46,6 +51,7 @@ def private_temp_and_state(tmp_path_factory):
     any nats-server, supervisor, worker or other process of ours still runs, or a temp store or
     bench workdir was left (other test runs on the machine use /tmp at the same time, so /tmp
     itself cannot tell)."""
+    basetemp = tmp_path_factory.getbasetemp()
     root = tmp_path_factory.mktemp("session")
     mark = uuid.uuid4().hex
     saved = {k: os.environ.get(k) for k in ("TMPDIR", "XDG_STATE_HOME", "STATE_DIRECTORY", SESSION_MARK)}
@@ -63,7 +69,7 @@ def private_temp_and_state(tmp_path_factory):
             else:
                 os.environ[k] = v
     deadline = time.monotonic() + SETTLE
-    while (procs := marked_processes(mark)) and time.monotonic() < deadline:
+    while (procs := our_processes(mark, basetemp)) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = [describe(p) for p in procs]
     for p in procs:                                          # named below; not left to run on
