@@ -36,8 +36,8 @@ def test_consumer_settings_are_updated_and_each_change_logged(nats_server, super
         await js.add_consumer("JOBS", api.ConsumerConfig(durable_name="workers", ack_policy=api.AckPolicy.EXPLICIT,
                                                          ack_wait=10, max_ack_pending=50))
     asyncio.run(js_call(nats_server.url, setup))
-    sup = supervisor_factory(nats_server, workers={"count": 1}, consumer={"ack_wait": 30.0, "max_ack_pending": 500},
-                             args=("--log-format", "json"))
+    sup = supervisor_factory(nats_server, workers={"count": 1}, args=("--log-format", "json"),
+                             consumer={"ack_wait": 30.0, "max_ack_pending": 500, "max_deliver": -1})
     sup.wait_ready(1)
     updated = {(e["consumer"], e["setting"]): (e["have"], e["want"]) for e in sup.events("consumer_updated")}
     assert updated == {("workers", "ack_wait"): (10.0, 30.0), ("workers", "max_ack_pending"): (50, 500)}
