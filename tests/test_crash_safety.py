@@ -265,12 +265,10 @@ def nats_server_connz(server) -> str:
         return r.read().decode()
 
 
-def recycle_order_ok(sup, ready_first: bool = True) -> int:
-    """Capacity never drops on a recycle: the replacement is ready before the old worker exits
-    (`ready_first`; a recycle the parent signals: RSS, a config roll), or at least started before
-    it (max_jobs: the old worker leaves by itself once its last job is done, so no signal can cut
-    that job short). Read from the structured events of a supervisor run with JSON logs.
-    Returns how many recycles have completed."""
+def recycle_order_ok(sup) -> int:
+    """Capacity never drops on a recycle (max_jobs, RSS, a config roll): the replacement is ready
+    before the old worker exits. Read from the structured events of a supervisor run with JSON
+    logs. Returns how many recycles have completed."""
     events = sup.events()
     complete = 0
     for k, ev in enumerate(events):
@@ -283,9 +281,8 @@ def recycle_order_ok(sup, ready_first: bool = True) -> int:
         if exited is None:
             continue                     # still under way
         assert later[exited]["event"] == "worker_exited", f"recycled worker {old} died: {later[exited]}"
-        if ready_first:
-            ready = next((j for j, e in enumerate(later) if e["event"] == "worker_ready" and e["slot"] == slot), None)
-            assert ready is not None and ready < exited, f"worker {slot} pid {old} exited before its replacement was ready"
+        ready = next((j for j, e in enumerate(later) if e["event"] == "worker_ready" and e["slot"] == slot), None)
+        assert ready is not None and ready < exited, f"worker {slot} pid {old} exited before its replacement was ready"
         complete += 1
     return complete
 
@@ -304,8 +301,8 @@ def test_max_jobs_recycles_one_at_a_time_without_losing_jobs(nats_server, superv
     assert sorted(runs_per_pid.values()) == [5] * 8, runs_per_pid
     assert all(r.delivery == 1 for r in sup.jobs.started())
     assert nats_server.consumer()["delivered"]["consumer_seq"] == 40
-    # All 8 reached max_jobs: each was recycled (its replacement forked) before it exited.
-    wait_until(lambda: recycle_order_ok(sup, ready_first=False) == 8, what="8 recycles, each replacement first")
+    # All 8 reached max_jobs: each left only once its replacement was ready.
+    wait_until(lambda: recycle_order_ok(sup) == 8, what="8 recycles, each replacement ready first")
     assert {e["worker_pid"] for e in sup.events("worker_recycling")} == set(runs_per_pid)
     assert sup.status()["crosscheck"]["crashes"] == 0
     assert sup.stop() == 0
