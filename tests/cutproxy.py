@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
+
+from stallproxy import StallAfterPing
 
 
 class Link:
@@ -32,28 +33,13 @@ class Link:
         self.upstream.close()
 
 
-class CutProxy:
+class CutProxy(StallAfterPing):
+    """stallproxy's relay (thread, loop, start, stop, url) with this fault instead."""
+
     def __init__(self, upstream_port: int):
-        self.upstream_port = upstream_port
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.port = 0
+        super().__init__(upstream_port, stall=0.0)
         self.links: list[Link] = []
         self.dropped = b""           # what the cut clients wrote, for the test to inspect
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> "CutProxy":
-        self.thread.start()
-        assert self.ready.wait(10), "relay did not start"
-        return self
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
 
     def cut(self, name_part: str, seconds: float) -> list[str]:
         """Blocks for `seconds`; returns the names of the connections it cut."""
@@ -71,16 +57,6 @@ class CutProxy:
                 link.close()
                 self.links.remove(link)
         return [link.name for link in hit]
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        server = self.loop.run_until_complete(asyncio.start_server(self._relay, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
-        self.ready.set()
-        self.loop.run_forever()
-        server.close()
-        for link in self.links:
-            link.close()
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -79,14 +79,15 @@ def gone(family: list[psutil.Process]) -> bool:
 
 
 def running_bench(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
-    """A bench (crash scenario) with its nats-server and a supervisor with workers running."""
+    """A bench (crash scenario) with its nats-server and a supervisor with a worker running (by
+    the worker's process title)."""
     proc = start_bench(["--smoke", "--only", "crash", "--out", str(tmp_path / "out")], tmp_path / "tmp")
 
     def up():
         assert proc.poll() is None, proc.communicate()
         family = bench_family(proc)
         names = cmdlines(family)
-        return family if "nats-server" in names and "-m supervisor" in names and len(family) >= 4 else None
+        return family if "nats-server" in names and "supervisor: worker" in names else None
     return proc, wait_until(up, timeout=60, what="the bench's nats-server, supervisor and workers")
 
 

@@ -188,27 +188,27 @@ def ctrl_c(sup) -> None:
     os.killpg(sup.proc.pid, signal.SIGINT)
 
 
-def test_ctrl_c_drains(nats_server, supervisor_factory):
-    sup = supervisor_factory(nats_server, workers={"count": 2, "graceful_timeout": 30.0},
+def ctrl_c_with_two_jobs_running(nats_server, supervisor_factory, seconds: float):
+    """Two workers each running a job of `seconds`; Ctrl-C; the supervisor is draining."""
+    sup = supervisor_factory(nats_server, workers={"count": 2, "graceful_timeout": 60.0},
                              consumer={"ack_wait": ACK_WAIT})
     sup.wait_ready(2)
-    publish(nats_server.url, count=2, data="2")
+    publish(nats_server.url, count=2, data=str(seconds))
     wait_until(lambda: len(sup.jobs.running()) == 2, what="two jobs running")
     ctrl_c(sup)
     wait_until(lambda: (s := sup.try_status()) and s["state"] == "draining", what="draining")
+    return sup
+
+
+def test_ctrl_c_drains(nats_server, supervisor_factory):
+    sup = ctrl_c_with_two_jobs_running(nats_server, supervisor_factory, 2)
     assert sup.wait() == 0
     assert sorted((r.seq, r.delivery) for r in sup.jobs.done()) == [(1, 1), (2, 1)], "both finished, once"
     assert nats_server.stream_msgs() == 0, "and acked"
 
 
 def test_a_second_ctrl_c_stops_at_once(nats_server, supervisor_factory):
-    sup = supervisor_factory(nats_server, workers={"count": 2, "graceful_timeout": 60.0},
-                             consumer={"ack_wait": ACK_WAIT})
-    sup.wait_ready(2)
-    publish(nats_server.url, count=2, data="30")
-    wait_until(lambda: len(sup.jobs.running()) == 2, what="two long jobs running")
-    ctrl_c(sup)
-    wait_until(lambda: (s := sup.try_status()) and s["state"] == "draining", what="draining")
+    sup = ctrl_c_with_two_jobs_running(nats_server, supervisor_factory, 30)
     started = time.monotonic()
     ctrl_c(sup)
     assert sup.wait(20) == 0, "the second Ctrl-C must not wait for the 30 s jobs"
