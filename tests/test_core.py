@@ -59,7 +59,7 @@ def test_sigkill_mid_job_is_replaced_and_job_redone(nats_server, supervisor_fact
                              args=("--log-format", "json"))
     sup.wait_ready(2)
     before = sup.worker_pids()
-    publish(nats_server.url, count=1, data="1.5")
+    publish(nats_server.url, count=1, data="long-once:30")
     victim = wait_until(lambda: sup.jobs.running(), what="the job to start")[0]
     psutil.Process(victim.pid).send_signal(signal.SIGKILL)
     t_kill = time.time()
@@ -86,7 +86,7 @@ def test_sigterm_drains_in_flight_jobs(tmp_path, supervisor_factory):
     sup = supervisor_factory(None, workers={"count": 3, "concurrency": 2}, embedded={"store_dir": str(store)})
     status = sup.wait_ready(3)
     url = status["nats"]["servers"][0]
-    publish(url, count=6, data="1.5")
+    publish(url, count=6, data="3")
     wait_until(lambda: len(sup.jobs.running()) == 6, what="6 jobs in flight")
     family = [p for p in psutil.Process(sup.proc.pid).children(recursive=True)]
     sup.signal(signal.SIGTERM)
@@ -117,7 +117,7 @@ def test_drain_naks_pulled_but_not_started(nats_server, supervisor_factory):
     sup.wait_ready(1)
     publish(nats_server.url, count=10, data="0")         # teaches the worker its jobs are fast: it prefetches
     wait_until(lambda: len(sup.jobs.done()) == 10, what="warm-up jobs done")
-    publish(nats_server.url, count=4, data="1.0")
+    publish(nats_server.url, count=4, data="3.0")
     first = wait_until(lambda: sup.jobs.running(), what="a job running")[0]
     def held():
         return [e for w in sup.status()["workers"]["list"] for e in w["in_flight"] if e["state"] == "held"]

@@ -142,7 +142,7 @@ def test_sigstopped_worker_is_killed_and_its_job_runs_elsewhere(nats_server, sup
     sup = supervisor_factory(nats_server, workers={"count": 2, "heartbeat_timeout": heartbeat_timeout},
                              consumer={"ack_wait": ACK_WAIT}, args=JSON_LOGS)
     sup.wait_ready(2)
-    publish(nats_server.url, count=1, data="2")
+    publish(nats_server.url, count=1, data="long-once:30")
     victim = wait_until(lambda: sup.jobs.running(), what="the job to start")[0]
     psutil.Process(victim.pid).send_signal(signal.SIGSTOP)
     stopped = time.time()
@@ -331,7 +331,7 @@ def test_peer_supervisors_explain_each_others_redeliveries(nats_server, supervis
     a = supervisor_factory(nats_server, workers={"count": 1}, restart={"backoff_initial": 5.0, "backoff_max": 5.0},
                            consumer={"ack_wait": 30.0})
     a.wait_ready(1)
-    publish(nats_server.url, count=1, data="1.0")
+    publish(nats_server.url, count=1, data="long-once:30")
     held = wait_until(lambda: a.jobs.running(), what="host A running the job")[0]
     for n in (1, 2):
         b.signal(signal.SIGTTIN)
@@ -453,7 +453,7 @@ def test_inbox_tap_does_not_leave_a_dead_workers_job_to_ack_wait(nats_server, su
                                  restart={"backoff_initial": 6.0, "backoff_max": 6.0}, consumer={"ack_wait": ACK_WAIT},
                                  args=JSON_LOGS)
         await asyncio.to_thread(sup.wait_ready, 1)
-        await asyncio.to_thread(publish, nats_server.url, count=1, data="2")
+        await asyncio.to_thread(publish, nats_server.url, count=1, data="long-once:30")
         victim = (await asyncio.to_thread(wait_until, lambda: sup.jobs.running(), 60, "the job running"))[0]
         killed = time.monotonic()
         psutil.Process(victim.pid).send_signal(signal.SIGKILL)

@@ -13,7 +13,7 @@ ACK_WAIT = 60.0
 
 
 def test_retry_delay_is_a_nak_with_that_delay(nats_server, supervisor_factory):
-    delay = 3.0
+    delay = 2.0
     sup = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": ACK_WAIT})
     sup.wait_ready(2)
     publish(nats_server.url, count=1, data=f"retry:{delay}")

@@ -201,7 +201,7 @@ def ctrl_c_with_two_jobs_running(nats_server, supervisor_factory, seconds: float
 
 
 def test_ctrl_c_drains(nats_server, supervisor_factory):
-    sup = ctrl_c_with_two_jobs_running(nats_server, supervisor_factory, 2)
+    sup = ctrl_c_with_two_jobs_running(nats_server, supervisor_factory, 5)
     assert sup.wait() == 0
     assert sorted((r.seq, r.delivery) for r in sup.jobs.done()) == [(1, 1), (2, 1)], "both finished, once"
     assert nats_server.stream_msgs() == 0, "and acked"

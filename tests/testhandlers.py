@@ -39,6 +39,8 @@ def _act(job: Job) -> float:
         _hoard.append(bytearray(int(text.split(":")[1]) * 1024 * 1024))   # zero-filled pages count in RSS once touched
         _hoard[-1][::4096] = b"x" * len(_hoard[-1][::4096])
         return 0.0
+    if text.startswith("long-once:"):   # long the first time (a test can catch it running), then instant
+        return float(text.split(":")[1]) if job.delivery == 1 else 0.0
     if text.startswith("hog") and job.delivery == 1:
         while True:           # a handler that never yields the GIL long enough... burns CPU forever
             pass
