@@ -25,7 +25,7 @@ from typing import Any
 import uvloop
 
 from . import procs, report, scenarios
-from .natsenv import NatsServer
+from .natsenv import STOPPING, NatsServer
 from .profile import PROFILES
 
 SCENARIOS = {"throughput": scenarios.throughput, "cpu": scenarios.cpu_bound, "crash": scenarios.crash_recovery,
@@ -83,7 +83,8 @@ def say(text: str) -> None:
 async def run(args: argparse.Namespace) -> dict:
     profile = PROFILES[args.profile]
     # SIGTERM cancels the run: every finally below stops what it started and the workdir goes.
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    task = asyncio.current_task()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: (STOPPING.set(), task.cancel()))
     workdir = Path(tempfile.mkdtemp(prefix="jsbench-"))
     results: dict[str, Any] = {"profile": profile.__dict__, "machine": machine(),
                                "command": "python -m bench " + shlex.join(sys.argv[1:]),

@@ -94,7 +94,13 @@ def run_bare(n: int, rounds: int, count: int, workdir: Path) -> float:
     argv = [sys.executable, "-m", "bench.contenders", "bare", "--rounds", str(rounds), "--count", str(count)]
     ps = [subprocess.Popen(argv, cwd=workdir, stdout=subprocess.PIPE, text=True, env=child_env(),
                            preexec_fn=dies_with_the_bench()) for _ in range(n)]
-    outs = [p.communicate(timeout=600)[0] for p in ps]
+    try:
+        wait_until(lambda: all(p.poll() is not None for p in ps), 600, "the bare spin processes", 0.05)
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+    outs = [p.communicate()[0] for p in ps]
     if any(p.returncode for p in ps):
         raise RuntimeError(f"bare spin processes failed: {[p.returncode for p in ps]}")
     return n * count / max(float(o) for o in outs)
