@@ -149,7 +149,7 @@ def test_render_status_stale_poll_dead_workers_jobs_and_alerts():
 def test_scale_up_and_down_with_jobs_flowing_loses_nothing(nats_server, supervisor_factory):
     sup = supervisor_factory(nats_server, workers={"count": 1})
     sup.wait_ready(1)
-    publish(nats_server.url, count=150, data="0.1")
+    publish(nats_server.url, count=150, data="0.3")      # about 9 s on 5 workers: still flowing at the scale-down, even on a loaded box
     wait_until(lambda: len(sup.jobs.done()) >= 3, what="jobs flowing")
 
     r = run_cli("scale", "5", "--url", sup.http)
