@@ -16,6 +16,7 @@ from harness import publish, wait_until
 from supervisor.peers import SUSPECT_GRACE
 
 ACK_WAIT = 60.0      # far longer than any wait below: a job back within seconds was NAKed, not expired
+NAKED_WITHIN = 10.0  # a job NAKed at a death is back within this (AckWait 30 s in the tests that use it)
 JSON_LOGS = ("--log-format", "json")    # structured events (SupervisorProc.events) instead of wording
 
 
@@ -56,9 +57,11 @@ def test_random_sigkills_lose_nothing_and_ledger_matches(nats_server, supervisor
         assert seen_running <= held, (pid, seen_running, held)
         # Pulled but not started yet: the victim never ran it, so it must have come back.
         assert held - started_by_victim <= redelivered, (pid, held, started_by_victim)
-        for seq in seen_running:   # back in well under AckWait: the supervisor NAKed it
+        for seq in seen_running:   # back in well under AckWait (30 s): the supervisor NAKed it
             again = min(r.t for r in starts if r.seq == seq and r.delivery > 1)
-            assert again - t_kill < 1.0, f"seq {seq} came back {again - t_kill:.2f}s after the kill"
+            # Milliseconds when idle; the bound leaves a loaded box seconds and still cannot be
+            # met by an AckWait expiry.
+            assert again - t_kill < NAKED_WITHIN, f"seq {seq} came back {again - t_kill:.2f}s after the kill"
     held_anywhere = set().union(*(set(d["held"]) for d in deaths.values()))
     runs = collections.Counter(r.seq for r in sup.jobs.done())
     duplicates = {seq for seq, n in runs.items() if n > 1}

@@ -66,7 +66,8 @@ def test_seed_lag_experiment_burst(nats_server, supervisor_factory, tmp_path):
     samples = sample_until(sup, empty)
     states = {s["lag"]["state"] for _, s in samples}
     assert "growing" not in states and "stuck" not in states, states
-    assert max(s["consumer"]["num_pending"] for _, s in samples) >= 35
+    # About 38 at the first poll after the publish; a loaded box may poll a few jobs later.
+    assert max(s["consumer"]["num_pending"] for _, s in samples) >= 30
     history = json.loads(sup.get("/history")[1])["samples"]
     burst = [h for h in history if h["delivered"] is not None and h["delivered"] > 0]
     assert burst and burst[-1]["ack_floor"] == 40
@@ -208,9 +209,13 @@ def test_max_deliveries_advisory_dead_letters_the_job(nats_server, supervisor_fa
     assert letters[0].data == b"fail"
     assert "max deliveries" in letters[0].headers["Supervisor-Dead-Letter-Reason"]
     assert letters[0].headers["Supervisor-Dead-Letter-Sequence"] == "1"
-    s = sup.status()
+    # The advisory's count and alert are posted through the arbiter's loop: they may land a
+    # moment after the dead-letter copy.
+    s = wait_until(lambda: (s := sup.status())["advisories"]["max_deliveries"] >= 1 and s,
+                   what="the max_deliveries advisory counted")
     assert s["advisories"]["max_deliveries"] == 1
-    assert any(a["kind"] == "max_deliveries" for a in s["alerts"])
+    wait_until(lambda: any(a["kind"] == "max_deliveries" for a in sup.status()["alerts"]),
+               what="the max_deliveries alert")
     assert sup.stop() == 0
 
 

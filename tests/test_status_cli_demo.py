@@ -75,7 +75,7 @@ def test_status_and_scale_without_a_supervisor_are_one_clear_line(tmp_path):
     assert r.returncode == 2 and "monitor.http" in one_line_error(r)
 
 
-def test_status_with_no_workers_and_while_draining(nats_server, supervisor_factory):
+def test_status_with_no_workers_and_while_draining(nats_server, supervisor_factory, tmp_path):
     sup = supervisor_factory(nats_server, workers={"count": 1})
     sup.wait_ready(1)
     r = run_cli("scale", "0", "--url", sup.http)
@@ -87,7 +87,8 @@ def test_status_with_no_workers_and_while_draining(nats_server, supervisor_facto
 
     assert run_cli("scale", "1", "--url", sup.http).returncode == 0
     sup.wait_ready(1)
-    publish(nats_server.url, count=1, data="3")
+    gate = tmp_path / "job-may-end"        # the job lasts until the CLI has seen the drain, however slow the box
+    publish(nats_server.url, count=1, data=f"until:{gate}")
     wait_until(lambda: (s := sup.try_status()) and in_flight(s) == 1, what="the long job in flight")
     sup.signal(signal.SIGTERM)
     wait_until(lambda: (s := sup.try_status()) and s["state"] == "draining", what="draining")
@@ -95,6 +96,7 @@ def test_status_with_no_workers_and_while_draining(nats_server, supervisor_facto
     assert r.returncode == 0, r.stderr
     assert "draining" in r.stdout.splitlines()[0], r.stdout
     assert "seq 1 #1" in r.stdout, r.stdout                       # the job it is finishing
+    gate.touch()
     assert sup.wait() == 0
     assert sup.jobs.done_seqs() == {1}
 

@@ -41,6 +41,11 @@ def _act(job: Job) -> float:
         return 0.0
     if text.startswith("long-once:"):   # long the first time (a test can catch it running), then instant
         return float(text.split(":")[1]) if job.delivery == 1 else 0.0
+    if text.startswith("until:"):       # runs until the test creates that file: as long as the test needs
+        gate, deadline = Path(text.split(":", 1)[1]), time.monotonic() + 120
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return 0.0
     if text.startswith("hog") and job.delivery == 1:
         while True:           # a handler that never yields the GIL long enough... burns CPU forever
             pass
