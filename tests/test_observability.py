@@ -270,14 +270,16 @@ def test_healthz_503_while_no_worker_is_ready(nats_server, supervisor_factory, t
     assert sup.stop() == 0
 
 
-def test_healthz_503_while_stopping(nats_server, supervisor_factory):
+def test_healthz_503_while_stopping(nats_server, supervisor_factory, tmp_path):
     sup = supervisor_factory(nats_server, workers={"count": 1, "graceful_timeout": 30.0})
     sup.wait_ready(1)
     assert sup.get("/healthz")[0] == 200
-    publish(nats_server.url, count=1, data="5")
+    gate = tmp_path / "job-may-end"             # the drain lasts until the test has looked
+    publish(nats_server.url, count=1, data=f"until:{gate}")
     wait_until(lambda: sup.jobs.running(), what="the job running")
     sup.signal(signal.SIGTERM)
     code, body = wait_until(lambda: (r := sup.get("/healthz"))[0] != 200 and r, what="/healthz after SIGTERM")
     assert (code, body.strip()) == (503, "supervisor is draining")
     assert sup.status()["state"] == "draining"
+    gate.touch()
     assert sup.wait() == 0
