@@ -8,12 +8,14 @@ OUT/results.json (every raw run plus the summaries), OUT/tables.md and OUT/throu
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import os
 import platform
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -23,7 +25,7 @@ from typing import Any
 import uvloop
 
 from . import procs, report, scenarios
-from .natsenv import NatsServer
+from .natsenv import STOPPING, NatsServer
 from .profile import PROFILES
 
 SCENARIOS = {"throughput": scenarios.throughput, "cpu": scenarios.cpu_bound, "crash": scenarios.crash_recovery,
@@ -80,6 +82,9 @@ def say(text: str) -> None:
 
 async def run(args: argparse.Namespace) -> dict:
     profile = PROFILES[args.profile]
+    # SIGTERM cancels the run: every finally below stops what it started and the workdir goes.
+    task = asyncio.current_task()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: (STOPPING.set(), task.cancel()))
     workdir = Path(tempfile.mkdtemp(prefix="jsbench-"))
     results: dict[str, Any] = {"profile": profile.__dict__, "machine": machine(),
                                "command": "python -m bench " + shlex.join(sys.argv[1:]),
@@ -125,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         results["targets"] = report.targets(results)
     else:
         started = time.monotonic()
-        results = uvloop.run(run(args))
+        try:
+            results = uvloop.run(run(args))
+        except asyncio.CancelledError:
+            say("bench: stopped by SIGTERM; everything it started is stopped and its work files removed")
+            return 128 + signal.SIGTERM
         results["seconds"] = round(time.monotonic() - started, 1)
     text = report.render(results)
     say("\n" + text)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -27,12 +29,16 @@ from nats.js.errors import NotFoundError
 
 from supervisor.embedded import find_binary as nats_server_binary
 from supervisor.embedded import free_port
+from workers.runtime import set_parent_death_signal
 
 STREAM = "JOBS"
 CONSUMER = "workers"
 SUBJECT = "jobs.new"
 SUBJECTS = ["jobs.>"]
 REPO = Path(__file__).resolve().parent.parent
+# Set on SIGTERM: waits running in threads (which a cancelled task cannot stop) give up at once,
+# so the bench stops within seconds instead of when their timeouts run out.
+STOPPING = threading.Event()
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -45,12 +51,29 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _die_with(parent: int) -> None:
+    """In a child of the bench, before exec: SIGTERM when the bench dies, however it dies (the
+    SIGKILL of a test's timeout included). Every process the bench starts gets it: they live in
+    sessions of their own, so no group kill of the bench reaches them."""
+    set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != parent:           # the bench died before the prctl took effect
+        os._exit(1)
+
+
+def dies_with_the_bench():
+    """preexec_fn for subprocess.Popen (call it in the thread that starts the child, and keep
+    that thread alive while the child runs: the signal follows the thread that forked)."""
+    return functools.partial(_die_with, os.getpid())
+
+
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.01) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
+        if STOPPING.is_set():
+            raise TimeoutError(f"the bench is stopping; gave up waiting for {what}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
@@ -74,7 +97,8 @@ class NatsServer:
         self.version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.strip()
         self.proc = subprocess.Popen([binary, "-js", "-sd", str(self.store), "-a", "127.0.0.1", "-p", str(self.port),
                                       "-m", str(self.monitor_port)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+                                     stderr=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=dies_with_the_bench())
         wait_until(self._serving, 30, "nats-server", 0.05)
         return self
 

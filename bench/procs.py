@@ -18,13 +18,13 @@ from typing import Any
 import psutil
 import tomli_w
 
-from .natsenv import child_env, free_port, wait_until
+from .natsenv import child_env, dies_with_the_bench, free_port, wait_until
 
 
 def _popen(argv: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(log, "ab") as out:
         return subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env or child_env(),
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=dies_with_the_bench())
 
 
 def _group_kill(procs: list[subprocess.Popen], timeout: float) -> None:
@@ -92,8 +92,15 @@ def run_bare(n: int, rounds: int, count: int, workdir: Path) -> float:
     """n processes each spinning `count` jobs of `rounds`; jobs/s over the slowest one's own
     timing (interpreter start-up left out; they start within milliseconds of each other)."""
     argv = [sys.executable, "-m", "bench.contenders", "bare", "--rounds", str(rounds), "--count", str(count)]
-    ps = [subprocess.Popen(argv, cwd=workdir, stdout=subprocess.PIPE, text=True, env=child_env()) for _ in range(n)]
-    outs = [p.communicate(timeout=600)[0] for p in ps]
+    ps = [subprocess.Popen(argv, cwd=workdir, stdout=subprocess.PIPE, text=True, env=child_env(),
+                           preexec_fn=dies_with_the_bench()) for _ in range(n)]
+    try:
+        wait_until(lambda: all(p.poll() is not None for p in ps), 600, "the bare spin processes", 0.05)
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+    outs = [p.communicate()[0] for p in ps]
     if any(p.returncode for p in ps):
         raise RuntimeError(f"bare spin processes failed: {[p.returncode for p in ps]}")
     return n * count / max(float(o) for o in outs)

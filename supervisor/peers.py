@@ -113,7 +113,8 @@ class Peers:
             self.last_hello = 0.0                # a newcomer asks who is there: hello at the next flush
         for seq, why in naks:
             if self.ledger.expect(seq, f"{why} (on {origin})"):
-                log.info("job seq=%d, redelivered here a moment ago, is explained: %s (on %s)", seq, why, origin)
+                log.info("job seq=%d, redelivered here a moment ago, is explained: %s (on %s)", seq, why, origin,
+                         extra={"event": "redelivery_explained", "seq": seq, "why": f"{why} (on {origin})"})
         for seq, delivery in seen:
             self.ledger.redelivered_elsewhere(now, seq, delivery)
         for seq, delivery, outcome in settled:

@@ -1,36 +1,86 @@
 import os
 import sys
+import time
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import NatsServer, SupervisorProc, base_config  # noqa: E402
 
-OUR_TEMP_DIRS = "jetstream-supervisor-*"      # supervisor/embedded.py's throw-away stores
+# Every process the suite starts carries this variable (children inherit the environment), so at
+# the end the suite can tell its own leftovers from other test runs on the same machine.
+SESSION_MARK = "JSS_TEST_SESSION"
+OUR_TEMP_DIRS = ("jetstream-supervisor-*", "jsbench-*")   # embedded.py's throw-away stores, bench workdirs
+SETTLE = 10.0          # seconds the last teardowns get to finish killing what they started
+
+
+def our_processes(mark: str, basetemp: Path) -> list[psutil.Process]:
+    """Live processes (zombies excluded) this session started, the pytest process excluded: the
+    session's mark in their environment, or a working directory in the session's temp tree (a
+    supervisor's process title overwrites the memory /proc/PID/environ reads, so its workers
+    are known by the directory the harness starts each supervisor in)."""
+    found = []
+    for p in psutil.process_iter():
+        if p.pid == os.getpid():
+            continue
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if p.environ().get(SESSION_MARK) == mark or Path(p.cwd()).is_relative_to(basetemp):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def describe(p: psutil.Process) -> str:
+    try:
+        return f"pid {p.pid}: {' '.join(p.cmdline()).strip()[:200]}"
+    except psutil.Error:
+        return f"pid {p.pid} (gone)"
 
 
 @pytest.fixture(scope="session", autouse=True)
 def private_temp_and_state(tmp_path_factory):
-    """Every process the suite starts gets a temp dir and a state home of the session's own: no
-    test writes into ~/.local/state, and at the end the suite checks that no supervisor left a
-    temp store behind (other test runs on the machine use /tmp at the same time, so /tmp itself
-    cannot tell)."""
+    """Every process the suite starts gets a temp dir and a state home of the session's own (no
+    test writes into ~/.local/state) and a mark. At the end the session fails, naming them, if
+    any nats-server, supervisor, worker or other process of ours still runs, or a temp store or
+    bench workdir was left (other test runs on the machine use /tmp at the same time, so /tmp
+    itself cannot tell)."""
+    basetemp = tmp_path_factory.getbasetemp()
     root = tmp_path_factory.mktemp("session")
-    saved = {k: os.environ.get(k) for k in ("TMPDIR", "XDG_STATE_HOME", "STATE_DIRECTORY")}
+    mark = uuid.uuid4().hex
+    saved = {k: os.environ.get(k) for k in ("TMPDIR", "XDG_STATE_HOME", "STATE_DIRECTORY", SESSION_MARK)}
     os.environ["TMPDIR"] = str(root / "tmp")
     os.environ["XDG_STATE_HOME"] = str(root / "state")
     os.environ.pop("STATE_DIRECTORY", None)
+    os.environ[SESSION_MARK] = mark
     (root / "tmp").mkdir()
-    yield root
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    left = sorted(p.name for p in (root / "tmp").glob(OUR_TEMP_DIRS))
-    assert not left, f"temp stores left behind by the suite: {left}"
+    try:
+        yield root
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    deadline = time.monotonic() + SETTLE
+    while (procs := our_processes(mark, basetemp)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [describe(p) for p in procs]
+    for p in procs:                                          # named below; not left to run on
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    dirs = sorted(str(d) for pattern in OUR_TEMP_DIRS for d in (root / "tmp").glob(pattern))
+    problems = [f"process left running: {x}" for x in left] + [f"temp dir left behind: {d}" for d in dirs]
+    if problems:
+        pytest.fail("the suite left things behind:\n  " + "\n  ".join(problems), pytrace=False)
 
 
 @pytest.fixture

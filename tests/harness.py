@@ -182,12 +182,13 @@ class SupervisorProc:
         self.env = child_env(JOBS_LOG=str(self.jobs.path), **(env or {}))
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self.wrapper: tuple[str, ...] = ()      # a command the supervisor runs under (strace -f ...)
 
     def start(self) -> "SupervisorProc":
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor", "start", "--config", str(self.config_path),
-                                      *self.args], stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=self.tmp, start_new_session=True)
+        self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-m", "supervisor", "start", "--config",
+                                      str(self.config_path), *self.args], stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, cwd=self.tmp, start_new_session=True)
         return self
 
     # -- observing
@@ -201,6 +202,29 @@ class SupervisorProc:
                 f"supervisor exited ({self.proc.returncode}) before logging {pattern!r}:\n{self.log()[-3000:]}"
             return re.search(pattern, self.log())
         return wait_until(found, timeout, f"log line {pattern!r}")
+
+    def events(self, kind: str | None = None, **match: Any) -> list[dict]:
+        """The structured log events (extra={"event": ...}) of a supervisor started with
+        `--log-format json`, in order; only those of `kind` whose fields equal `match`."""
+        out = []
+        for line in self.log().splitlines():
+            if not line.startswith("{"):
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue                     # a line still being written
+            if "event" in record and kind in (None, record["event"]) and \
+                    all(record.get(k) == v for k, v in match.items()):
+                out.append(record)
+        return out
+
+    def wait_event(self, kind: str, timeout: float = DEADLINE, **match: Any) -> dict:
+        def found():
+            assert self.proc.poll() is None or self.events(kind, **match), \
+                f"supervisor exited ({self.proc.returncode}) before event {kind} {match}:\n{self.log()[-3000:]}"
+            return self.events(kind, **match)
+        return wait_until(found, timeout, f"event {kind} {match}")[0]
 
     @property
     def http(self) -> str:

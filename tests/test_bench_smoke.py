@@ -4,24 +4,121 @@ it asserts nothing about speed (docs/BENCHMARKS.md holds the real numbers)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
+from harness import child_env, wait_until
+
 REPO = Path(__file__).resolve().parent.parent
+SMOKE_TIMEOUT = 170.0
+
+
+def start_bench(args: list[str], tmp: Path) -> subprocess.Popen:
+    """`python -m bench` in a session of its own, its temp files (jsbench-*) under `tmp`."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "bench", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=child_env(TMPDIR=str(tmp)))
+
+
+def stop_bench(proc: subprocess.Popen) -> None:
+    """SIGTERM (it stops what it started and removes its workdir), SIGKILL after 30 s; its
+    nats-server and contenders get a parent-death signal either way."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=170)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = start_bench(["--smoke", "--out", str(out)], out / "tmp")
+    try:
+        stdout, stderr = proc.communicate(timeout=SMOKE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        stop_bench(proc)
+        raise AssertionError(f"the smoke benchmark took more than {SMOKE_TIMEOUT:g}s") from None
+    finally:
+        if proc.poll() is None:
+            stop_bench(proc)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert list((out / "tmp").glob("jsbench-*")) == [], "the bench removes its workdir"
     return json.loads((out / "results.json").read_text()), out
+
+
+def bench_family(proc: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def cmdlines(family: list[psutil.Process]) -> str:
+    out = []
+    for p in family:
+        with contextlib.suppress(psutil.Error):
+            out.append(" ".join(p.cmdline()))
+    return " | ".join(out)
+
+
+def gone(family: list[psutil.Process]) -> bool:
+    return not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def running_bench(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """A bench (crash scenario) with its nats-server and a supervisor with a worker running (by
+    the worker's process title)."""
+    proc = start_bench(["--smoke", "--only", "crash", "--out", str(tmp_path / "out")], tmp_path / "tmp")
+
+    def up():
+        assert proc.poll() is None, proc.communicate()
+        family = bench_family(proc)
+        names = cmdlines(family)
+        return family if "nats-server" in names and "supervisor: worker" in names else None
+    return proc, wait_until(up, timeout=60, what="the bench's nats-server, supervisor and workers")
+
+
+def test_a_sigkilled_bench_takes_its_processes_with_it(tmp_path):
+    proc, family = running_bench(tmp_path)
+    try:
+        proc.kill()                          # what a timeout does: the bench alone, no cleanup of its own
+        proc.wait()
+        wait_until(lambda: gone(family), timeout=30, what="the bench's nats-server and contenders gone")
+    finally:
+        for p in family:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        proc.communicate()
+
+
+def test_a_sigtermed_bench_stops_everything_and_removes_its_workdir(tmp_path):
+    proc, family = running_bench(tmp_path)
+    try:
+        assert list((tmp_path / "tmp").glob("jsbench-*")), "the workdir exists while it runs"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+        wait_until(lambda: gone(family), timeout=30, what="the bench's nats-server and contenders gone")
+        assert list((tmp_path / "tmp").glob("jsbench-*")) == []
+    finally:
+        for p in family:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 def positive(value) -> bool:

@@ -1,11 +1,19 @@
 """The core (issue 2): forked workers share one durable pull consumer, crashed workers are
 replaced, SIGTERM drains. Real nats-server, real processes, real signals."""
 
+import os
+import re
+import selectors
 import signal
+import subprocess
+import sys
+import time
 
 import psutil
 
-from harness import NatsServer, publish, run_cli, wait_until
+from harness import NatsServer, child_env, publish, run_cli, wait_until
+
+ACK_WAIT = 60.0      # far longer than any wait below: a job back within seconds was NAKed, not expired
 
 
 def overlap(records) -> int:
@@ -45,20 +53,28 @@ def test_seed_first_experiment(nats_server, supervisor_factory, tmp_path):
 
 
 def test_sigkill_mid_job_is_replaced_and_job_redone(nats_server, supervisor_factory):
-    sup = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": 30.0})
+    """The job a SIGKILLed worker was running is NAKed at once: with AckWait 60 s it is redone
+    by another worker within seconds, which only the supervisor's NAK explains."""
+    sup = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": ACK_WAIT},
+                             args=("--log-format", "json"))
     sup.wait_ready(2)
     before = sup.worker_pids()
-    publish(nats_server.url, count=1, data="1.5")
+    publish(nats_server.url, count=1, data="long-once:30")
     victim = wait_until(lambda: sup.jobs.running(), what="the job to start")[0]
     psutil.Process(victim.pid).send_signal(signal.SIGKILL)
+    t_kill = time.time()
 
-    redone = wait_until(lambda: [r for r in sup.jobs.done() if r.seq == victim.seq], what="the job redone")
-    assert redone[0].delivery == 2 and redone[0].pid != victim.pid
+    redone = wait_until(lambda: [r for r in sup.jobs.started() if r.seq == victim.seq and r.delivery == 2],
+                        timeout=ACK_WAIT / 3, what="the job redelivered long before AckWait")[0]
+    assert redone.pid != victim.pid
+    assert redone.t - t_kill < ACK_WAIT / 6, "back within seconds: NAKed, not left to AckWait"
+    wait_until(lambda: [r for r in sup.jobs.done() if r.seq == victim.seq], what="the job redone")
     wait_until(lambda: nats_server.stream_msgs() == 0, what="the job acked")
     sup.wait_ready(2)
     after = sup.worker_pids()
     assert victim.pid not in after and len(after) == 2 and after != before
-    assert "signal SIGKILL" in sup.log()
+    death = sup.wait_event("worker_died", worker_pid=victim.pid)
+    assert "SIGKILL" in death["cause"] and death["held"] == [victim.seq] and death["naked"] == [victim.seq]
     assert sup.stop() == 0
 
 
@@ -70,7 +86,7 @@ def test_sigterm_drains_in_flight_jobs(tmp_path, supervisor_factory):
     sup = supervisor_factory(None, workers={"count": 3, "concurrency": 2}, embedded={"store_dir": str(store)})
     status = sup.wait_ready(3)
     url = status["nats"]["servers"][0]
-    publish(url, count=6, data="1.5")
+    publish(url, count=6, data="3")
     wait_until(lambda: len(sup.jobs.running()) == 6, what="6 jobs in flight")
     family = [p for p in psutil.Process(sup.proc.pid).children(recursive=True)]
     sup.signal(signal.SIGTERM)
@@ -101,7 +117,7 @@ def test_drain_naks_pulled_but_not_started(nats_server, supervisor_factory):
     sup.wait_ready(1)
     publish(nats_server.url, count=10, data="0")         # teaches the worker its jobs are fast: it prefetches
     wait_until(lambda: len(sup.jobs.done()) == 10, what="warm-up jobs done")
-    publish(nats_server.url, count=4, data="1.0")
+    publish(nats_server.url, count=4, data="3.0")
     first = wait_until(lambda: sup.jobs.running(), what="a job running")[0]
     def held():
         return [e for w in sup.status()["workers"]["list"] for e in w["in_flight"] if e["state"] == "held"]
@@ -133,20 +149,38 @@ def test_double_ack_acks_synchronously(nats_server, supervisor_factory):
     assert sup.stop() == 0
 
 
+def read_lines(proc: subprocess.Popen, n: int, timeout: float) -> list[str]:
+    """n lines of proc's stdout, or an AssertionError after `timeout` (never a hang)."""
+    lines, buffer = [], b""
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while len(lines) < n:
+            left = deadline - time.monotonic()
+            assert left > 0, f"only {len(lines)} of {n} lines within {timeout:g}s: {lines}"
+            if sel.select(left):
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                assert chunk, f"the process closed its output after {lines}"
+                buffer += chunk
+                *done, buffer = buffer.split(b"\n")
+                lines += [line.decode() for line in done]
+    return lines[:n]
+
+
 def test_lag_watch_is_a_ticker_with_a_time_column(nats_server, supervisor_factory, tmp_path):
-    import re
-    import subprocess
-    import sys
-
-    from harness import child_env
-
     sup = supervisor_factory(nats_server, workers={"count": 1})
     sup.wait_ready(1)
     ticker = subprocess.Popen([sys.executable, "-m", "supervisor", "lag", "--server", nats_server.url, "--watch", "0.2"],
-                              stdout=subprocess.PIPE, text=True, env=child_env(), cwd=tmp_path)
-    lines = [ticker.stdout.readline() for _ in range(3)]
-    ticker.send_signal(signal.SIGINT)
-    assert ticker.wait(10) == 0
+                              stdout=subprocess.PIPE, env=child_env(), cwd=tmp_path)
+    try:
+        lines = read_lines(ticker, 3, timeout=30)
+        ticker.send_signal(signal.SIGINT)
+        assert ticker.wait(10) == 0
+    finally:
+        if ticker.poll() is None:
+            ticker.kill()
+            ticker.wait()
+        ticker.stdout.close()
     pattern = r"^\s*\d+\.\ds pending=\d+\s+ackPending=\d+\s+redelivered=\d+\s+delivered=\d+\s+ackFloor=\d+$"
-    assert all(re.match(pattern, line.rstrip("\n")) for line in lines), lines
+    assert all(re.match(pattern, line) for line in lines), lines
     assert sup.stop() == 0

@@ -17,17 +17,14 @@ async def js_call(url, fn):
         await nc.close()
 
 
-
-
 def test_existing_stream_is_left_as_it_is_and_differences_logged(nats_server, supervisor_factory):
     asyncio.run(js_call(nats_server.url, lambda js: js.add_stream(
         api.StreamConfig(name="JOBS", subjects=["jobs.>", "other.>"], retention=api.RetentionPolicy.WORK_QUEUE,
                          storage=api.StorageType.MEMORY))))
-    sup = supervisor_factory(nats_server, workers={"count": 1})
+    sup = supervisor_factory(nats_server, workers={"count": 1}, args=("--log-format", "json"))
     sup.wait_ready(1)
-    log = sup.log()
-    assert "stream JOBS exists with subjects=['jobs.>', 'other.>'] (config: ['jobs.>']); left as it is" in log
-    assert "stream JOBS exists with storage=memory (config: file); left as it is" in log
+    differs = {(e["stream"], e["setting"]): (e["have"], e["want"]) for e in sup.events("stream_differs")}
+    assert differs == {("JOBS", "subjects"): (["jobs.>", "other.>"], ["jobs.>"]), ("JOBS", "storage"): ("memory", "file")}
     info = asyncio.run(js_call(nats_server.url, lambda js: js.stream_info("JOBS")))
     assert info.config.subjects == ["jobs.>", "other.>"] and info.config.storage == api.StorageType.MEMORY
     assert sup.stop() == 0
@@ -39,10 +36,11 @@ def test_consumer_settings_are_updated_and_each_change_logged(nats_server, super
         await js.add_consumer("JOBS", api.ConsumerConfig(durable_name="workers", ack_policy=api.AckPolicy.EXPLICIT,
                                                          ack_wait=10, max_ack_pending=50))
     asyncio.run(js_call(nats_server.url, setup))
-    sup = supervisor_factory(nats_server, workers={"count": 1}, consumer={"ack_wait": 30.0, "max_ack_pending": 500})
+    sup = supervisor_factory(nats_server, workers={"count": 1}, args=("--log-format", "json"),
+                             consumer={"ack_wait": 30.0, "max_ack_pending": 500, "max_deliver": -1})
     sup.wait_ready(1)
-    assert "consumer workers: updated ack_wait from 10.0 to 30.0 (config)" in sup.log()
-    assert "consumer workers: updated max_ack_pending from 50 to 500 (config)" in sup.log()
+    updated = {(e["consumer"], e["setting"]): (e["have"], e["want"]) for e in sup.events("consumer_updated")}
+    assert updated == {("workers", "ack_wait"): (10.0, 30.0), ("workers", "max_ack_pending"): (50, 500)}
     info = asyncio.run(js_call(nats_server.url, lambda js: js.consumer_info("JOBS", "workers")))
     assert info.config.ack_wait == 30.0 and info.config.max_ack_pending == 500
     assert sup.stop() == 0

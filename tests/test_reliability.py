@@ -156,7 +156,7 @@ def run_beside(url: str, action) -> list:
 
 def test_graceful_timeout_naks_a_running_job_once(nats_server, supervisor_factory):
     sup = supervisor_factory(nats_server, workers={"count": 1, "graceful_timeout": 1.0},
-                             consumer={"ack_wait": ACK_WAIT})
+                             consumer={"ack_wait": ACK_WAIT}, args=("--log-format", "json"))
     sup.wait_ready(1)
     publish(nats_server.url, count=1, data="30")
     wait_until(lambda: sup.jobs.running(), what="the long job running")
@@ -167,7 +167,7 @@ def test_graceful_timeout_naks_a_running_job_once(nats_server, supervisor_factor
 
     got = run_beside(nats_server.url, stop_and_wait)
     assert [(seq, n) for seq, n, _ in got] == [(1, 2)], f"one NAK gives exactly one redelivery: {got}"
-    assert "still running when graceful_timeout ran out" in sup.log() or "still running after graceful_timeout" in sup.log()
+    assert [(e["seq"], e["delivery"]) for e in sup.events("graceful_timeout_nak")] == [(1, 1)]
 
 
 def test_max_jobs_recycling_never_cuts_the_last_job_short(nats_server, supervisor_factory):

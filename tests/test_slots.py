@@ -9,7 +9,6 @@ write leaves an entry the parent reads correctly). The clock is faked: `slots.ti
 from __future__ import annotations
 
 import dis
-import inspect
 import mmap
 import os
 import struct
@@ -346,30 +345,32 @@ class Killed(BaseException):
     pass
 
 
-def body_lines(func) -> list[int]:
-    """Line numbers of func's body, in order (the def line excluded)."""
-    code = func.__code__
-    first = code.co_firstlineno
-    return sorted({ln for _, ln in dis.findlinestarts(code) if ln is not None and ln > first})
+# The kill points, explicit: a worker can die before any store into the shared table. Every
+# subscript store in a SlotTable method is one (q[...] = , d[...] = , b[a:b] = ; the methods'
+# other state, _free and _high, is the worker's own memory), found in the bytecode, not the source.
+STORE_OPS = {"STORE_SUBSCR", "STORE_SLICE"}
+TABLE_CODES = {f.__code__ for f in vars(SlotTable).values() if isinstance(f, types.FunctionType)}
+STORES = {(code, ins.offset) for code in TABLE_CODES for ins in dis.get_instructions(code) if ins.opname in STORE_OPS}
 
 
-def line_of(func, text: str) -> int:
-    lines, first = inspect.getsourcelines(func)
-    [n] = [first + k for k, ln in enumerate(lines) if text in ln]
-    return n
-
-
-def kill_at(func, line: int, call) -> bool:
-    """Run call(); die (raise Killed) just before `line` of `func` runs. True if it died."""
-    code = func.__code__
+def kill_at(n: int, call) -> bool:
+    """Run call(); die (raise Killed) just before the n-th store (from 0) into the table, in the
+    order they run, whichever SlotTable method makes it. True if it died."""
+    seen = 0
 
     def local(frame, event, arg):
-        if event == "line" and frame.f_lineno == line:
-            raise Killed
+        nonlocal seen
+        if event == "opcode" and (frame.f_code, frame.f_lasti) in STORES:
+            if seen == n:
+                raise Killed
+            seen += 1
         return local
 
     def tracer(frame, event, arg):
-        return local if frame.f_code is code else None
+        if frame.f_code in TABLE_CODES:
+            frame.f_trace_opcodes = True
+            return local
+        return None
 
     old = sys.gettrace()
     sys.settrace(tracer)
@@ -382,45 +383,60 @@ def kill_at(func, line: int, call) -> bool:
     return False
 
 
-def dead_hold_failures(reuse: bool) -> list[str]:
-    """Kill a worker at every line of hold(); what the parent then reads must be right."""
-    failures = []
-    commit = line_of(SlotTable.hold, "ESTATE] = HELD")
-    for line in body_lines(SlotTable.hold):
-        t = SlotTable(entries=4, reply_bytes=64)
-        try:
-            if reuse:                           # a used, released entry: high water already covers it
-                t.release(t.hold(1, 1, 1, b"old.reply.subject"))
-            died = kill_at(SlotTable.hold, line, lambda: t.hold(42000, 42001, 42, b"new.reply"))
-            if not died:
-                continue
-            got = [(e.stream_seq, e.consumer_seq, e.delivery, e.reply, e.state) for e in t.snapshot()]
-            whole = [(42000, 42001, 42, "new.reply", HELD)]
-            # Once the state word says HELD the entry is published and must be seen, whole; before
-            # that, the parent may see nothing (the message is still counted as in transit).
-            if line > commit and got != whole:
-                failures.append(f"killed before line {line}: read {got}")
-            elif got not in ([], whole):
-                failures.append(f"killed before line {line}: torn read {got}")
-        finally:
+def kill_points(prepare, call) -> int:
+    """How many stores `call` makes (each is a kill point)."""
+    t = SlotTable(entries=4, reply_bytes=64)
+    try:
+        i = prepare(t)
+        n = 0
+        while kill_at(n, lambda: call(t, i)):
+            n += 1
             t.close()
-    return failures
+            t = SlotTable(entries=4, reply_bytes=64)
+            i = prepare(t)
+        return n
+    finally:
+        t.close()
 
 
-def dead_update_failures(func, prepare, call, allowed) -> list[str]:
+def dead_write_failures(prepare, call, before, after) -> list[str]:
+    """Kill a worker before each store `call` makes; the parent must read `before` or `after`
+    (the whole old entry or the whole new one), never anything in between."""
     failures = []
-    for line in body_lines(func):
+    for n in range(kill_points(prepare, call)):
         t = SlotTable(entries=4, reply_bytes=64)
         try:
             i = prepare(t)
-            if not kill_at(func, line, lambda: call(t, i)):
-                continue
-            got = [(e.stream_seq, e.reply, e.state) for e in t.snapshot()]
-            if got not in allowed:
-                failures.append(f"{func.__name__} killed before line {line}: read {got}")
+            assert kill_at(n, lambda: call(t, i))
+            got = read_entries(t)
+            if got not in (before, after):
+                failures.append(f"killed before store {n}: read {got}")
         finally:
             t.close()
     return failures
+
+
+def read_entries(t: SlotTable) -> list[tuple]:
+    """What the parent reads, and whether a RUNNING entry has its start time (the parent dates
+    job_timeout and +WPI from it)."""
+    return [(e.stream_seq, e.consumer_seq, e.delivery, e.reply, e.state, e.state != RUNNING or e.t_started > 0)
+            for e in t.snapshot()]
+
+
+def nothing(t):
+    return None
+
+
+def reused(t):
+    """A used, released entry: high water already covers it, old bytes still in it."""
+    t.release(t.hold(1, 1, 1, b"old.reply.subject"))
+
+
+def new_hold(t, i):
+    return t.hold(42000, 42001, 42, b"new.reply")
+
+
+WHOLE = [(42000, 42001, 42, "new.reply", HELD, True)]
 
 
 def held(t):
@@ -433,45 +449,62 @@ def running(t):
     return i
 
 
+def acked(t):
+    i = running(t)
+    t.mark(i, ACKED)
+    return i
+
+
+def entry(state):
+    return [(7, 7, 1, "r.7", state, True)]
+
+
+def test_kill_points_are_every_store_of_a_write():
+    # hold: high water (first use only), version, 3 ids, 2 times, the reply, its length, version, state
+    assert kill_points(nothing, new_hold) == 11
+    assert kill_points(reused, new_hold) == 10
+    assert kill_points(held, lambda t, i: t.start(i)) == 3
+    assert kill_points(running, lambda t, i: t.mark(i, ACKED)) == 1
+    assert kill_points(acked, lambda t, i: t.release(i)) == 1
+
+
 def test_kill_at_really_interrupts():
     t = SlotTable(entries=2, reply_bytes=32)
     try:
-        assert kill_at(SlotTable.hold, line_of(SlotTable.hold, "ESTATE] = HELD"), lambda: t.hold(1, 1, 1, b"r"))
-        assert t.q[t._base(0) + slots.ESTATE] == FREE
+        last = kill_points(nothing, new_hold) - 1
+        assert kill_at(last, lambda: new_hold(t, None))
+        assert t.q[t._base(0) + slots.ESTATE] == FREE          # died just before the state word
+        assert t.q[t._base(0) + slots.SSEQ] == 42000            # ... after everything else
+        assert t.snapshot() == []
     finally:
         t.close()
 
 
-@pytest.mark.parametrize("reuse", [False, True], ids=["fresh-entry", "reused-entry"])
-def test_worker_killed_inside_hold(reuse):
-    assert dead_hold_failures(reuse) == []
-
-
-def test_worker_killed_inside_hold_never_yields_a_torn_entry():
-    # The weaker property the current code does have: whatever is read is whole.
-    for reuse in (False, True):
-        assert not [f for f in dead_hold_failures(reuse) if "torn" in f]
+@pytest.mark.parametrize("prepare", [nothing, reused], ids=["fresh-entry", "reused-entry"])
+def test_worker_killed_inside_hold(prepare):
+    # Until its last store (the state word) the entry is invisible: the parent counts the message
+    # as in transit instead. After it, the parent reads it whole.
+    assert dead_write_failures(prepare, new_hold, [], []) == []
+    t = SlotTable(entries=4, reply_bytes=64)
+    try:
+        prepare(t)
+        new_hold(t, None)
+        assert read_entries(t) == WHOLE
+    finally:
+        t.close()
 
 
 def test_worker_killed_inside_start():
-    allowed = ([(7, "r.7", HELD)], [(7, "r.7", RUNNING)])
-    assert dead_update_failures(SlotTable.start, held, lambda t, i: t.start(i), allowed) == []
+    assert dead_write_failures(held, lambda t, i: t.start(i), entry(HELD), entry(RUNNING)) == []
 
 
 def test_worker_killed_inside_mark():
-    allowed = ([(7, "r.7", RUNNING)], [(7, "r.7", ACKED)])
-    assert dead_update_failures(SlotTable.mark, running, lambda t, i: t.mark(i, ACKED), allowed) == []
+    assert dead_write_failures(running, lambda t, i: t.mark(i, ACKED), entry(RUNNING), entry(ACKED)) == []
 
 
 def test_worker_killed_inside_release():
     # Released entries were confirmed settled: seeing them or not are both fine, torn is not.
-    allowed = ([], [(7, "r.7", ACKED)])
-
-    def acked(t):
-        i = running(t)
-        t.mark(i, ACKED)
-        return i
-    assert dead_update_failures(SlotTable.release, acked, lambda t, i: t.release(i), allowed) == []
+    assert dead_write_failures(acked, lambda t, i: t.release(i), entry(ACKED), []) == []
 
 
 def test_layout_is_native_int64_and_double():

@@ -75,7 +75,7 @@ def test_status_and_scale_without_a_supervisor_are_one_clear_line(tmp_path):
     assert r.returncode == 2 and "monitor.http" in one_line_error(r)
 
 
-def test_status_with_no_workers_and_while_draining(nats_server, supervisor_factory):
+def test_status_with_no_workers_and_while_draining(nats_server, supervisor_factory, tmp_path):
     sup = supervisor_factory(nats_server, workers={"count": 1})
     sup.wait_ready(1)
     r = run_cli("scale", "0", "--url", sup.http)
@@ -87,7 +87,8 @@ def test_status_with_no_workers_and_while_draining(nats_server, supervisor_facto
 
     assert run_cli("scale", "1", "--url", sup.http).returncode == 0
     sup.wait_ready(1)
-    publish(nats_server.url, count=1, data="3")
+    gate = tmp_path / "job-may-end"        # the job lasts until the CLI has seen the drain, however slow the box
+    publish(nats_server.url, count=1, data=f"until:{gate}")
     wait_until(lambda: (s := sup.try_status()) and in_flight(s) == 1, what="the long job in flight")
     sup.signal(signal.SIGTERM)
     wait_until(lambda: (s := sup.try_status()) and s["state"] == "draining", what="draining")
@@ -95,6 +96,7 @@ def test_status_with_no_workers_and_while_draining(nats_server, supervisor_facto
     assert r.returncode == 0, r.stderr
     assert "draining" in r.stdout.splitlines()[0], r.stdout
     assert "seq 1 #1" in r.stdout, r.stdout                       # the job it is finishing
+    gate.touch()
     assert sup.wait() == 0
     assert sup.jobs.done_seqs() == {1}
 
@@ -146,11 +148,14 @@ def test_render_status_stale_poll_dead_workers_jobs_and_alerts():
 
 # ---------------------------------------------------------------- scale
 
-def test_scale_up_and_down_with_jobs_flowing_loses_nothing(nats_server, supervisor_factory):
+def test_scale_up_and_down_with_jobs_flowing_loses_nothing(nats_server, supervisor_factory, tmp_path):
+    """Scale 1 -> 5 -> 2 with 150 jobs queued. Every job runs until the test opens a gate, so the
+    scale-down finds all five workers in a job and 145 waiting, however fast or loaded the box."""
     sup = supervisor_factory(nats_server, workers={"count": 1})
     sup.wait_ready(1)
-    publish(nats_server.url, count=150, data="0.1")
-    wait_until(lambda: len(sup.jobs.done()) >= 3, what="jobs flowing")
+    gate = tmp_path / "jobs-may-end"
+    publish(nats_server.url, count=150, data=f"until:{gate}")
+    wait_until(lambda: sup.jobs.running(), what="a job running")
 
     r = run_cli("scale", "5", "--url", sup.http)
     assert r.returncode == 0, r.stderr
@@ -160,14 +165,17 @@ def test_scale_up_and_down_with_jobs_flowing_loses_nothing(nats_server, supervis
 
     r = run_cli("scale", "2", "--url", sup.http)
     assert r.returncode == 0 and r.stdout.startswith("target 2 workers (was 5)"), (r.stdout, r.stderr)
-    assert len(sup.jobs.done_seqs()) < 150, "the scale-down must happen while jobs are still flowing"
-    wait_until(lambda: (s := sup.try_status()) and len(s["workers"]["list"]) == 2 and s["workers"]["target"] == 2,
-               what="back to two workers")
+    assert sup.jobs.done() == [] and len(sup.jobs.running()) == 5    # the scale-down finds every worker busy
+    wait_until(lambda: (s := sup.try_status()) and s["workers"]["target"] == 2 and
+               sum(not w["retiring"] for w in s["workers"]["list"]) == 2, what="three workers retiring")
+    gate.touch()
+    wait_until(lambda: (s := sup.try_status()) and len(s["workers"]["list"]) == 2, what="back to two workers")
 
     wait_until(lambda: sup.jobs.done_seqs() == set(range(1, 151)), what="every job done")
     wait_until(lambda: nats_server.stream_msgs() == 0, what="stream empty (every job acked)")
     done = [r.seq for r in sup.jobs.done()]
     assert sorted(done) == list(range(1, 151)), "a job finished twice: a drained worker's ack was lost"
+    assert sorted(r.seq for r in sup.jobs.started()) == list(range(1, 151)), "a retired worker's job was cut short"
     assert len(psutil.Process(sup.proc.pid).children()) == 2
 
 

@@ -4,19 +4,21 @@ knows exactly which process ran what, when, and how often."""
 
 import asyncio
 import os
+import signal
 import time
+from pathlib import Path
 
-from workers import Job, Reject
+from workers import Job, Reject, Retry
 
 _fd = None
 _hoard = []          # memory kept on purpose by "grow:MB" jobs
 
 
-def _log(event: str, job: Job) -> None:
+def _log(event: str, job: Job, tag: str = "") -> None:
     global _fd
     if _fd is None:
         _fd = os.open(os.environ["JOBS_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    data = job.data.decode(errors="replace").replace("\n", " ")
+    data = tag + job.data.decode(errors="replace").replace("\n", " ")
     os.write(_fd, f"{event} {os.getpid()} {job.stream_seq} {job.delivery} {time.time():.6f} {data}\n".encode())
 
 
@@ -27,6 +29,8 @@ def _act(job: Job) -> float:
         os._exit(13)
     if text == "reject":
         raise Reject("payload asked to be rejected")
+    if text.startswith("retry:") and job.delivery == 1:
+        raise Retry(delay=float(text.split(":")[1]))
     if text == "fail-once" and job.delivery == 1:
         raise RuntimeError("failing the first delivery on purpose")
     if text == "fail":
@@ -34,6 +38,13 @@ def _act(job: Job) -> float:
     if text.startswith("grow:"):
         _hoard.append(bytearray(int(text.split(":")[1]) * 1024 * 1024))   # zero-filled pages count in RSS once touched
         _hoard[-1][::4096] = b"x" * len(_hoard[-1][::4096])
+        return 0.0
+    if text.startswith("long-once:"):   # long the first time (a test can catch it running), then instant
+        return float(text.split(":")[1]) if job.delivery == 1 else 0.0
+    if text.startswith("until:"):       # runs until the test creates that file: as long as the test needs
+        gate, deadline = Path(text.split(":", 1)[1]), time.monotonic() + 120
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
         return 0.0
     if text.startswith("hog") and job.delivery == 1:
         while True:           # a handler that never yields the GIL long enough... burns CPU forever
@@ -51,6 +62,13 @@ def record(job: Job) -> None:
     _log("done", job)
 
 
+def record_v2(job: Job) -> None:
+    """`record` that tags what it logs (data "v2:<payload>"): which handler ran a job."""
+    _log("start", job, "v2:")
+    time.sleep(_act(job))
+    _log("done", job, "v2:")
+
+
 async def record_async(job: Job) -> None:
     _log("start", job)
     seconds = _act(job)
@@ -60,6 +78,42 @@ async def record_async(job: Job) -> None:
 
 def boom_init() -> None:
     raise RuntimeError("init hook failing on purpose")
+
+
+def gate_init() -> None:
+    """Hold a worker before it becomes ready until the test creates $GATE_DIR/open. With
+    $GATE_ONE set only the first worker to get here waits (it claims the gate); the rest go on."""
+    gate = Path(os.environ["GATE_DIR"])
+    if os.environ.get("GATE_ONE"):
+        try:
+            os.close(os.open(gate / "claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+    while not (gate / "open").exists():
+        time.sleep(0.02)
+
+
+def slow_init() -> None:
+    """A worker slow to become ready ($SLOW_INIT seconds): a replacement that takes its time."""
+    time.sleep(float(os.environ.get("SLOW_INIT", "2")))
+
+
+def die_after_ack_init() -> None:
+    """A kill point between an ack and its fence, made explicit: a worker running a job whose
+    payload is `die-after-ack` (first delivery) SIGKILLs itself right after it has published the
+    ack and marked the entry ACKED, before its settler can fence it (nats-py's publish only
+    queues the bytes for the flusher task, and nothing here yields to the loop, so the ack never
+    reaches the server: the parent's NAK is what brings the job back)."""
+    from workers import runtime
+
+    original = runtime.Worker.settle
+
+    async def settle(self, i, job, payload, outcome, reason):
+        await original(self, i, job, payload, outcome, reason)
+        if outcome == "ack" and job.delivery == 1 and job.data == b"die-after-ack":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    runtime.Worker.settle = settle
 
 
 NOT_CALLABLE = 42

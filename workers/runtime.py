@@ -356,7 +356,9 @@ class Worker:
             if entry.state in (slots.HELD, slots.RUNNING):
                 log.warning("worker %d: job seq=%d still %s after graceful_timeout (%gs); NAKing it",
                             self.spec.slot, entry.stream_seq,
-                            "running" if entry.state == slots.RUNNING else "waiting to start", self.grace)
+                            "running" if entry.state == slots.RUNNING else "waiting to start", self.grace,
+                            extra={"event": "graceful_timeout_nak", "slot": self.spec.slot, "seq": entry.stream_seq,
+                                   "delivery": entry.delivery})
                 job = Job(data=b"", subject="", headers={}, stream_seq=entry.stream_seq,
                           consumer_seq=entry.consumer_seq, delivery=entry.delivery)
                 await self.settle(entry.index, job, b"-NAK", "nak", "still running when graceful_timeout ran out")

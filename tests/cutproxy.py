@@ -1,0 +1,86 @@
+"""A TCP relay between NATS clients and a nats-server that can cut some clients off for a while:
+`cut(name_part, seconds)` drops everything the matching clients (by the `name` in their CONNECT)
+write for `seconds` (what the server sends them still arrives), then closes their connections,
+so they reconnect through the relay. Acks a client sends meanwhile are lost for sure, and the
+client cannot know: the way an ack dies with a connection, made deterministic."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from stallproxy import StallAfterPing
+
+
+class Link:
+    def __init__(self, client: asyncio.StreamWriter, upstream: asyncio.StreamWriter):
+        self.client, self.upstream = client, upstream
+        self.name = ""
+        self.head = b""              # the client's first bytes, until its CONNECT line is read
+        self.cut = False
+
+    def learn_name(self, data: bytes) -> None:
+        if self.name or len(self.head) > 65536:
+            return
+        self.head += data
+        for line in self.head.split(b"\r\n"):
+            if line.startswith(b"CONNECT "):
+                self.name = json.loads(line[8:]).get("name", "") or "?"
+
+    def close(self) -> None:
+        self.client.close()
+        self.upstream.close()
+
+
+class CutProxy(StallAfterPing):
+    """stallproxy's relay (thread, loop, start, stop, url) with this fault instead."""
+
+    def __init__(self, upstream_port: int):
+        super().__init__(upstream_port, stall=0.0)
+        self.links: list[Link] = []
+        self.dropped = b""           # what the cut clients wrote, for the test to inspect
+
+    def cut(self, name_part: str, seconds: float) -> list[str]:
+        """Blocks for `seconds`; returns the names of the connections it cut."""
+        names = asyncio.run_coroutine_threadsafe(self._mark(name_part, True), self.loop).result(10)
+        assert names, f"no connection named *{name_part}* to cut"
+        time.sleep(seconds)          # how long the clients talk into the void: the point of the tool
+        asyncio.run_coroutine_threadsafe(self._mark(name_part, False), self.loop).result(10)
+        return names
+
+    async def _mark(self, name_part: str, cut: bool) -> list[str]:
+        hit = [link for link in self.links if name_part in link.name and link.cut != cut]
+        for link in hit:
+            link.cut = cut
+            if not cut:
+                link.close()
+                self.links.remove(link)
+        return [link.name for link in hit]
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            writer.close()
+            return
+        link = Link(writer, up_w)
+        self.links.append(link)
+        await asyncio.gather(self._from_client(link, reader), self._to_client(link, up_r), return_exceptions=True)
+        link.close()
+        if link in self.links:
+            self.links.remove(link)
+
+    async def _from_client(self, link: Link, src: asyncio.StreamReader) -> None:
+        while data := await src.read(65536):
+            link.learn_name(data)
+            if link.cut:
+                self.dropped += data
+                continue
+            link.upstream.write(data)
+            await link.upstream.drain()
+
+    async def _to_client(self, link: Link, src: asyncio.StreamReader) -> None:
+        while data := await src.read(65536):
+            link.client.write(data)
+            await link.client.drain()
