@@ -80,6 +80,7 @@ examples:
 examples:
   supervisor status                                  # the supervisor at monitor.http of the config
   supervisor status --url 127.0.0.1:9520 --json
+  supervisor status --fleet                          # every supervisor on the consumer, from NATS
 """,
     "scale": """\
 examples:
@@ -223,6 +224,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--url", help="the supervisor's HTTP address, HOST:PORT or http://HOST:PORT "
                                  "(default monitor.http)")
     p.add_argument("--json", action="store_true", help="print the /status JSON as it is")
+    p.add_argument("--fleet", action="store_true", help="every supervisor on this stream and consumer, one row "
+                                                        "each, read from NATS (no HTTP to other hosts)")
 
     p = command("scale", "set a running supervisor's worker count")
     p.add_argument("n", type=int, metavar="N", help="the new number of workers (0 or more)")

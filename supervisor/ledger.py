@@ -7,7 +7,9 @@ floor, and it answers three questions:
   - which redeliveries does nothing explain? (AckWait shorter than the jobs, usually)
   - which job keeps killing workers? (poison)
 Every redelivery is explained by something the ledger can name: a death (held, or pulled and
-still in transit), a NAK from a handler or a drain, or nothing (unexplained).
+still in transit), a NAK from a handler or a drain, a whole supervisor lost (the jobs its last
+fleet heartbeat listed, and a window with a count for those it took after it), or nothing
+(unexplained).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from .policy import ack_wait_for
 
 EXPECT_LIMIT = 100_000      # remembered NAKs (a bound, not a window: they are few)
 HISTORY = 200               # deaths and unexplained redeliveries kept for /status
+LOST_PEER = "held by lost supervisor "      # how a lost fleet peer's held jobs are explained
+HOLD_MAX = 30.0             # a suspect is held back for a silent fleet peer at most this long past its grace
 
 
 @dataclass
@@ -81,6 +85,19 @@ class Redelivery:
 
 
 @dataclass
+class Window:
+    """Redeliveries due between `start` and `end` (monotonic), at most `budget` of them, are
+    explained by `why`: the jobs a lost supervisor took after its last heartbeat."""
+    start: float
+    end: float
+    budget: int
+    why: str
+
+    def covers(self, t: float) -> bool:
+        return self.budget > 0 and self.start <= t <= self.end
+
+
+@dataclass
 class CrashLedger:
     ack_wait: float
     poison_after: int
@@ -90,7 +107,7 @@ class CrashLedger:
     counts: dict = field(default_factory=lambda: dict.fromkeys(
         ("crashes", "crashes_holding_jobs", "jobs_held_at_crash", "held_jobs_naked", "held_jobs_redelivered",
          "held_jobs_acked_after_crash", "unexplained_redeliveries", "explained_redeliveries",
-         "in_transit_redeliveries", "in_transit_naked", "quarantined"), 0))
+         "in_transit_redeliveries", "in_transit_naked", "quarantined", "lost_peer_redeliveries"), 0))
 
     def __post_init__(self) -> None:
         self._inherited_up_to = 0       # stream seqs pending (delivered, unacked) when we started ...
@@ -101,6 +118,8 @@ class CrashLedger:
         self._fatal: dict[int, list[Death]] = {}                     # seq -> deaths while it ran
         self._suspects: dict[tuple[int, int], float] = {}            # (seq, delivery) -> seen, unexplained so far
         self.quarantined: dict[int, list[Death]] = {}
+        self._windows: deque[Window] = deque(maxlen=HISTORY)
+        self._hold_until = 0.0                                      # see hold_suspects
 
     # ------------------------------------------------------------ inputs
 
@@ -131,6 +150,7 @@ class CrashLedger:
         if late:                            # a NAK of delivery N explains only deliveries after N
             del self._suspects[(seq, late[0])]
             self.counts["explained_redeliveries"] += 1
+            self.counts["lost_peer_redeliveries"] += why.startswith(LOST_PEER)
             return True
         self._expected[seq] = why
         self._expected.move_to_end(seq)
@@ -149,10 +169,31 @@ class CrashLedger:
         self.counts["explained_redeliveries"] += 1
         return why
 
+    def hold_suspects(self, until: float) -> None:
+        """A fleet peer is silent but not yet declared lost: a redelivery of a job it held would
+        be explained once it is. Until `until` (renewed while the peer stays silent), suspects
+        wait, up to HOLD_MAX past their grace."""
+        self._hold_until = max(self._hold_until, until)
+
+    def expect_window(self, start: float, end: float, budget: int, why: str) -> None:
+        """Up to `budget` redeliveries due between `start` and `end` are explained by `why`,
+        including suspects already waiting."""
+        window = Window(start, end, budget, why)
+        self._windows.append(window)
+        for (seq, d), t in sorted(self._suspects.items(), key=lambda item: item[1]):
+            if window.covers(t):
+                del self._suspects[(seq, d)]
+                window.budget -= 1
+                self.counts["explained_redeliveries"] += 1
+                self.counts["lost_peer_redeliveries"] += 1
+
     def confirm_suspects(self, now: float, grace: float) -> list[Redelivery]:
         """Suspects older than `grace` that nothing explained: counted as unexplained, unless they
-        were pending before we started (the weakest explanation, so a peer's word wins if it came)."""
-        due = [(seq, d, t) for (seq, d), t in self._suspects.items() if now - t >= grace]
+        were pending before we started (the weakest explanation, so a peer's word wins if it came).
+        While a fleet peer is silent (`hold_suspects`) they wait, up to HOLD_MAX past the grace."""
+        held = now < self._hold_until
+        due = [(seq, d, t) for (seq, d), t in self._suspects.items()
+               if now - t >= grace and (not held or now - t >= grace + HOLD_MAX)]
         confirmed = []
         for seq, d, t in due:
             del self._suspects[(seq, d)]
@@ -188,7 +229,14 @@ class CrashLedger:
             death = held[-1][0]
             return f"held by worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
         if seq in self._expected:
-            return self._expected.pop(seq)
+            why = self._expected.pop(seq)
+            self.counts["lost_peer_redeliveries"] += why.startswith(LOST_PEER)
+            return why
+        for window in self._windows:
+            if window.covers(t):
+                window.budget -= 1
+                self.counts["lost_peer_redeliveries"] += 1
+                return window.why
         return self._attribute_in_transit(t, seq)
 
     def inherit(self, num_ack_pending: int, delivered_stream_seq: int) -> None:
@@ -285,6 +333,7 @@ class CrashLedger:
         out["explained_redeliveries"] = self.counts["explained_redeliveries"]
         out["in_transit_redeliveries"] = self.counts["in_transit_redeliveries"]
         out["in_transit_naked"] = self.counts["in_transit_naked"]
+        out["lost_peer_redeliveries"] = self.counts["lost_peer_redeliveries"]
         out["outstanding"] = self.outstanding(now)
         out["recent_deaths"] = [d.summary(now) for d in list(self.deaths)[-10:]]
         out["recent_unexplained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "age_s": round(now - r.t, 3)}
