@@ -45,6 +45,7 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import secrets
 import socket
@@ -64,6 +65,7 @@ RELEASE_MARGIN = 2.0        # seconds of AckWait that must be left to release a 
 SAMPLE_FRESH = 2.5          # poll intervals a broadcast ConsumerInfo sample stays usable
 WINDOW_SLACK = 2.0          # seconds around the AckWait window of a lost peer's unlisted jobs
 READ_TIMEOUT = 5.0          # JetStream requests of `status --fleet` once connected
+FALLBACK_POLLS = 10         # ConsumerInfo requests per interval a whole fleet makes while it has no poller
 
 
 def beat_key(name: str, pid: int, run: str) -> str:
@@ -74,6 +76,14 @@ def beat_key(name: str, pid: int, run: str) -> str:
 
 def sample_subject(stream: str, consumer: str) -> str:
     return f"supervisor.fleet.{stream}.{consumer}"
+
+
+def ack_wait_range(cfg: Any) -> tuple[float, float]:
+    """The shortest and longest AckWait any delivery gets (consumer.backoff sets one per delivery)."""
+    from .arbiter import ack_wait_for
+
+    waits = [ack_wait_for(cfg, d) for d in range(1, 1 + max(1, len(cfg.consumer.backoff)))]
+    return min(waits), max(waits)
 
 
 def lease_ttl(heartbeat: float) -> int:
@@ -167,6 +177,11 @@ class FleetView:
             out[self.state(p, now)] += 1
         return out
 
+    def progress(self, now: float) -> tuple[int, bool]:
+        """(the sum of the peers' ack counters, whether any peer's worker is busy on a long job)."""
+        live = [p for p in self.peers.values() if self.state(p, now) != "lost"]
+        return sum(int(p.beat.get("acked") or 0) for p in live), any(p.beat.get("busy") for p in live)
+
     def held_by_live(self, now: float) -> dict[int, int]:
         """seq -> highest delivery any not-lost peer listed in its last heartbeat."""
         out: dict[int, int] = {}
@@ -175,6 +190,30 @@ class FleetView:
                 for seq, delivery, *_ in p.beat.get("held", ()):
                     out[seq] = max(out.get(seq, 0), delivery)
         return out
+
+
+class Fallback:
+    """When a member asks for ConsumerInfo itself: only while the poller's samples have stopped
+    (it died; its lease has not expired yet), and then each member once per
+    interval * max(1, peers / FALLBACK_POLLS), from a random phase. A small fleet keeps its lag
+    readings through a failover; a big one does not send every host at the consumer leader at
+    once (`python -m bench.fleet_sim`: 1000 hosts would be 1000 requests in one second)."""
+
+    def __init__(self, rng: Callable[[], float] = random.random):
+        self.rng = rng
+        self.next: float | None = None
+
+    def due(self, now: float, interval: float, peers: int) -> bool:
+        period = interval * max(1.0, peers / FALLBACK_POLLS)
+        if self.next is None:
+            self.next = now + self.rng() * period
+        if now < self.next:
+            return False
+        self.next = max(self.next + period, now)
+        return True
+
+    def reset(self) -> None:
+        self.next = None
 
 
 # ================================================================ a lost peer's jobs (pure)
@@ -189,16 +228,20 @@ def plan_release(held: Iterable[list], since_beat: float, ack_wait_for: Callable
                  later_delivery: Callable[[int], int]) -> Release:
     """Which of a lost peer's held jobs may be NAKed now.
 
-    `held`: [seq, delivery, timer age at its beat, reply] from its last heartbeat;
+    `held`: [seq, delivery, timer age at its beat, reply, state] from its last heartbeat;
     `since_beat`: seconds since that beat (server time); `later_delivery(seq)`: the highest
     delivery of `seq` seen anywhere else (0: none). A job qualifies when it has not been seen
-    at a later delivery and its AckWait has more than max(RELEASE_MARGIN, 20 %) left.
+    at a later delivery and its AckWait has more than max(RELEASE_MARGIN, 20 %) left. One whose
+    ack was already sent at the beat is left alone: the ack almost surely arrived in the seconds
+    since (a NAK would be a no-op), and if it did not, AckWait brings it back.
     """
     out = Release()
-    for seq, delivery, age, reply in held:
+    for seq, delivery, age, reply, state in held:
         ack_wait = ack_wait_for(delivery)
         left = ack_wait - (age + since_beat)
-        if later_delivery(seq) > delivery:
+        if state == "acked":
+            out.skipped.append((seq, delivery, "acked before the last heartbeat"))
+        elif later_delivery(seq) > delivery:
             out.skipped.append((seq, delivery, f"seen again at delivery {later_delivery(seq)}"))
         elif left <= max(RELEASE_MARGIN, 0.2 * ack_wait):
             out.skipped.append((seq, delivery, f"AckWait nearly out ({max(left, 0.0):.1f}s left)"))
@@ -209,18 +252,20 @@ def plan_release(held: Iterable[list], since_beat: float, ack_wait_for: Callable
     return out
 
 
-def unlisted_window(since_beat: float, heartbeat: float, ack_waits: tuple[float, float]) -> tuple[float, float]:
+def unlisted_window(since_beat: float, ack_waits: tuple[float, float]) -> tuple[float, float]:
     """When jobs the lost peer took after its last beat come back, as (start, end) seconds from
-    now: their AckWait timers started between that beat and its death, at most one heartbeat
-    later (else it would have beaten again)."""
+    now: their AckWait timers started between that beat and its death. Its death is only known
+    to be before now: a heartbeat can be late (a KV leader election stalls the put), so "one
+    heartbeat after the last" is no bound."""
     low, high = ack_waits
-    return low - since_beat - WINDOW_SLACK, high + heartbeat - since_beat + WINDOW_SLACK
+    return low - since_beat - WINDOW_SLACK, high + WINDOW_SLACK
 
 
 # ================================================================ one heartbeat
 
 def held_jobs(arbiter: Any, now: float) -> list[list]:
-    """[seq, delivery, seconds its AckWait timer has run, reply] for every job a worker holds."""
+    """[seq, delivery, seconds its AckWait timer has run, reply, state] for every job a worker
+    holds (state: held = pulled, running, acked = ack sent, not yet confirmed)."""
     from workers import slots
 
     out = []
@@ -228,7 +273,7 @@ def held_jobs(arbiter: Any, now: float) -> list[list]:
         for e in w.table.snapshot():
             if e.state in (slots.HELD, slots.RUNNING, slots.ACKED):
                 timer = max(e.t_held, arbiter.pings.get((w.pid, e.stream_seq), 0.0))
-                out.append([e.stream_seq, e.delivery, round(now - timer, 3), e.reply])
+                out.append([e.stream_seq, e.delivery, round(now - timer, 3), e.reply, slots.ENTRY_STATES[e.state]])
     return out
 
 
@@ -239,6 +284,7 @@ def build_beat(arbiter: Any, cfg: Any, name: str, started: float, jobs_per_s: fl
             "jobs_per_s": round(jobs_per_s, 2), "crashes": counts["crashes"],
             "unexplained": counts["unexplained_redeliveries"], "started": started, "t": time.time(),
             "heartbeat": cfg.fleet.heartbeat, "capacity": len(arbiter.slots) * arbiter.table_entries() // 2,
+            "acked": arbiter.worker_counters()["ack"], "busy": arbiter.progress_beat() is not None,
             "held": held_jobs(arbiter, now)}
 
 
@@ -267,6 +313,7 @@ class Fleet:
         self.sent = 0
         self.acked_at: tuple[float, int] | None = None
         self.problem = ""
+        self.fallback = Fallback()
 
     @property
     def heartbeat(self) -> float:
@@ -455,39 +502,55 @@ class Fleet:
 
     async def lost(self, peer: Peer, since: float) -> None:
         held = peer.beat.get("held") or []
-        live = self.view.held_by_live(time.monotonic())
-        own = {e[0]: e[1] for e in held_jobs(self.arbiter, time.monotonic())}
-        peers = self.arbiter.peers
-
-        def later(seq: int) -> int:
-            return max(live.get(seq, 0), own.get(seq, 0), peers.seen_delivery(seq))
-
-        from .arbiter import ack_wait_for
-
-        plan = plan_release(held, since, lambda d: ack_wait_for(self.cfg, d), later) if self.cfg.fleet.release_lost \
-            else Release(skipped=[(s, d, "fleet.release_lost is false") for s, d, *_ in held])
-        waits = [ack_wait_for(self.cfg, d) for d in range(1, 1 + max(1, len(self.cfg.consumer.backoff)))]
-        window = unlisted_window(since, peer.heartbeat, (min(waits), max(waits)))
+        plan = self.plan(held, since)
+        window = unlisted_window(since, ack_wait_range(self.cfg))
         budget = max(0, int(peer.beat.get("capacity") or 0) - len(held))
-        peers.lost_peer(peer.name, [(s, d) for s, d, *_ in held], window, budget)
-        await peers.flush()                 # the word first: our NAKs' redeliveries may land anywhere
+        self.arbiter.peers.lost_peer(peer.name, [(s, d) for s, d, *_ in held], window, budget)
+        await self.arbiter.peers.flush()    # the word first: our NAKs' redeliveries may land anywhere
         for seq, delivery, reply in plan.nak:
             await self.nc.publish(reply, b"-NAK")
         if plan.nak:
             await self.nc.flush(timeout=2)
         log.warning("supervisor %s (pid %s on %s) is lost: no heartbeat for %.1fs; it held %d job(s): "
-                    "released %d now, %d left for AckWait%s", peer.name, peer.beat.get("pid"), peer.beat.get("host"),
+                    "released %d now, left %d alone%s", peer.name, peer.beat.get("pid"), peer.beat.get("host"),
                     since, len(held), len(plan.nak), len(plan.skipped),
                     "".join(f"; seq {s}: {why}" for s, _, why in plan.skipped[:5]),
                     extra={"event": "fleet_peer_lost", "peer": peer.name, "held": len(held),
                            "released": [s for s, _, _ in plan.nak], "skipped": [s for s, _, _ in plan.skipped]})
 
+    def plan(self, held: list[list], since: float) -> Release:
+        """What to NAK of a lost peer's jobs: a job anybody else (a live peer's heartbeat, our
+        own workers, a redelivery any supervisor reported) has at a later delivery is not its."""
+        if not self.cfg.fleet.release_lost:
+            return Release(skipped=[(s, d, "fleet.release_lost is false") for s, d, *_ in held])
+        from .arbiter import ack_wait_for
+
+        now = time.monotonic()
+        live = self.view.held_by_live(now)
+        own = {e[0]: e[1] for e in held_jobs(self.arbiter, now)}
+        peers = self.arbiter.peers
+        return plan_release(held, since, lambda d: ack_wait_for(self.cfg, d),
+                            lambda seq: max(live.get(seq, 0), own.get(seq, 0), peers.seen_delivery(seq)))
+
     # ------------------------------------------------------------ samples and the fleet summary
 
     def own_summary(self) -> dict:
-        counts = self.view.counts(time.monotonic()) if self.view else {}
+        now = time.monotonic()
+        counts = self.view.counts(now) if self.view else {}
+        acked, busy = self.view.progress(now) if self.view else (0, False)
         return {"poller": self.name, "poller_key": self.key, "ok": counts.get("ok", 0) + counts.get("silent", 0),
-                "silent": counts.get("silent", 0), "lost": counts.get("lost", 0)}
+                "silent": counts.get("silent", 0), "lost": counts.get("lost", 0),
+                "acked": acked + self.arbiter.worker_counters()["ack"],
+                "busy": busy or self.arbiter.progress_beat() is not None}
+
+    def progress(self) -> tuple[int, bool]:
+        """Fleet-wide progress for the lag analysis: a sum of every supervisor's acks (it moves
+        whenever anybody's workers ack), and whether any worker anywhere is busy on a long job
+        within its job_timeout. Without it a host whose own workers are idle would read another
+        host's long job, or its steady acks behind an ack floor pinned by a lost ack, as stuck."""
+        summary = self.own_summary() if self.poller else self.summary \
+            if time.monotonic() - self.summary_at < LOST_AFTER * self.heartbeat else {}
+        return int(summary.get("acked") or 0), bool(summary.get("busy"))
 
     async def share(self, consumer: dict) -> None:
         """The monitor polled ConsumerInfo: as the poller, hand the answer to everybody."""
@@ -521,12 +584,18 @@ class Fleet:
             self.sample = (body["consumer"], now, seq, interval)
 
     def shared_sample(self, now: float) -> tuple[dict, int] | None:
-        """The poller's latest ConsumerInfo while fresh; None: poll it yourself."""
+        """The poller's latest ConsumerInfo while fresh; None: poll it yourself (if `may_poll`)."""
         if self.poller or self.sample is None:
             return None
         consumer, at, seq, interval = self.sample
-        fresh = SAMPLE_FRESH * max(interval, self.cfg.monitor.interval)
-        return (consumer, seq) if now - at <= fresh else None
+        if now - at > SAMPLE_FRESH * max(interval, self.cfg.monitor.interval):
+            return None
+        self.fallback.reset()
+        return consumer, seq
+
+    def may_poll(self, now: float) -> bool:
+        """With no fresh sample: the poller always; a member at its Fallback pace."""
+        return self.poller or self.fallback.due(now, self.cfg.monitor.interval, int(self.summary.get("ok") or 0))
 
     def hold_suspects(self) -> None:
         """While a peer is silent but not yet lost, a redelivery of a job it held must not be
@@ -592,7 +661,8 @@ async def connect_fast(cfg: Any, name: str) -> Any:
         return await asyncio.wait_for(natsconn.connect(cfg.nats, name=name, connect_timeout=limit,
                                                        max_reconnect_attempts=0), limit)
     except asyncio.TimeoutError:
-        where = ", ".join(natsconn.redact_url(s) for s in cfg.nats.servers)
+        where = ", ".join(natsconn.redact_url(s).partition("://")[2] or natsconn.redact_url(s)
+                          for s in cfg.nats.servers)
         raise NatsUnavailable(f"cannot connect to NATS at {where}: no answer within "
                               f"nats.connect_timeout={limit:g}s") from None
 

@@ -87,11 +87,13 @@ class Redelivery:
 @dataclass
 class Window:
     """Redeliveries due between `start` and `end` (monotonic), at most `budget` of them, are
-    explained by `why`: the jobs a lost supervisor took after its last heartbeat."""
+    explained by `why`, and counted under `counter`: the jobs a lost supervisor took after its
+    last heartbeat, or jobs whose acks a consumer leader move may have swallowed."""
     start: float
     end: float
     budget: int
     why: str
+    counter: str = "lost_peer_redeliveries"
 
     def covers(self, t: float) -> bool:
         return self.budget > 0 and self.start <= t <= self.end
@@ -107,7 +109,8 @@ class CrashLedger:
     counts: dict = field(default_factory=lambda: dict.fromkeys(
         ("crashes", "crashes_holding_jobs", "jobs_held_at_crash", "held_jobs_naked", "held_jobs_redelivered",
          "held_jobs_acked_after_crash", "unexplained_redeliveries", "explained_redeliveries",
-         "in_transit_redeliveries", "in_transit_naked", "quarantined", "lost_peer_redeliveries"), 0))
+         "in_transit_redeliveries", "in_transit_naked", "quarantined", "lost_peer_redeliveries",
+         "leader_move_redeliveries"), 0))
 
     def __post_init__(self) -> None:
         self._inherited_up_to = 0       # stream seqs pending (delivered, unacked) when we started ...
@@ -175,17 +178,18 @@ class CrashLedger:
         wait, up to HOLD_MAX past their grace."""
         self._hold_until = max(self._hold_until, until)
 
-    def expect_window(self, start: float, end: float, budget: int, why: str) -> None:
+    def expect_window(self, start: float, end: float, budget: int, why: str,
+                      counter: str = "lost_peer_redeliveries") -> None:
         """Up to `budget` redeliveries due between `start` and `end` are explained by `why`,
         including suspects already waiting."""
-        window = Window(start, end, budget, why)
+        window = Window(start, end, budget, why, counter)
         self._windows.append(window)
         for (seq, d), t in sorted(self._suspects.items(), key=lambda item: item[1]):
             if window.covers(t):
                 del self._suspects[(seq, d)]
                 window.budget -= 1
                 self.counts["explained_redeliveries"] += 1
-                self.counts["lost_peer_redeliveries"] += 1
+                self.counts[counter] += 1
 
     def confirm_suspects(self, now: float, grace: float) -> list[Redelivery]:
         """Suspects older than `grace` that nothing explained: counted as unexplained, unless they
@@ -235,7 +239,7 @@ class CrashLedger:
         for window in self._windows:
             if window.covers(t):
                 window.budget -= 1
-                self.counts["lost_peer_redeliveries"] += 1
+                self.counts[window.counter] += 1
                 return window.why
         return self._attribute_in_transit(t, seq)
 
@@ -334,6 +338,7 @@ class CrashLedger:
         out["in_transit_redeliveries"] = self.counts["in_transit_redeliveries"]
         out["in_transit_naked"] = self.counts["in_transit_naked"]
         out["lost_peer_redeliveries"] = self.counts["lost_peer_redeliveries"]
+        out["leader_move_redeliveries"] = self.counts["leader_move_redeliveries"]
         out["outstanding"] = self.outstanding(now)
         out["recent_deaths"] = [d.summary(now) for d in list(self.deaths)[-10:]]
         out["recent_unexplained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "age_s": round(now - r.t, 3)}

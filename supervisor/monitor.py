@@ -10,7 +10,9 @@ In a fleet (supervisor/fleet.py) only the elected poller asks the server; the ot
 samples and ask themselves only when those stop coming. In a cluster ConsumerInfo comes from the
 consumer leader, whichever node that is now; `SampleGuard` keeps an answer that cannot be right
 (a leader still catching up after a move, reporting consumer sequences that went backwards)
-out of the lag analysis and the ledger.
+out of the lag analysis and the ledger. Acks sent while the leader moves can be lost (measured on
+the 3-node test cluster: jobs acked during a step-down came back after AckWait): the ledger is
+told to expect those redeliveries (`lost_ack_window`) instead of calling them unexplained.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from workers import Job
 from workers.runtime import dead_letter
 
 from .config import Config
+from .fleet import ack_wait_range
 from .history import History
 from .lag import LagAnalyzer, Sample
 from .consumer import consumer_dict
@@ -34,6 +37,20 @@ from .consumer import consumer_dict
 log = logging.getLogger("supervisor.monitor")
 
 ACCEPT_AFTER = 5        # consecutive backward samples from one consumer taken as the truth after all
+MOVE_SLACK = 2.0        # seconds around the window in which acks lost to a leader move come back
+
+
+def lost_ack_window(before: dict, after: dict, t_before: float, t_after: float,
+                    ack_waits: tuple[float, float]) -> tuple[float, float, int]:
+    """(start, end, budget): when jobs whose acks a leader move swallowed come back, and at most
+    how many. The acks were sent between the last answer of the old leader and the first of the
+    new one; each job's AckWait timer had started at most a third of AckWait before its ack (the
+    parent pings every AckWait/3), so it runs out between 2/3 AckWait after the first and AckWait
+    after the last. At most the jobs in flight then, plus those delivered during the move."""
+    low, high = ack_waits
+    budget = max(before["num_ack_pending"], after["num_ack_pending"]) + max(
+        0, after["delivered_consumer_seq"] - before["delivered_consumer_seq"])
+    return t_before + low * 2 / 3 - MOVE_SLACK, t_after + high + MOVE_SLACK, budget
 
 
 class SampleGuard:
@@ -108,13 +125,16 @@ class Monitor:
 
     async def poll(self) -> None:
         js = self.nc.jetstream()
-        shared = self.fleet.shared_sample(time.monotonic()) if self.fleet else None
+        now = time.monotonic()
+        shared = self.fleet.shared_sample(now) if self.fleet else None
         if shared is not None:
             consumer, seq = shared
             if seq != self.shared_seq:          # a sample we have not taken yet
                 self.shared_seq, self.source = seq, self.fleet.summary.get("poller") or "poller"
                 await self.accept(js, consumer)
             return
+        if self.fleet and not self.fleet.may_poll(now):
+            return                              # a failover in a big fleet: the readings age meanwhile
         try:
             info = await js.consumer_info(self.cfg.stream.name, self.cfg.consumer.name,
                                           timeout=max(1.0, 2 * self.cfg.monitor.interval))
@@ -133,31 +153,40 @@ class Monitor:
         if self.error:
             log.info("ConsumerInfo answers again")
         self.error = ""
-        moved = self.consumer is not None and consumer.get("leader") != self.consumer.get("leader")
-        if moved:
-            log.info("consumer leader is %s now (was %s)", consumer.get("leader"), self.consumer.get("leader"),
-                     extra={"event": "consumer_leader_moved"})
         why = self.guard.check(consumer)
         if why:
             log.warning("ignoring a ConsumerInfo answer from %s: %s (a new consumer leader catching up?)",
                         consumer.get("leader") or "the server", why, extra={"event": "consumer_sample_skipped"})
             return False
+        now = time.monotonic()
+        if self.consumer is not None and consumer.get("leader") != self.consumer.get("leader"):
+            self.leader_moved(self.consumer, consumer, self.polled_at, now)
         self.consumer = consumer
-        self.polled_at = time.monotonic()
+        self.polled_at = now
         beat = self.arbiter.stats.progress_beat(self.arbiter.cfg.workers.job_timeout)
+        # In a fleet, progress anywhere counts (supervisor/fleet.py Fleet.progress).
+        fleet_acked, fleet_busy = self.fleet.progress() if self.fleet else (0, False)
         self.analyzer.add(Sample(t=self.polled_at, num_pending=consumer["num_pending"],
                                  num_ack_pending=consumer["num_ack_pending"],
                                  num_redelivered=consumer["num_redelivered"],
                                  delivered_consumer_seq=consumer["delivered_consumer_seq"],
                                  ack_floor_consumer_seq=consumer["ack_floor_consumer_seq"],
-                                 local_acked=self.arbiter.stats.worker_counters()["ack"],
-                                 progress_alive=beat is not None, progress_at=beat))
+                                 local_acked=self.arbiter.stats.worker_counters()["ack"] + fleet_acked,
+                                 progress_alive=beat is not None or fleet_busy, progress_at=beat))
         self.history.add(self.polled_at, consumer, self.analyzer.report(self.polled_at).state)
         ledger, c, t = self.arbiter.ledger, consumer, self.polled_at
         self.arbiter.post(lambda: (ledger.ack_floor(c["ack_floor_stream_seq"]),
                                    ledger.delivered_seen(t, c["delivered_stream_seq"])))
         await self.resolve_acks_in_doubt(js)
         return True
+
+    def leader_moved(self, before: dict, after: dict, t_before: float, now: float) -> None:
+        start, end, budget = lost_ack_window(before, after, t_before, now, ack_wait_range(self.cfg))
+        self.arbiter.ledger.expect_window(start, end, budget, f"ack possibly lost while the consumer leader moved "
+                                          f"({before.get('leader')} -> {after.get('leader')})",
+                                          counter="leader_move_redeliveries")
+        log.info("consumer leader is %s now (was %s)", after.get("leader"), before.get("leader"),
+                 extra={"event": "consumer_leader_moved"})
 
     async def resolve_acks_in_doubt(self, js: Any) -> None:
         """A dead worker's ack that may or may not have arrived: in a work queue an acked message

@@ -90,37 +90,39 @@ def test_a_marked_peer_stays_lost_with_the_time_it_was_last_seen_and_a_deleted_o
 def test_held_by_live_skips_lost_peers():
     view = FleetView(OWN, heartbeat=1.0)
     ticking(view, until=10.0)
-    view.saw("sup.a.1.x", beat("a", held=[[5, 2, 0.1, "r"], [6, 1, 0.1, "r"]]), 109.5, 1, 9.5)
-    view.saw("sup.b.1.x", beat("b", held=[[5, 1, 3.0, "r"]]), 100.0, 1, 0.0)      # long gone: lost
+    view.saw("sup.a.1.x", beat("a", held=[[5, 2, 0.1, "r", "held"], [6, 1, 0.1, "r", "running"]]), 109.5, 1, 9.5)
+    view.saw("sup.b.1.x", beat("b", held=[[5, 1, 3.0, "r", "running"]]), 100.0, 1, 0.0)      # long gone: lost
     assert view.held_by_live(10.0) == {5: 2, 6: 1}
 
 
 # ---------------------------------------------------------------- releasing a lost peer's jobs
 
 def test_release_naks_only_jobs_with_ack_wait_left_and_not_seen_again():
-    held = [[1, 1, 0.5, "$JS.ACK.1"], [2, 3, 21.0, "$JS.ACK.2"], [3, 1, 1.0, "$JS.ACK.3"], [4, 1, 1.0, ""],
-            [5, 2, 0.0, "$JS.ACK.5"]]
+    held = [[1, 1, 0.5, "$JS.ACK.1", "running"], [2, 3, 21.0, "$JS.ACK.2", "running"],
+            [3, 1, 1.0, "$JS.ACK.3", "held"], [4, 1, 1.0, "", "held"], [5, 2, 0.0, "$JS.ACK.5", "held"],
+            [6, 1, 0.5, "$JS.ACK.6", "acked"]]
     plan = plan_release(held, since_beat=3.0, ack_wait_for=lambda d: 30.0,
                         later_delivery=lambda seq: {3: 2, 5: 2}.get(seq, 0))
     assert plan.nak == [(1, 1, "$JS.ACK.1"), (5, 2, "$JS.ACK.5")]      # seen at its own delivery: still its
     why = {seq: reason for seq, _, reason in plan.skipped}
-    assert set(why) == {2, 3, 4}
+    assert set(why) == {2, 3, 4, 6}
     assert "AckWait nearly out (6.0s left)" == why[2]                # 30 - 21 - 3 <= 20 % of 30
     assert "seen again at delivery 2" == why[3]
     assert why[4] == "no reply subject"
+    assert why[6] == "acked before the last heartbeat"
 
 
 @pytest.mark.parametrize("ack_wait,age,nak", [(5.0, 3.5, False), (5.0, 2.5, True), (60.0, 49.0, False),
                                               (60.0, 47.0, True)])
 def test_release_margin_is_two_seconds_or_a_fifth_of_ack_wait(ack_wait, age, nak):
-    plan = plan_release([[9, 1, age, "r"]], since_beat=0.0, ack_wait_for=lambda d: ack_wait,
+    plan = plan_release([[9, 1, age, "r", "running"]], since_beat=0.0, ack_wait_for=lambda d: ack_wait,
                         later_delivery=lambda seq: 0)
     assert bool(plan.nak) is nak
 
 
-def test_unlisted_jobs_come_back_within_one_heartbeat_of_ack_wait_after_the_last_beat():
-    assert unlisted_window(since_beat=3.0, heartbeat=1.0, ack_waits=(30.0, 30.0)) == (25.0, 30.0)
-    assert unlisted_window(since_beat=3.0, heartbeat=2.0, ack_waits=(10.0, 60.0)) == (5.0, 61.0)
+def test_unlisted_jobs_come_back_between_ack_wait_after_the_last_beat_and_after_now():
+    assert unlisted_window(since_beat=3.0, ack_waits=(30.0, 30.0)) == (25.0, 32.0)
+    assert unlisted_window(since_beat=3.0, ack_waits=(10.0, 60.0)) == (5.0, 62.0)
 
 
 # ---------------------------------------------------------------- the ledger told about a lost peer
@@ -285,3 +287,39 @@ def test_keys_are_valid_kv_keys_and_the_lease_lasts_whole_seconds():
     assert beat_key("web 01.example.com", 42, "a1b2c3") == "sup.web_01_example_com.42.a1b2c3"
     assert beat_key("...", 1, "x") == "sup.supervisor.1.x"
     assert lease_ttl(2.0) == 6 and lease_ttl(0.1) == 1 and lease_ttl(0.5) == 2
+
+
+# ---------------------------------------------------------------- fleet-wide progress, failover polling
+
+def test_progress_sums_the_live_peers_acks_and_sees_their_long_jobs():
+    view = FleetView(OWN, heartbeat=1.0)
+    ticking(view, until=10.0)
+    view.saw("sup.a.1.x", beat("a", acked=40, busy=False), 109.5, 1, 9.5)
+    view.saw("sup.b.1.x", beat("b", acked=7, busy=True), 109.5, 1, 9.5)
+    view.saw("sup.c.1.x", beat("c", acked=1000, busy=True), 100.0, 1, 0.0)         # lost: not counted
+    assert view.progress(10.0) == (47, True)
+
+
+def test_fallback_polls_spread_over_a_big_fleet_and_every_interval_in_a_small_one():
+    from supervisor.fleet import FALLBACK_POLLS, Fallback
+
+    small = Fallback(rng=lambda: 0.5)
+    assert [small.due(t / 10, 1.0, peers=3) for t in range(0, 30)].count(True) == 3 - 1 + 1   # t=0.5, 1.5, 2.5
+    big = [Fallback(rng=lambda i=i: i / 1000) for i in range(1000)]
+    polls = sum(f.due(t / 10, 1.0, peers=999) for t in range(0, 200) for f in big)      # 20 s of ticks
+    assert polls <= 20 * FALLBACK_POLLS * 1.1
+
+
+def test_the_simulated_fleet_polls_once_per_interval_and_survives_a_failover_gently():
+    from bench.fleet_sim import announcements_per_crash, simulate
+    from supervisor.fleet import FALLBACK_POLLS
+
+    naive = simulate(40, "naive", seconds=40.0, kill_poller_at=None)
+    elected = simulate(40, "elected", seconds=40.0, kill_poller_at=None)
+    assert sum(naive.polls(10, 40)) == pytest.approx(40 * 30, rel=0.05)
+    assert sum(elected.polls(10, 40)) == pytest.approx(30, abs=2)
+    assert elected.kv_deliveries < naive.kv_deliveries / 30
+    failover = simulate(40, "elected", seconds=40.0, kill_poller_at=20.0)
+    assert max(failover.polls(20, 40)) <= 2 * FALLBACK_POLLS        # random phases: ~FALLBACK_POLLS a second
+    assert 0 < failover.pollerless_s <= lease_ttl(2.0) + 2.0
+    assert announcements_per_crash() == (3, announcements_per_crash()[1])   # naks, seen, settled
