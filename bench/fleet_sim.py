@@ -35,7 +35,7 @@ from supervisor.ledger import CrashLedger
 from supervisor.peers import Peers
 
 # Cluster CPU per operation (microseconds, all three nodes together), from `python -m bench.fleet costs`.
-COSTS_US = {"consumer_info": 190.0, "kv_put": 120.0, "kv_delivery": 8.0, "core_delivery": 3.0}
+COSTS_US = {"consumer_info": 480.0, "kv_put": 545.0, "kv_delivery": 51.0, "core_delivery": 1.3}
 WARM_UP = 10.0                  # simulated seconds before the steady-state rates are counted
 
 

@@ -117,19 +117,25 @@ class FleetView:
     own heartbeats as they come back: `server_now` is the server time of our newest echo plus
     the local time since. With no echo for 2 heartbeats the channel is down and `server_now` is
     None, so no age is measured and nobody turns lost. `ok_since` restarts when the channel
-    comes back, and a peer's silence only counts from then.
+    comes back, and a peer's silence only counts from then. A new poller starts with
+    `channel_since`, the local time since which its own heartbeat puts have all succeeded (the
+    bucket worked for everybody then too), so a poller taking over from a dead one need not wait
+    another 3 heartbeats before it can tell the dead one is lost.
     """
 
-    def __init__(self, own_key: str, heartbeat: float):
+    def __init__(self, own_key: str, heartbeat: float, channel_since: float | None = None):
         self.own_key = own_key
         self.heartbeat = heartbeat
+        self.channel_since = channel_since
         self.peers: dict[str, Peer] = {}
         self._echo: tuple[float, float] | None = None   # (server time, local time) of our newest echo
         self.ok_since: float | None = None               # server time the channel last came back
 
     def saw(self, key: str, beat: dict, server_t: float, rev: int, now: float) -> None:
         if key == self.own_key:
-            if self._echo is None or now - self._echo[1] > self.stale_after:
+            if self._echo is None and self.channel_since is not None:
+                self.ok_since = server_t - max(0.0, now - self.channel_since)
+            elif self._echo is None or now - self._echo[1] > self.stale_after:
                 self.ok_since = server_t
             self._echo = (server_t, now)
             return
@@ -314,6 +320,7 @@ class Fleet:
         self.acked_at: tuple[float, int] | None = None
         self.problem = ""
         self.fallback = Fallback()
+        self.puts_ok_since: float | None = None      # since when every heartbeat put has succeeded
 
     @property
     def heartbeat(self) -> float:
@@ -386,6 +393,11 @@ class Fleet:
         except KeyWrongLastSequenceError:
             await self.overwritten()
             self.rev = await self.kv.put(self.key, body)
+        except BaseException:
+            self.puts_ok_since = None
+            raise
+        if self.puts_ok_since is None:
+            self.puts_ok_since = now
         if self.problem:
             log.info("heartbeats get through again")
             self.problem = ""
@@ -428,7 +440,7 @@ class Fleet:
             self.lease_rev = await self.kv.create(LEASE_KEY, body, msg_ttl=ttl)
         except KeyWrongLastSequenceError:
             return
-        self.view = FleetView(self.key, self.heartbeat)
+        self.view = FleetView(self.key, self.heartbeat, channel_since=self.puts_ok_since)
         log.info("this supervisor is the poller now (ConsumerInfo and the fleet watch)",
                  extra={"event": "fleet_poller"})
 

@@ -66,6 +66,17 @@ def test_nobody_is_lost_while_our_own_heartbeats_do_not_come_back():
     assert view.state(view.peers[PEER], 33.0) == "silent" and view.state(view.peers[PEER], 33.5) == "lost"
 
 
+def test_a_new_poller_whose_puts_have_been_working_can_tell_a_lost_peer_at_once():
+    view = FleetView(OWN, heartbeat=1.0, channel_since=-20.0)      # our puts have worked for 20 s
+    view.saw(PEER, beat(), 95.0, 1, 0.0)                            # the old poller, silent for 5 s
+    view.saw(OWN, beat("me"), 100.0, 1, 0.0)
+    assert view.state(view.peers[PEER], 0.0) == "lost"
+    fresh = FleetView(OWN, heartbeat=1.0)                           # no such evidence: wait 3 beats
+    fresh.saw(PEER, beat(), 95.0, 1, 0.0)
+    fresh.saw(OWN, beat("me"), 100.0, 1, 0.0)
+    assert fresh.state(fresh.peers[PEER], 0.0) == "silent"
+
+
 def test_the_peers_own_heartbeat_period_counts():
     view = FleetView(OWN, heartbeat=1.0)
     ticking(view, until=0.0)
