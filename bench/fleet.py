@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -130,33 +131,39 @@ def cmd_costs(args: argparse.Namespace) -> dict:
 
 # ---------------------------------------------------------------- loss
 
-def supervisor(root: Path, cluster: NatsCluster, name: str, ack_wait: float, release: bool) -> SupervisorProc:
+def supervisor(root: Path, cluster: NatsCluster, name: str, ack_wait: float, release: bool,
+               workers: int) -> SupervisorProc:
     sub = root / name
     sub.mkdir()
     cfg = base_config(None, sub, nats={"servers": cluster.urls, "startup_timeout": 30.0},
                       stream={"replicas": 3}, consumer={"ack_wait": ack_wait},
                       fleet={"name": name, "heartbeat": 2.0, "release_lost": release},
-                      workers={"count": 2}, monitor={"interval": 1.0, "http": f"127.0.0.1:{free_port()}"})
+                      workers={"count": workers}, monitor={"interval": 1.0, "http": f"127.0.0.1:{free_port()}"})
     return SupervisorProc(sub, cfg).start()
 
 
-def lose_a_host(job_s: float, release: bool, ack_wait: float, kill_poller: bool) -> dict:
+def lose_a_host(job_s: float, release: bool, ack_wait: float, kill_poller: bool, seed: int) -> dict:
+    """Each host has 4 workers and the load keeps 3 busy, so the survivor alone still has room
+    for the lost host's jobs the moment they come back: the delay is the fleet's, not a queue's.
+    The kill comes at a random moment once the load is steady."""
+    import random
+
     root = Path(tempfile.mkdtemp(prefix="fleet-loss-"))
     with NatsCluster(root / "cluster").start() as cluster:
         sups = []
         try:
-            sups.append(supervisor(root, cluster, "alpha", ack_wait, release))
+            sups.append(supervisor(root, cluster, "alpha", ack_wait, release, 4))
             sups[0].wait_ready()
-            sups.append(supervisor(root, cluster, "beta", ack_wait, release))
+            sups.append(supervisor(root, cluster, "beta", ack_wait, release, 4))
             sups[1].wait_ready()
-            count = int(40 / job_s) + 40          # ~10 s of work for the 4 workers
-            pub = SteadyPublisher(cluster.urls, count=count, rate=4 / job_s, data=str(job_s)).start()
+            count = int(3 * (ack_wait + 30 + 3 * job_s) / job_s)   # load until well past AckWait
+            pub = SteadyPublisher(cluster.urls, count=count, rate=3 / job_s, data=str(job_s)).start()
             poller = wait_until(lambda: next((s for s in sups if (s.try_status() or {}).get("fleet", {}).get(
                 "is_poller")), None), 30, "a poller")
             victim = poller if kill_poller else next(s for s in sups if s is not poller)
             survivor = next(s for s in sups if s is not victim)
-            wait_until(lambda: len(victim.jobs.running()) >= 2 and min(
-                time.time() - r.t for r in victim.jobs.running()) > min(job_s / 2, 1.0), 60, "the victim busy")
+            time.sleep(2 * job_s + random.Random(seed).uniform(0, job_s))    # a random moment, not a sync
+            wait_until(lambda: victim.jobs.running(), 60, "the victim running a job")
             killed_at = time.time()
             os.killpg(victim.proc.pid, signal.SIGKILL)
             victim.proc.wait()
@@ -171,21 +178,31 @@ def lose_a_host(job_s: float, release: bool, ack_wait: float, kill_poller: bool)
         finally:
             for s in sups:
                 s.cleanup()
-    delays = sorted(t - killed_at for t in again.values())
-    return {"job_s": job_s, "release_lost": release, "ack_wait": ack_wait, "victim": "poller" if kill_poller else
-            "member", "jobs_running_at_kill": len(running), "back_after_s": [round(d, 2) for d in delays],
-            "listed_in_last_beat": sum(1 for line in log.splitlines() if "held by lost supervisor" in line),
-            "taken_after_last_beat": sum(1 for line in log.splitlines() if "after its last heartbeat" in line)}
+    lost_at = next((logged_at(line) for line in log.splitlines() if " is lost: " in line), None)
+    jobs = [{"seq": seq, "back_after_s": round(t - killed_at, 2),
+             "listed": bool(re.search(rf"job seq={seq} redelivered .*held by lost supervisor", log))}
+            for seq, t in sorted(again.items())]
+    return {"job_s": job_s, "release_lost": release, "ack_wait": ack_wait,
+            "victim": "poller" if kill_poller else "member", "jobs": jobs,
+            "declared_lost_after_s": round(lost_at - killed_at, 2) if lost_at else None}
+
+
+def logged_at(line: str) -> float:
+    """The epoch time of a text log line ("2026-11-30 22:09:58.999 [pid] ...")."""
+    stamp, _, millis = line[:23].partition(".")
+    return time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000
 
 
 def cmd_loss(args: argparse.Namespace) -> list[dict]:
     out = []
     for job_s in args.jobs:
         for release in (True, False):
-            out.append(lose_a_host(job_s, release, args.ack_wait, kill_poller=False))
-            print(json.dumps(out[-1]), flush=True)
-    out.append(lose_a_host(max(args.jobs), True, args.ack_wait, kill_poller=True))
-    print(json.dumps(out[-1]), flush=True)
+            for rep in range(args.reps):
+                out.append(lose_a_host(job_s, release, args.ack_wait, kill_poller=False, seed=rep))
+                print(json.dumps(out[-1]), flush=True)
+    for rep in range(args.reps):
+        out.append(lose_a_host(max(args.jobs), True, args.ack_wait, kill_poller=True, seed=rep))
+        print(json.dumps(out[-1]), flush=True)
     return out
 
 
@@ -198,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     loss = sub.add_parser("loss", help="a host SIGKILLed: how long until its jobs run again")
     loss.add_argument("--jobs", type=float, nargs="+", default=[0.2, 5.0], help="job durations (s)")
     loss.add_argument("--ack-wait", type=float, default=30.0)
+    loss.add_argument("--reps", type=int, default=3)
     args = p.parse_args(argv)
     result = cmd_costs(args) if args.what == "costs" else cmd_loss(args)
     print(json.dumps(result, indent=1))

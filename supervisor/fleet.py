@@ -25,8 +25,12 @@ server's timestamps, so no two hosts' clocks are compared. Then, in this order:
   3. It NAKs ("releases") the lost peer's held jobs so they are redelivered now instead of after
      AckWait, but only a job whose AckWait, counted from when it was held or last pinged, has
      more than RELEASE_MARGIN left (else the server may have redelivered it already, and a NAK
-     matches by stream sequence: it would hit the current holder's delivery), and that no live
-     peer and no redelivery anyone reported has at a later delivery.
+     matches by stream sequence: it would hit the current holder's delivery), that no live
+     peer and no redelivery anyone reported has at a later delivery, and whose ack had not been
+     sent already.
+A poller elected after the old one died counts its own heartbeat puts that have been getting
+through as the proof that the bucket worked, so the old poller is declared lost as soon as the
+new one sees it, not 3 more heartbeats later.
 
 A partitioned peer is not a dead one: its workers may still run the jobs it held. A release
 then makes those jobs run twice at once. Without it, they would run twice anyway once AckWait
@@ -588,9 +592,10 @@ class Fleet:
             return
         if sender == self.key:
             return
+        # A second poller can only be one whose lease ran out unnoticed (renewals failing): its
+        # next renewal fails the revision check and it steps down; meanwhile the lost mark's own
+        # revision check keeps the two from both acting on a loss.
         now = time.monotonic()
-        if self.poller and sender < self.key:
-            await self.step_down(f"{summary.get('poller')} polls too")   # two pollers a moment: the lower key stays
         self.summary, self.summary_at = summary, now
         if isinstance(body.get("consumer"), dict):
             self.sample = (body["consumer"], now, seq, interval)
