@@ -13,7 +13,8 @@ Two designs:
 Every host heartbeats. Ledger announcements per crash are counted by running the real
 supervisor/peers.py `Peers` over a counting connection: a worker dies holding jobs (one "naks"
 message), one of them lands on another host ("seen"), is acked there ("settled"). Each message
-goes to every other supervisor.
+goes to every other supervisor, and so does each supervisor's "hello" every HELLO_EVERY seconds
+(how a supervisor knows it is alone, for the in-transit reconciliation).
 
 Loads are converted to cluster CPU with per-operation costs measured on the 3-node test cluster
 (`python -m bench.fleet costs`; the defaults below are that command's output on the machine in
@@ -27,12 +28,13 @@ import asyncio
 import heapq
 import json
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from supervisor.fleet import LOST_AFTER, SAMPLE_FRESH, Fallback, lease_ttl
 from supervisor.ledger import CrashLedger
-from supervisor.peers import Peers
+from supervisor.peers import HELLO_EVERY, Peers
 
 # Cluster CPU per operation (microseconds, all three nodes together), from `python -m bench.fleet costs`.
 COSTS_US = {"consumer_info": 480.0, "kv_put": 545.0, "kv_delivery": 51.0, "core_delivery": 1.3}
@@ -203,8 +205,9 @@ def announcements_per_crash(held: int = 2) -> tuple[int, int]:
     """(messages published, bytes) by the real Peers for one worker death holding `held` jobs,
     one of them redelivered to and acked on another host."""
     nc_a, nc_b = CountingNC(), CountingNC()
-    a = Peers(nc_a, "JOBS", "workers", CrashLedger(30.0, 3))
-    b = Peers(nc_b, "JOBS", "workers", CrashLedger(30.0, 3))
+    a = Peers(nc_a, "JOBS", "workers", CrashLedger(30.0, 3), post=lambda work: work())
+    b = Peers(nc_b, "JOBS", "workers", CrashLedger(30.0, 3), post=lambda work: work())
+    a.last_hello = b.last_hello = time.monotonic()      # the periodic hello is counted apart (hellos_per_s)
     for seq in range(100, 100 + held):                 # Arbiter.settle_held_jobs
         a.announce(seq, "held by worker 3 (pid 4242) at its death (killed by SIGKILL)")
     asyncio.run(a.flush())
@@ -227,13 +230,15 @@ def row(hosts: int, workers: int, design: str, args: argparse.Namespace) -> dict
     msgs, size = announcements_per_crash()
     kv_puts, kv_deliveries, core = (steady.rate(steady.kv_puts), steady.rate(steady.kv_deliveries),
                                     steady.rate(steady.core_deliveries))
+    hellos = hosts * (hosts - 1) / HELLO_EVERY      # Peers' "I exist" to every other supervisor (both designs)
     cpu = (polls * COSTS_US["consumer_info"] + kv_puts * COSTS_US["kv_put"] + kv_deliveries * COSTS_US["kv_delivery"]
-           + core * COSTS_US["core_delivery"])
+           + (core + hellos) * COSTS_US["core_delivery"])
     return {"hosts": hosts, "workers": hosts * workers, "design": design,
             "heartbeats_per_s": round(hosts / args.heartbeat, 1), "kv_writes_per_s": round(kv_puts, 1),
             "kv_deliveries_per_s": round(kv_deliveries, 1), "consumer_info_per_s": round(polls, 1),
             "failover_worst_second": max(burst), "failover_extra_polls": sum(burst) - round(polls * len(burst)),
-            "samples_delivered_per_s": round(core, 1), "ledger_msgs_per_crash": msgs,
+            "samples_delivered_per_s": round(core, 1), "hellos_delivered_per_s": round(hellos, 1),
+            "ledger_msgs_per_crash": msgs,
             "ledger_deliveries_per_crash": msgs * (hosts - 1), "ledger_bytes_per_crash": size,
             "pollerless_s": round(failover.pollerless_s, 1), "cluster_cpu_pct": round(cpu / 1e4, 2)}
 
@@ -242,6 +247,7 @@ COLUMNS = (("hosts", "hosts"), ("workers", "workers"), ("design", "design"), ("h
            ("kv_writes_per_s", "KV writes/s"), ("kv_deliveries_per_s", "KV deliveries/s"),
            ("consumer_info_per_s", "ConsumerInfo/s"), ("failover_worst_second", "ConsumerInfo, worst second of a failover"),
            ("pollerless_s", "no poller (s)"), ("samples_delivered_per_s", "samples delivered/s"),
+           ("hellos_delivered_per_s", "ledger hellos delivered/s"),
            ("ledger_deliveries_per_crash", "ledger msgs delivered per crash"), ("cluster_cpu_pct", "cluster CPU %"))
 
 

@@ -84,9 +84,10 @@ def sample_subject(stream: str, consumer: str) -> str:
 
 def ack_wait_range(cfg: Any) -> tuple[float, float]:
     """The shortest and longest AckWait any delivery gets (consumer.backoff sets one per delivery)."""
-    from .arbiter import ack_wait_for
+    from .policy import ack_wait_for
 
-    waits = [ack_wait_for(cfg, d) for d in range(1, 1 + max(1, len(cfg.consumer.backoff)))]
+    c = cfg.consumer
+    waits = [ack_wait_for(c.ack_wait, c.backoff, d) for d in range(1, 1 + max(1, len(c.backoff)))]
     return min(waits), max(waits)
 
 
@@ -539,13 +540,14 @@ class Fleet:
         own workers, a redelivery any supervisor reported) has at a later delivery is not its."""
         if not self.cfg.fleet.release_lost:
             return Release(skipped=[(s, d, "fleet.release_lost is false") for s, d, *_ in held])
-        from .arbiter import ack_wait_for
+        from .policy import ack_wait_for
 
         now = time.monotonic()
         live = self.view.held_by_live(now)
         own = {e[0]: e[1] for e in held_jobs(self.arbiter, now)}
         peers = self.arbiter.peers
-        return plan_release(held, since, lambda d: ack_wait_for(self.cfg, d),
+        c = self.cfg.consumer
+        return plan_release(held, since, lambda d: ack_wait_for(c.ack_wait, c.backoff, d),
                             lambda seq: max(live.get(seq, 0), own.get(seq, 0), peers.seen_delivery(seq)))
 
     # ------------------------------------------------------------ samples and the fleet summary
@@ -621,7 +623,8 @@ class Fleet:
 
         silent = self.view.counts(time.monotonic())["silent"] if self.view else self.summary.get("silent", 0)
         if silent:
-            self.arbiter.ledger.hold_suspects(time.monotonic() + max(SUSPECT_GRACE, 2 * self.heartbeat))
+            until, ledger = time.monotonic() + max(SUSPECT_GRACE, 2 * self.heartbeat), self.arbiter.ledger
+            self.arbiter.post(lambda: ledger.hold_suspects(until))      # the arbiter's loop writes the ledger
 
     def status(self) -> dict:
         now = time.monotonic()
@@ -668,26 +671,12 @@ def cmd_status_fleet(args: Any) -> int:
     return 0
 
 
-async def connect_fast(cfg: Any, name: str) -> Any:
-    """One connection attempt per server, all within nats.connect_timeout (a one-shot command)."""
-    from . import natsconn
-    from .errors import NatsUnavailable
-
-    limit = cfg.nats.connect_timeout
-    try:
-        return await asyncio.wait_for(natsconn.connect(cfg.nats, name=name, connect_timeout=limit,
-                                                       max_reconnect_attempts=0), limit)
-    except asyncio.TimeoutError:
-        where = ", ".join(natsconn.redact_url(s).partition("://")[2] or natsconn.redact_url(s)
-                          for s in cfg.nats.servers)
-        raise NatsUnavailable(f"cannot connect to NATS at {where}: no answer within "
-                              f"nats.connect_timeout={limit:g}s") from None
-
-
 async def read_fleet(cfg: Any) -> dict:
     from .consumer import consumer_dict
 
-    nc = await connect_fast(cfg, f"{cfg.nats.name} status --fleet")
+    from .tools import connect_oneshot
+
+    nc = await connect_oneshot(cfg, "status --fleet")
     try:
         js = nc.jetstream(timeout=READ_TIMEOUT)
         beats, note = await read_beats(js, cfg.fleet.bucket)

@@ -182,9 +182,9 @@ class Monitor:
 
     def leader_moved(self, before: dict, after: dict, t_before: float, now: float) -> None:
         start, end, budget = lost_ack_window(before, after, t_before, now, ack_wait_range(self.cfg))
-        self.arbiter.ledger.expect_window(start, end, budget, f"ack possibly lost while the consumer leader moved "
-                                          f"({before.get('leader')} -> {after.get('leader')})",
-                                          counter="leader_move_redeliveries")
+        why = f"ack possibly lost while the consumer leader moved ({before.get('leader')} -> {after.get('leader')})"
+        ledger = self.arbiter.ledger
+        self.arbiter.post(lambda: ledger.expect_window(start, end, budget, why, counter="leader_move_redeliveries"))
         log.info("consumer leader is %s now (was %s)", after.get("leader"), before.get("leader"),
                  extra={"event": "consumer_leader_moved"})
 

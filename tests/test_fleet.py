@@ -140,7 +140,7 @@ def test_unlisted_jobs_come_back_between_ack_wait_after_the_last_beat_and_after_
 
 def test_a_lost_peers_jobs_are_explained_as_its_own_everywhere():
     led = CrashLedger(ack_wait=30.0, poison_after=3)
-    peers = Peers(None, "JOBS", "workers", led)
+    peers = Peers(None, "JOBS", "workers", led, post=lambda work: work())
     peers.lost_peer("alpha", [(7, 1), (8, 2)], window=(-1.0, 60.0), budget=2)
     now = time.monotonic()          # lost_peer dates the window from the monotonic clock
     assert led.redelivered(now, 7, 2) == "held by lost supervisor alpha"
@@ -155,7 +155,7 @@ def test_a_lost_peers_jobs_are_explained_as_its_own_everywhere():
 
 def test_the_lost_message_from_another_supervisor_explains_here():
     led = CrashLedger(ack_wait=30.0, poison_after=3)
-    peers = Peers(None, "JOBS", "workers", led)
+    peers = Peers(None, "JOBS", "workers", led, post=lambda work: work())
     led.redelivered(0.0, 7, 2)                          # arrived before the word: a suspect
     msg = type("Msg", (), {"data": json.dumps({"origin": "elsewhere/1", "lost": [
         {"name": "alpha", "held": [[7, 1]], "window": [0.0, 1.0], "budget": 0}]}).encode()})
