@@ -174,8 +174,8 @@ def poll(world: World, host: Host, t: float) -> None:
         if t - host.sample_at <= SAMPLE_FRESH * world.interval:
             host.fallback.reset()
             return
-        if not host.fallback.due(t, world.interval, host.peers):
-            return
+        if host.sample_at > 0 and not host.fallback.due(t, world.interval, host.peers):
+            return                              # (never had a sample: just started, polls at once)
     world.counts.poll_at(t)
     if world.design == "elected" and host.lease_rev:
         broadcast(world, host, t, sample=True)

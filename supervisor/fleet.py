@@ -613,8 +613,12 @@ class Fleet:
         return consumer, seq
 
     def may_poll(self, now: float) -> bool:
-        """With no fresh sample: the poller always; a member at its Fallback pace."""
-        return self.poller or self.fallback.due(now, self.cfg.monitor.interval, int(self.summary.get("ok") or 0))
+        """With no fresh sample: the poller always, and so does a supervisor that has never had a
+        poller's sample (it has just started: its lag readings must not wait); a member whose
+        poller went quiet at its Fallback pace."""
+        if self.poller or self.sample is None:
+            return True
+        return self.fallback.due(now, self.cfg.monitor.interval, int(self.summary.get("ok") or 0))
 
     def hold_suspects(self) -> None:
         """While a peer is silent but not yet lost, a redelivery of a job it held must not be

@@ -122,6 +122,7 @@ class CrashLedger:
         self._suspects: dict[tuple[int, int], float] = {}            # (seq, delivery) -> seen, unexplained so far
         self.quarantined: dict[int, list[Death]] = {}
         self._windows: deque[Window] = deque(maxlen=HISTORY)
+        self.cluster_explained: deque[Redelivery] = deque(maxlen=HISTORY)
         self._hold_until = 0.0                                      # see hold_suspects
 
     # ------------------------------------------------------------ inputs
@@ -151,9 +152,10 @@ class CrashLedger:
         (returns True)."""
         late = sorted(d for s, d in self._suspects if s == seq and d > delivery)
         if late:                            # a NAK of delivery N explains only deliveries after N
-            del self._suspects[(seq, late[0])]
+            t = self._suspects.pop((seq, late[0]))
             self.counts["explained_redeliveries"] += 1
-            self.counts["lost_peer_redeliveries"] += why.startswith(LOST_PEER)
+            if why.startswith(LOST_PEER):
+                self._by_the_cluster(t, seq, late[0], why, "lost_peer_redeliveries")
             return True
         self._expected[seq] = why
         self._expected.move_to_end(seq)
@@ -189,7 +191,13 @@ class CrashLedger:
                 del self._suspects[(seq, d)]
                 window.budget -= 1
                 self.counts["explained_redeliveries"] += 1
-                self.counts[counter] += 1
+                self._by_the_cluster(t, seq, d, why, counter)
+
+    def _by_the_cluster(self, t: float, seq: int, delivery: int, why: str, counter: str) -> None:
+        """A redelivery explained by a lost supervisor or a consumer leader move: counted under
+        `counter` and kept in `recent_cluster_explained` (/status says which jobs and why)."""
+        self.counts[counter] += 1
+        self.cluster_explained.append(Redelivery(t, seq, delivery, why))
 
     def confirm_suspects(self, now: float, grace: float) -> list[Redelivery]:
         """Suspects older than `grace` that nothing explained: counted as unexplained, unless they
@@ -234,12 +242,13 @@ class CrashLedger:
             return f"held by worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
         if seq in self._expected:
             why = self._expected.pop(seq)
-            self.counts["lost_peer_redeliveries"] += why.startswith(LOST_PEER)
+            if why.startswith(LOST_PEER):
+                self._by_the_cluster(t, seq, delivery, why, "lost_peer_redeliveries")
             return why
         for window in self._windows:
             if window.covers(t):
                 window.budget -= 1
-                self.counts[window.counter] += 1
+                self._by_the_cluster(t, seq, delivery, window.why, window.counter)
                 return window.why
         return self._attribute_in_transit(t, seq)
 
@@ -341,6 +350,8 @@ class CrashLedger:
         out["leader_move_redeliveries"] = self.counts["leader_move_redeliveries"]
         out["outstanding"] = self.outstanding(now)
         out["recent_deaths"] = [d.summary(now) for d in list(self.deaths)[-10:]]
+        out["recent_cluster_explained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "why": r.why,
+                                            "age_s": round(now - r.t, 3)} for r in list(self.cluster_explained)[-20:]]
         out["recent_unexplained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "age_s": round(now - r.t, 3)}
                                      for r in list(self.unexplained)[-10:]]
         return out

@@ -149,7 +149,11 @@ def test_a_lost_peers_jobs_are_explained_as_its_own_everywhere():
     assert led.redelivered(now, 51, 2) == "taken by lost supervisor alpha after its last heartbeat"
     assert led.redelivered(now, 52, 2) == ""            # over the budget: a suspect like any other
     assert led.counts["lost_peer_redeliveries"] == 4
-    assert led.crosscheck(now)["lost_peer_redeliveries"] == 4
+    cc = led.crosscheck(now)
+    assert cc["lost_peer_redeliveries"] == 4
+    assert [(r["stream_seq"], r["why"].split(" after")[0]) for r in cc["recent_cluster_explained"]] == [
+        (7, "held by lost supervisor alpha"), (8, "held by lost supervisor alpha"),
+        (50, "taken by lost supervisor alpha"), (51, "taken by lost supervisor alpha")]
     assert peers.outbox["lost"][0]["held"] == [[7, 1], [8, 2]]
 
 
