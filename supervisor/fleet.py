@@ -283,8 +283,8 @@ def held_jobs(arbiter: Any, now: float) -> list[list]:
     for w in arbiter.living():
         for e in w.table.snapshot():
             if e.state in (slots.HELD, slots.RUNNING, slots.ACKED):
-                timer = max(e.t_held, arbiter.pings.get((w.pid, e.stream_seq), 0.0))
-                out.append([e.stream_seq, e.delivery, round(now - timer, 3), e.reply, slots.ENTRY_STATES[e.state]])
+                out.append([e.stream_seq, e.delivery, round(now - arbiter.timer_started(w, e), 3), e.reply,
+                            slots.ENTRY_STATES[e.state]])
     return out
 
 
