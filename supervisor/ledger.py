@@ -245,7 +245,9 @@ class CrashLedger:
             if why.startswith(LOST_PEER):
                 self._by_the_cluster(t, seq, delivery, why, "lost_peer_redeliveries")
             return why
-        for window in self._windows:
+        # A lost supervisor's unlisted jobs all come back; acks a leader move swallowed only may
+        # have: where both windows cover a redelivery, the lost supervisor is the better bet.
+        for window in sorted(self._windows, key=lambda w: w.counter != "lost_peer_redeliveries"):
             if window.covers(t):
                 window.budget -= 1
                 self._by_the_cluster(t, seq, delivery, window.why, window.counter)

@@ -188,6 +188,18 @@ def test_a_window_explains_suspects_already_waiting_in_it():
     assert [r.seq for r in led.confirm_suspects(100.0, grace=2.0)] == [1, 3]      # 1 before it, 3 over budget
 
 
+def test_a_lost_supervisors_window_beats_a_leader_moves_where_both_cover_a_redelivery():
+    """Seen on the cluster: a job the killed host took after its last heartbeat came back inside
+    an earlier leader move's window and was put down to the move, not to the lost host."""
+    led = CrashLedger(ack_wait=30.0, poison_after=3)
+    led.expect_window(0.0, 50.0, budget=5, why="ack possibly lost while the consumer leader moved (n3 -> n2)",
+                      counter="leader_move_redeliveries")
+    led.expect_window(10.0, 60.0, budget=1, why="taken by lost supervisor alpha after its last heartbeat")
+    assert led.redelivered(20.0, 42, 2) == "taken by lost supervisor alpha after its last heartbeat"
+    assert led.redelivered(21.0, 43, 2).startswith("ack possibly lost")     # the lost host's budget is spent
+    assert (led.counts["lost_peer_redeliveries"], led.counts["leader_move_redeliveries"]) == (1, 1)
+
+
 # ---------------------------------------------------------------- the ConsumerInfo guard
 
 CREATED = "2026-11-30T22:10:37.864487+00:00"
