@@ -99,6 +99,8 @@ def test_two_supervisors_lose_nothing_through_a_stream_leader_kill_and_a_lost_ho
     beta.wait_ready()
     wait_until(lambda: fleet_states(alpha) == {"alpha": "ok", "beta": "ok"}, what="both in the fleet view",
                interval=0.5)
+    wait_until(lambda: all((s.try_status() or {}).get("fleet", {}).get("peers") == 1 for s in (alpha, beta)),
+               what="each /status counting the other as its one peer")
     pub = SteadyPublisher(cluster.urls, count=300, rate=20, data="0.1").start()
     try:
         wait_until(lambda: alpha.jobs.done_seqs() and beta.jobs.done_seqs(), what="jobs done on both hosts")
