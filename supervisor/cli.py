@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from . import __version__, config, demo, demo_once, dlq, logs, natsconn, tools
+from . import __version__, config, demo, demo_once, dlq, fleet, logs, natsconn, tools
 from .app import Supervisor, load_callable, require_handler
 from .errors import EXIT_BUG, EXIT_OK, ConfigError, SupervisorError
 
@@ -322,7 +322,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "config": cmd_config,
     "publish": tools.cmd_publish,
     "lag": tools.cmd_lag,
-    "status": tools.cmd_status,
+    "status": lambda args: (fleet.cmd_status_fleet if args.fleet else tools.cmd_status)(args),
     "scale": tools.cmd_scale,
     "dlq": dlq.cmd_dlq,
     "demo": lambda args: (demo_once if args.scenario == "once" else demo).cmd_demo(args),

@@ -64,7 +64,6 @@ log = logging.getLogger("supervisor.fleet")
 BEAT_PREFIX = "sup."
 LEASE_KEY = "poller"
 LOST_AFTER = 3              # missed heartbeats before a peer is lost (SPEC)
-KEEP_S = 3600.0             # the bucket's max_age: a lost supervisor stays in the view this long
 RELEASE_MARGIN = 2.0        # seconds of AckWait that must be left to release a job (and 20 % of it)
 SAMPLE_FRESH = 2.5          # poll intervals a broadcast ConsumerInfo sample stays usable
 WINDOW_SLACK = 2.0          # seconds around the AckWait window of a lost peer's unlisted jobs
@@ -283,19 +282,21 @@ def held_jobs(arbiter: Any, now: float) -> list[list]:
     for w in arbiter.living():
         for e in w.table.snapshot():
             if e.state in (slots.HELD, slots.RUNNING, slots.ACKED):
-                out.append([e.stream_seq, e.delivery, round(now - arbiter.timer_started(w, e), 3), e.reply,
-                            slots.ENTRY_STATES[e.state]])
+                timer = arbiter.deaths.timer_started(w.pid, e)
+                out.append([e.stream_seq, e.delivery, round(now - timer, 3), e.reply, slots.ENTRY_STATES[e.state]])
     return out
 
 
 def build_beat(arbiter: Any, cfg: Any, name: str, started: float, jobs_per_s: float, now: float) -> dict:
     counts = arbiter.ledger.counts
     return {"name": name, "host": socket.gethostname(), "pid": os.getpid(), "version": __version__,
-            "state": arbiter.state, "workers": {"ready": arbiter.ready_count(), "target": arbiter.target},
+            "state": arbiter.state, "workers": {"ready": arbiter.pool.ready_count(), "target": arbiter.pool.target},
             "jobs_per_s": round(jobs_per_s, 2), "crashes": counts["crashes"],
             "unexplained": counts["unexplained_redeliveries"], "started": started, "t": time.time(),
-            "heartbeat": cfg.fleet.heartbeat, "capacity": len(arbiter.slots) * arbiter.table_entries() // 2,
-            "acked": arbiter.worker_counters()["ack"], "busy": arbiter.progress_beat() is not None,
+            "heartbeat": cfg.fleet.heartbeat,
+            "capacity": len(arbiter.pool.slots) * arbiter.pool.table_entries() // 2,
+            "acked": arbiter.stats.worker_counters()["ack"],
+            "busy": arbiter.stats.progress_beat(cfg.workers.job_timeout) is not None,
             "held": held_jobs(arbiter, now)}
 
 
@@ -304,7 +305,11 @@ def build_beat(arbiter: Any, cfg: Any, name: str, started: float, jobs_per_s: fl
 class Fleet:
     """Runs on the parent's loop beside the monitor. It only reads the arbiter's state (slot
     tables, counters) and talks to NATS; it never changes a worker. Every NATS failure is
-    logged once and retried at the next beat: the fleet view is never a reason to stop work."""
+    logged once and retried at the next beat: the fleet view is never a reason to stop work.
+
+    Long because heartbeat, lease, watch, loss handling and sample sharing are one task's steps
+    around one piece of state (whether we hold the lease, at which revision); the decisions are
+    already outside it (FleetView, Fallback, plan_release, unlisted_window), each pure."""
 
     def __init__(self, cfg: Any, nc: Any, arbiter: Any):
         self.cfg, self.nc, self.arbiter = cfg, nc, arbiter
@@ -385,7 +390,7 @@ class Fleet:
         from nats.js.errors import KeyWrongLastSequenceError
 
         now = time.monotonic()
-        acked = self.arbiter.worker_counters()["ack"]
+        acked = self.arbiter.stats.worker_counters()["ack"]
         rate = 0.0
         if self.acked_at and now > self.acked_at[0]:
             rate = (acked - self.acked_at[1]) / (now - self.acked_at[0])
@@ -558,8 +563,8 @@ class Fleet:
         acked, busy = self.view.progress(now) if self.view else (0, False)
         return {"poller": self.name, "poller_key": self.key, "ok": counts.get("ok", 0) + counts.get("silent", 0),
                 "silent": counts.get("silent", 0), "lost": counts.get("lost", 0),
-                "acked": acked + self.arbiter.worker_counters()["ack"],
-                "busy": busy or self.arbiter.progress_beat() is not None}
+                "acked": acked + self.arbiter.stats.worker_counters()["ack"],
+                "busy": busy or self.arbiter.stats.progress_beat(self.cfg.workers.job_timeout) is not None}
 
     def progress(self) -> tuple[int, bool]:
         """Fleet-wide progress for the lag analysis: a sum of every supervisor's acks (it moves

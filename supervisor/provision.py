@@ -20,6 +20,8 @@ from . import natsconn
 from .config import Config
 from .errors import ConfigError, NatsUnavailable
 
+FLEET_KEEP_S = 3600.0       # the fleet bucket's max_age: a lost supervisor stays in the view this long
+
 log = logging.getLogger("supervisor.nats")
 
 RETENTION = {"workqueue": api.RetentionPolicy.WORK_QUEUE, "limits": api.RetentionPolicy.LIMITS,
@@ -85,11 +87,9 @@ async def ensure(nc: Any, cfg: Config) -> None:
 
 async def ensure_fleet_bucket(js: Any, cfg: Config) -> None:
     """The KV bucket of fleet heartbeats (supervisor/fleet.py): one value per key, kept for
-    fleet.KEEP_S after its last write (so a lost supervisor stays visible a while), as many
+    FLEET_KEEP_S after its last write (so a lost supervisor stays visible a while), as many
     replicas as the stream. Not fatal: without it the work goes on, only the fleet view is off."""
     from nats.js.errors import BucketNotFoundError
-
-    from .fleet import KEEP_S
 
     bucket = cfg.fleet.bucket
     try:
@@ -104,7 +104,7 @@ async def ensure_fleet_bucket(js: Any, cfg: Config) -> None:
         log.warning("KV bucket %s does not exist and stream.create is false: the fleet view is off", bucket)
         return
     try:
-        await js.create_key_value(bucket=bucket, history=1, ttl=KEEP_S, replicas=cfg.stream.replicas,
+        await js.create_key_value(bucket=bucket, history=1, ttl=FLEET_KEEP_S, replicas=cfg.stream.replicas,
                                   storage=STORAGE[cfg.stream.storage],
                                   description="jetstream-supervisor fleet heartbeats")
         log.info("created KV bucket %s (fleet heartbeats, %d replica(s))", bucket, cfg.stream.replicas)
