@@ -465,8 +465,11 @@ class Fleet:
     def ensure_watch(self) -> None:
         """(Re)start the watch, also when it has stopped delivering our own heartbeats: the
         ordered consumer under it lives on one server, which may have gone."""
-        stale = self.view.server_now(time.monotonic()) is None and self.watch_task is not None \
-            and time.monotonic() - self.watch_started > self.view.stale_after
+        view = self.view
+        if view is None:
+            return                  # not the poller
+        stale = view.server_now(time.monotonic()) is None and self.watch_task is not None \
+            and time.monotonic() - self.watch_started > view.stale_after
         if self.watch_task is None or self.watch_task.done() or stale:
             if self.watch_task is not None:
                 asyncio.ensure_future(self.stop_watch())
@@ -503,9 +506,11 @@ class Fleet:
     # ------------------------------------------------------------ lost peers (poller only)
 
     async def handle_lost(self) -> None:
-        now = time.monotonic()
-        for peer in self.view.due_lost(now):
-            since = self.view.age(peer, now)
+        now, view = time.monotonic(), self.view
+        if view is None:
+            return                  # not the poller
+        for peer in view.due_lost(now):
+            since = view.age(peer, now)
             if since is not None and await self.mark(peer, since):
                 await self.lost(peer, since)
 
@@ -548,7 +553,7 @@ class Fleet:
         from .policy import ack_wait_for
 
         now = time.monotonic()
-        live = self.view.held_by_live(now)
+        live = self.view.held_by_live(now) if self.view else {}
         own = {e[0]: e[1] for e in held_jobs(self.arbiter, now)}
         peers = self.arbiter.peers
         c = self.cfg.consumer

@@ -159,7 +159,8 @@ class Monitor:
                         consumer.get("leader") or "the server", why, extra={"event": "consumer_sample_skipped"})
             return False
         now = time.monotonic()
-        if self.consumer is not None and consumer.get("leader") != self.consumer.get("leader"):
+        if self.consumer is not None and self.polled_at is not None \
+                and consumer.get("leader") != self.consumer.get("leader"):
             self.leader_moved(self.consumer, consumer, self.polled_at, now)
         self.consumer = consumer
         self.polled_at = now

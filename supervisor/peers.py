@@ -22,7 +22,7 @@ import os
 import socket
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .ledger import LOST_PEER
 
@@ -147,7 +147,7 @@ class Peers:
         if origin != self.origin:
             self.post(lambda: self.apply(origin, naks, seen, settled, lost, asked=bool(body.get("ask"))))
 
-    def apply(self, origin: str, naks: list, seen: list, settled: list, lost: list = (),
+    def apply(self, origin: str, naks: list, seen: list, settled: list, lost: Sequence[dict] = (),
               asked: bool = False) -> None:
         now = time.monotonic()
         self.heard[origin] = now
