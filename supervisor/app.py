@@ -24,6 +24,7 @@ from .config import Config, with_servers
 from .embedded import EmbeddedServer
 from .config import parse_hostport
 from .errors import EXIT_HALTED, ConfigError, Halted, HandlerError, SupervisorError
+from .fleet import Fleet
 from .http import HttpServer
 from .monitor import Monitor
 from .notify import Notifier
@@ -128,6 +129,7 @@ class Supervisor:
         self.nc: Any = None
         self.arbiter: Arbiter | None = None
         self.monitor: Monitor | None = None
+        self.fleet: Fleet | None = None
         self.http: HttpServer | None = None
         self.notifier = Notifier()
 
@@ -162,6 +164,7 @@ class Supervisor:
             await self.inherit_pending()
             self.monitor = Monitor(cfg, self.nc, self.arbiter)
             self.arbiter.autoscale.monitor = self.monitor      # its lag analysis and consumer numbers
+            self.fleet = self.monitor.fleet = Fleet(cfg, self.nc, self.arbiter)
             if cfg.monitor.http:
                 host, port = parse_hostport(cfg.monitor.http, "monitor.http")
                 self.http = HttpServer(self, host, port)
@@ -171,6 +174,7 @@ class Supervisor:
                     raise ConfigError("monitor.http", f"cannot listen on {cfg.monitor.http}: {exc.strerror}") from None
             tasks.append(asyncio.ensure_future(self.monitor.run()))
             tasks.append(asyncio.ensure_future(self.keep_title()))
+            tasks.append(asyncio.ensure_future(self.fleet.run()))
             code = await self.arbiter.run()
             if code == EXIT_HALTED:
                 raise Halted(self.arbiter.halt_message)
@@ -179,6 +183,8 @@ class Supervisor:
             for task in tasks:
                 task.cancel()
             self.set_title("stopping")
+            if self.fleet:
+                await self.fleet.close()
             if self.http:
                 await self.http.close()
             await self.close()
@@ -237,6 +243,7 @@ class Supervisor:
         self.cfg = cfg
         self.arbiter.apply_config(cfg, change, handler, init)
         self.monitor.apply_config(cfg)
+        self.fleet.apply_config(cfg)
         logs.setup(cfg.log.level, cfg.log.format)
         self.notifier.ready(self.arbiter.status_line())
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from . import __version__, config, demo, demo_once, dlq, logs, natsconn, tools
+from . import __version__, config, demo, demo_once, dlq, fleet, logs, natsconn, tools
 from .app import Supervisor, load_callable, require_handler
 from .errors import EXIT_BUG, EXIT_OK, ConfigError, SupervisorError
 
@@ -80,6 +80,7 @@ examples:
 examples:
   supervisor status                                  # the supervisor at monitor.http of the config
   supervisor status --url 127.0.0.1:9520 --json
+  supervisor status --fleet                          # every supervisor on the consumer, from NATS
 """,
     "scale": """\
 examples:
@@ -223,6 +224,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--url", help="the supervisor's HTTP address, HOST:PORT or http://HOST:PORT "
                                  "(default monitor.http)")
     p.add_argument("--json", action="store_true", help="print the /status JSON as it is")
+    p.add_argument("--fleet", action="store_true", help="every supervisor on this stream and consumer, one row "
+                                                        "each, read from NATS (no HTTP to other hosts)")
 
     p = command("scale", "set a running supervisor's worker count")
     p.add_argument("n", type=int, metavar="N", help="the new number of workers (0 or more)")
@@ -319,7 +322,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "config": cmd_config,
     "publish": tools.cmd_publish,
     "lag": tools.cmd_lag,
-    "status": tools.cmd_status,
+    "status": lambda args: (fleet.cmd_status_fleet if args.fleet else tools.cmd_status)(args),
     "scale": tools.cmd_scale,
     "dlq": dlq.cmd_dlq,
     "demo": lambda args: (demo_once if args.scenario == "once" else demo).cmd_demo(args),

@@ -140,6 +140,8 @@ class FleetConfig:
     name: str = key("", "this supervisor's name in the fleet view; \"\" = hostname", reload=RESTART)
     bucket: str = key("SUPERVISOR_FLEET", "KV bucket of supervisor heartbeats", reload=RESTART)
     heartbeat: float = key(2.0, "seconds between heartbeats; lost after 3 missed", reload=LIVE, lo=0.1)
+    release_lost: bool = key(True, "NAK a lost supervisor's held jobs now, not after AckWait (README: partitions)",
+                             reload=LIVE)
 
 
 @dataclass(frozen=True)

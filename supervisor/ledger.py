@@ -7,7 +7,9 @@ floor, and it answers three questions:
   - which redeliveries does nothing explain? (AckWait shorter than the jobs, usually)
   - which job keeps killing workers? (poison)
 Every redelivery is explained by something the ledger can name: a death (held, or pulled and
-still in transit), a NAK from a handler or a drain, or nothing (unexplained).
+still in transit), a NAK from a handler or a drain, a whole supervisor lost (the jobs its last
+fleet heartbeat listed, and a window with a count for those it took after it), or nothing
+(unexplained).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from .policy import ack_wait_for
 
 EXPECT_LIMIT = 100_000      # remembered NAKs (a bound, not a window: they are few)
 HISTORY = 200               # deaths and unexplained redeliveries kept for /status
+LOST_PEER = "held by lost supervisor "      # how a lost fleet peer's held jobs are explained
+HOLD_MAX = 30.0             # a suspect is held back for a silent fleet peer at most this long past its grace
 
 
 @dataclass
@@ -81,6 +85,21 @@ class Redelivery:
 
 
 @dataclass
+class Window:
+    """Redeliveries due between `start` and `end` (monotonic), at most `budget` of them, are
+    explained by `why`, and counted under `counter`: the jobs a lost supervisor took after its
+    last heartbeat, or jobs whose acks a consumer leader move may have swallowed."""
+    start: float
+    end: float
+    budget: int
+    why: str
+    counter: str = "lost_peer_redeliveries"
+
+    def covers(self, t: float) -> bool:
+        return self.budget > 0 and self.start <= t <= self.end
+
+
+@dataclass
 class CrashLedger:
     ack_wait: float
     poison_after: int
@@ -90,7 +109,8 @@ class CrashLedger:
     counts: dict = field(default_factory=lambda: dict.fromkeys(
         ("crashes", "crashes_holding_jobs", "jobs_held_at_crash", "held_jobs_naked", "held_jobs_redelivered",
          "held_jobs_acked_after_crash", "unexplained_redeliveries", "explained_redeliveries",
-         "in_transit_redeliveries", "in_transit_naked", "quarantined"), 0))
+         "in_transit_redeliveries", "in_transit_naked", "quarantined", "lost_peer_redeliveries",
+         "leader_move_redeliveries"), 0))
 
     def __post_init__(self) -> None:
         self._inherited_up_to = 0       # stream seqs pending (delivered, unacked) when we started ...
@@ -101,6 +121,9 @@ class CrashLedger:
         self._fatal: dict[int, list[Death]] = {}                     # seq -> deaths while it ran
         self._suspects: dict[tuple[int, int], float] = {}            # (seq, delivery) -> seen, unexplained so far
         self.quarantined: dict[int, list[Death]] = {}
+        self._windows: deque[Window] = deque(maxlen=HISTORY)
+        self.cluster_explained: deque[Redelivery] = deque(maxlen=HISTORY)
+        self._hold_until = 0.0                                      # see hold_suspects
 
     # ------------------------------------------------------------ inputs
 
@@ -129,8 +152,10 @@ class CrashLedger:
         (returns True)."""
         late = sorted(d for s, d in self._suspects if s == seq and d > delivery)
         if late:                            # a NAK of delivery N explains only deliveries after N
-            del self._suspects[(seq, late[0])]
+            t = self._suspects.pop((seq, late[0]))
             self.counts["explained_redeliveries"] += 1
+            if why.startswith(LOST_PEER):
+                self._by_the_cluster(t, seq, late[0], why, "lost_peer_redeliveries")
             return True
         self._expected[seq] = why
         self._expected.move_to_end(seq)
@@ -149,10 +174,38 @@ class CrashLedger:
         self.counts["explained_redeliveries"] += 1
         return why
 
+    def hold_suspects(self, until: float) -> None:
+        """A fleet peer is silent but not yet declared lost: a redelivery of a job it held would
+        be explained once it is. Until `until` (renewed while the peer stays silent), suspects
+        wait, up to HOLD_MAX past their grace."""
+        self._hold_until = max(self._hold_until, until)
+
+    def expect_window(self, start: float, end: float, budget: int, why: str,
+                      counter: str = "lost_peer_redeliveries") -> None:
+        """Up to `budget` redeliveries due between `start` and `end` are explained by `why`,
+        including suspects already waiting."""
+        window = Window(start, end, budget, why, counter)
+        self._windows.append(window)
+        for (seq, d), t in sorted(self._suspects.items(), key=lambda item: item[1]):
+            if window.covers(t):
+                del self._suspects[(seq, d)]
+                window.budget -= 1
+                self.counts["explained_redeliveries"] += 1
+                self._by_the_cluster(t, seq, d, why, counter)
+
+    def _by_the_cluster(self, t: float, seq: int, delivery: int, why: str, counter: str) -> None:
+        """A redelivery explained by a lost supervisor or a consumer leader move: counted under
+        `counter` and kept in `recent_cluster_explained` (/status says which jobs and why)."""
+        self.counts[counter] += 1
+        self.cluster_explained.append(Redelivery(t, seq, delivery, why))
+
     def confirm_suspects(self, now: float, grace: float) -> list[Redelivery]:
         """Suspects older than `grace` that nothing explained: counted as unexplained, unless they
-        were pending before we started (the weakest explanation, so a peer's word wins if it came)."""
-        due = [(seq, d, t) for (seq, d), t in self._suspects.items() if now - t >= grace]
+        were pending before we started (the weakest explanation, so a peer's word wins if it came).
+        While a fleet peer is silent (`hold_suspects`) they wait, up to HOLD_MAX past the grace."""
+        held = now < self._hold_until
+        due = [(seq, d, t) for (seq, d), t in self._suspects.items()
+               if now - t >= grace and (not held or now - t >= grace + HOLD_MAX)]
         confirmed = []
         for seq, d, t in due:
             del self._suspects[(seq, d)]
@@ -188,7 +241,17 @@ class CrashLedger:
             death = held[-1][0]
             return f"held by worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
         if seq in self._expected:
-            return self._expected.pop(seq)
+            why = self._expected.pop(seq)
+            if why.startswith(LOST_PEER):
+                self._by_the_cluster(t, seq, delivery, why, "lost_peer_redeliveries")
+            return why
+        # A lost supervisor's unlisted jobs all come back; acks a leader move swallowed only may
+        # have: where both windows cover a redelivery, the lost supervisor is the better bet.
+        for window in sorted(self._windows, key=lambda w: w.counter != "lost_peer_redeliveries"):
+            if window.covers(t):
+                window.budget -= 1
+                self._by_the_cluster(t, seq, delivery, window.why, window.counter)
+                return window.why
         return self._attribute_in_transit(t, seq)
 
     def inherit(self, num_ack_pending: int, delivered_stream_seq: int) -> None:
@@ -285,8 +348,12 @@ class CrashLedger:
         out["explained_redeliveries"] = self.counts["explained_redeliveries"]
         out["in_transit_redeliveries"] = self.counts["in_transit_redeliveries"]
         out["in_transit_naked"] = self.counts["in_transit_naked"]
+        out["lost_peer_redeliveries"] = self.counts["lost_peer_redeliveries"]
+        out["leader_move_redeliveries"] = self.counts["leader_move_redeliveries"]
         out["outstanding"] = self.outstanding(now)
         out["recent_deaths"] = [d.summary(now) for d in list(self.deaths)[-10:]]
+        out["recent_cluster_explained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "why": r.why,
+                                            "age_s": round(now - r.t, 3)} for r in list(self.cluster_explained)[-20:]]
         out["recent_unexplained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "age_s": round(now - r.t, 3)}
                                      for r in list(self.unexplained)[-10:]]
         return out

@@ -20,6 +20,8 @@ from . import natsconn
 from .config import Config
 from .errors import ConfigError, NatsUnavailable
 
+FLEET_KEEP_S = 3600.0       # the fleet bucket's max_age: a lost supervisor stays in the view this long
+
 log = logging.getLogger("supervisor.nats")
 
 RETENTION = {"workqueue": api.RetentionPolicy.WORK_QUEUE, "limits": api.RetentionPolicy.LIMITS,
@@ -80,6 +82,34 @@ async def ensure(nc: Any, cfg: Config) -> None:
     except Exception as exc:
         raise NatsUnavailable(f"cannot ensure stream {cfg.stream.name} / consumer {cfg.consumer.name}: "
                               f"{_describe(exc)}") from None
+    await ensure_fleet_bucket(js, cfg)
+
+
+async def ensure_fleet_bucket(js: Any, cfg: Config) -> None:
+    """The KV bucket of fleet heartbeats (supervisor/fleet.py): one value per key, kept for
+    FLEET_KEEP_S after its last write (so a lost supervisor stays visible a while), as many
+    replicas as the stream. Not fatal: without it the work goes on, only the fleet view is off."""
+    from nats.js.errors import BucketNotFoundError
+
+    bucket = cfg.fleet.bucket
+    try:
+        await js.key_value(bucket)
+        return
+    except BucketNotFoundError:
+        pass
+    except Exception as exc:
+        log.warning("fleet bucket %s: %s; the fleet view is off until it answers", bucket, _describe(exc))
+        return
+    if not cfg.stream.create:
+        log.warning("KV bucket %s does not exist and stream.create is false: the fleet view is off", bucket)
+        return
+    try:
+        await js.create_key_value(bucket=bucket, history=1, ttl=FLEET_KEEP_S, replicas=cfg.stream.replicas,
+                                  storage=STORAGE[cfg.stream.storage],
+                                  description="jetstream-supervisor fleet heartbeats")
+        log.info("created KV bucket %s (fleet heartbeats, %d replica(s))", bucket, cfg.stream.replicas)
+    except Exception as exc:
+        log.warning("cannot create KV bucket %s: %s; the fleet view is off", bucket, _describe(exc))
 
 
 async def ensure_stream(js: Any, want: api.StreamConfig, create: bool, key: str) -> None:

@@ -39,6 +39,7 @@ def build_status(sup: Any) -> dict[str, Any]:
         "jobs": arb.stats.worker_counters(),
         "idempotency": idempotency_block(cfg),
         "advisories": dict(mon.advisories) if mon else {},
+        "fleet": sup.fleet.status() if getattr(sup, "fleet", None) else {"name": cfg.fleet.name, "peers": None},
         "alerts": alerts(sup, lag, now),
         "headline": headline(lag, consumer),
     }
@@ -85,6 +86,9 @@ def consumer_block(mon: Any, cfg: Any) -> dict[str, Any]:
         block.update({k: v for k, v in mon.consumer.items() if k not in ("stream", "name")})
     age = mon.poll_age() if mon else None
     block["poll_age_s"] = None if age is None else round(age, 3)
+    if mon:
+        block["source"] = mon.source                     # "self", or the fleet poller that shared it
+        block["samples_skipped"] = mon.guard.skipped     # answers the leader-move guard kept out
     if mon and mon.error:
         block["error"] = mon.error
     return block

@@ -125,12 +125,20 @@ async def lag(cfg: Config, stream: str, consumer: str, as_json: bool, watch: flo
     started = time.monotonic()
     try:
         while True:
-            info = await consumer_info(js, stream, consumer)
+            try:
+                info: dict[str, Any] = await consumer_info(js, stream, consumer)
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                # In a cluster a consumer leader move leaves ConsumerInfo unanswered for seconds:
+                # a ticker says so and goes on; a single reading fails in one line (exit 4).
+                why = f"no ConsumerInfo for {stream}/{consumer} ({type(exc).__name__}: {exc})"
+                if watch is None:
+                    raise NatsUnavailable(why) from None
+                info = {"error": why}
             elapsed = time.monotonic() - started
             if as_json:
                 print(json.dumps({"t": round(elapsed, 3), **info} if watch else info), flush=True)
             else:
-                print((f"{elapsed:6.1f}s " if watch else "") + lag_line(info), flush=True)
+                print((f"{elapsed:6.1f}s " if watch else "") + (info.get("error") or lag_line(info)), flush=True)
             if watch is None:
                 return EXIT_OK
             await asyncio.sleep(watch - (time.monotonic() - started) % watch)
@@ -142,7 +150,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     """`supervisor status [--url URL] [--json]`: a running supervisor's /status, for people or scripts.
 
     Exit 0 when the supervisor answered; 1 when nothing (or no supervisor) answers at the URL,
-    in one line; 2 when the URL itself is malformed."""
+    in one line; 2 when the URL itself is malformed. (`--fleet` is supervisor/fleet.py's.)"""
     base = supervisor_url(args)
     code, body = http_call(base, "GET", "/status")
     if code != 200:

@@ -105,3 +105,12 @@ def supervisor_factory(tmp_path):
     yield make
     for proc in made:
         proc.cleanup()
+
+
+@pytest.fixture
+def nats_cluster(tmp_path):
+    """A 3-node JetStream cluster on loopback (tests/natscluster.py), stopped after the test."""
+    from natscluster import NatsCluster
+
+    with NatsCluster(tmp_path / "cluster").start() as cluster:
+        yield cluster

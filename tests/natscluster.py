@@ -9,6 +9,9 @@
         cluster.stepdown_consumer("JOBS", "workers")   # ask the consumer leader to step down
         cluster.wait_healthy()
 
+    pub = SteadyPublisher(cluster.urls, count=300, rate=20).start()   # load that rides through faults
+    pub.join(); set(pub.stored.values())               # the stream seqs of every job stored
+
 Each node is a `harness.NatsServer` (so `jsz()`, `consumer()`, `stream_msgs()` work on it) with a
 server name, its own JetStream store dir, its own client, cluster and monitoring ports, and
 routes to the other two. Ports are picked once, so a restarted node comes back where it was.
@@ -27,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -222,3 +227,69 @@ async def _request(servers: list[str], subject: str, payload: dict | None, timeo
         return json.loads(reply.data)
     finally:
         await nc.close()
+
+
+class SteadyPublisher:
+    """Publishes `count` jobs at `rate` per second from a thread of its own, each retried until
+    the stream stores it: with `Nats-Msg-Id: <prefix>-<i>` a retry of a job already stored is a
+    duplicate, not a second job. So a fault test knows exactly which jobs exist (`stored`:
+    job number -> stream seq) however many PubAcks a leader election swallowed (`retries`)."""
+
+    def __init__(self, servers: list[str], count: int, rate: float, data: str = "0.1",
+                 subject: str = "jobs.new", prefix: str = "job"):
+        self.servers, self.count, self.rate = servers, count, rate
+        self.data, self.subject, self.prefix = data, subject, prefix
+        self.stored: dict[int, int] = {}
+        self.retries = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="steady-publisher", daemon=True)
+
+    def start(self) -> "SteadyPublisher":
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float = DEADLINE) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"publisher still running after {timeout:g}s ({len(self.stored)} stored)"
+        assert self.error is None, f"publisher failed: {self.error!r}"
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except BaseException as exc:       # reported by join()
+            self.error = exc
+
+    async def _run(self) -> None:
+        import nats
+        import nats.errors
+
+        async def quiet(exc: Exception) -> None:
+            pass
+
+        nc = await nats.connect(servers=self.servers, error_cb=quiet, max_reconnect_attempts=-1,
+                                reconnect_time_wait=0.2)
+        js = nc.jetstream()
+        started = time.monotonic()
+        try:
+            for i in range(1, self.count + 1):
+                delay = started + (i - 1) / self.rate - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                while not self._stop.is_set():
+                    try:
+                        ack = await js.publish(self.subject, self.data.encode(), timeout=2,
+                                               headers={"Nats-Msg-Id": f"{self.prefix}-{i}"})
+                        self.stored[i] = ack.seq
+                        break
+                    except (nats.errors.Error, asyncio.TimeoutError):
+                        self.retries += 1          # a leader election: the same id again is safe
+                        await asyncio.sleep(0.2)
+                if self._stop.is_set():
+                    return
+        finally:
+            await nc.close()
