@@ -122,3 +122,13 @@ def test_after_an_idle_spell_the_job_time_is_stale_until_a_new_job_finishes():
     for _ in range(100):                                 # then fast ones win it back, slowly
         s.job_done(0.00001)
     assert s.capacity(later) == 257
+
+
+def test_sync_handlers_hide_two_hand_overs_and_the_outcome_batching():
+    threads = PullSizer(1, 256, 1000, threads=True, batching=0.005)
+    threads.message(NOW)
+    threads.round_trip(0.004)
+    assert threads.rtt == pytest.approx(2 * 0.004 + 0.005)
+    threads.job_done(0.003)
+    assert threads.prefetch(NOW) == round(DEPTH * 0.013 / 0.003)
+    assert sizer(job=0.003, rtt=0.004).rtt == MIN_SPAN        # an async handler: one round trip

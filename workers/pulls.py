@@ -5,7 +5,12 @@ that has not started ages against AckWait, and sits where no idle worker can tak
 keeps `concurrency` jobs running plus a buffer (the prefetch) just deep enough to last while its
 next pull request makes one round trip:
 
-    prefetch = concurrency x DEPTH x round trip / job time
+    prefetch = concurrency x DEPTH x refill time / job time
+
+where the refill time is the pull round trip, and for sync handlers two of them plus the handler
+threads' outcome batching (their finished jobs reach the loop in batches, and each hand-over
+between a thread and the loop waits for the GIL as a round trip does: the measured round trip
+includes that wait).
 
 It asks again once half of its capacity (running + buffered) is free, so a buffer of DEPTH round
 trips still holds about one round trip of jobs when the next request leaves. The prefetch is
@@ -46,10 +51,12 @@ IDLE_STALE = 5.0       # seconds without a message before the job time is no lon
 
 class PullSizer:
     """One worker's pull sizing. `concurrency`: handlers; `ceiling`: workers.batch; `share`: this
-    worker's fair share of consumer.max_ack_pending."""
+    worker's fair share of consumer.max_ack_pending; `threads`: sync handlers, whose finished jobs
+    reach the loop up to `batching` seconds late."""
 
-    def __init__(self, concurrency: int, ceiling: int, share: int):
+    def __init__(self, concurrency: int, ceiling: int, share: int, threads: bool = False, batching: float = 0.0):
         self.concurrency = concurrency
+        self.hops, self.batching = (2, batching) if threads else (1, 0.0)
         self.ceiling = max(1, ceiling)
         self.share = max(1, share)
         self.job_time: float | None = None    # seconds per job, per handler
@@ -72,8 +79,10 @@ class PullSizer:
 
     @property
     def rtt(self) -> float:
-        """The round trip to hide: the worst recent one, within [MIN_SPAN, RTT_CAP]."""
-        return min(max(max(self.rtts, default=0.0), MIN_SPAN), RTT_CAP)
+        """The refill time to hide: the worst recent round trip (once or twice, see above), within
+        [MIN_SPAN, RTT_CAP]."""
+        refill = self.hops * max(self.rtts, default=0.0) + self.batching
+        return min(max(refill, MIN_SPAN), RTT_CAP)
 
     def message(self, now: float) -> None:
         if self.idle(now):

@@ -53,9 +53,10 @@ PULL_MARGIN = 1.0           # past a request's local expiry, before its credits 
 SHUTDOWN_NAK_DELAY = PULL_EXPIRES + PULL_MARGIN
 LIVENESS_EVERY = 0.25       # a worker proves its NATS connection with a PING/PONG this often ...
 LIVENESS_TIMEOUT = 2.0      # ... and gives up waiting for the PONG after this
-SETTLE_MIN_INTERVAL = 0.002  # coalesce ack-confirming flushes to at most one per this period
-OUTCOME_EVERY = 0.005       # a busy handler thread hands outcomes back at most this often (the GIL's
-                            # switch interval: a loop woken sooner would wait that long for the GIL anyway)
+FENCE_EVERY = 0.02          # acks are confirmed by a fence at most this long after the first of them
+                            # (sooner when they hold half the free slot-table entries): a PING per batch
+OUTCOME_EVERY = 0.02        # a busy handler thread hands outcomes back at most this often: each wake-up of
+                            # the loop takes the GIL from a CPU-bound handler (a handful of context switches)
 ORPHAN_GRACE = 2.0          # running jobs get this long when the parent has died
 PR_SET_PDEATHSIG = 1
 
@@ -193,7 +194,8 @@ class Worker:
         self.backlog = False             # the last message said more were pending
         self.received = 0                # messages received, ever (max_jobs caps what we ask for)
         self.sizer = PullSizer(self.wcfg.concurrency, self.wcfg.batch,
-                               fair_share(cfg.consumer.max_ack_pending, self.wcfg.count))
+                               fair_share(cfg.consumer.max_ack_pending, self.wcfg.count),
+                               threads=not self.is_async, batching=OUTCOME_EVERY)
         self.started_jobs = 0
         # ACKED/SETTLED entries awaiting a fence: (entry, connection generation, was an ack)
         self.unconfirmed: list[tuple[int, int, bool]] = []
@@ -203,6 +205,7 @@ class Worker:
         self.wake_pull = asyncio.Event()
         self.wake_run = asyncio.Event()
         self.wake_settle = asyncio.Event()
+        self.fence_now = asyncio.Event()
         self.changed = asyncio.Event()
         self.stop = asyncio.Event()
         self.grace = self.wcfg.graceful_timeout
@@ -258,6 +261,7 @@ class Worker:
         await self.wind_down()
         self.closing = True
         self.wake_settle.set()
+        self.fence_now.set()
         for task in tasks + self.runners:
             task.cancel()
         self.stop_threads()
@@ -698,6 +702,8 @@ class Worker:
         self.report(job, outcome, reason)
         self.unconfirmed.append((i, self.nc.stats["reconnects"], outcome in ACKS))
         self.wake_settle.set()
+        if self.fence_due():
+            self.fence_now.set()
 
     def report(self, job: Job, outcome: str, reason: str) -> None:
         # Only what explains a future redelivery (or follows one) goes to the parent: acks of
@@ -723,13 +729,22 @@ class Worker:
                     job.stream_seq, job.subject, reason, extra={"event": "rejected", "seq": job.stream_seq})
 
     async def settler(self) -> None:
+        """Confirm acks in batches: one fence FENCE_EVERY after the first unconfirmed one, or as
+        soon as they hold half the free slot-table entries (pull sizing counts on those)."""
         while not self.closing:
             await self.wake_settle.wait()
             self.wake_settle.clear()
+            if not (self.closing or self.fence_due()):
+                self.fence_now.clear()
+                try:
+                    await asyncio.wait_for(self.fence_now.wait(), FENCE_EVERY)
+                except asyncio.TimeoutError:
+                    pass
             await self.confirm_settled()
-            if not self.closing:
-                await asyncio.sleep(SETTLE_MIN_INTERVAL)
         await self.confirm_settled()
+
+    def fence_due(self) -> bool:
+        return len(self.unconfirmed) >= max(1, self.table.free_entries() // 2)
 
     async def confirm_settled(self) -> None:
         """A fence (supervisor/natsfix.py) proves the server has read every ack sent before it on
