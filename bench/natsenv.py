@@ -159,15 +159,16 @@ async def reset_queue(url: str, spec: QueueSpec) -> None:
         await nc.close()
 
 
-async def publish(url: str, count: int, data: bytes = b"x", window: int = 2000) -> float:
-    """Pipelined js.publish (up to `window` PubAcks outstanding); returns the seconds it took."""
+async def publish(url: str, count: int, data: bytes = b"x") -> float:
+    """The backlog: publish_async (nats-py's window of 4,000 PubAcks), every PubAck checked;
+    returns the seconds it took."""
     nc = await nats.connect(url)
     started = time.monotonic()
     try:
         js = nc.jetstream()
-        for lo in range(0, count, window):
-            acks = await asyncio.gather(*(js.publish(SUBJECT, data, timeout=30) for _ in range(min(window, count - lo))))
-            assert all(a.stream == STREAM for a in acks)
+        futures = [await js.publish_async(SUBJECT, data) for _ in range(count)]
+        acks = await asyncio.wait_for(asyncio.gather(*futures), 60)
+        assert all(a.stream == STREAM for a in acks)
     finally:
         await nc.close()
     return time.monotonic() - started
