@@ -129,6 +129,16 @@ def test_sync_handlers_hide_two_hand_overs_and_the_outcome_batching():
     threads.message(NOW)
     threads.round_trip(0.004)
     assert threads.rtt == pytest.approx(2 * 0.004 + 0.005)
-    threads.job_done(0.003)
-    assert threads.prefetch(NOW) == round(DEPTH * 0.013 / 0.003)
+    threads.job_done(0.003)                                   # outcomes of 3 ms jobs wait up to 2 ms more
+    assert threads.rtt == pytest.approx(2 * 0.004 + 0.002)
+    assert threads.prefetch(NOW) == round(DEPTH * 0.010 / 0.003)
     assert sizer(job=0.003, rtt=0.004).rtt == MIN_SPAN        # an async handler: one round trip
+
+
+def test_jobs_longer_than_the_outcome_batching_go_back_alone_and_buy_no_buffer():
+    s = PullSizer(1, 256, 1000, threads=True, batching=0.02)
+    s.message(NOW)
+    s.round_trip(0.004)
+    s.job_done(0.05)                                          # the crash test's 50 ms jobs
+    assert s.rtt == pytest.approx(2 * 0.004)
+    assert s.prefetch(NOW) == 0 and s.capacity(NOW) == 1     # what a death leaves: the running job

@@ -8,7 +8,7 @@ next pull request makes one round trip:
     prefetch = concurrency x DEPTH x refill time / job time
 
 where the refill time is the pull round trip, and for sync handlers two of them plus the handler
-threads' outcome batching (their finished jobs reach the loop in batches, and each hand-over
+threads' outcome batching for jobs shorter than it (their finished jobs reach the loop in batches, and each hand-over
 between a thread and the loop waits for the GIL as a round trip does: the measured round trip
 includes that wait).
 
@@ -81,8 +81,14 @@ class PullSizer:
     def rtt(self) -> float:
         """The refill time to hide: the worst recent round trip (once or twice, see above), within
         [MIN_SPAN, RTT_CAP]."""
-        refill = self.hops * max(self.rtts, default=0.0) + self.batching
+        refill = self.hops * max(self.rtts, default=0.0) + self.wait_for_batch()
         return min(max(refill, MIN_SPAN), RTT_CAP)
+
+    def wait_for_batch(self) -> float:
+        """How late a finished job's outcome reaches the loop: a handler thread hands outcomes back
+        once the oldest would be `batching` old by the end of the next job, so a job that long or
+        longer goes back alone, at once (a 50 ms job must not buy a buffered job for 20 ms)."""
+        return max(0.0, self.batching - (self.job_time or 0.0))
 
     def message(self, now: float) -> None:
         if self.idle(now):
