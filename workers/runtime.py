@@ -53,8 +53,7 @@ PULL_MARGIN = 1.0           # past a request's local expiry, before its credits 
 SHUTDOWN_NAK_DELAY = PULL_EXPIRES + PULL_MARGIN
 LIVENESS_EVERY = 0.25       # a worker proves its NATS connection with a PING/PONG this often ...
 LIVENESS_TIMEOUT = 2.0      # ... and gives up waiting for the PONG after this
-FENCE_EVERY = 0.02          # acks are confirmed by a fence at most this long after the first of them
-                            # (sooner when they hold half the free slot-table entries): a PING per batch
+SETTLE_MIN_INTERVAL = 0.002  # coalesce ack-confirming flushes to at most one per this period
 OUTCOME_EVERY = 0.02        # a busy handler thread hands outcomes back at most this often: each wake-up of
                             # the loop takes the GIL from a CPU-bound handler (a handful of context switches)
 ORPHAN_GRACE = 2.0          # running jobs get this long when the parent has died
@@ -205,7 +204,6 @@ class Worker:
         self.wake_pull = asyncio.Event()
         self.wake_run = asyncio.Event()
         self.wake_settle = asyncio.Event()
-        self.fence_now = asyncio.Event()
         self.changed = asyncio.Event()
         self.stop = asyncio.Event()
         self.grace = self.wcfg.graceful_timeout
@@ -224,6 +222,7 @@ class Worker:
         self.outcomes: list[tuple[int, Job, BaseException | None, float]] = []
         self.outcomes_since = 0.0        # when the oldest outcome the loop has not been rung for came
         self.rung = False
+        self.handed_back = self.settled_back = 0   # outcomes handed to the loop, and settled by it
         self.threads_stop = False
         self.wake_finish = asyncio.Event()
 
@@ -261,7 +260,6 @@ class Worker:
         await self.wind_down()
         self.closing = True
         self.wake_settle.set()
-        self.fence_now.set()
         for task in tasks + self.runners:
             task.cancel()
         self.stop_threads()
@@ -603,6 +601,8 @@ class Worker:
                 return
             if exc is not None and not isinstance(exc, Exception):
                 return                   # SystemExit & co: finish() exits the process
+            if elapsed >= OUTCOME_EVERY:
+                self.await_settled()
 
     def next_job(self) -> tuple[int, Job] | None:
         """In a handler thread: the next job, marked running before its handler starts (its entry
@@ -629,6 +629,7 @@ class Worker:
             if not self.outcomes:
                 self.outcomes_since = now
             self.outcomes.append((i, job, exc, elapsed))
+            self.handed_back += 1
             if self.rung:
                 return True
             busy = bool(self.ready) and self.mode == SERVING and isinstance(exc, (Exception, type(None)))
@@ -640,6 +641,16 @@ class Worker:
         except RuntimeError:             # the loop is closed: the worker is exiting
             return False
         return True
+
+    def await_settled(self) -> None:
+        """In a handler thread, after a job of OUTCOME_EVERY or more: wait until the loop has
+        acked (NAKed, TERMed) what this thread handed back, before the next job starts, as when
+        every job went through the loop. A crash in the next job then finds this one's ack sent
+        and its fence on the way, not still queued here (a few ms a job; short jobs never wait)."""
+        with self.handed:
+            mine = self.handed_back
+            while self.settled_back < mine and not self.threads_stop and self.mode != STOPPING:
+                self.handed.wait()
 
     async def finisher(self) -> None:
         """Ack, NAK or TERM the outcomes the handler threads handed back, a batch per wake-up."""
@@ -658,6 +669,9 @@ class Worker:
             finally:
                 self.changed.set()
                 self.wake_pull.set()
+                with self.handed:        # handler threads waiting in await_settled() go on
+                    self.settled_back += len(batch)
+                    self.handed.notify_all()
 
     async def finish(self, i: int, job: Job, exc: BaseException | None, elapsed: float) -> None:
         """Ack, NAK or TERM by the handler's outcome."""
@@ -702,8 +716,6 @@ class Worker:
         self.report(job, outcome, reason)
         self.unconfirmed.append((i, self.nc.stats["reconnects"], outcome in ACKS))
         self.wake_settle.set()
-        if self.fence_due():
-            self.fence_now.set()
 
     def report(self, job: Job, outcome: str, reason: str) -> None:
         # Only what explains a future redelivery (or follows one) goes to the parent: acks of
@@ -729,22 +741,13 @@ class Worker:
                     job.stream_seq, job.subject, reason, extra={"event": "rejected", "seq": job.stream_seq})
 
     async def settler(self) -> None:
-        """Confirm acks in batches: one fence FENCE_EVERY after the first unconfirmed one, or as
-        soon as they hold half the free slot-table entries (pull sizing counts on those)."""
         while not self.closing:
             await self.wake_settle.wait()
             self.wake_settle.clear()
-            if not (self.closing or self.fence_due()):
-                self.fence_now.clear()
-                try:
-                    await asyncio.wait_for(self.fence_now.wait(), FENCE_EVERY)
-                except asyncio.TimeoutError:
-                    pass
             await self.confirm_settled()
+            if not self.closing:
+                await asyncio.sleep(SETTLE_MIN_INTERVAL)
         await self.confirm_settled()
-
-    def fence_due(self) -> bool:
-        return len(self.unconfirmed) >= max(1, self.table.free_entries() // 2)
 
     async def confirm_settled(self) -> None:
         """A fence (supervisor/natsfix.py) proves the server has read every ack sent before it on
