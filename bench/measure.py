@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,6 +28,23 @@ def busy_seconds(proc: psutil.Process | None) -> float:
     return 0.0
 
 
+def syscalls(proc: psutil.Process | None) -> tuple[int, int]:
+    """(write syscalls, context switches) of a process so far, all its threads: what a worker pays
+    per round of work beyond its own Python (each write to the server's socket is a syscall, each
+    wake-up of a thread or of the loop a context switch)."""
+    if proc is None:
+        return 0, 0
+    writes = switches = 0
+    with contextlib.suppress(psutil.Error, OSError):
+        writes = proc.io_counters().write_count
+        for task in os.listdir(f"/proc/{proc.pid}/task"):
+            with open(f"/proc/{proc.pid}/task/{task}/status", "rb") as f:
+                for line in f:
+                    if line.endswith(b"\n") and b"ctxt_switches:" in line:
+                        switches += int(line.split()[-1])
+    return writes, switches
+
+
 def machine_busy_seconds() -> float:
     """CPU seconds all cores spent on anything but idling, since boot."""
     c = psutil.cpu_times()
@@ -38,14 +56,15 @@ class CpuMark:
     t: float
     acked: int
     per_pid: dict[int, float]          # user+system seconds
+    sys_per_pid: dict[int, tuple[int, int]]   # (write syscalls, context switches)
     server: float
     bench: float                       # this process (the bench polling ConsumerInfo)
     machine: float
 
     @staticmethod
     def take(t: float, acked: int, procs: list[psutil.Process], server: psutil.Process | None) -> "CpuMark":
-        return CpuMark(t, acked, {p.pid: busy_seconds(p) for p in procs}, busy_seconds(server),
-                       busy_seconds(psutil.Process()), machine_busy_seconds())
+        return CpuMark(t, acked, {p.pid: busy_seconds(p) for p in procs}, {p.pid: syscalls(p) for p in procs},
+                       busy_seconds(server), busy_seconds(psutil.Process()), machine_busy_seconds())
 
 
 @dataclass
@@ -60,6 +79,8 @@ class DrainResult:
     server_cpu_ms_per_1k_jobs: float | None = None
     parent_cpu_pct: float | None = None           # ours only: the supervisor process itself
     background_cpu_pct: float | None = None       # other processes on the machine, % of one core
+    writes_per_1k_jobs: float | None = None       # write syscalls of the contender's processes
+    switches_per_1k_jobs: float | None = None     # their context switches (all threads)
     window_s: float | None = None
     extra: dict = field(default_factory=dict)
 
@@ -112,6 +133,10 @@ async def drain(url: str, total: int, start: Callable[[], Contender], *, data: b
         if dt > 0 and djobs > 0:
             cpu = sum(hi.per_pid.get(pid, 0.0) - v for pid, v in lo.per_pid.items())
             result.cpu_ms_per_1k_jobs = 1e6 * cpu / djobs
+            sys_delta = [tuple(b - a for a, b in zip(v, hi.sys_per_pid[pid]))
+                         for pid, v in lo.sys_per_pid.items() if pid in hi.sys_per_pid]
+            result.writes_per_1k_jobs = 1000 * sum(w for w, _ in sys_delta) / djobs
+            result.switches_per_1k_jobs = 1000 * sum(c for _, c in sys_delta) / djobs
             result.server_cpu_ms_per_1k_jobs = 1e6 * (hi.server - lo.server) / djobs if server else None
             result.window_s = dt
             ours = cpu + (hi.server - lo.server) + (hi.bench - lo.bench)

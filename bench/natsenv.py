@@ -27,6 +27,7 @@ import nats
 from nats.js import api
 from nats.js.errors import NotFoundError
 
+from supervisor.config import ConsumerConfig
 from supervisor.embedded import find_binary as nats_server_binary
 from supervisor.embedded import free_port
 from workers.runtime import set_parent_death_signal
@@ -125,10 +126,19 @@ class NatsServer:
 
 # ---------------------------------------------------------------- the queue
 
+_DEFAULT = ConsumerConfig()
+
+
 @dataclass(frozen=True)
 class QueueSpec:
-    ack_wait: float = 30.0
-    max_ack_pending: int = 100_000
+    """The consumer's settings; the defaults are `supervisor start`'s own (a user's consumer)."""
+    ack_wait: float = _DEFAULT.ack_wait
+    max_ack_pending: int = _DEFAULT.max_ack_pending
+    max_deliver: int = _DEFAULT.max_deliver
+
+    def config(self) -> dict[str, Any]:
+        """The [consumer] keys that give a supervisor this queue."""
+        return {"ack_wait": self.ack_wait, "max_ack_pending": self.max_ack_pending, "max_deliver": self.max_deliver}
 
 
 async def reset_queue(url: str, spec: QueueSpec) -> None:
@@ -143,21 +153,22 @@ async def reset_queue(url: str, spec: QueueSpec) -> None:
         await js.add_stream(api.StreamConfig(name=STREAM, subjects=SUBJECTS, retention=api.RetentionPolicy.WORK_QUEUE,
                                              storage=api.StorageType.FILE, num_replicas=1, duplicate_window=120.0))
         await js.add_consumer(STREAM, api.ConsumerConfig(
-            durable_name=CONSUMER, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=spec.ack_wait, max_deliver=-1,
+            durable_name=CONSUMER, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=spec.ack_wait, max_deliver=spec.max_deliver,
             max_ack_pending=spec.max_ack_pending, deliver_policy=api.DeliverPolicy.ALL))
     finally:
         await nc.close()
 
 
-async def publish(url: str, count: int, data: bytes = b"x", window: int = 2000) -> float:
-    """Pipelined js.publish (up to `window` PubAcks outstanding); returns the seconds it took."""
+async def publish(url: str, count: int, data: bytes = b"x") -> float:
+    """The backlog: publish_async (nats-py's window of 4,000 PubAcks), every PubAck checked;
+    returns the seconds it took."""
     nc = await nats.connect(url)
     started = time.monotonic()
     try:
         js = nc.jetstream()
-        for lo in range(0, count, window):
-            acks = await asyncio.gather(*(js.publish(SUBJECT, data, timeout=30) for _ in range(min(window, count - lo))))
-            assert all(a.stream == STREAM for a in acks)
+        futures = [await js.publish_async(SUBJECT, data) for _ in range(count)]
+        acks = await asyncio.wait_for(asyncio.gather(*futures), 60)
+        assert all(a.stream == STREAM for a in acks)
     finally:
         await nc.close()
     return time.monotonic() - started

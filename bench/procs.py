@@ -162,16 +162,17 @@ class Supervisor(Contender):
         _group_kill(self.procs, timeout)
 
 
-def supervisor_config(url: str, n: int, handler: str, *, ack_wait: float = 30.0, max_ack_pending: int = 100_000,
-                      concurrency: int = 1, batch: int = 256, **workers: Any) -> dict:
-    return {
+def supervisor_config(url: str, n: int, handler: str, **sections: dict[str, Any]) -> dict:
+    """`supervisor start`'s config: every key at its default but the server, the worker count, the
+    handler and a free HTTP port; `sections` add keys ({"workers": {"batch": 1024}, ...})."""
+    config: dict[str, dict[str, Any]] = {
         "nats": {"servers": [url], "startup_timeout": 10.0},
-        "consumer": {"ack_wait": ack_wait, "max_ack_pending": max_ack_pending},
-        "workers": {"count": n, "handler": handler, "concurrency": concurrency, "batch": batch, **workers},
-        "restart": {"backoff_initial": 0.1},
-        "monitor": {"http": f"127.0.0.1:{free_port()}", "interval": 1.0},
-        "log": {"level": "info"},
+        "workers": {"count": n, "handler": handler},
+        "monitor": {"http": f"127.0.0.1:{free_port()}"},
     }
+    for section, keys in sections.items():
+        config.setdefault(section, {}).update(keys)
+    return config
 
 
 def start_supervisor(name: str, config: dict, workdir: Path, env: dict | None = None) -> Supervisor:

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 class Profile:
     name: str
     repeats: int
-    # 1. throughput (no-op handler)
+    # 1. throughput (no-op handler): with every key at its default, then tuned
     jobs: int
     workers: tuple[int, ...]
+    tuned_workers: tuple[int, ...]
     # 2. CPU-bound
     cpu_jobs: int
     cpu_job_s: float
@@ -24,6 +25,11 @@ class Profile:
     paced_s: float
     idle_workers: int
     many_workers: int
+    # 5. the seed experiment: seed_jobs jobs of seed_job_s on 3 workers, defaults
+    seed_jobs: int = 30
+    seed_job_s: float = 0.2
+    # 6. `supervisor publish` against a plain publish_async loop
+    publish_count: int = 50_000
     settle_s: float = 1.0     # after workers report ready, before memory is read
     idle_s: float = 3.0       # how long idle CPU is measured
     with_faststream: bool = True
@@ -33,15 +39,15 @@ class Profile:
 
 
 PROFILES = {
-    "full": Profile("full", repeats=3, jobs=50_000, workers=(1, 2, 4), cpu_jobs=2_000, cpu_job_s=0.003,
-                    cpu_workers=(1, 2, 4), kills=20, ack_wait=30.0, paced_rate=10_000, paced_s=15.0,
-                    idle_workers=4, many_workers=64, idle_s=5.0),
-    "quick": Profile("quick", repeats=1, jobs=20_000, workers=(1, 2, 4), cpu_jobs=800, cpu_job_s=0.003,
-                     cpu_workers=(1, 2), kills=5, ack_wait=30.0, paced_rate=10_000, paced_s=6.0,
-                     idle_workers=4, many_workers=64),
+    "full": Profile("full", repeats=3, jobs=50_000, workers=(1, 2, 4, 8), tuned_workers=(1, 2, 4, 8), cpu_jobs=2_000,
+                    cpu_job_s=0.003, cpu_workers=(1, 2, 4), kills=20, ack_wait=30.0, paced_rate=10_000,
+                    paced_s=15.0, idle_workers=4, many_workers=64, idle_s=5.0),
+    "quick": Profile("quick", repeats=1, jobs=20_000, workers=(1, 2, 8), tuned_workers=(2, 8), cpu_jobs=800,
+                     cpu_job_s=0.003, cpu_workers=(1, 2), kills=5, ack_wait=30.0, paced_rate=10_000, paced_s=6.0,
+                     idle_workers=4, many_workers=64, publish_count=20_000),
     # The test suite's: every code path, tiny counts, a short AckWait; figures are not meaningful.
-    "smoke": Profile("smoke", repeats=1, jobs=400, workers=(1,), cpu_jobs=40, cpu_job_s=0.001,
+    "smoke": Profile("smoke", repeats=1, jobs=400, workers=(1,), tuned_workers=(1,), cpu_jobs=40, cpu_job_s=0.001,
                      cpu_workers=(1, 2), kills=2, ack_wait=2.0, paced_rate=500, paced_s=1.5,
-                     idle_workers=2, many_workers=4, settle_s=0.2, idle_s=0.5,
-                     with_faststream=False, guard_jobs=400),
+                     idle_workers=2, many_workers=4, seed_jobs=6, seed_job_s=0.05, publish_count=500,
+                     settle_s=0.2, idle_s=0.5, with_faststream=False, guard_jobs=400),
 }

@@ -1,5 +1,5 @@
 """Tables (Markdown, so the same text goes to the terminal and to docs/BENCHMARKS.md), the
-targets of issue 6 checked against the figures, and the throughput chart."""
+targets of issues 6 and 11 checked against the figures, and the throughput chart."""
 
 from __future__ import annotations
 
@@ -37,16 +37,48 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 # ---------------------------------------------------------------- per scenario
 
+def label(name: str, fetch: int | None = None) -> str:
+    text = LABELS.get(name, name)
+    return f"{text}, fetch({fetch})" if fetch and name in ("plain", "faststream") else text
+
+
 def throughput_table(res: dict) -> str:
     rows = []
     for r in res["summary"]:
-        rows.append([str(r["workers"]), LABELS.get(r["contender"], r["contender"]), num(r["jobs_per_s"]),
+        rows.append([str(r["workers"]), label(r["contender"], r.get("fetch")), num(r["jobs_per_s"]),
                      num(r["vs_plain"], ".2f", "x"), num(r["vs_faststream"], ".2f", "x"),
                      num(r["first_ack_s"], ".2f"), num(r["cpu_ms_per_1k_jobs"], ".0f"),
-                     num(r["server_cpu_ms_per_1k_jobs"], ".0f"), num(r.get("background_cpu_pct"), ".0f"),
+                     num(r["server_cpu_ms_per_1k_jobs"], ".0f"), num(r.get("writes_per_1k_jobs"), ".0f"),
+                     num(r.get("switches_per_1k_jobs"), ".0f"), num(r.get("background_cpu_pct"), ".0f"),
                      " ".join(num(v) for v in r["jobs_per_s_all"])])
     return table(["N", "contender", "jobs/s", "vs (a)", "vs (c)", "first ack s", "CPU ms/1k jobs",
-                  "server CPU ms/1k", "other load %", "each repeat"], rows)
+                  "server CPU ms/1k", "writes/1k", "switches/1k", "other load %", "each repeat"], rows)
+
+
+def configuration(res: dict) -> str:
+    """One line: what the section's supervisor and consumer were given."""
+    keys = [f"{section}.{k} = {v}" for section, kv in res.get("tuning", {}).items() for k, v in kv.items()]
+    queue = res.get("queue", {})
+    return (f"Consumer: max_ack_pending {queue.get('max_ack_pending')}, AckWait {queue.get('ack_wait')} s, for every "
+            f"contender. jetstream-supervisor: " + (", ".join(keys) if keys else "every key at its default") + ".")
+
+
+def seed_table(res: dict) -> str:
+    rows = [[str(r["repeat"] + 1), f"{r['seconds']:.2f}", f"{r['workers_used']} of {res['workers']}",
+             " / ".join(map(str, r["jobs_per_worker"]))] for r in res["runs"]]
+    return table(["repeat", "publish to last ack s", "workers used", "jobs per worker"], rows)
+
+
+PUBLISH_LABELS = {"supervisor-publish": "`supervisor publish --count N`",
+                  "publish-async": "(a) plain nats-py loop, js.publish_async"}
+
+
+def publish_table(res: dict) -> str:
+    rows = [[PUBLISH_LABELS.get(r["contender"], r["contender"]), num(r["msgs_per_s"]), num(r["vs_async"], ".2f", "x"),
+             num(r["done_s"], ".2f"), num(r["cpu_ms_per_1k_msgs"], ".0f"),
+             " ".join(num(v) for v in r["msgs_per_s_all"])] for r in res["summary"]]
+    return table(["publisher", "msgs/s stored", "vs (a)", "command to last stored s", "CPU ms/1k msgs",
+                  "each repeat"], rows)
 
 
 CPU_LABELS = {"supervisor-sync": "jetstream-supervisor, sync handler", "plain": "(a) plain nats-py loop",
@@ -108,21 +140,33 @@ def guard_table(res: dict) -> str:
 # ---------------------------------------------------------------- targets
 
 def targets(results: dict) -> list[dict]:
-    """Issue 6's targets against the figures; met is None when the scenario did not run."""
+    """Issue 11's targets (and issue 6's that still stand) against the figures."""
     out = []
     tp = results.get("throughput")
     if tp:
+        def vs_plain(flavour: str, n: int) -> float | None:
+            return next((r["vs_plain"] for r in tp["summary"] if r["contender"] == flavour and r["workers"] == n), None)
+        ns = sorted({r["workers"] for r in tp["summary"]})
+        cores = results.get("machine", {}).get("cpus") or 2
+        for flavour in ("supervisor-sync", "supervisor"):
+            for n, bound in ((2, 1.0), (8, 0.9)):
+                if n in ns:
+                    out.append(_target(f"defaults, {LABELS[flavour][22:]}, N={n}: vs (a)", vs_plain(flavour, n), ">=",
+                                       bound, ".2f", "x"))
+        worst = min((r["vs_plain"] for r in tp["summary"] if r["contender"] == "supervisor"
+                     and r["workers"] <= cores and r["vs_plain"] is not None), default=None)
+        out.append(_target(f"defaults, async no-op, every N <= {cores}: vs (a)", worst, ">=", 1.0, ".2f", "x (worst N)"))
         for flavour in ("supervisor", "supervisor-sync"):
-            rows = [r for r in tp["summary"] if r["contender"] == flavour]
-            worst = min((r["vs_plain"] for r in rows if r["vs_plain"] is not None), default=None)
-            out.append(_target(f"{LABELS[flavour]}: >= 0.9x (a) at every N", worst, ">=", 0.9, ".2f", "x (worst N)"))
-            fs = [r["vs_faststream"] for r in rows if r["vs_faststream"] is not None]
+            fs = [r["vs_faststream"] for r in tp["summary"] if r["contender"] == flavour and r["vs_faststream"] is not None]
             if fs:
-                out.append(_target(f"{LABELS[flavour]}: >= 1.5x (c) at every N", min(fs), ">=", 1.5, ".2f",
+                out.append(_target(f"defaults, {LABELS[flavour][22:]}: vs (c) at every N", min(fs), ">=", 1.5, ".2f",
                                    "x (worst N)"))
     cpu = results.get("cpu")
     if cpu:
         cores = cpu["cores"]
+        worst = min((r["vs_plain"] for r in cpu["summary"] if r["contender"] == "supervisor-sync"
+                     and r.get("vs_plain") is not None), default=None)
+        out.append(_target("CPU-bound jobs, defaults: vs (a) per job, every N", worst, ">=", 0.95, ".2f", "x (worst N)"))
 
         def eff(name: str) -> float | None:
             return min((r["efficiency_per_core"] for r in cpu["summary"] if r["contender"] == name
@@ -130,6 +174,14 @@ def targets(results: dict) -> list[dict]:
         row = _target(f"CPU-bound efficiency per core (N=2..{cores})", eff("supervisor-sync"), ">=", 0.9, ".2f")
         row["figure"] += f" (plain loop {num(eff('plain'), '.2f')}, work alone {num(eff('bare'), '.2f')})"
         out.append(row)
+    seed = results.get("seed")
+    if seed:
+        s = seed["summary"]
+        what = f"seed experiment, defaults: {seed['jobs']} x {seed['job_s']:g} s on {seed['workers']} workers"
+        ideal = seed["jobs"] * seed["job_s"] / seed["workers"]      # 2.0 s for 30 x 0.2 s on 3: the bound is 2.3 s
+        out.append(_target(what + " (slowest repeat)", s["seconds_max"], "<=", 1.15 * ideal, ".2f", " s"))
+        out.append(_target(what + ": workers used (fewest)", s["workers_used_min"], ">=", seed["workers"], "d",
+                           f" of {seed['workers']}"))
     crash = results.get("crash")
     if crash:
         ours = crash["summary"][0]
@@ -148,11 +200,15 @@ def targets(results: dict) -> list[dict]:
                            " MiB"))
         out.append(_target(f"{s['many_workers']} workers started and serving", s["many_workers_serving"], ">=",
                            s["many_workers"], "d", f" of {s['many_workers']}"))
+    pub = results.get("publish")
+    if pub:
+        ours = next(r for r in pub["summary"] if r["contender"] == "supervisor-publish")
+        out.append(_target("`supervisor publish`: vs a plain publish_async loop", ours["vs_async"], ">=", 0.9, ".2f", "x"))
     return out
 
 
 def _target(what: str, value: float | None, op: str, bound: float, spec: str, unit: str = "") -> dict:
-    met = None if value is None else (value >= bound if op == ">=" else value < bound)
+    met = None if value is None else {">=": value >= bound, "<": value < bound, "<=": value <= bound}[op]
     return {"target": what, "value": value, "bound": f"{op} {format(bound, spec)}{unit.split(' (')[0]}",
             "figure": num(value, spec, unit), "met": met}
 
@@ -166,16 +222,24 @@ def targets_table(rows: list[dict]) -> str:
 def render(results: dict) -> str:
     parts = []
     if "throughput" in results:
-        parts += ["### 1. Throughput, no-op handler", throughput_table(results["throughput"])]
+        parts += ["### 1. Throughput, no-op handler, defaults", configuration(results["throughput"]),
+                  throughput_table(results["throughput"])]
     if "cpu" in results:
-        parts += ["### 2. CPU-bound jobs", cpu_table(results["cpu"])]
+        parts += ["### 2. CPU-bound jobs, defaults", cpu_table(results["cpu"])]
+    if "seed" in results:
+        parts += ["### 3. The seed experiment, defaults", seed_table(results["seed"])]
     if "crash" in results:
-        parts += ["### 3. Crash recovery", crash_table(results["crash"])]
+        parts += ["### 4. Crash recovery", crash_table(results["crash"])]
     if "footprint" in results:
-        parts += ["### 4. Footprint", footprint_table(results["footprint"])]
+        parts += ["### 5. Footprint", footprint_table(results["footprint"])]
+    if "publish" in results:
+        parts += ["### 6. `supervisor publish`", publish_table(results["publish"])]
     if "guard" in results:
-        parts += [f"### 5. The [idempotency] guard's cost ({results['guard']['jobs']:,} jobs)",
+        parts += [f"### 7. The [idempotency] guard's cost ({results['guard']['jobs']:,} jobs, defaults)",
                   guard_table(results["guard"])]
+    if "tuned" in results:
+        parts += ["### 8. Throughput, no-op handler, tuned", configuration(results["tuned"]),
+                  throughput_table(results["tuned"])]
     parts += ["### Targets", targets_table(targets(results))]
     return "\n\n".join(parts) + "\n"
 
@@ -208,7 +272,8 @@ def chart(results: dict, path: Path) -> Path | None:
     ax.set_xticks(sorted({r["workers"] for r in tp["summary"]}))
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    ax.set_title(f"No-op throughput, {tp['jobs']:,} jobs, one nats-server, {results['machine']['cpus']} cores")
+    ax.set_title(f"No-op throughput with the defaults, {tp['jobs']:,} jobs, one nats-server, "
+                 f"{results['machine']['cpus']} cores")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,14 @@
-"""The four scenarios of issue 6, and the [idempotency] guard's cost (issue 10). Each returns {"runs": [...raw figures...], "summary": {...}}.
+"""The scenarios of issues 6 and 11, and the [idempotency] guard's cost (issue 10). Each returns
+{"runs": [...raw figures...], "summary": {...}}.
 
 Fairness rules applied everywhere: one nats-server for the whole run; every contender binds to
 the same durable pull consumer, reset before each drain with the backlog already published;
 progress is read from ConsumerInfo for all alike; contender order rotates between repeats;
 ratios are taken between figures of the same repeat, then the median is reported.
+
+Everything runs with the supervisor's defaults first (every key at its default but the server,
+the worker count and the handler; the consumer with `supervisor start`'s default settings, for
+every contender alike); the tuned variants come last, in their own scenario ("tuned").
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import re
 import signal
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,17 +30,32 @@ import psutil
 
 from . import procs
 from .handlers import CPU_PREFIX, HOLD, JOURNAL_ENV, calibrate, read_journal
-from .measure import DrainResult, drain
-from .natsenv import SUBJECT, NatsServer, QueueSpec, consumer_state, publish, reset_queue, wait_until
+from .measure import DrainResult, busy_seconds, drain
+from .natsenv import (REPO, STREAM, SUBJECT, NatsServer, Progress, QueueSpec, child_env, consumer_state, publish,
+                      reset_queue, wait_until)
 from .observer import Observer
 from .profile import Profile
 
 # Our two no-op flavours: the same job, an async handler (on the worker's loop, like the plain
-# loop's inline call) and a sync one (in the worker's handler thread, SPEC's `def handle`).
+# loop's inline call) and a sync one (in the worker's handler threads, SPEC's `def handle`).
 OURS = {"supervisor": "bench.handlers:anoop", "supervisor-sync": "workers.examples:noop"}
 BASELINES = ("plain", "seed", "faststream")
 PLAIN = "plain"
 FASTSTREAM = "faststream"
+
+# The two configurations. DEFAULTS: a consumer as `supervisor start` creates it (max_ack_pending
+# 1,000, shared by all workers) and no supervisor key set. TUNED: max_ack_pending out of the way
+# and a higher workers.batch ceiling. The baselines fetch up to BATCH, and within their share of
+# max_ack_pending (a fetch(256) per loop at N = 8 would ask for 2,048 of 1,000 and stall 1 s
+# per fetch, which is no fair yardstick).
+DEFAULTS, TUNED = "defaults", "tuned"
+QUEUES = {DEFAULTS: QueueSpec(), TUNED: QueueSpec(max_ack_pending=100_000)}
+TUNING = {DEFAULTS: {}, TUNED: {"consumer": QUEUES[TUNED].config(), "workers": {"batch": 1024}}}
+BATCH = 256
+
+
+def baseline_batch(section: str, n: int) -> int:
+    return max(1, min(BATCH, QUEUES[section].max_ack_pending // n))
 
 
 @dataclass
@@ -44,6 +65,7 @@ class Ctx:
     profile: Profile
     say: Callable[[str], None]
     cores: int
+    product: Path | None = None      # --product: run `supervisor` from this source tree instead
     _n: int = 0
 
     def rundir(self, name: str) -> Path:
@@ -51,6 +73,12 @@ class Ctx:
         path = self.workdir / f"{self._n:03d}-{name}"
         path.mkdir(parents=True)
         return path
+
+    def product_env(self, **extra: str) -> dict[str, str]:
+        """The environment of our processes: the product tree first on the path (--product)."""
+        if self.product is None:
+            return extra
+        return {"PYTHONPATH": os.pathsep.join([str(self.product), str(REPO)]), **extra}
 
 
 def median(values: list[float | None]) -> float | None:
@@ -63,50 +91,68 @@ def rotated(names: list[str], k: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-def starter(ctx: Ctx, name: str, n: int, rundir: Path, handler: str | None = None, batch: int = 256,
-            sections: dict | None = None, **workers: Any) -> Callable[[], procs.Contender]:
+def ours_config(ctx: Ctx, n: int, handler: str, section: str = DEFAULTS, **sections: dict[str, Any]) -> dict:
+    """`supervisor start`'s config for `section`, plus `sections` (e.g. the crash scenario's restart keys)."""
+    merged = {k: dict(v) for k, v in TUNING[section].items()}
+    for name, keys in sections.items():
+        merged.setdefault(name, {}).update(keys)
+    return procs.supervisor_config(ctx.server.url, n, handler, **merged)
+
+
+def starter(ctx: Ctx, name: str, n: int, rundir: Path, section: str = DEFAULTS, handler: str | None = None,
+            batch: int | None = None, sections: dict | None = None) -> Callable[[], procs.Contender]:
     url = ctx.server.url
+    batch = batch or baseline_batch(section, n)
     if name in ("plain", "seed"):
         return lambda: procs.start_loops(name, n, url, rundir, batch)
     if name == FASTSTREAM:
         return lambda: procs.start_faststream(n, url, rundir, batch)
-    config = procs.supervisor_config(url, n, handler or OURS[name], batch=batch, **workers)
-    config.update(sections or {})
-    return lambda: procs.start_supervisor(name, config, rundir)
+    config = ours_config(ctx, n, handler or OURS[name], section, **(sections or {}))
+    return lambda: procs.start_supervisor(name, config, rundir, ctx.product_env())
 
 
-async def measured_drain(ctx: Ctx, name: str, n: int, total: int, data: bytes, handler: str | None = None,
-                         sections: dict | None = None, **workers: Any) -> DrainResult:
-    start = starter(ctx, name, n, ctx.rundir(f"{name}-{n}"), handler, sections=sections, **workers)
-    result, contender = await drain(ctx.server.url, total, start, data=data, server_pid=ctx.server.proc.pid,
+async def measured_drain(ctx: Ctx, name: str, n: int, total: int, data: bytes, section: str = DEFAULTS,
+                         handler: str | None = None, batch: int | None = None,
+                         sections: dict | None = None) -> DrainResult:
+    start = starter(ctx, name, n, ctx.rundir(f"{name}-{n}"), section, handler, batch, sections)
+    result, contender = await drain(ctx.server.url, total, start, data=data, spec=QUEUES[section],
+                                    server_pid=ctx.server.proc.pid,
                                     parent_pid=lambda c: c.pid if isinstance(c, procs.Supervisor) else None)
     contender.stop()
     result.contender, result.workers = name, n
     return result
 
 
-# ================================================================ 1. throughput
+# ================================================================ 1. throughput (defaults), and tuned
 
-def throughput_contenders(profile: Profile) -> list[str]:
-    names = [*OURS, *BASELINES]
-    if not (profile.with_faststream and procs.faststream_available()):
+def throughput_contenders(profile: Profile, section: str = DEFAULTS) -> list[str]:
+    names = [*OURS, *BASELINES] if section == DEFAULTS else [*OURS, PLAIN]
+    if FASTSTREAM in names and not (profile.with_faststream and procs.faststream_available()):
         names.remove(FASTSTREAM)
     return names
 
 
-async def throughput(ctx: Ctx) -> dict:
+async def throughput(ctx: Ctx, section: str = DEFAULTS) -> dict:
     p = ctx.profile
-    names = throughput_contenders(p)
+    names = throughput_contenders(p, section)
+    ns = p.workers if section == DEFAULTS else p.tuned_workers
     runs = []
     for rep in range(p.repeats):
-        for n in p.workers:
+        for n in ns:
             for name in rotated(names, rep + n):
-                r = await measured_drain(ctx, name, n, p.jobs, b"x")
-                r.extra["repeat"] = rep
+                r = await measured_drain(ctx, name, n, p.jobs, b"x", section)
+                r.extra.update(repeat=rep, section=section)
+                if name not in OURS:
+                    r.extra["fetch"] = 1 if name == "seed" else baseline_batch(section, n)
                 runs.append(r.as_dict())
-                ctx.say(f"  throughput rep {rep + 1} N={n} {name:16s} {fmt(r.jobs_per_s, '.0f')} jobs/s, "
+                ctx.say(f"  {section} rep {rep + 1} N={n} {name:16s} {fmt(r.jobs_per_s, '.0f')} jobs/s, "
                         f"first ack {fmt(r.first_ack_s, '.2f')} s")
-    return {"contenders": names, "jobs": p.jobs, "runs": runs, "summary": summarize_throughput(runs, names, p.workers)}
+    return {"section": section, "contenders": names, "jobs": p.jobs, "queue": QUEUES[section].__dict__,
+            "tuning": TUNING[section], "runs": runs, "summary": summarize_throughput(runs, names, ns)}
+
+
+async def tuned(ctx: Ctx) -> dict:
+    return await throughput(ctx, TUNED)
 
 
 def summarize_throughput(runs: list[dict], names: list[str], ns: tuple[int, ...]) -> list[dict]:
@@ -132,7 +178,10 @@ def summarize_throughput(runs: list[dict], names: list[str], ns: tuple[int, ...]
                          "first_ack_s": median([r["first_ack_s"] for r in mine]),
                          "cpu_ms_per_1k_jobs": median([r["cpu_ms_per_1k_jobs"] for r in mine]),
                          "server_cpu_ms_per_1k_jobs": median([r["server_cpu_ms_per_1k_jobs"] for r in mine]),
+                         "writes_per_1k_jobs": median([r.get("writes_per_1k_jobs") for r in mine]),
+                         "switches_per_1k_jobs": median([r.get("switches_per_1k_jobs") for r in mine]),
                          "background_cpu_pct": median([r["background_cpu_pct"] for r in mine]),
+                         "fetch": mine[0]["extra"].get("fetch") if mine else None,
                          "vs_plain": ratio(PLAIN) if name != PLAIN else 1.0,
                          "vs_faststream": ratio(FASTSTREAM) if FASTSTREAM in names else None})
     return rows
@@ -142,7 +191,8 @@ def summarize_throughput(runs: list[dict], names: list[str], ns: tuple[int, ...]
 
 CPU_CONTENDERS = ("supervisor-sync", "plain", "bare")
 # The plain loop acks a fetched batch only when its loop next yields, i.e. after the whole batch:
-# with 256 jobs of a few ms that is one ack burst per second, too coarse to time. Both take 16.
+# with 256 jobs of a few ms that is one ack burst per second, too coarse to time. It fetches 16;
+# the supervisor runs with its defaults (it sizes its own pulls).
 CPU_BATCH = 16
 
 
@@ -160,7 +210,7 @@ async def cpu_bound(ctx: Ctx) -> dict:
                                                    ctx.rundir(f"bare-{n}"))
                     row = {"contender": name, "workers": n, "jobs": p.cpu_jobs, "jobs_per_s": rate, "extra": {}}
                 else:
-                    row = (await measured_drain(ctx, name, n, p.cpu_jobs, data, "bench.handlers:job",
+                    row = (await measured_drain(ctx, name, n, p.cpu_jobs, data, handler="bench.handlers:job",
                                                 batch=CPU_BATCH)).as_dict()
                 row["extra"]["repeat"] = rep
                 runs.append(row)
@@ -192,9 +242,10 @@ def summarize_cpu(runs: list[dict], cores: int, ns: tuple[int, ...]) -> list[dic
 
 def resummarize(results: dict) -> dict:
     """Recompute every summary from the raw runs of a saved results.json."""
-    if "throughput" in results:
-        tp = results["throughput"]
-        tp["summary"] = summarize_throughput(tp["runs"], tp["contenders"], tuple(results["profile"]["workers"]))
+    for name, ns in (("throughput", "workers"), ("tuned", "tuned_workers")):
+        if name in results:
+            tp = results[name]
+            tp["summary"] = summarize_throughput(tp["runs"], tp["contenders"], tuple(results["profile"][ns]))
     if "cpu" in results:
         cpu = results["cpu"]
         cpu["summary"] = summarize_cpu(cpu["runs"], cpu["cores"], tuple(results["profile"]["cpu_workers"]))
@@ -203,6 +254,10 @@ def resummarize(results: dict) -> dict:
     if "footprint" in results:
         fp = results["footprint"]
         fp["summary"] = summarize_footprint(fp["parent_cpu"], fp["memory"], fp["many"])
+    if "seed" in results:
+        results["seed"]["summary"] = summarize_seed(results["seed"]["runs"])
+    if "publish" in results:
+        results["publish"]["summary"] = summarize_publish(results["publish"]["runs"])
     if "guard" in results:
         results["guard"]["summary"] = summarize_guard(results["guard"]["runs"], results["guard"]["workers"])
     return results
@@ -231,9 +286,9 @@ async def crash_ours(ctx: Ctx, rep: int) -> list[dict]:
     journal = rundir / "journal.txt"
     # Back-to-back kills would climb the crash-loop backoff (it doubles per crash of a slot within
     # 10 s, by design); pinning it at its initial 0.1 s measures the restart path itself.
-    config = procs.supervisor_config(ctx.server.url, 2, "bench.handlers:job", ack_wait=p.ack_wait)
-    config["restart"].update(backoff_initial=0.1, backoff_max=0.1)
-    sup = procs.start_supervisor("supervisor", config, rundir, {JOURNAL_ENV: str(journal)})
+    config = ours_config(ctx, 2, "bench.handlers:job", consumer=QueueSpec(ack_wait=p.ack_wait).config(),
+                         restart={"backoff_initial": 0.1, "backoff_max": 0.1})
+    sup = procs.start_supervisor("supervisor", config, rundir, ctx.product_env(**{JOURNAL_ENV: str(journal)}))
     nc = await nats.connect(ctx.server.url)
     obs = await Observer().start(nc)
     js = nc.jetstream()
@@ -394,8 +449,8 @@ async def parent_cpu(ctx: Ctx, rep: int) -> dict:
     """The supervisor process's CPU while 2 workers take a paced `paced_rate` jobs/s, and idle."""
     p = ctx.profile
     await reset_queue(ctx.server.url, QueueSpec())
-    config = procs.supervisor_config(ctx.server.url, 2, OURS["supervisor"])
-    sup = procs.start_supervisor("supervisor", config, ctx.rundir("parent-cpu"))
+    config = ours_config(ctx, 2, OURS["supervisor"])
+    sup = procs.start_supervisor("supervisor", config, ctx.rundir("parent-cpu"), ctx.product_env())
     try:
         await asyncio.to_thread(sup.wait_ready, 2)
         parent = psutil.Process(sup.pid)
@@ -452,8 +507,8 @@ async def worker_memory(ctx: Ctx, rep: int) -> dict:
     process for comparison."""
     p = ctx.profile
     await reset_queue(ctx.server.url, QueueSpec())
-    config = procs.supervisor_config(ctx.server.url, p.idle_workers, OURS["supervisor-sync"])
-    sup = procs.start_supervisor("supervisor", config, ctx.rundir("memory"))
+    config = ours_config(ctx, p.idle_workers, OURS["supervisor-sync"])
+    sup = procs.start_supervisor("supervisor", config, ctx.rundir("memory"), ctx.product_env())
     try:
         await asyncio.to_thread(sup.wait_ready, p.idle_workers)
         await asyncio.sleep(p.settle_s)
@@ -490,8 +545,8 @@ async def many_workers(ctx: Ctx, rep: int) -> dict:
     p = ctx.profile
     n = p.many_workers
     await reset_queue(ctx.server.url, QueueSpec())
-    config = procs.supervisor_config(ctx.server.url, n, "workers.examples:sleep_job", batch=1)
-    sup = procs.start_supervisor("supervisor", config, ctx.rundir("many"))
+    config = ours_config(ctx, n, "workers.examples:sleep_job")
+    sup = procs.start_supervisor("supervisor", config, ctx.rundir("many"), ctx.product_env())
     t0 = time.monotonic()
     try:
         await asyncio.to_thread(sup.wait_ready, n, 120)
@@ -552,7 +607,125 @@ def summarize_footprint(parent: list[dict], memory: list[dict], many: list[dict]
     }
 
 
-# ================================================================ 5. the [idempotency] guard's cost
+# ================================================================ 5. the seed experiment
+
+async def seed_experiment(ctx: Ctx) -> dict:
+    """`seed_jobs` jobs of `seed_job_s` published at once to 3 ready workers with the defaults:
+    from the publish to the last ack, and how many of the 3 workers took a job (the seed post's
+    experiment: 30 x 0.2 s over 3 workers should take about 2 s and use all three)."""
+    p = ctx.profile
+    runs = []
+    for rep in range(p.repeats):
+        await reset_queue(ctx.server.url, QueueSpec())
+        sup = procs.start_supervisor("supervisor", ours_config(ctx, 3, "workers.examples:sleep_job"),
+                                     ctx.rundir("seed"), ctx.product_env())
+        nc = await nats.connect(ctx.server.url)
+        try:
+            await asyncio.to_thread(sup.wait_ready, 3)
+            t0 = time.monotonic()
+            await publish(ctx.server.url, p.seed_jobs, str(p.seed_job_s).encode())
+            await async_wait(lambda: drained(nc.jetstream()), 60, f"{p.seed_jobs} seed jobs acked", 0.005)
+            took = time.monotonic() - t0
+            acked = await asyncio.to_thread(wait_until, lambda: jobs_acked(sup, p.seed_jobs), 10, "acks counted")
+        finally:
+            await nc.close()
+            sup.stop()
+        runs.append({"repeat": rep, "seconds": took, "jobs_per_worker": acked,
+                     "workers_used": sum(1 for a in acked if a > 0)})
+        ctx.say(f"  seed rep {rep + 1}: {p.seed_jobs} x {p.seed_job_s:g} s on 3 workers in {took:.2f} s, "
+                f"jobs per worker {acked}")
+    return {"jobs": p.seed_jobs, "job_s": p.seed_job_s, "workers": 3, "runs": runs, "summary": summarize_seed(runs)}
+
+
+def jobs_acked(sup: procs.Supervisor, total: int) -> list[int] | None:
+    """Jobs acked per worker, from /status, once they add up to `total`."""
+    s = sup.status()
+    acked = [w["jobs_acked"] for w in (s or {}).get("workers", {}).get("list", [])]
+    return acked if sum(acked) >= total else None
+
+
+def summarize_seed(runs: list[dict]) -> dict:
+    return {"seconds": median([r["seconds"] for r in runs]), "seconds_max": max((r["seconds"] for r in runs), default=None),
+            "workers_used_min": min((r["workers_used"] for r in runs), default=None)}
+
+
+# ================================================================ 6. supervisor publish
+
+PUBLISHERS = ("supervisor-publish", "publish-async")
+
+
+async def publish_throughput(ctx: Ctx) -> dict:
+    """`supervisor publish --count N` against a plain nats-py publish_async loop, each started as a
+    command into an empty stream; stored messages/s between 10 % and 90 % of N, from StreamInfo."""
+    p = ctx.profile
+    runs = []
+    for rep in range(p.repeats):
+        for name in rotated(list(PUBLISHERS), rep):
+            row = await timed_publish(ctx, name, p.publish_count)
+            row["repeat"] = rep
+            runs.append(row)
+            ctx.say(f"  publish rep {rep + 1} {name:18s} {fmt(row['msgs_per_s'], '.0f')} msgs/s, "
+                    f"done in {row['done_s']:.2f} s")
+    return {"count": p.publish_count, "runs": runs, "summary": summarize_publish(runs)}
+
+
+def publisher_argv(ctx: Ctx, name: str, count: int) -> tuple[list[str], dict[str, str]]:
+    if name == "supervisor-publish":
+        return ([sys.executable, "-m", "supervisor", "publish", "--server", ctx.server.url, "--count", str(count),
+                 "--data", "x"], child_env(**ctx.product_env()))
+    return ([sys.executable, "-m", "bench.contenders", "publish-async", "--server", ctx.server.url, "--count",
+             str(count)], child_env())
+
+
+async def timed_publish(ctx: Ctx, name: str, count: int) -> dict:
+    await reset_queue(ctx.server.url, QueueSpec())
+    argv, env = publisher_argv(ctx, name, count)
+    rundir = ctx.rundir(name)
+    nc = await nats.connect(ctx.server.url)
+    js = nc.jetstream()
+    progress = Progress(count, time.monotonic())
+    with open(rundir / "publish.log", "wb") as log:
+        proc = await asyncio.to_thread(psutil.Popen, argv, cwd=rundir, stdout=log, stderr=log, env=env)
+    try:
+        cpu: list[tuple[int, float]] = []           # (stored, publisher CPU seconds) at 10 % and 90 %
+        while True:
+            stored = (await js.stream_info(STREAM)).state.messages
+            progress.samples.append((time.monotonic() - progress.t0, stored))
+            if len(cpu) < 2 and stored >= (0.1, 0.9)[len(cpu)] * count and proc.poll() is None:
+                cpu.append((stored, busy_seconds(proc)))
+            if stored >= count:
+                break
+            if proc.poll() not in (None, 0):
+                raise RuntimeError(f"{name} exited with {proc.returncode}: {(rundir / 'publish.log').read_text()[-2000:]}")
+            await asyncio.sleep(0.01)
+        code = await asyncio.to_thread(proc.wait, 60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        await nc.close()
+    if code != 0:
+        raise RuntimeError(f"{name} exited with {code}")
+    (n0, c0), (n1, c1) = cpu if len(cpu) == 2 else ((0, 0.0), (0, 0.0))
+    return {"contender": name, "count": count, "msgs_per_s": progress.steady_rate(), "done_s": progress.done_s,
+            "cpu_ms_per_1k_msgs": 1e6 * (c1 - c0) / (n1 - n0) if n1 > n0 else None}
+
+
+def summarize_publish(runs: list[dict]) -> list[dict]:
+    rows = []
+    for name in PUBLISHERS:
+        mine = {r["repeat"]: r for r in runs if r["contender"] == name}
+        base = {r["repeat"]: r for r in runs if r["contender"] == "publish-async"}
+        rows.append({"contender": name, "msgs_per_s": median([r["msgs_per_s"] for r in mine.values()]),
+                     "msgs_per_s_all": [r["msgs_per_s"] for r in mine.values()],
+                     "done_s": median([r["done_s"] for r in mine.values()]),
+                     "cpu_ms_per_1k_msgs": median([r["cpu_ms_per_1k_msgs"] for r in mine.values()]),
+                     "vs_async": median([mine[k]["msgs_per_s"] / base[k]["msgs_per_s"] for k in mine
+                                         if k in base and mine[k]["msgs_per_s"] and base[k]["msgs_per_s"]])})
+    return rows
+
+
+# ================================================================ 7. the [idempotency] guard's cost (defaults)
 
 # The same sync no-op drain four ways, in the same run: no guard; the guard (a lease written
 # before each job, replaced by its done-marker after: two KV writes); double_ack alone; and the
@@ -570,8 +743,8 @@ async def guard_cost(ctx: Ctx) -> dict:
         for name in rotated(list(GUARD_VARIANTS), rep):
             sections, double_ack = GUARD_VARIANTS[name]
             await drop_stream(ctx.server.url, GUARD_BUCKET)
-            r = await measured_drain(ctx, "supervisor-sync", p.guard_workers, p.guard_jobs, b"x", sections=sections,
-                                     double_ack=double_ack)
+            r = await measured_drain(ctx, "supervisor-sync", p.guard_workers, p.guard_jobs, b"x",
+                                     sections={**sections, "workers": {"double_ack": double_ack}})
             r.extra.update(repeat=rep, variant=name)
             runs.append(r.as_dict())
             ctx.say(f"  guard rep {rep + 1} N={p.guard_workers} {name:18s} {fmt(r.jobs_per_s, '.0f')} jobs/s, "

@@ -10,6 +10,7 @@ import asyncio
 import json
 import sys
 import time
+from collections import deque
 from typing import Any
 
 import nats.errors
@@ -22,7 +23,8 @@ from .consumer import consumer_info, lag_line
 from .errors import EXIT_BUG, EXIT_OK, ConfigError, NatsUnavailable, SupervisorError
 from .lag import STALE_MIN_S
 
-PUBLISH_WINDOW = 256        # PubAcks awaited at once
+PUBLISH_WINDOW = 4000       # PubAcks outstanding at once (nats-py's own publish_async default)
+PUBACK_TIMEOUT = 10.0       # seconds a PubAck may take (a stalled window, the last ones)
 
 
 async def connect_oneshot(cfg: Config, purpose: str) -> Any:
@@ -61,13 +63,21 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 async def publish(cfg: Config, subject: str, count: int, data: str, msg_id: str | None,
                   rate: float | None) -> tuple[int, int]:
-    """Publish with a window of PubAcks in flight; (stored, duplicates). The stream is ensured
-    first (as `start` would), so jobs published before the supervisor starts wait for it."""
+    """Publish with up to PUBLISH_WINDOW PubAcks outstanding; (stored, duplicates). The stream is
+    ensured first (as `start` would), so jobs published before the supervisor starts wait for it.
+
+    nats-py's publish_async, as a hand-written loop would use it: each message goes out without
+    waiting and its PubAck resolves a future, counted when it leaves the window. The window is
+    ours (we wait for half of it at a time, with a timeout), so publish_async's own semaphore
+    never blocks.
+    (Awaiting js.publish in a window of tasks ran at 0.55x a plain publish_async loop: a task per
+    message and asyncio.wait over the whole window each time one PubAck came back.)"""
     nc = await connect_oneshot(cfg, "publish")
-    js = nc.jetstream()
-    counts = {"stored": 0, "duplicates": 0}
+    js = nc.jetstream(publish_async_max_pending=PUBLISH_WINDOW + 1)
+    tally = PubAckTally(subject)
+    window: deque[asyncio.Future] = deque()
+    numbered, payload = "{i}" in data, data.encode()
     started = time.monotonic()
-    pending: set[asyncio.Future] = set()
     try:
         await provision.ensure_stream(js, provision.stream_config(cfg), cfg.stream.create, "stream")
         for i in range(1, count + 1):
@@ -75,31 +85,59 @@ async def publish(cfg: Config, subject: str, count: int, data: str, msg_id: str 
                 delay = started + (i - 1) / rate - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+            if len(window) >= PUBLISH_WINDOW:
+                await acks_until(window, PUBLISH_WINDOW // 2, tally)
             headers = {"Nats-Msg-Id": f"{msg_id}-{i}"} if msg_id else None
-            payload = data.replace("{i}", str(i)).encode()
-            pending.add(asyncio.ensure_future(js.publish(subject, payload, headers=headers, timeout=10)))
-            if len(pending) >= PUBLISH_WINDOW:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                _count(done, counts, subject)
-        if pending:
-            done, pending = await asyncio.wait(pending)
-            _count(done, counts, subject)
+            window.append(await js.publish_async(subject, data.replace("{i}", str(i)).encode() if numbered
+                                                 else payload, headers=headers))
+        await acks_until(window, 0, tally)
     finally:
-        for fut in pending:              # after a failure: nothing left half-sent and unobserved
-            fut.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
         await nc.drain()
-    return counts["stored"], counts["duplicates"]
+    return tally.stored, tally.duplicates
 
 
-def _count(done: set[asyncio.Future], counts: dict[str, int], subject: str) -> None:
-    failures = [fut.exception() for fut in done if fut.exception() is not None]
-    for fut in done:
-        if fut.exception() is None:
-            counts["duplicates" if fut.result().duplicate else "stored"] += 1
-    if failures:
-        raise NatsUnavailable(f"publishing to {subject} failed ({publish_failure(failures[0])}) after "
-                              f"{counts['stored']} stored, {counts['duplicates']} duplicates")
+async def acks_until(window: deque[asyncio.Future], left: int, tally: "PubAckTally") -> None:
+    """Wait until at most `left` PubAcks are outstanding (each within PUBACK_TIMEOUT); raise the
+    first failure. PubAcks come back in order, nearly always: one wait for the newest that must
+    be in, then whatever is done leaves the window (a straggler is waited for on its own)."""
+    while len(window) > left:
+        newest = window[len(window) - left - 1]
+        target = window[0] if newest.done() else newest
+        try:
+            await asyncio.wait_for(asyncio.shield(target), PUBACK_TIMEOUT)
+        except asyncio.TimeoutError:
+            tally.failed(TimeoutError(f"no PubAck within {PUBACK_TIMEOUT:g}s"))
+        except Exception as exc:
+            tally.failed(exc)
+        while window and window[0].done():
+            tally.count(window.popleft())
+        tally.check()
+
+
+class PubAckTally:
+    """Counts PubAcks as their futures resolve; the first failure ends the publish (check())."""
+
+    def __init__(self, subject: str):
+        self.subject, self.stored, self.duplicates = subject, 0, 0
+        self.failure: BaseException | None = None
+
+    def count(self, future: asyncio.Future) -> None:
+        if future.cancelled():
+            return
+        if future.exception() is not None:
+            self.failed(future.exception())
+        elif future.result().duplicate:
+            self.duplicates += 1
+        else:
+            self.stored += 1
+
+    def failed(self, exc: BaseException) -> None:
+        self.failure = self.failure or exc
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise NatsUnavailable(f"publishing to {self.subject} failed ({publish_failure(self.failure)}) after "
+                                  f"{self.stored} stored, {self.duplicates} duplicates")
 
 
 def publish_failure(exc: BaseException) -> str:

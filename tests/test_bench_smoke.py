@@ -125,17 +125,41 @@ def positive(value) -> bool:
     return isinstance(value, (int, float)) and value > 0
 
 
-def test_throughput_figures_are_sane(smoke):
+@pytest.mark.parametrize("scenario", ["throughput", "tuned"])
+def test_throughput_figures_are_sane(smoke, scenario):
     results, _ = smoke
-    tp = results["throughput"]
-    assert {"supervisor", "supervisor-sync", "plain", "seed"} <= set(tp["contenders"])
+    tp = results[scenario]
+    assert {"supervisor", "supervisor-sync", "plain"} <= set(tp["contenders"])
     for run in tp["runs"]:
-        assert run["jobs"] == results["profile"]["jobs"]
+        assert run["jobs"] == results["profile"]["jobs"] and run["extra"]["section"] == tp["section"]
         assert positive(run["jobs_per_s"]), run
         assert 0 < run["first_ack_s"] <= run["done_s"], run
     for row in tp["summary"]:
         assert positive(row["jobs_per_s"]) and positive(row["vs_plain"]), row
     assert next(r for r in tp["summary"] if r["contender"] == "plain")["vs_plain"] == 1.0
+
+
+def test_defaults_come_first_and_tuned_last_on_their_own_consumers(smoke):
+    results, out = smoke
+    text = (out / "tables.md").read_text()
+    assert text.index("Throughput, no-op handler, defaults") < text.index("Throughput, no-op handler, tuned")
+    assert list(results).index("throughput") < list(results).index("tuned")
+    assert results["throughput"]["tuning"] == {} and results["throughput"]["queue"]["max_ack_pending"] == 1000
+    assert results["tuned"]["tuning"]["workers"]["batch"] > 256
+    assert results["tuned"]["queue"]["max_ack_pending"] == results["tuned"]["tuning"]["consumer"]["max_ack_pending"]
+    assert "seed" in results["throughput"]["contenders"] and "seed" not in results["tuned"]["contenders"]
+
+
+def test_seed_experiment_and_publish_figures_are_sane(smoke):
+    results, _ = smoke
+    seed = results["seed"]
+    for run in seed["runs"]:
+        assert sum(run["jobs_per_worker"]) == seed["jobs"] and 1 <= run["workers_used"] <= 3
+        assert run["seconds"] >= seed["jobs"] * seed["job_s"] / 3      # it cannot beat the work itself
+    pub = results["publish"]
+    assert {r["contender"] for r in pub["runs"]} == {"supervisor-publish", "publish-async"}
+    for row in pub["summary"]:
+        assert positive(row["msgs_per_s"]) and positive(row["vs_async"]) and positive(row["done_s"]), row
 
 
 def test_cpu_scaling_figures_are_sane(smoke):
@@ -189,7 +213,8 @@ def test_guard_cost_figures_are_sane(smoke):
 def test_report_is_written(smoke):
     results, out = smoke
     text = (out / "tables.md").read_text()
-    for heading in ("Throughput", "CPU-bound", "Crash recovery", "Footprint", "guard's cost", "Targets"):
+    for heading in ("Throughput", "CPU-bound", "seed experiment", "Crash recovery", "Footprint", "supervisor publish",
+                    "guard's cost", "tuned", "Targets"):
         assert heading in text
     assert results["targets"] and all("met" in t for t in results["targets"])
     if importlib.util.find_spec("matplotlib"):

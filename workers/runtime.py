@@ -3,9 +3,14 @@
 One worker = one process, one uvloop loop, one NATS connection, bound to the durable pull
 consumer every other worker shares. The pull loop issues raw pull requests to
 $JS.API.CONSUMER.MSG.NEXT (not js.fetch, see DESIGN.md) and counts credits, so it never has
-more messages on the way than it can start now plus a small prefetch sized to hide one pull
-round trip. Every message is recorded in the shared slot table before anything else happens,
-so the parent always knows what this process holds.
+more messages on the way than it can start now plus a prefetch sized from the measured job time
+and pull round trip (workers/pulls.py). Every message is recorded in the shared slot table
+before anything else happens, so the parent always knows what this process holds.
+
+Sync handlers run in `concurrency` handler threads of our own that take their next job from a
+locked queue themselves and hand outcomes back in batches (one loop wake-up per batch): no trip
+through the event loop between two jobs, which is what made CPU-bound jobs pay for GIL ping-pong.
+Acks are still published from the loop.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import signal
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, NoReturn
 
@@ -33,6 +37,7 @@ from supervisor.notify import scrub_child_env
 from . import Job, Reject, Retry
 from . import slots
 from .guard import DUPLICATE, RUN, Guard
+from .pulls import PullSizer, fair_share
 from .slots import SlotTable
 
 log = logging.getLogger("worker")
@@ -48,11 +53,9 @@ PULL_MARGIN = 1.0           # past a request's local expiry, before its credits 
 SHUTDOWN_NAK_DELAY = PULL_EXPIRES + PULL_MARGIN
 LIVENESS_EVERY = 0.25       # a worker proves its NATS connection with a PING/PONG this often ...
 LIVENESS_TIMEOUT = 2.0      # ... and gives up waiting for the PONG after this
-PULL_RTT_GUESS = 0.05       # prefetch hides one pull round trip plus the scheduling and GIL latency of a
-                            # busy box (5 ms left CPU-bound workers idle 30% of the time; see BENCHMARKS.md)
-CHUNK_BUDGET = 0.002        # a sync handler's thread takes this much queued work per hop
-NOT_STARTED = object()      # a chunked job the drain stopped before its handler ran
 SETTLE_MIN_INTERVAL = 0.002  # coalesce ack-confirming flushes to at most one per this period
+OUTCOME_EVERY = 0.02        # a busy handler thread hands outcomes back at most this often: each wake-up of
+                            # the loop takes the GIL from a CPU-bound handler (a handful of context switches)
 ORPHAN_GRACE = 2.0          # running jobs get this long when the parent has died
 PR_SET_PDEATHSIG = 1
 
@@ -182,13 +185,16 @@ class Worker:
         self.stream, self.consumer = cfg.stream.name, cfg.consumer.name
         self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.consumer}"
         self.is_async = inspect.iscoroutinefunction(spec.handler)
-        self.pool = None if self.is_async else ThreadPoolExecutor(self.wcfg.concurrency, "handler")
         self.queue: deque[tuple[Any, int, Job]] = deque()   # pulled, not started
-        self.running = 0
+        self.running = 0                 # taken from the queue (sync: handed to the threads), not finished
         self.credits = 0                 # messages asked for and not yet received or expired
         self.pull_deadline = 0.0         # when the last outstanding pull request expires
+        self.pull_sent = 0.0             # when a request left alone towards a backlog (its round trip)
+        self.backlog = False             # the last message said more were pending
         self.received = 0                # messages received, ever (max_jobs caps what we ask for)
-        self.job_ewma: float | None = None
+        self.sizer = PullSizer(self.wcfg.concurrency, self.wcfg.batch,
+                               fair_share(cfg.consumer.max_ack_pending, self.wcfg.count),
+                               threads=not self.is_async, batching=OUTCOME_EVERY)
         self.started_jobs = 0
         # ACKED/SETTLED entries awaiting a fence: (entry, connection generation, was an ack)
         self.unconfirmed: list[tuple[int, int, bool]] = []
@@ -209,6 +215,16 @@ class Worker:
         # shutdown has NAKed what runs, no handler thread can start another job behind its back.
         self.start_lock = threading.Lock()
         self.guard: Guard | None = None   # [idempotency] (workers/guard.py)
+        # Sync handlers: jobs handed to the threads (guarded by start_lock), outcomes coming back,
+        # and whether the loop has been rung for them since it last took them.
+        self.handed = threading.Condition(self.start_lock)
+        self.ready: deque[tuple[Any, int, Job]] = deque()
+        self.outcomes: list[tuple[int, Job, BaseException | None, float]] = []
+        self.outcomes_since = 0.0        # when the oldest outcome the loop has not been rung for came
+        self.rung = False
+        self.handed_back = self.settled_back = 0   # outcomes handed to the loop, and settled by it
+        self.threads_stop = False
+        self.wake_finish = asyncio.Event()
 
     # -- lifecycle
 
@@ -233,7 +249,11 @@ class Worker:
         loop.add_signal_handler(signal.SIGUSR1, self.on_sigusr1)
         settler = asyncio.ensure_future(self.settler())
         tasks = [asyncio.ensure_future(c) for c in (self.heartbeat(), self.liveness(), self.puller())]
-        self.runners = [asyncio.ensure_future(self.runner()) for _ in range(self.wcfg.concurrency)]
+        if self.is_async:
+            self.runners = [asyncio.ensure_future(self.runner()) for _ in range(self.wcfg.concurrency)]
+        else:
+            self.runners = [asyncio.ensure_future(c) for c in (self.runner(), self.finisher())]
+            self.start_threads(loop)
         self.table.set_state(slots.READY)
         self.emit(ev="ready")
         await self.stop.wait()
@@ -242,6 +262,7 @@ class Worker:
         self.wake_settle.set()
         for task in tasks + self.runners:
             task.cancel()
+        self.stop_threads()
         await settler                  # never cancel a task inside a flush: see supervisor/natsfix.py
         if self.guard:
             await self.guard.close()   # leases of jobs we did not finish: free for their redelivery
@@ -259,7 +280,7 @@ class Worker:
             self.set_mode(RETIRING)
 
     def set_mode(self, mode: str) -> None:
-        with self.start_lock:
+        with self.handed:
             self.mode = mode
         self.stop.set()
         for event in (self.wake_pull, self.wake_run, self.changed):
@@ -278,14 +299,20 @@ class Worker:
     async def liveness(self) -> None:
         """Prove the connection works, not just the process: a PING/PONG every LIVENESS_EVERY,
         its time in the table. A worker whose connection went half-open keeps beating, but the
-        parent stops keeping its jobs alive with +WPI once this goes stale."""
+        parent stops keeping its jobs alive with +WPI once this goes stale. Its round trip, loop
+        and GIL latency included, is one of the samples pull sizing hides (workers/pulls.py)."""
         while True:
+            sent = time.monotonic()
             try:
                 await self.nc.flush(timeout=LIVENESS_TIMEOUT)
             except Exception:
                 pass                     # stale: the parent sees the time stop moving
             else:
-                self.table.server_answered(time.monotonic())
+                now = time.monotonic()
+                self.table.server_answered(now)
+                self.sizer.round_trip(now - sent)
+            if self.outcomes:            # kept back by a handler thread busy with a long job
+                self.wake_finish.set()
             await asyncio.sleep(LIVENESS_EVERY)
 
     def reconnected(self) -> None:
@@ -336,8 +363,18 @@ class Worker:
         await self.confirm_settled()
 
     async def nak_queued(self) -> None:
-        while self.queue:
-            _, i, job = self.queue.popleft()
+        """NAK what was pulled and not started: the queue, and what the handler threads have not
+        taken yet (in STOPPING they take nothing more: start_lock). The [idempotency] guard
+        admitted the latter: their leases are released first, for their redelivery."""
+        with self.handed:
+            admitted = list(self.ready)
+            self.ready.clear()
+        self.running -= len(admitted)
+        if self.guard and admitted:
+            await asyncio.gather(*(self.guard.after(job, False) for _, _, job in admitted))
+        admitted.extend(self.queue)
+        self.queue.clear()
+        for _, i, job in admitted:
             await self.nak_unstarted_job(i, job)
 
     async def nak_unstarted_job(self, i: int, job: Job) -> None:
@@ -377,9 +414,13 @@ class Worker:
             self.expire_lost_pull()
             n = self.pull_size()
             if n > 0:
+                now = time.monotonic()
+                # Nothing else on its way and a backlog to serve it at once: its first message
+                # times a round trip (a request the server holds until a publish times nothing).
+                self.pull_sent = now if not self.credits and self.backlog else 0.0
                 self.credits += n
                 self.table.set_credits(self.credits)
-                self.pull_deadline = time.monotonic() + PULL_EXPIRES
+                self.pull_deadline = now + PULL_EXPIRES
                 body = b'{"batch":%d,"expires":%d}' % (n, int(PULL_EXPIRES * 1e9))
                 await self.nc.publish(self.next_subject, body, reply=self.inbox)
                 continue
@@ -396,23 +437,10 @@ class Worker:
             self.table.set_credits(0)
 
     def pull_size(self) -> int:
-        concurrency = self.wcfg.concurrency
-        capacity = concurrency + self.prefetch()
         outstanding = len(self.queue) + self.running + self.credits
-        room = min(capacity - outstanding, self.table.free_entries() - self.credits)
-        if self.spec.job_limit:          # a worker due for recycling takes no job it will not run
-            room = min(room, self.spec.job_limit - self.received - self.credits)
-        # While a pull is on its way, top up only once half the capacity is free: no dribbling.
-        if room <= 0 or (self.credits and room < max(1, capacity // 2)):
-            return 0
-        return min(room, self.wcfg.batch)
-
-    def prefetch(self) -> int:
-        """Buffered jobs age against AckWait, so buffer only what hides one pull round trip."""
-        if self.job_ewma is None:
-            return 0
-        need = int(self.wcfg.concurrency * PULL_RTT_GUESS / max(self.job_ewma, 1e-6))
-        return min(self.wcfg.batch, need)
+        # A worker due for recycling takes no job it will not run.
+        jobs_left = self.spec.job_limit - self.received - self.credits if self.spec.job_limit else None
+        return self.sizer.size(time.monotonic(), outstanding, self.credits, self.table.free_entries(), jobs_left)
 
     async def on_message(self, msg: Any) -> None:
         if not msg.reply:
@@ -426,6 +454,7 @@ class Worker:
         if self.credits > 0:
             self.credits -= 1
             self.table.set_credits(self.credits)
+        self.timed(msg.reply)
         if i >= 0:
             self.replies[i] = msg.reply
         if job.delivery > 1:
@@ -437,6 +466,16 @@ class Worker:
         self.queue.append((msg, i, job))
         self.wake_run.set()
         self.changed.set()               # a shutdown NAKs it at once; a retirement runs it
+
+    def timed(self, reply: str) -> None:
+        """Feed pull sizing: a message arrived (idleness); whether more are pending; the round
+        trip of a request sent alone while they were."""
+        now = time.monotonic()
+        self.sizer.message(now)
+        self.backlog = pending_after(reply) > 0
+        if self.pull_sent:
+            self.sizer.round_trip(now - self.pull_sent)
+            self.pull_sent = 0.0
 
     def on_status(self, msg: Any) -> None:
         headers = msg.headers or {}
@@ -460,21 +499,21 @@ class Worker:
     # -- running jobs
 
     async def runner(self) -> None:
+        """Async handlers: one of `concurrency` tasks, each running a job at a time on the loop.
+        Sync handlers: the only one, handing what was pulled to the handler threads."""
         while True:
             while not self.queue or self.mode == STOPPING:
                 self.wake_run.clear()
                 await self.wake_run.wait()
             chunk = self.take_chunk()
             self.running += len(chunk)
-            self.wake_pull.set()        # slots of the buffer are free again
+            if not self.is_async:
+                await self.hand_over(chunk)   # finisher() takes the outcomes
+                continue
             try:
                 runnable = await self.admit(chunk) if self.guard else chunk   # [idempotency], issue 10
-                if not runnable:
-                    pass
-                elif self.is_async:
+                if runnable:
                     await self.run_async(*runnable[0][1:])
-                else:
-                    await self.run_sync(runnable)
             finally:
                 self.running -= len(chunk)
                 self.changed.set()
@@ -495,13 +534,9 @@ class Worker:
         return runnable
 
     def take_chunk(self) -> list[tuple[Any, int, Job]]:
-        """One job; or, for a sync handler whose jobs are short, as many queued jobs as fit in
-        CHUNK_BUDGET: the handler thread runs them back to back, one thread hop for them all
-        (a hop per job made a no-op handler 4-6x slower than a plain nats-py loop)."""
-        n = 1
-        if not self.is_async and self.job_ewma is not None and self.job_ewma < CHUNK_BUDGET:
-            n = int(CHUNK_BUDGET / max(self.job_ewma, 1e-6))
-        return [self.queue.popleft() for _ in range(max(1, min(n, len(self.queue))))]
+        """An async runner's next job; for the handler threads, everything queued."""
+        n = 1 if self.is_async else len(self.queue)
+        return [self.queue.popleft() for _ in range(n)]
 
     def count_start(self) -> None:
         self.started_jobs += 1
@@ -527,48 +562,121 @@ class Worker:
         else:
             await self.finish(i, job, None, time.monotonic() - started)
 
-    async def run_sync(self, chunk: list[tuple[Any, int, Job]]) -> None:
-        """Sync handlers in the handler thread: one hop for the chunk, outcomes back in order."""
-        loop = asyncio.get_running_loop()
-        outcomes = await loop.run_in_executor(self.pool, self.run_chunk, chunk, loop)
-        if self.guard:                   # done-markers (leases of failed or unstarted jobs released) for the
-                                         # whole chunk at once, not a round trip per job; finish() finds them done
-            await asyncio.gather(*(self.guard.after(job, exc is None) for (_, _, job), (exc, _) in zip(chunk, outcomes)))
-        for (_, i, job), (exc, elapsed) in zip(chunk, outcomes):
-            if exc is NOT_STARTED:
-                await self.nak_unstarted_job(i, job)
-            else:
-                await self.finish(i, job, exc, elapsed)
+    # -- sync handlers: threads that take their next job themselves
 
-    def run_chunk(self, chunk: list[tuple[Any, int, Job]], loop: asyncio.AbstractEventLoop) -> list:
-        """In a handler thread. Each job is marked running right before its handler runs (its
-        entry is this thread's alone until the loop gets the outcome back)."""
-        out: list[tuple[Any, float]] = []
-        for _, i, job in chunk:
-            with self.start_lock:        # several handler threads share the table's counters
-                if self.mode == STOPPING:
-                    out.append((NOT_STARTED, 0.0))
-                    continue
-                self.table.start(i)
+    async def hand_over(self, chunk: list[tuple[Any, int, Job]]) -> None:
+        """The jobs the [idempotency] guard admits (all of them without one) go to the threads.
+        A shutdown that came while the guard was asked NAKs them (wind_down wakes for that)."""
+        if self.guard:
+            runnable = await self.admit(chunk)
+            self.running -= len(chunk) - len(runnable)
+            chunk = runnable
+            self.changed.set()
+            self.wake_pull.set()
+        self.run_sync(chunk)
+
+    def run_sync(self, chunk: list[tuple[Any, int, Job]]) -> None:
+        """Hand pulled jobs (already in the slot table) to the handler threads."""
+        with self.handed:
+            self.ready.extend(chunk)
+            self.handed.notify(len(chunk))
+
+    def start_threads(self, loop: asyncio.AbstractEventLoop) -> None:
+        for k in range(self.wcfg.concurrency):
+            threading.Thread(target=self.handler_thread, args=(loop,), name=f"handler_{k}", daemon=True).start()
+
+    def stop_threads(self) -> None:
+        with self.handed:
+            self.threads_stop = True
+            self.handed.notify_all()
+
+    def handler_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run jobs back to back while there are any: no trip through the loop between two."""
+        while (taken := self.next_job()) is not None:
+            i, job = taken
             if self.spec.job_limit:      # the parent starts our replacement while this job runs
                 loop.call_soon_threadsafe(self.count_start)
-            started = time.monotonic()
+            exc, elapsed = call_handler(self.spec.handler, job, loop)
+            if not self.hand_back(loop, i, job, exc, elapsed):
+                return
+            if exc is not None and not isinstance(exc, Exception):
+                return                   # SystemExit & co: finish() exits the process
+            if elapsed >= OUTCOME_EVERY:
+                self.await_settled()
+
+    def next_job(self) -> tuple[int, Job] | None:
+        """In a handler thread: the next job, marked running before its handler starts (its entry
+        is this thread's alone until the loop gets the outcome back); None once the worker closes.
+        Nothing starts in STOPPING: the loop NAKs what is left."""
+        with self.handed:
+            while not self.threads_stop:
+                if self.ready and self.mode != STOPPING:
+                    _, i, job = self.ready.popleft()
+                    self.table.start(i)  # several handler threads share the table's counters
+                    return i, job
+                self.handed.wait()
+        return None
+
+    def hand_back(self, loop: asyncio.AbstractEventLoop, i: int, job: Job, exc: BaseException | None,
+                  elapsed: float) -> bool:
+        """Queue an outcome for the loop, and wake it only if no wake-up is on its way already and
+        either this thread is about to wait (nothing ready, a shutdown, a crash) or its oldest
+        outcome would be OUTCOME_EVERY old by the end of another job like this one: short jobs
+        go back in batches, one loop wake-up each; long ones one by one. An outcome kept back
+        behind an unexpectedly long job is collected by liveness()."""
+        now = time.monotonic()
+        with self.handed:
+            if not self.outcomes:
+                self.outcomes_since = now
+            self.outcomes.append((i, job, exc, elapsed))
+            self.handed_back += 1
+            if self.rung:
+                return True
+            busy = bool(self.ready) and self.mode == SERVING and isinstance(exc, (Exception, type(None)))
+            if busy and now + elapsed - self.outcomes_since < OUTCOME_EVERY:
+                return True
+            self.rung = True
+        try:
+            loop.call_soon_threadsafe(self.wake_finish.set)
+        except RuntimeError:             # the loop is closed: the worker is exiting
+            return False
+        return True
+
+    def await_settled(self) -> None:
+        """In a handler thread, after a job of OUTCOME_EVERY or more: wait until the loop has
+        acked (NAKed, TERMed) what this thread handed back, before the next job starts, as when
+        every job went through the loop. A crash in the next job then finds this one's ack sent
+        and its fence on the way, not still queued here (a few ms a job; short jobs never wait)."""
+        with self.handed:
+            mine = self.handed_back
+            while self.settled_back < mine and not self.threads_stop and self.mode != STOPPING:
+                self.handed.wait()
+
+    async def finisher(self) -> None:
+        """Ack, NAK or TERM the outcomes the handler threads handed back, a batch per wake-up."""
+        while True:
+            await self.wake_finish.wait()
+            self.wake_finish.clear()
+            with self.handed:
+                batch, self.outcomes, self.rung = self.outcomes, [], False
             try:
-                result = self.spec.handler(job)
-                if inspect.isawaitable(result):          # a sync callable that returned a coroutine
-                    asyncio.run_coroutine_threadsafe(_awaited(result), loop).result()
-            except BaseException as exc:
-                out.append((exc, time.monotonic() - started))
-                if not isinstance(exc, Exception):
-                    break                # SystemExit & co: finish() exits the process
-            else:
-                out.append((None, time.monotonic() - started))
-        return out
+                if self.guard:           # the batch's done-markers (or lease releases) at once, not a round
+                                         # trip per job; finish() then finds them written
+                    await asyncio.gather(*(self.guard.after(job, exc is None) for _, job, exc, _ in batch))
+                for i, job, exc, elapsed in batch:
+                    await self.finish(i, job, exc, elapsed)
+                    self.running -= 1
+            finally:
+                self.changed.set()
+                self.wake_pull.set()
+                with self.handed:        # handler threads waiting in await_settled() go on
+                    self.settled_back += len(batch)
+                    self.handed.notify_all()
 
     async def finish(self, i: int, job: Job, exc: BaseException | None, elapsed: float) -> None:
         """Ack, NAK or TERM by the handler's outcome."""
         self.table.observe(elapsed)
-        self.job_ewma = elapsed if self.job_ewma is None else 0.8 * self.job_ewma + 0.2 * elapsed
+        self.sizer.job_done(elapsed)
         if self.guard:                   # the done-marker before the ack; a failed job's lease released
             await self.guard.after(job, exc is None)
         if exc is None:
@@ -679,6 +787,19 @@ async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
 
+def call_handler(handler: Callable[[Job], Any], job: Job, loop: asyncio.AbstractEventLoop
+                 ) -> tuple[BaseException | None, float]:
+    """In a handler thread: run one job; (the exception it raised or None, seconds it took)."""
+    started = time.monotonic()
+    try:
+        result = handler(job)
+        if inspect.isawaitable(result):          # a sync callable that returned a coroutine
+            asyncio.run_coroutine_threadsafe(_awaited(result), loop).result()
+    except BaseException as exc:
+        return exc, time.monotonic() - started
+    return None, time.monotonic() - started
+
+
 def describe_exception(exc: BaseException) -> str:
     """`RuntimeError: message (file.py:12)`, the innermost frame being where it was raised."""
     tb = exc.__traceback__
@@ -693,6 +814,12 @@ def make_job(msg: Any) -> Job:
     headers = {k: v for k, v in (msg.headers or {}).items() if isinstance(k, str)}
     return Job(data=msg.data, subject=msg.subject, headers=headers, stream_seq=sseq, consumer_seq=cseq,
                delivery=delivery, msg_id=headers.get("Nats-Msg-Id"), stream=ack_reply_stream(msg.reply))
+
+
+def pending_after(reply: str) -> int:
+    """Messages pending for the consumer after this one, from a $JS.ACK reply subject (v1 or v2)."""
+    t = reply.split(".")
+    return int(t[8 if len(t) == 9 else 10])
 
 
 def parse_ack_reply(reply: str) -> tuple[int, int, int]:

@@ -1,0 +1,130 @@
+"""How many messages a worker asks for: pull sizing learnt from the work itself (issue 11).
+
+A worker wants its handlers never to wait for a message, and to hold nothing else: a pulled job
+that has not started ages against AckWait, and sits where no idle worker can take it. So it
+keeps `concurrency` jobs running plus a buffer (the prefetch) just deep enough to last while its
+next pull request makes one round trip:
+
+    prefetch = concurrency x DEPTH x refill time / job time
+
+where the refill time is the pull round trip, and for sync handlers two of them plus the handler
+threads' outcome batching for jobs shorter than it (their finished jobs reach the loop in batches, and each hand-over
+between a thread and the loop waits for the GIL as a round trip does: the measured round trip
+includes that wait).
+
+It asks again once half of its capacity (running + buffered) is free, so a buffer of DEPTH round
+trips still holds about one round trip of jobs when the next request leaves. The prefetch is
+rounded: a worker buffers a job once a round trip is a quarter of a job or more (without it, its
+handler would sit idle a fifth of the time or more). Short jobs get a deep buffer and large pulls, hence few
+requests (no-op jobs: hundreds per request); slow jobs get none (0.2 s jobs with a 1 ms round
+trip: prefetch 0, each worker asks for a job only when a handler is free).
+
+Both figures are measured, not configured: the job time is the handler's own duration (an
+average that takes a slower job into account at once and forgets it slowly, since hoarding
+costs more than a short wait), and the round trip is the worst of the last RTT_SAMPLES PING/PONGs
+and pull requests answered from a backlog (it includes the loop and GIL latency of a busy
+machine, which is what the buffer must hide). The bounds:
+  - `workers.batch` caps the prefetch and each request;
+  - a fair share of `consumer.max_ack_pending` (divided by `workers.count`): one worker never
+    takes what the server would let its peers have, however small that is (at least one job);
+  - a round trip counts at most RTT_CAP, so the buffer never holds more than DEPTH x RTT_CAP of
+    work per handler, whatever the network;
+  - after IDLE_STALE seconds without a message the job time is stale (the next burst may be of
+    another kind): the worker asks only for `concurrency` until a job of the new burst finishes.
+What a worker may have on the wire when it dies (its credits) is at most its capacity, and
+`concurrency` once it has been idle IDLE_STALE seconds.
+
+Pure: no clock is read here, every time is passed in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+DEPTH = 2.0            # the buffer lasts this many round trips; a refill leaves with one still in it
+MIN_SPAN = 0.005       # size for at least this round trip: fewer, larger requests when the link is quick
+RTT_CAP = 0.2          # ... and at most this one: never hoard more than DEPTH x RTT_CAP of work per handler
+RTT_SAMPLES = 8        # the round trip is the worst of this many recent samples (2 s of PING/PONGs)
+UP, DOWN = 0.5, 0.1    # job-time average weights: a slower job counts at once, faster ones slowly
+IDLE_STALE = 5.0       # seconds without a message before the job time is no longer trusted
+
+
+class PullSizer:
+    """One worker's pull sizing. `concurrency`: handlers; `ceiling`: workers.batch; `share`: this
+    worker's fair share of consumer.max_ack_pending; `threads`: sync handlers, whose finished jobs
+    reach the loop up to `batching` seconds late."""
+
+    def __init__(self, concurrency: int, ceiling: int, share: int, threads: bool = False, batching: float = 0.0):
+        self.concurrency = concurrency
+        self.hops, self.batching = (2, batching) if threads else (1, 0.0)
+        self.ceiling = max(1, ceiling)
+        self.share = max(1, share)
+        self.job_time: float | None = None    # seconds per job, per handler
+        self.rtts: deque[float] = deque(maxlen=RTT_SAMPLES)
+        self.last_message = 0.0                # when the last message arrived
+        self.stale = False                     # idle too long: job_time describes the last burst
+
+    # -- what the worker observes
+
+    def job_done(self, seconds: float) -> None:
+        seconds = max(seconds, 1e-6)
+        if self.job_time is None or self.stale:
+            self.job_time, self.stale = seconds, False
+        else:
+            weight = UP if seconds > self.job_time else DOWN
+            self.job_time += weight * (seconds - self.job_time)
+
+    def round_trip(self, seconds: float) -> None:
+        self.rtts.append(seconds)
+
+    @property
+    def rtt(self) -> float:
+        """The refill time to hide: the worst recent round trip (once or twice, see above), within
+        [MIN_SPAN, RTT_CAP]."""
+        refill = self.hops * max(self.rtts, default=0.0) + self.wait_for_batch()
+        return min(max(refill, MIN_SPAN), RTT_CAP)
+
+    def wait_for_batch(self) -> float:
+        """How late a finished job's outcome reaches the loop: a handler thread hands outcomes back
+        once the oldest would be `batching` old by the end of the next job, so a job that long or
+        longer goes back alone, at once (a 50 ms job must not buy a buffered job for 20 ms)."""
+        return max(0.0, self.batching - (self.job_time or 0.0))
+
+    def message(self, now: float) -> None:
+        if self.idle(now):
+            self.stale = True
+        self.last_message = now
+
+    def idle(self, now: float) -> bool:
+        return now - self.last_message > IDLE_STALE
+
+    # -- what it decides
+
+    def prefetch(self, now: float) -> int:
+        """Jobs to hold beyond those running."""
+        if self.job_time is None or self.stale or self.idle(now):
+            return 0
+        return min(self.ceiling, int(self.concurrency * DEPTH * self.rtt / self.job_time + 0.5))
+
+    def capacity(self, now: float) -> int:
+        """Jobs running, buffered and asked for, at most."""
+        return min(self.concurrency + self.prefetch(now), self.share)
+
+    def size(self, now: float, outstanding: int, credits: int, free_entries: int,
+             jobs_left: int | None = None) -> int:
+        """The next pull request's batch, or 0 to send none. `outstanding`: buffered, running and
+        asked for; `credits`: asked for and not yet received; `free_entries`: slot-table entries
+        not in use; `jobs_left`: jobs this worker may still take (max_jobs), None for no limit."""
+        capacity = self.capacity(now)
+        room = min(capacity - outstanding, free_entries - credits)
+        # Top up only once half the capacity is free: few, large requests, no dribbling.
+        if room < max(1, capacity // 2):
+            return 0
+        if jobs_left is not None:
+            room = min(room, jobs_left)
+        return max(0, min(room, self.ceiling))
+
+
+def fair_share(max_ack_pending: int, workers: int) -> int:
+    """A worker's part of the consumer's max_ack_pending, shared by `workers` (at least one job)."""
+    return max(1, max_ack_pending // max(1, workers))
