@@ -93,7 +93,7 @@ async def run(args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="jsbench-"))
     results: dict[str, Any] = {"profile": profile.__dict__, "machine": machine(),
                                "command": "python -m bench " + shlex.join(sys.argv[1:]),
-                               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                               "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                                "faststream": procs.faststream_available() and profile.with_faststream,
                                "code": code_state(args.product)}
     try:

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import signal
 import sys
-
 import time
 
 import nats

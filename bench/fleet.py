@@ -86,7 +86,7 @@ async def measure_costs(cluster: NatsCluster, n: int) -> dict[str, float]:
         await s.flush()
     await nc.flush()
     before = cluster_cpu(cluster)
-    for i in range(n):
+    for _ in range(n):
         await nc.publish("supervisor.fleet.JOBS.workers", beat[:400])
     await nc.flush()
     while got["n"] < 20 * n and time.monotonic() < wait_s + 60:
@@ -123,7 +123,7 @@ async def watcher(urls: list[str]) -> tuple[Any, asyncio.Task, dict]:
 
 def cmd_costs(args: argparse.Namespace) -> dict:
     runs = []
-    for rep in range(args.reps):
+    for _rep in range(args.reps):
         with NatsCluster(Path(tempfile.mkdtemp(prefix="fleet-costs-")) / "c").start() as cluster:
             runs.append(asyncio.run(measure_costs(cluster, args.n)))
     return {k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]}

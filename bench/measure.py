@@ -7,8 +7,8 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import nats
 import psutil
@@ -62,7 +62,7 @@ class CpuMark:
     machine: float
 
     @staticmethod
-    def take(t: float, acked: int, procs: list[psutil.Process], server: psutil.Process | None) -> "CpuMark":
+    def take(t: float, acked: int, procs: list[psutil.Process], server: psutil.Process | None) -> CpuMark:
         return CpuMark(t, acked, {p.pid: busy_seconds(p) for p in procs}, {p.pid: syscalls(p) for p in procs},
                        busy_seconds(server), busy_seconds(psutil.Process()), machine_busy_seconds())
 
@@ -89,8 +89,9 @@ class DrainResult:
 
 
 async def drain(url: str, total: int, start: Callable[[], Contender], *, data: bytes = b"x",
-                spec: QueueSpec = QueueSpec(), server_pid: int | None = None, timeout: float = 600.0,
+                spec: QueueSpec | None = None, server_pid: int | None = None, timeout: float = 600.0,
                 parent_pid: Callable[[Contender], int | None] = lambda c: None) -> tuple[DrainResult, Contender]:
+    spec = spec or QueueSpec()
     await reset_queue(url, spec)
     await publish(url, total, data)
     nc = await nats.connect(url)

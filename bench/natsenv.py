@@ -93,7 +93,7 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "NatsServer":
+    def __enter__(self) -> NatsServer:
         binary = nats_server_binary()
         self.version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.strip()
         self.proc = subprocess.Popen([binary, "-js", "-sd", str(self.store), "-a", "127.0.0.1", "-p", str(self.port),

@@ -37,7 +37,7 @@ class Observer:
     replies: dict[int, list[tuple[float, str, int]]] = field(default_factory=lambda: defaultdict(list))
     subs: list[Any] = field(default_factory=list)
 
-    async def start(self, nc: Any) -> "Observer":
+    async def start(self, nc: Any) -> Observer:
         self.subs.append(await nc.subscribe(ACK_PREFIX + ">", cb=self._on_reply))
         await nc.flush()
         return self

@@ -21,9 +21,10 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import nats
 import psutil
@@ -31,8 +32,19 @@ import psutil
 from . import procs
 from .handlers import CPU_PREFIX, HOLD, JOURNAL_ENV, calibrate, read_journal
 from .measure import DrainResult, busy_seconds, drain
-from .natsenv import (REPO, STREAM, SUBJECT, NatsServer, Progress, QueueSpec, child_env, consumer_state, publish,
-                      reset_queue, wait_until)
+from .natsenv import (
+    REPO,
+    STREAM,
+    SUBJECT,
+    NatsServer,
+    Progress,
+    QueueSpec,
+    child_env,
+    consumer_state,
+    publish,
+    reset_queue,
+    wait_until,
+)
 from .observer import Observer
 from .profile import Profile
 

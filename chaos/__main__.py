@@ -18,8 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import REPO
-from . import scenarios  # noqa: F401  (registers the scenarios)
+from . import (
+    REPO,
+    scenarios,  # noqa: F401  (registers the scenarios)
+)
 from .core import SCENARIOS, run_scenario
 from .report import render
 
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(root, ignore_errors=True)
     meta = {"command": "python -m chaos " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "seconds": round(time.monotonic() - started), "quick": args.quick, **state}
     table = render(results, meta)
     print("\n" + table)

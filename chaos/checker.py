@@ -83,7 +83,8 @@ class Evidence:
     lives: dict[int, Life] = field(default_factory=dict)
     unacked: list[int] = field(default_factory=list)
     dead_lettered: list[int] = field(default_factory=list)     # seqs copied to the dead-letter stream
-    drains: list[tuple[float, float]] = field(default_factory=list)  # supervisor stops, SIGTERM to exit (each may NAK a job once)
+    # supervisor stops, SIGTERM to exit (each may NAK a job once)
+    drains: list[tuple[float, float]] = field(default_factory=list)
     status: dict | None = None                  # the supervisor's /status at the end
     sup_died: int = 0
     bad_exits: int = 0                          # supervisors that did not exit 0 when stopped
@@ -187,7 +188,8 @@ class Checker:
             where = "still in the stream" if seq in self.ev.unacked else "gone from the stream: the server lost it"
             return f"stored (PubAck), never delivered to a handler; {where}"
         last = runs[-1]
-        return f"started {len(runs)}x, never completed; last: delivery {last.delivery} by pid {last.pid} {self.at(last.start)}"
+        return (f"started {len(runs)}x, never completed; last: delivery {last.delivery} by pid {last.pid} "
+                f"{self.at(last.start)}")
 
     def duplicates(self, seq: int, runs: list[RunOfJob]) -> tuple[int, int]:
         """(completions beyond the first, of which unexplained)."""

@@ -11,9 +11,10 @@ from __future__ import annotations
 import random
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .checker import VERDICTS, Finding
 from .rig import Run

@@ -1,8 +1,8 @@
 """The handler the chaos runs put inside real workers, and the init hooks that constrain them.
 
 Every job's payload is `KEY:FIRST[:LATER]`: what the first delivery does and what later ones do
-(default: the same), each either seconds to sleep, seconds of CPU to burn (`0.01cpu`) or `oom`. The handler journals each run to
-$CHAOS_JOURNAL before and after the work, one line per event written with a single
+(default: the same), each either seconds to sleep, seconds of CPU to burn (`0.01cpu`) or `oom`.
+The handler journals each run to $CHAOS_JOURNAL before and after the work, one line per event written with a single
 O_APPEND write (line-atomic between processes, no fsync: a SIGKILLed worker loses nothing it
 wrote, and nothing it did not write can appear):
 

@@ -64,7 +64,7 @@ class Proxy:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    async def start(self) -> "Proxy":
+    async def start(self) -> Proxy:
         self.server = await asyncio.start_server(self.accept, "127.0.0.1", 0)
         self.port = self.server.sockets[0].getsockname()[1]
         return self

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-COLUMNS = [("jobs", "jobs"), ("lost", "lost"), ("vanished", "vanished (server)"), ("dead_lettered", "dead-lettered"), ("dup", "done twice"), ("dup_unexplained", "of which unexplained"),
-           ("redelivered", "redelivered"), ("bounced", "bounced"), ("unexplained", "unexplained redeliveries"), ("ackwait", "AckWait waits"),
+COLUMNS = [("jobs", "jobs"), ("lost", "lost"), ("vanished", "vanished (server)"), ("dead_lettered", "dead-lettered"),
+           ("dup", "done twice"), ("dup_unexplained", "of which unexplained"),
+           ("redelivered", "redelivered"), ("bounced", "bounced"), ("unexplained", "unexplained redeliveries"),
+           ("ackwait", "AckWait waits"),
            ("ackwait_outside", "AckWait waits (fault outside control)"), ("unacked", "unacked"),
            ("sup_unexplained", "supervisor: unexplained"), ("sup_open", "supervisor: open"),
            ("sup_died", "supervisor died"), ("healthz_s", "/healthz back (s)")]

@@ -21,15 +21,16 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, Callable, Coroutine
+from typing import Any
 
 import nats
 import nats.errors
-from nats.js.errors import NotFoundError
-
 from harness import NatsServer, SupervisorProc, base_config, wait_until
+from nats.js.errors import NotFoundError
 from natscluster import NatsCluster
+
 from supervisor.peers import SUSPECT_GRACE
 from workers.runtime import DLQ_HEADER
 
@@ -140,7 +141,7 @@ class Publisher:
     """Publishes `KEY:WHAT` jobs at a steady rate, each with a Nats-Msg-Id so a retry after a
     lost PubAck (server down, partition) stores it once; records every PubAck's sequence."""
 
-    def __init__(self, run: "Run"):
+    def __init__(self, run: Run):
         self.run = run
         self.stored: dict[int, Stored] = {}
         self.next = 0
@@ -404,7 +405,8 @@ class Run:
         dead = self.bg.call(self.dead_letters())
         stored = dict(self.publisher.stored)
         ev = Evidence(stored=stored, journal=self.tail.poll(), faults=self.faults, ack_wait=self.ack_wait,
-                      origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead, status=self.status,
+                      origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead,
+                      status=self.status,
                       sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), drains=self.drains,
                       healthz_s=max(self.healthz) if self.healthz else None)
         return check(ev)

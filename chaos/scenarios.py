@@ -11,10 +11,10 @@ from __future__ import annotations
 import signal
 import time
 import urllib.request
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import tomli_w
-
 from harness import run_cli, wait_until
 
 from . import host

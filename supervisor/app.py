@@ -13,16 +13,16 @@ import os
 import sys
 import sysconfig
 import traceback
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import setproctitle
 import uvloop
 
 from . import logs, natsconn, provision, reload
 from .arbiter import Arbiter
-from .config import Config, with_servers
+from .config import Config, parse_hostport, with_servers
 from .embedded import EmbeddedServer
-from .config import parse_hostport
 from .errors import EXIT_HALTED, ConfigError, Halted, HandlerError, SupervisorError
 from .fleet import Fleet
 from .http import HttpServer
@@ -77,7 +77,7 @@ def user_frame(exc: BaseException, module_name: str) -> str:
     frames = list(traceback.walk_tb(exc.__traceback__))
     libraries = tuple(p + os.sep for p in {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib",
                                                                              "platlib")} if p)
-    ours = tuple(os.path.dirname(sys.modules[n].__file__) + os.sep for n in ("supervisor", "workers")
+    ours = tuple(os.path.dirname(sys.modules[n].__file__ or "") + os.sep for n in ("supervisor", "workers")
                  if n in sys.modules)
     top = module_name.split(".")[0]
 
@@ -161,7 +161,7 @@ class Supervisor:
             await provision.ensure(self.nc, cfg)
             self.arbiter = Arbiter(cfg, self.nc, handler, init, self.connect_worker, self.notifier,
                                    reload_config=self.reload if self.reload_source else None)
-            await self.inherit_pending()
+            await self.inherit_pending(self.arbiter)
             self.monitor = Monitor(cfg, self.nc, self.arbiter)
             self.arbiter.autoscale.monitor = self.monitor      # its lag analysis and consumer numbers
             self.fleet = self.monitor.fleet = Fleet(cfg, self.nc, self.arbiter)
@@ -189,7 +189,12 @@ class Supervisor:
                 await self.http.close()
             await self.close()
 
-    async def inherit_pending(self) -> None:
+    def parts(self) -> tuple[Arbiter, Monitor, Fleet]:
+        """What serve() made; the reload and the title task run only once it exists."""
+        assert self.arbiter and self.monitor and self.fleet, "serve() has not made its parts yet"
+        return self.arbiter, self.monitor, self.fleet
+
+    async def inherit_pending(self, arbiter: Arbiter) -> None:
         """Deliveries pending before we started (a previous run NAKed them while draining) come
         back to our workers: the ledger must not call them unexplained."""
         try:
@@ -197,11 +202,13 @@ class Supervisor:
         except Exception as exc:
             log.debug("ConsumerInfo at start failed (%s): inherited redeliveries may read as unexplained", exc)
             return
-        self.arbiter.ledger.inherit(info.num_ack_pending or 0, info.delivered.stream_seq or 0)
+        arbiter.ledger.inherit(info.num_ack_pending or 0, info.delivered.stream_seq or 0)
 
     async def reload(self) -> None:
         """SIGHUP: re-read the config; apply what can change live; keep running on the old
         config (and say why) when the new one is invalid."""
+        arbiter = self.parts()[0]
+        assert self.reload_source is not None, "SIGHUP is only wired with a config source"
         self.notifier.reloading()
         try:
             new = self.reload_source()
@@ -223,7 +230,7 @@ class Supervisor:
             why = str(exc) if isinstance(exc, SupervisorError) else f"{type(exc).__name__}: {exc}"
             log.error("reload failed; still running on the previous config: %s", why,
                       extra={"event": "reload_failed", "reason": why})
-            self.notifier.ready(self.arbiter.status_line())
+            self.notifier.ready(arbiter.status_line())
             return
         for key, flag, kept, said in pinned:
             log.warning("reload: %s stays %r (set by %s); the config now says %r", key, kept, flag, said)
@@ -236,16 +243,17 @@ class Supervisor:
                          extra={"event": "reload_applied", "key": key, "old": old, "new": new_value})
         if not change.changed:
             log.info("reload: configuration unchanged", extra={"event": "reload_unchanged"})
-        self.arbiter.post(lambda: self.apply_config(cfg, change, handler, init))
+        arbiter.post(lambda: self.apply_config(cfg, change, handler, init))
 
     def apply_config(self, cfg: Config, change: Any, handler: Callable | None, init: Callable | None) -> None:
         """In the arbiter's loop (one writer): every part takes the new config at the same moment."""
         self.cfg = cfg
-        self.arbiter.apply_config(cfg, change, handler, init)
-        self.monitor.apply_config(cfg)
-        self.fleet.apply_config(cfg)
+        arbiter, monitor, fleet = self.parts()
+        arbiter.apply_config(cfg, change, handler, init)
+        monitor.apply_config(cfg)
+        fleet.apply_config(cfg)
         logs.setup(cfg.log.level, cfg.log.format)
-        self.notifier.ready(self.arbiter.status_line())
+        self.notifier.ready(arbiter.status_line())
 
     # ------------------------------------------------------------ the process title in `ps`
 
@@ -256,8 +264,8 @@ class Supervisor:
         """`supervisor: parent [JOBS/workers] 4/4 ready` in ps/top, kept current (a read of the
         arbiter's state every TITLE_INTERVAL; the arbiter is not disturbed)."""
         shown = ""
+        a = self.parts()[0]
         while True:
-            a = self.arbiter
             state = f"{a.pool.ready_count()}/{a.pool.target} ready" + (f", {a.state}" if a.state != "running" else "")
             if state != shown:
                 self.set_title(state)

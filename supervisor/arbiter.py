@@ -24,7 +24,8 @@ import logging
 import os
 import signal
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from workers import slots
 from workers.runtime import CHILD_EXIT_REASONS, ChildSpec
@@ -134,7 +135,7 @@ class Arbiter:
         timeout = min(timeout, self.autoscale.due_in(time.monotonic()))
         try:
             await asyncio.wait_for(self.wakeup.wait(), max(0.0, timeout))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         self.wakeup.clear()
 

@@ -91,7 +91,7 @@ class Params:
     cpu_bound: float = CPU_BOUND
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "Params":
+    def from_config(cls, cfg: Any) -> Params:
         """From the config's [autoscale] section. Decisions need fresh ConsumerInfo, so they are
         never more frequent than monitor.interval polls."""
         a = cfg.autoscale
@@ -170,7 +170,7 @@ class Measurement:
         return self.work / -self.work_slope if self.work_slope is not None and self.work_slope < 0 else None
 
     @classmethod
-    def of(cls, xs: list[Inputs]) -> "Measurement":
+    def of(cls, xs: list[Inputs]) -> Measurement:
         n = len(xs)
         polled = (xs[-1].polled_at or 0.0) - (xs[0].polled_at or 0.0)
         times = [x.job_time for x in xs if x.job_time is not None]
@@ -289,7 +289,7 @@ class Autoscaler:
         if x.lag_state == "unknown":
             return self.hold(x, "waiting", "no lag analysis yet (waiting for ConsumerInfo)")
         if x.lag_state == "stuck" and n > 0:
-            return self.hold(x, "stuck", f"lag is stuck: more workers cannot fix workers that do not finish")
+            return self.hold(x, "stuck", "lag is stuck: more workers cannot fix workers that do not finish")
         want = self.wants_more(x, m)
         if want:
             if n > 0 and m.rate <= 0.0:

@@ -13,8 +13,9 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, NoReturn
 
 from . import __version__, config, demo, demo_once, dlq, fleet, logs, natsconn, tools
 from .app import Supervisor, load_callable, require_handler
@@ -156,7 +157,7 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(*args, **kwargs)
 
-    def error(self, message: str) -> None:       # usage errors exit 2, in one line
+    def error(self, message: str) -> NoReturn:   # usage errors exit 2, in one line
         self.print_usage(sys.stderr)
         raise ConfigError(self.prog, message)
 

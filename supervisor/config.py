@@ -14,9 +14,10 @@ import math
 import os
 import tomllib
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import tomli_w
 
@@ -181,7 +182,7 @@ class Config:
     monitor: MonitorConfig = MonitorConfig()
     log: LogConfig = LogConfig()
 
-    def replace(self, **sections: dict[str, Any]) -> "Config":
+    def replace(self, **sections: dict[str, Any]) -> Config:
         """A copy with some keys changed, validated like a loaded config."""
         raw = as_dict(self)
         for section, values in sections.items():
@@ -442,7 +443,8 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
         if any(d < 0 for d in getattr(getattr(cfg, section), name)):
             fail(dotted, "delays cannot be negative")
     if any(not valid_subject(s, wildcards=True) for s in cfg.stream.subjects):
-        fail("stream.subjects", f"not a valid subject: {next(s for s in cfg.stream.subjects if not valid_subject(s, True))!r}")
+        bad = next(s for s in cfg.stream.subjects if not valid_subject(s, True))
+        fail("stream.subjects", f"not a valid subject: {bad!r}")
     if cfg.consumer.filter_subject and not any(subject_matches(p, cfg.consumer.filter_subject) or
                                                 p == cfg.consumer.filter_subject for p in cfg.stream.subjects):
         fail("consumer.filter_subject", f"{cfg.consumer.filter_subject!r} is not within stream.subjects")
@@ -450,7 +452,8 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
     if dlq and not valid_subject(dlq, wildcards=False):
         fail("restart.dead_letter_subject", f"{dlq!r} must be a plain subject (no spaces, no wildcards)")
     if dlq and any(subject_matches(pattern, dlq) for pattern in cfg.stream.subjects):
-        fail("restart.dead_letter_subject", f"{dlq!r} is captured by stream.subjects; dead letters would be redelivered as jobs")
+        fail("restart.dead_letter_subject",
+             f"{dlq!r} is captured by stream.subjects; dead letters would be redelivered as jobs")
     if cfg.monitor.http:
         parse_hostport(cfg.monitor.http, "monitor.http", sources.get("monitor.http", ""))
     for dotted in ("nats.tls_cert_file", "nats.tls_key_file"):

@@ -39,10 +39,10 @@ import tomli_w
 import uvloop
 
 from . import config as config_mod
+from .consumer import lag_line
 from .embedded import free_port
 from .errors import EXIT_BUG, EXIT_OK, ConfigError
 from .notify import scrub_child_env
-from .consumer import lag_line
 from .tools import SupervisorUnreachable, default_subject, http_call, paint, use_color
 
 HANDLER = "workers.examples:crash_on_marker"

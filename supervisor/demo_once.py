@@ -120,7 +120,8 @@ class OnceDemo(Demo):
             conn.close()
         keys = [r[0] for r in self.records]
         if len(keys) != self.jobs or len(set(keys)) != self.jobs:
-            return f"{len(keys)} rows for {len(set(keys))} distinct jobs in {self.db.name} (want {self.jobs} and {self.jobs})"
+            return (f"{len(keys)} rows for {len(set(keys))} distinct jobs in {self.db.name} "
+                    f"(want {self.jobs} and {self.jobs})")
         return None
 
     def late_copy(self) -> str | None:

@@ -26,11 +26,11 @@ from typing import Any
 import uvloop
 from nats.js.errors import NotFoundError
 
-from .config import Config
-from .errors import EXIT_OK, ConfigError, NatsUnavailable
-from .config import client_config, from_args
-from .tools import connect_oneshot, one_line, publish_failure
 from workers.runtime import DLQ_HEADER
+
+from .config import Config, client_config, from_args
+from .errors import EXIT_OK, ConfigError, NatsUnavailable
+from .tools import connect_oneshot, one_line, publish_failure
 
 REPLAYED_FROM = "Supervisor-Replayed-From"
 REASON_SHOWN = 60           # characters of the reason in the text table

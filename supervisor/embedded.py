@@ -25,12 +25,13 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
+
+from workers.runtime import set_parent_death_signal
 
 from .errors import ConfigError, NatsUnavailable
 from .notify import scrub_child_env
-from workers.runtime import set_parent_death_signal
 
 log = logging.getLogger("supervisor.embedded")
 

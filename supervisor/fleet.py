@@ -54,8 +54,9 @@ import re
 import secrets
 import socket
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from . import __version__
 
@@ -534,7 +535,7 @@ class Fleet:
         budget = max(0, int(peer.beat.get("capacity") or 0) - len(held))
         self.arbiter.peers.lost_peer(peer.name, [(s, d) for s, d, *_ in held], window, budget)
         await self.arbiter.peers.flush()    # the word first: our NAKs' redeliveries may land anywhere
-        for seq, delivery, reply in plan.nak:
+        for _seq, _delivery, reply in plan.nak:
             await self.nc.publish(reply, b"-NAK")
         if plan.nak:
             await self.nc.flush(timeout=2)
@@ -687,7 +688,6 @@ def cmd_status_fleet(args: Any) -> int:
 
 async def read_fleet(cfg: Any) -> dict:
     from .consumer import consumer_dict
-
     from .tools import connect_oneshot
 
     nc = await connect_oneshot(cfg, "status --fleet")

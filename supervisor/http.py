@@ -76,7 +76,7 @@ class HttpServer:
     async def respond(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[int, str, bytes]:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return 408, "text/plain", b"request timeout\n"
         except asyncio.LimitOverrunError:
             return 413, "text/plain", b"request head too large\n"

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import median
-from typing import Callable, Sequence
 
 # --- thresholds -------------------------------------------------------------------------------
 

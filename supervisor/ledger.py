@@ -36,7 +36,7 @@ class HeldJob:
     acked_at: float | None = None
     resolved: str = ""          # "" while outstanding; else how it was settled
 
-    def as_dict(self, death: "Death", now: float) -> dict:
+    def as_dict(self, death: Death, now: float) -> dict:
         return {"stream_seq": self.seq, "delivery": self.delivery, "state_at_death": self.state,
                 "naked": self.naked, "death": death.id, "slot": death.slot, "pid": death.pid,
                 "cause": death.cause, "age_s": round(now - death.t, 3),
@@ -288,7 +288,7 @@ class CrashLedger:
             return
         self._expected.pop(seq, None)
         self._fatal.pop(seq, None)
-        for death, job in self._open.pop(seq, ()):
+        for _death, job in self._open.pop(seq, ()):
             job.acked_at = t
             job.resolved = outcome
             if outcome == "ack":

@@ -4,7 +4,8 @@ prometheus-client is used for exposition only: no registry-wide globals, no HTTP
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -47,7 +48,8 @@ class Collector:
         yield GaugeMetricFamily(P + "autoscale_paused", "1 while a manual scale pauses autoscaling",
                                 value=int(autoscale["resumes_in_s"] is not None))
         yield CounterMetricFamily(P + "worker_restarts", "Workers restarted after dying", value=arb.stats.totals.restarts)
-        yield CounterMetricFamily(P + "worker_deaths", "Workers that died unexpectedly", value=arb.stats.totals.worker_deaths)
+        yield CounterMetricFamily(P + "worker_deaths", "Workers that died unexpectedly",
+                                  value=arb.stats.totals.worker_deaths)
         yield CounterMetricFamily(P + "in_progress_pings", "+WPI sent for long jobs", value=arb.stats.totals.pings)
 
     def durations(self, arb: Any) -> Metric:

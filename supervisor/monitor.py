@@ -2,9 +2,9 @@
 
 Each poll feeds the lag analyzer (pure, lag.py), the dashboard's history ring (history.py) and
 the crash ledger's ack floor. A failed poll (server down, consumer deleted) clears nothing and
-crashes nothing: the numbers age (`poll_age_s`) until the lag state turns `unknown`. Advisories: MAX_DELIVERIES means the server
-gave up on a job; it is still in the stream, so it is copied to the dead-letter subject and
-nothing vanishes silently. MSG_TERMINATED is counted.
+crashes nothing: the numbers age (`poll_age_s`) until the lag state turns `unknown`.
+Advisories: MAX_DELIVERIES means the server gave up on a job; it is still in the stream, so it is
+copied to the dead-letter subject and nothing vanishes silently. MSG_TERMINATED is counted.
 
 In a fleet (supervisor/fleet.py) only the elected poller asks the server; the others take its
 samples and ask themselves only when those stop coming. In a cluster ConsumerInfo comes from the
@@ -29,10 +29,10 @@ from workers import Job
 from workers.runtime import dead_letter
 
 from .config import Config
+from .consumer import consumer_dict
 from .fleet import ack_wait_range
 from .history import History
 from .lag import LagAnalyzer, Sample
-from .consumer import consumer_dict
 
 log = logging.getLogger("supervisor.monitor")
 

@@ -39,8 +39,9 @@ import logging
 import os
 import ssl
 import stat
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import nats
 import nats.errors
@@ -451,7 +452,7 @@ async def connect(nats_cfg: Any, *, name: str | None = None, max_reconnect_attem
     client_cert = bool(_cfg(nats_cfg, "tls_cert_file"))
     try:
         await nc.connect(**kwargs)
-    except (OSError, nats.errors.Error, asyncio.TimeoutError) as e:
+    except (TimeoutError, OSError, nats.errors.Error) as e:
         error = _connect_error(servers, events.errors or [e], secrets, client_cert)
         natsfix.abandon(nc)
         raise error from e

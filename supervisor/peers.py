@@ -22,7 +22,8 @@ import os
 import socket
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .ledger import LOST_PEER
 

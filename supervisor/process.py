@@ -11,7 +11,8 @@ import logging
 import os
 import signal
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from workers import slots
 from workers.runtime import ChildSpec, child_main
@@ -49,8 +50,8 @@ class WorkerProcess:
         self.status: int | None = None   # wait status once reaped
         self._buf = b""
 
-    def spawn(self, loop: asyncio.AbstractEventLoop, make_spec: Callable[["WorkerProcess", int], ChildSpec],
-              on_exit: Callable[["WorkerProcess"], None], on_events: Callable[["WorkerProcess"], None]) -> None:
+    def spawn(self, loop: asyncio.AbstractEventLoop, make_spec: Callable[[WorkerProcess, int], ChildSpec],
+              on_exit: Callable[[WorkerProcess], None], on_events: Callable[[WorkerProcess], None]) -> None:
         """Fork the worker. Signals stay blocked across fork(), so none can run a parent handler in
         the child before it has installed its own."""
         read_fd, write_fd = os.pipe()      # OSError (EMFILE) here: nothing to undo

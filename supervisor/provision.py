@@ -119,8 +119,9 @@ async def ensure_stream(js: Any, want: api.StreamConfig, create: bool, key: str)
         if not create:
             raise NatsUnavailable(f"{key}: stream {want.name} does not exist and stream.create is false") from None
         await js.add_stream(want)
-        log.info("created stream %s (subjects %s, %s, %s storage)", want.name, ", ".join(want.subjects),
-                 want.retention.value, want.storage.value, extra={"event": "stream_created", "stream": want.name})
+        log.info("created stream %s (subjects %s, %s, %s storage)", want.name, ", ".join(want.subjects or ()),
+                 getattr(want.retention, "value", "?"), getattr(want.storage, "value", "?"),
+                 extra={"event": "stream_created", "stream": want.name})
         return
     for name, had, wanted in _differences(have, want, ("subjects", "retention", "storage", "num_replicas",
                                                        "duplicate_window")):
@@ -169,9 +170,11 @@ async def ensure_idempotency(js: Any, cfg: Config) -> None:
         have = (await js.stream_info(f"KV_{bucket}")).config
     except NotFoundError:
         if not cfg.stream.create:
-            raise NatsUnavailable(f"idempotency.bucket: KV bucket {bucket} does not exist and stream.create is false") from None
-        await js.create_key_value(bucket=bucket, ttl=cfg.idempotency.ttl, history=1, storage=STORAGE[cfg.stream.storage],
-                                  replicas=cfg.stream.replicas, description="jetstream-supervisor done-markers and job leases")
+            raise NatsUnavailable(f"idempotency.bucket: KV bucket {bucket} does not exist and "
+                                  "stream.create is false") from None
+        await js.create_key_value(bucket=bucket, ttl=cfg.idempotency.ttl, history=1,
+                                  storage=STORAGE[cfg.stream.storage], replicas=cfg.stream.replicas,
+                                  description="jetstream-supervisor done-markers and job leases")
         log.info("created KV bucket %s (done-markers kept %gs)", bucket, cfg.idempotency.ttl)
     else:
         await _check_bucket(js, cfg, have)
@@ -199,7 +202,8 @@ def warn_idempotency(cfg: Config, duplicate_window: float) -> None:
                     extra={"event": "idempotency_ttl_short"})
     if not cfg.workers.double_ack:
         log.warning("[idempotency] is on but workers.double_ack is off: acks are not confirmed, so a lost ack "
-                    "redelivers a finished job (the done-marker then skips it)", extra={"event": "idempotency_no_double_ack"})
+                    "redelivers a finished job (the done-marker then skips it)",
+                    extra={"event": "idempotency_no_double_ack"})
 
 
 def _differences(have: Any, want: Any, names: tuple[str, ...]) -> list[tuple[str, Any, Any]]:

@@ -18,12 +18,12 @@ from .config import REPLACE, RESTART, Config, as_dict, section_keys
 
 @dataclass
 class Plan:
+    effective: Config                    # the new config with the restart-only keys kept as they run
     changed: list[tuple[str, Any, Any]] = field(default_factory=list)
     needs_restart: list[str] = field(default_factory=list)
     scale_to: int | None = None
     update_consumer: bool = False
     replace_workers: bool = False
-    effective: Config | None = None      # the new config with the restart-only keys kept as they run
 
 
 def how(dotted: str) -> str:
@@ -33,7 +33,7 @@ def how(dotted: str) -> str:
 
 
 def plan(old: Config, new: Config) -> Plan:
-    p = Plan()
+    p = Plan(effective=new)
     a, b = as_dict(old), as_dict(new)
     p.changed = [(f"{s}.{k}", a[s][k], b[s][k]) for s in a for k in a[s] if a[s][k] != b[s][k]]
     keep: dict[str, dict[str, Any]] = {}

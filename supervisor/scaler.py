@@ -146,7 +146,8 @@ class Scaler:
         consumer = (mon.consumer if mon else None) or {}
         lag_state = mon.analyzer.report(now).state if mon and consumer else "unknown"
         running = sum(1 for w in arb.pool.living() for e in w.table.snapshot() if e.state == slots.RUNNING)
-        return Inputs(now=now, workers=arb.pool.target, ready=arb.pool.ready_count(), concurrency=arb.cfg.workers.concurrency,
+        return Inputs(now=now, workers=arb.pool.target, ready=arb.pool.ready_count(),
+                      concurrency=arb.cfg.workers.concurrency,
                       lag_state=lag_state, pending=consumer.get("num_pending", 0),
                       in_flight=consumer.get("num_ack_pending", 0), polled_at=mon.polled_at if mon else None,
                       completed=r.completed, job_time=r.job_time,

@@ -36,7 +36,7 @@ async def connect_oneshot(cfg: Config, purpose: str) -> Any:
     try:
         return await asyncio.wait_for(natsconn.connect(cfg.nats, name=f"{cfg.nats.name} {purpose}",
                                                        connect_timeout=limit), limit)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         where = ", ".join(natsconn.redact_url(s).partition("://")[2] for s in cfg.nats.servers)
         raise NatsUnavailable(f"cannot connect to NATS at {where}: no answer within "
                               f"nats.connect_timeout={limit:g}s") from None
@@ -96,7 +96,7 @@ async def publish(cfg: Config, subject: str, count: int, data: str, msg_id: str 
     return tally.stored, tally.duplicates
 
 
-async def acks_until(window: deque[asyncio.Future], left: int, tally: "PubAckTally") -> None:
+async def acks_until(window: deque[asyncio.Future], left: int, tally: PubAckTally) -> None:
     """Wait until at most `left` PubAcks are outstanding (each within PUBACK_TIMEOUT); raise the
     first failure. PubAcks come back in order, nearly always: one wait for the newest that must
     be in, then whatever is done leaves the window (a straggler is waited for on its own)."""
@@ -105,7 +105,7 @@ async def acks_until(window: deque[asyncio.Future], left: int, tally: "PubAckTal
         target = window[0] if newest.done() else newest
         try:
             await asyncio.wait_for(asyncio.shield(target), PUBACK_TIMEOUT)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             tally.failed(TimeoutError(f"no PubAck within {PUBACK_TIMEOUT:g}s"))
         except Exception as exc:
             tally.failed(exc)
@@ -124,8 +124,9 @@ class PubAckTally:
     def count(self, future: asyncio.Future) -> None:
         if future.cancelled():
             return
-        if future.exception() is not None:
-            self.failed(future.exception())
+        exc = future.exception()
+        if exc is not None:
+            self.failed(exc)
         elif future.result().duplicate:
             self.duplicates += 1
         else:
@@ -165,7 +166,7 @@ async def lag(cfg: Config, stream: str, consumer: str, as_json: bool, watch: flo
         while True:
             try:
                 info: dict[str, Any] = await consumer_info(js, stream, consumer)
-            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            except (TimeoutError, nats.errors.Error) as exc:
                 # In a cluster a consumer leader move leaves ConsumerInfo unanswered for seconds:
                 # a ticker says so and goes on; a single reading fails in one line (exit 4).
                 why = f"no ConsumerInfo for {stream}/{consumer} ({type(exc).__name__}: {exc})"
@@ -266,8 +267,8 @@ def base_url(text: str, key: str) -> str:
 
     text = text.strip()
     if "://" not in text:
-        host, port = parse_hostport(text, key)
-        return f"http://{_bracket(_ANY_HOST.get(host, host))}:{port}"
+        host, hostport = parse_hostport(text, key)
+        return f"http://{_bracket(_ANY_HOST.get(host, host))}:{hostport}"
     parts = urlsplit(text)
     try:
         port = parts.port
@@ -302,7 +303,7 @@ def http_call(base: str, method: str, path: str) -> tuple[int, str]:
         raise SupervisorUnreachable(f"no supervisor answers at {base} ({reason}); is `supervisor start` running "
                                     "there? (--url, or monitor.http in the config)") from None
     except (OSError, http.client.HTTPException) as exc:
-        reason = "no answer within {:g}s".format(HTTP_TIMEOUT) if isinstance(exc, TimeoutError) else (
+        reason = f"no answer within {HTTP_TIMEOUT:g}s" if isinstance(exc, TimeoutError) else (
             str(exc) or type(exc).__name__)
         raise SupervisorUnreachable(f"{base}{path}: {reason}") from None
 

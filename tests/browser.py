@@ -121,7 +121,7 @@ class Browser:
             raise BrowserError(f"{method}: {reply['error']}")
         return reply.get("result", {})
 
-    def new_page(self, width: int = 1000, height: int = 1200) -> "Page":
+    def new_page(self, width: int = 1000, height: int = 1200) -> Page:
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         page = Page(self, session)

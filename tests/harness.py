@@ -13,13 +13,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import tomli_w
-
 from natsauth import free_port, nats_server_binary
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,7 +62,7 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def start(self) -> "NatsServer":
+    def start(self) -> NatsServer:
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1", "-p", str(self.port),
              "-m", str(self.monitor_port), *self.extra_args],
@@ -184,7 +184,7 @@ class SupervisorProc:
         self._log = None
         self.wrapper: tuple[str, ...] = ()      # a command the supervisor runs under (strace -f ...)
 
-    def start(self) -> "SupervisorProc":
+    def start(self) -> SupervisorProc:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-m", "supervisor", "start", "--config",
                                       str(self.config_path), *self.args], stdout=self._log, stderr=subprocess.STDOUT,

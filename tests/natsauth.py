@@ -31,9 +31,9 @@ import socket
 import subprocess
 import time
 import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import nkeys
 
@@ -97,7 +97,7 @@ def _issue(subject_cn: str, *, issuer=None, issuer_key=None, ca: bool = False,
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_cn)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (x509.CertificateBuilder()
                .subject_name(name)
                .issuer_name(issuer.subject if issuer else name)

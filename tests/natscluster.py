@@ -53,7 +53,7 @@ class ClusterNode(NatsServer):
         self._routes = routes
         super().__init__(root / name, port=free_port(), monitor_port=free_port())
 
-    def start(self) -> "ClusterNode":
+    def start(self) -> ClusterNode:
         # Flags are read at every start, so a restart reuses the ports, routes and store dir.
         self.extra_args = ("--server_name", self.name, "--cluster_name", CLUSTER_NAME,
                            "--cluster", f"nats://127.0.0.1:{self.cluster_port}",
@@ -78,7 +78,7 @@ class ClusterNode(NatsServer):
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
 
-    def restart(self) -> "ClusterNode":
+    def restart(self) -> ClusterNode:
         self.kill()
         return self.start()
 
@@ -130,7 +130,7 @@ class NatsCluster:
 
     # -- life cycle
 
-    def start(self) -> "NatsCluster":
+    def start(self) -> NatsCluster:
         try:
             for node in self.nodes:
                 node.start()
@@ -144,7 +144,7 @@ class NatsCluster:
         for node in self.nodes:
             node.stop()
 
-    def __enter__(self) -> "NatsCluster":
+    def __enter__(self) -> NatsCluster:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -245,7 +245,7 @@ class SteadyPublisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="steady-publisher", daemon=True)
 
-    def start(self) -> "SteadyPublisher":
+    def start(self) -> SteadyPublisher:
         self._thread.start()
         return self
 
@@ -286,7 +286,7 @@ class SteadyPublisher:
                                                headers={"Nats-Msg-Id": f"{self.prefix}-{i}"})
                         self.stored[i] = ack.seq
                         break
-                    except (nats.errors.Error, asyncio.TimeoutError):
+                    except (TimeoutError, nats.errors.Error):
                         self.retries += 1          # a leader election: the same id again is safe
                         await asyncio.sleep(0.2)
                 if self._stop.is_set():

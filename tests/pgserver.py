@@ -54,7 +54,7 @@ class PostgresServer:
     def _run_as(self) -> dict:
         return {"user": self.user.pw_uid, "group": self.user.pw_gid, "extra_groups": []} if self.user else {}
 
-    def start(self) -> "PostgresServer":
+    def start(self) -> PostgresServer:
         if self.user:
             os.chown(self.dir, self.user.pw_uid, self.user.pw_gid)
         data = self.dir / "data"

@@ -21,7 +21,7 @@ class StallAfterPing:
         self.holes: set[int] = set()            # client ports whose traffic goes nowhere
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def start(self) -> "StallAfterPing":
+    def start(self) -> StallAfterPing:
         self.thread.start()
         self.ready.wait(10)
         return self

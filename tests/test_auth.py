@@ -10,9 +10,9 @@ import time
 import traceback
 import types
 
+import natsauth
 import pytest
 
-import natsauth
 from supervisor import natsconn
 from supervisor.errors import EXIT_NATS, EXIT_USAGE
 from supervisor.natsconn import NatsConfigError, NatsConnectError

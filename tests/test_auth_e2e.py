@@ -2,7 +2,6 @@
 it processes jobs; a wrong secret exits 4 with a clear reason; no secret appears anywhere."""
 
 import pytest
-
 from harness import run_cli, wait_until
 from natsauth import MODES, nats_auth_server
 

@@ -14,7 +14,6 @@ import time
 
 import pytest
 import tomli_w
-
 from harness import publish, run_cli, wait_until
 
 INTERVAL = 1.0

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import pytest
 
@@ -174,7 +174,7 @@ class Sim:
                 self.ready -= 1
         self.history.append((self.t, n))
 
-    def run(self, until: float) -> "Sim":
+    def run(self, until: float) -> Sim:
         next_poll, next_decision = self.t, self.t + self.params.interval
         while self.t < until:
             self.step()
@@ -390,8 +390,8 @@ def test_scales_from_zero_when_work_arrives():
 
 
 def x_(**kw) -> Inputs:
-    base = dict(now=0.0, workers=2, ready=2, concurrency=1, lag_state="ok", pending=100, in_flight=2, completed=20.0, job_time=0.1, busy=2.0,
-                running=2, cpu=0.1, worker_cpu=0.02, cores=2)
+    base = dict(now=0.0, workers=2, ready=2, concurrency=1, lag_state="ok", pending=100, in_flight=2, completed=20.0,
+                job_time=0.1, busy=2.0, running=2, cpu=0.1, worker_cpu=0.02, cores=2)
     base.update(kw)
     base.setdefault("polled_at", base["now"])      # a fresh ConsumerInfo per decision
     return Inputs(**base)

@@ -4,7 +4,6 @@ import socket
 
 import pytest
 import tomli_w
-
 from harness import free_port, run_cli
 
 

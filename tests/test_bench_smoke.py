@@ -15,7 +15,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from harness import child_env, wait_until
 
 REPO = Path(__file__).resolve().parent.parent

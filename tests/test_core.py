@@ -10,7 +10,6 @@ import sys
 import time
 
 import psutil
-
 from harness import NatsServer, child_env, publish, run_cli, wait_until
 
 ACK_WAIT = 60.0      # far longer than any wait below: a job back within seconds was NAKed, not expired

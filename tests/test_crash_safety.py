@@ -11,8 +11,8 @@ import time
 
 import nats
 import psutil
-
 from harness import publish, wait_until
+
 from supervisor.peers import SUSPECT_GRACE
 
 ACK_WAIT = 60.0      # far longer than any wait below: a job back within seconds was NAKed, not expired

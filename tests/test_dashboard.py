@@ -19,7 +19,6 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
-
 from browser import Browser, chromium_binary
 from harness import DEADLINE, NatsServer, SupervisorProc, base_config, child_env, publish, run_cli, wait_until
 from test_status_cli_demo import marked_processes

@@ -6,7 +6,6 @@ import asyncio
 import json
 
 import nats
-
 from harness import run_cli, wait_until
 
 from supervisor import dlq

@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from supervisor.fleet import (FleetView, beat_key, fleet_rows, lease_ttl, plan_release, render_fleet,
-                              unlisted_window)
+from supervisor.fleet import FleetView, beat_key, fleet_rows, lease_ttl, plan_release, render_fleet, unlisted_window
 from supervisor.lag import LagAnalyzer, Sample
 from supervisor.ledger import HOLD_MAX, CrashLedger
 from supervisor.monitor import ACCEPT_AFTER, SampleGuard

@@ -9,9 +9,8 @@ import signal
 
 import nats
 import psutil
-from nats.js import api
-
 from harness import _in_group, publish, run_cli, wait_until
+from nats.js import api
 from natsauth import free_port
 from natscluster import SteadyPublisher
 
@@ -157,7 +156,7 @@ class StatusSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "StatusSampler":
+    def __enter__(self) -> StatusSampler:
         self._thread.start()
         return self
 

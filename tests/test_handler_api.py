@@ -5,7 +5,6 @@ was the worker's NAK, and one after the delay was not an immediate NAK."""
 import asyncio
 
 import nats
-
 from harness import publish, wait_until
 from test_crash_safety import dead_letters
 

@@ -18,10 +18,10 @@ import tomllib
 import nats
 import pytest
 import tomli_w
+from harness import publish, run_cli, wait_until
 from nats.js import api
 from nats.js.errors import NotFoundError
 
-from harness import publish, run_cli, wait_until
 from workers import Job
 from workers import guard as guard_mod
 from workers.guard import DUPLICATE, RETRY, RUN, Guard, Holder, judge, kv_key, retry_after, this_process
@@ -266,7 +266,8 @@ def test_deleted_bucket_never_lets_a_job_run_unguarded(nats_server, supervisor_f
     assert sup.jobs.records() == [] and nats_server.stream_msgs() == 3
     # The bucket is back: the jobs run, once each.
     asyncio.run(js_call(nats_server.url, lambda js: js.create_key_value(bucket="JOBS_DONE", ttl=3600, history=1)))
-    wait_until(lambda: len(sup.jobs.done()) == 3 and nats_server.stream_msgs() == 0, what="the jobs run once the bucket is back")
+    wait_until(lambda: len(sup.jobs.done()) == 3 and nats_server.stream_msgs() == 0,
+               what="the jobs run once the bucket is back")
     assert sorted(r.seq for r in sup.jobs.started()) == [1, 2, 3]
     assert sup.stop() == 0
 

@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
-
 from harness import child_env, publish, wait_until
-from supervisor.lag import LagAnalyzer, Sample
+from prometheus_client.parser import text_string_to_metric_families
 from test_crash_safety import dead_letters
+
+from supervisor.lag import LagAnalyzer, Sample
 
 
 def sample_until(sup, done, every=0.1, timeout=90.0):

@@ -14,12 +14,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import psutil
-import pytest
-
 import oncehandlers
 import pgserver
+import psutil
+import pytest
 from harness import TESTS, child_env, publish, run_cli, wait_until
+
 from workers import Job, once
 from workers.once import TABLE
 
@@ -356,7 +356,7 @@ def test_sigkill_between_side_effect_and_ack_gives_each_side_effect_once(nats_se
     log = read_effects_log(effects_log)
     fresh_commits = Counter(s for e, _, s, _, f, _ in log if e == "committed" and f == 1)
     assert set(fresh_commits.values()) == {1}
-    for pid, seq, delivery in landed:
+    for _pid, seq, delivery in landed:
         # The killed delivery was past its commit; a later delivery ran the handler again (the
         # redelivery happened) and once() found the marker: not fresh, no second side effect.
         again = [f for e, _, s, d, f, _ in log if e == "returned" and s == seq and d > delivery]

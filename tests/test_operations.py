@@ -15,7 +15,6 @@ import urllib.request
 import nats
 import psutil
 import tomli_w
-
 from harness import publish, wait_until
 
 JSON_LOGS = ("--log-format", "json")
@@ -41,7 +40,7 @@ class FakeSystemd:
         while self.running:
             try:
                 data = self.sock.recv(4096).decode()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return

@@ -9,10 +9,18 @@ import random
 
 import pytest
 
-from supervisor.policy import (HEALTHY_AFTER, STORM_WINDOW, BootFailures, DeathRate, RestartPolicy, SlotBackoff,
-                               ack_wait_for, nak_is_safe,
-                               did_useful_work, job_limit)
-
+from supervisor.policy import (
+    HEALTHY_AFTER,
+    STORM_WINDOW,
+    BootFailures,
+    DeathRate,
+    RestartPolicy,
+    SlotBackoff,
+    ack_wait_for,
+    did_useful_work,
+    job_limit,
+    nak_is_safe,
+)
 
 # ---------------------------------------------------------------- SlotBackoff
 

@@ -4,9 +4,8 @@ update only the consumer settings the server allows, refuse what workers cannot 
 import asyncio
 
 import nats
-from nats.js import api
-
 from harness import run_cli
+from nats.js import api
 
 
 async def js_call(url, fn):

@@ -13,7 +13,6 @@ import time
 import nats
 import psutil
 import tomli_w
-
 from harness import child_env, publish, wait_until
 
 ACK_WAIT = 60.0
@@ -298,7 +297,8 @@ def test_a_message_in_transit_to_a_dead_worker_is_back_in_seconds(nats_server, s
     sup.wait_ready(1)
     wait_until(lambda: sup.status()["peers"]["alone"], timeout=30, what="the supervisor sure it is alone")
     victim = psutil.Process(sup.workers()[0].pid)
-    for seq in range(1, 21):                     # until a delivery lands in the frozen worker's socket
+    # Until a delivery lands in the frozen worker's socket; `seq` is this try's job, read after the loop.
+    for seq in range(1, 21):  # noqa: B007
         wait_until(lambda: consumer(nats_server)["waiting"] >= 1, what="a pull request waiting")
         victim.suspend()
         publish(nats_server.url, count=1, data="0")

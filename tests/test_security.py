@@ -5,7 +5,6 @@ import urllib.request
 
 import psutil
 import pytest
-
 from harness import NatsServer, free_port, publish, run_cli, wait_until
 
 PASSWORD = "s3cr3t-in-the-url-7f2a"

@@ -19,8 +19,24 @@ import types
 import pytest
 
 from workers import slots
-from workers.slots import (ACKED, ACKED_N, CREDITS, DURATION_BUCKETS, FREE, HELD, HIGH_WATER, NAKED_N, PID,
-                           READY, RUNNING, SETTLED, STARTED_N, STATE, TERMED_N, SlotTable)
+from workers.slots import (
+    ACKED,
+    ACKED_N,
+    CREDITS,
+    DURATION_BUCKETS,
+    FREE,
+    HELD,
+    HIGH_WATER,
+    NAKED_N,
+    PID,
+    READY,
+    RUNNING,
+    SETTLED,
+    STARTED_N,
+    STATE,
+    TERMED_N,
+    SlotTable,
+)
 
 
 class FakeClock:

@@ -22,8 +22,19 @@ from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from workers import slots
-from workers.slots import (ACKED, ACKED_N, DURATION_BUCKETS, HELD, HIGH_WATER, NAKED_N, RUNNING, SETTLED,
-                           STARTED_N, TERMED_N, SlotTable)
+from workers.slots import (
+    ACKED,
+    ACKED_N,
+    DURATION_BUCKETS,
+    HELD,
+    HIGH_WATER,
+    NAKED_N,
+    RUNNING,
+    SETTLED,
+    STARTED_N,
+    TERMED_N,
+    SlotTable,
+)
 
 ENTRIES = 5
 REPLY_BYTES = 40          # rounds up to 40: replies of 41+ bytes are stored as "too long" (read as "")

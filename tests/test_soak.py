@@ -12,7 +12,6 @@ import sys
 import time
 
 import psutil
-
 from harness import child_env, wait_until
 
 SOAK_SECONDS = float(os.environ.get("SOAK_SECONDS", "30"))

@@ -7,9 +7,7 @@ import subprocess
 import sys
 
 import psutil
-
-from harness import DEADLINE, publish, run_cli, wait_until
-from harness import child_env
+from harness import DEADLINE, child_env, publish, run_cli, wait_until
 from natsauth import free_port
 
 from supervisor.tools import render_status

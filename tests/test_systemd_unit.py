@@ -18,7 +18,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from harness import publish, wait_until
 
 UNIT = Path(__file__).resolve().parent.parent / "systemd" / "jetstream-supervisor.service"

@@ -17,7 +17,6 @@ from pathlib import Path
 import psutil
 import pytest
 import tomli_w
-
 from harness import DEADLINE, REPO, child_env, publish, run_cli, wait_until
 from natsauth import free_port
 

@@ -35,8 +35,9 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from nats.js.errors import NotFoundError
 
@@ -93,7 +94,7 @@ class Holder:
                 f"start={self.start} nonce={nonce} seq={job.stream_seq} delivery={job.delivery}").encode()
 
     @staticmethod
-    def parse(value: bytes) -> "Holder | None":
+    def parse(value: bytes) -> Holder | None:
         fields = dict(f.split("=", 1) for f in value.decode(errors="replace").split()[1:] if "=" in f)
         try:
             return Holder(fields["host"], fields["boot"], int(fields["pidns"]), int(fields["uid"]), int(fields["pid"]),
@@ -164,7 +165,7 @@ class Guard:
         self.last_warning = 0.0
         self.renewer: asyncio.Task | None = None
 
-    def start(self) -> "Guard":
+    def start(self) -> Guard:
         self.renewer = asyncio.ensure_future(self.renew_forever())
         return self
 

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 TABLE = "jetstream_supervisor_done"
 CREATE = (f"CREATE TABLE IF NOT EXISTS {TABLE} (key TEXT PRIMARY KEY, stream_seq BIGINT, "
@@ -106,7 +107,7 @@ def _driver(conn: Any) -> str | None:
 
 # Connections whose marker table is known to exist (PostgreSQL only: sqlite creates it inside the
 # transaction for free, and its connections cannot be weakly referenced anyway).
-_tables_seen: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_tables_seen: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _ensure_table_pg(conn: Any, dialect: Dialect) -> None:
