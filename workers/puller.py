@@ -73,7 +73,7 @@ class Puller:
             w.wake_pull.clear()
             try:
                 await asyncio.wait_for(w.wake_pull.wait(), PULL_EXPIRES)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def forget(self) -> None:

@@ -6,11 +6,11 @@ consumer every other worker shares. `Worker` is the loop that wires the worker's
     workers/puller.py    raw pull requests and their credits, sized by workers/pulls.py
     workers/threads.py   sync handlers' threads, which take their next job themselves
     workers/settle.py    ack, NAK or TERM, and the fence that proves the server has it
-
     workers/shutdown.py  the way out: give back what will not run, wait for what runs
 
-and keeps the mode (workers/modes.py), the queue of pulled jobs, and running them. Every message is recorded in the shared slot table before anything else happens, so the
-parent always knows what this process holds.
+and keeps the mode (workers/modes.py), the queue of pulled jobs, and running them. Every
+message is recorded in the shared slot table before anything else happens, so the parent
+always knows what this process holds.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, NoReturn
+from typing import Any, NoReturn
 
 import setproctitle
 
 from supervisor.notify import scrub_child_env
 
-from . import Job, Reject, Retry
-from . import slots
+from . import Job, Reject, Retry, slots
 from .guard import DUPLICATE, RUN, Guard
 from .modes import RETIRING, SERVING, STOPPING
 from .puller import Puller
@@ -351,7 +351,10 @@ class Worker:
     async def admit(self, chunk: list[tuple[Any, int, Job]]) -> list[tuple[Any, int, Job]]:
         """[idempotency] (workers/guard.py): ack the jobs already done without running them, NAK
         those another worker is running or that cannot be checked; return the ones to run."""
-        verdicts = await asyncio.gather(*(self.guard.before(job) for _, _, job in chunk))
+        guard = self.guard
+        if guard is None:                # called only with a guard; without one everything runs
+            return chunk
+        verdicts = await asyncio.gather(*(guard.before(job) for _, _, job in chunk))
         runnable = []
         for (msg, i, job), verdict in zip(chunk, verdicts):
             if verdict.action == RUN:

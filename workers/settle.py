@@ -13,8 +13,7 @@ import asyncio
 import logging
 from typing import Any, Protocol
 
-from . import Job
-from . import slots
+from . import Job, slots
 from .slots import SlotTable
 
 log = logging.getLogger("worker")

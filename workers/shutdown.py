@@ -14,8 +14,7 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
-from . import Job
-from . import slots
+from . import Job, slots
 from .guard import Guard
 from .modes import STOPPING
 from .puller import PULL_EXPIRES, PULL_MARGIN, Puller
@@ -81,7 +80,7 @@ class Shutdown:
             w.changed.clear()
             try:
                 await asyncio.wait_for(w.changed.wait(), max(0.001, wake - now))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         w.pulls.forget()
         try:

@@ -16,7 +16,8 @@ import inspect
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from . import Job
 from .guard import Guard
