@@ -104,16 +104,16 @@ def die_after_ack_init() -> None:
     ack and marked the entry ACKED, before its settler can fence it (nats-py's publish only
     queues the bytes for the flusher task, and nothing here yields to the loop, so the ack never
     reaches the server: the parent's NAK is what brings the job back)."""
-    from workers import runtime
+    from workers import settle as settling
 
-    original = runtime.Worker.settle
+    original = settling.Settler.settle
 
     async def settle(self, i, job, payload, outcome, reason):
         await original(self, i, job, payload, outcome, reason)
         if outcome == "ack" and job.delivery == 1 and job.data == b"die-after-ack":
             os.kill(os.getpid(), signal.SIGKILL)
 
-    runtime.Worker.settle = settle
+    settling.Settler.settle = settle
 
 
 NOT_CALLABLE = 42

@@ -1,0 +1,134 @@
+"""Settling a worker's jobs: publish the ack, NAK or TERM, and keep each entry until a fence proves
+the server has it.
+
+nats-py's publish only queues bytes and flush() does not fence earlier publishes (DESIGN.md), so
+an acked entry stays ACKED in the slot table (the parent NAKs it if we die: a NAK after an ack is
+a no-op) until `confirm` has fenced the connection it was sent on. Fences are coalesced: at most
+one per SETTLE_MIN_INTERVAL, whatever the job rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Protocol
+
+from . import Job, slots
+from .slots import SlotTable
+
+log = logging.getLogger("worker")
+
+SETTLE_MIN_INTERVAL = 0.002  # coalesce ack-confirming flushes to at most one per this period
+# Slot-table counter per outcome; a duplicate is acked without running its handler ([idempotency]).
+OUTCOME_COUNTERS = {"ack": slots.ACKED_N, "duplicate": slots.DUPLICATE_N, "nak": slots.NAKED_N,
+                    "term": slots.TERMED_N}
+ACKS = ("ack", "duplicate")
+
+
+class Owner(Protocol):
+    """What settling needs of the worker that owns it (workers/runtime.py Worker)."""
+    nc: Any                                # the worker's connection, made once the worker runs
+    table: SlotTable
+    wake_pull: asyncio.Event               # a released entry can take another message
+
+    def emit(self, **event: Any) -> None: ...
+
+
+class Settler:
+    def __init__(self, owner: Owner, slot: int, double_ack: bool, entries: int):
+        self.owner = owner
+        self.slot = slot
+        self.double_ack = double_ack
+        self.replies: list[str] = [""] * entries   # reply subject by entry index
+        # ACKED/SETTLED entries awaiting a fence: (entry, connection generation, was an ack)
+        self.unconfirmed: list[tuple[int, int, bool]] = []
+        self.closing = False
+        self.wake_settle = asyncio.Event()
+
+    async def ack(self, i: int, job: Job, outcome: str = "ack") -> None:
+        w = self.owner
+        if self.double_ack:
+            try:
+                await w.nc.request(self.reply_of(i), b"+ACK", timeout=5.0)
+            except Exception as exc:
+                log.warning("worker %d: double ack of seq=%d not confirmed: %s", self.slot, job.stream_seq, exc)
+            else:
+                w.table.count(OUTCOME_COUNTERS[outcome])
+                self.report(job, outcome, "")
+                w.table.release(i)
+                return
+        await self.settle(i, job, b"+ACK", outcome, "")
+
+    async def settle(self, i: int, job: Job, payload: bytes, outcome: str, reason: str) -> None:
+        """Publish the ack/nak/term and keep the entry until a flush confirms it."""
+        w = self.owner
+        await w.nc.publish(self.reply_of(i), payload)
+        w.table.mark(i, slots.ACKED if outcome in ACKS else slots.SETTLED)
+        w.table.count(OUTCOME_COUNTERS[outcome])
+        self.report(job, outcome, reason)
+        self.unconfirmed.append((i, w.nc.stats["reconnects"], outcome in ACKS))
+        self.wake_settle.set()
+
+    def report(self, job: Job, outcome: str, reason: str) -> None:
+        # Only what explains a future redelivery (or follows one) goes to the parent: acks of
+        # first deliveries, the hot path, stay in the table counters.
+        if outcome != "ack" or job.delivery > 1:
+            if outcome == "duplicate":   # the parent's ledger knows acks, naks and terms
+                outcome, reason = "ack", "duplicate: already done"
+            self.owner.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome=outcome, reason=reason)
+
+    def reply_of(self, i: int) -> str:
+        return self.replies[i]
+
+    async def run(self) -> None:
+        while not self.closing:
+            await self.wake_settle.wait()
+            self.wake_settle.clear()
+            await self.confirm()
+            if not self.closing:
+                await asyncio.sleep(SETTLE_MIN_INTERVAL)
+        await self.confirm()
+
+    def close(self) -> None:
+        """run() fences what is left and returns."""
+        self.closing = True
+        self.wake_settle.set()
+
+    async def confirm(self) -> None:
+        """A fence (supervisor/natsfix.py) proves the server has read every ack sent before it on
+        the same connection. An ack sent on a connection that has died since is sent again (acking
+        twice is harmless); a NAK or TERM is not, since by now it could hit another worker's
+        delivery of the job: if it was lost, the job comes back after AckWait."""
+        if not self.unconfirmed:
+            return
+        w = self.owner
+        batch, self.unconfirmed = self.unconfirmed, []
+        try:
+            await w.nc.fence(timeout=5)
+        except Exception as exc:
+            log.warning("worker %d: fence failed (%s); acks stay unconfirmed", self.slot,
+                        exc or type(exc).__name__)
+            self.unconfirmed = batch + self.unconfirmed
+            return
+        current = w.nc.stats["reconnects"]
+        for i, generation, was_ack in batch:
+            if generation != current and was_ack:
+                await w.nc.publish(self.replies[i], b"+ACK")
+                self.unconfirmed.append((i, current, True))
+            else:
+                w.table.release(i)
+        w.wake_pull.set()
+        if self.unconfirmed:
+            self.wake_settle.set()
+
+
+def nak_payload(delay: float) -> bytes:
+    if delay <= 0:
+        return b"-NAK"
+    return b'-NAK {"delay":%d}' % int(delay * 1e9)
+
+
+def retry_delay(backoff: tuple[float, ...], delivery: int) -> float:
+    if not backoff:
+        return 0.0
+    return backoff[min(delivery, len(backoff)) - 1]
