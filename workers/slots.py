@@ -127,6 +127,9 @@ class SlotTable:
     def mark(self, i: int, state: int) -> None:
         self.q[self._base(i) + ESTATE] = state       # one aligned word: atomic, no version needed
 
+    def state_of(self, i: int) -> int:
+        return self.q[self._base(i) + ESTATE]
+
     def release(self, i: int) -> None:
         self.mark(i, FREE)
         self._free.append(i)

@@ -19,11 +19,14 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from . import Job
+from . import Job, slots
 from .guard import Guard
 from .modes import SERVING, STOPPING
 from .slots import SlotTable
 
+CONFIRM_AFTER = 0.1         # after a job this long a thread also waits for its ack's fence (a few ms at most) ...
+CONFIRM_WAIT = 1.0          # ... but never longer than this (a fence that fails leaves the ack for the next one)
+CONFIRM_POLL = 0.002
 OUTCOME_EVERY = 0.02        # a busy handler thread hands outcomes back at most this often: each wake-up of
                             # the loop takes the GIL from a CPU-bound handler (a handful of context switches)
 
@@ -140,7 +143,7 @@ class HandlerThreads:
             if exc is not None and not isinstance(exc, Exception):
                 return                   # SystemExit & co: finish() exits the process
             if elapsed >= OUTCOME_EVERY:
-                self.await_settled()
+                self.await_settled(i if elapsed >= CONFIRM_AFTER else None)
 
     def next_job(self) -> tuple[int, Job] | None:
         """In a handler thread: the next job, marked running before its handler starts (its entry
@@ -180,15 +183,25 @@ class HandlerThreads:
             return False
         return True
 
-    def await_settled(self) -> None:
+    def await_settled(self, confirm: int | None) -> None:
         """In a handler thread, after a job of OUTCOME_EVERY or more: wait until the loop has
         acked (NAKed, TERMed) what this thread handed back, before the next job starts, as when
         every job went through the loop. A crash in the next job then finds this one's ack sent
-        and its fence on the way, not still queued here (a few ms a job; short jobs never wait)."""
+        and its fence on the way, not still queued here (a few ms a job; short jobs never wait).
+        After a job of CONFIRM_AFTER or more (entry `confirm`), wait for the fence too: a crash
+        in the next job then leaves no ack in doubt behind it (the parent would NAK that job as
+        held at the death; a no-op for an ack that arrived, but a job the crash did not touch),
+        at the cost of one round trip per job that long."""
         with self.handed:
             mine = self.handed_back
             while self.settled_back < mine and not self.threads_stop and self.owner.mode != STOPPING:
                 self.handed.wait()
+            if confirm is None:
+                return
+            deadline = time.monotonic() + CONFIRM_WAIT
+            while self.owner.table.state_of(confirm) in (slots.ACKED, slots.SETTLED) and not self.threads_stop \
+                    and self.owner.mode != STOPPING and time.monotonic() < deadline:
+                self.handed.wait(CONFIRM_POLL)
 
 
 async def _awaited(awaitable: Any) -> Any:
