@@ -57,6 +57,9 @@ class HandlerThreads:
         # Jobs handed to the threads (guarded by start_lock), outcomes coming back, and whether
         # the loop has been rung for them since it last took them.
         self.handed = threading.Condition(start_lock)
+        # Threads waiting for the loop to settle what they handed back wait on a condition of their
+        # own (same lock): a hand-over's notify must reach an idle thread, not one of these.
+        self.settled = threading.Condition(start_lock)
         self.ready: deque[tuple[Any, int, Job]] = deque()
         self.outcomes: list[tuple[int, Job, BaseException | None, float]] = []
         self.outcomes_since = 0.0        # when the oldest outcome the loop has not been rung for came
@@ -100,6 +103,7 @@ class HandlerThreads:
         with self.handed:
             self.threads_stop = True
             self.handed.notify_all()
+            self.settled.notify_all()
 
     def collect(self) -> None:
         """Take outcomes kept back by a handler thread busy with a long job (see hand_back)."""
@@ -125,9 +129,9 @@ class HandlerThreads:
             finally:
                 w.changed.set()
                 w.wake_pull.set()
-                with self.handed:        # handler threads waiting in await_settled() go on
+                with self.settled:       # handler threads waiting in await_settled() go on
                     self.settled_back += len(batch)
-                    self.handed.notify_all()
+                    self.settled.notify_all()
 
     # -- in a handler thread
 
@@ -192,16 +196,16 @@ class HandlerThreads:
         in the next job then leaves no ack in doubt behind it (the parent would NAK that job as
         held at the death; a no-op for an ack that arrived, but a job the crash did not touch),
         at the cost of one round trip per job that long."""
-        with self.handed:
+        with self.settled:
             mine = self.handed_back
             while self.settled_back < mine and not self.threads_stop and self.owner.mode != STOPPING:
-                self.handed.wait()
+                self.settled.wait()
             if confirm is None:
                 return
             deadline = time.monotonic() + CONFIRM_WAIT
             while self.owner.table.state_of(confirm) in (slots.ACKED, slots.SETTLED) and not self.threads_stop \
                     and self.owner.mode != STOPPING and time.monotonic() < deadline:
-                self.handed.wait(CONFIRM_POLL)
+                self.settled.wait(CONFIRM_POLL)
 
 
 async def _awaited(awaitable: Any) -> Any:
