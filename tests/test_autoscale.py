@@ -98,8 +98,12 @@ def test_a_pool_of_two_connections_holds_the_count_down(nats_server, supervisor_
     assert work_left(nats_server) > 0, "the backlog must outlast the observation"
     assert max(targets(sup)) <= 5, targets(sup)
     assert status["workers"]["target"] <= 3 and len(sup.worker_pids()) <= 3, (status["workers"], targets(sup))
-    assert a["kind"] == "plateau" and a["plateau"] in (2, 3), a
-    assert "downstream bottleneck" in a["reason"] and "probing again in" in a["reason"], a
+    assert a["kind"] == "plateau" and 1 <= a["plateau"] <= 3, a
+    # Why it holds: the pool (a downstream bottleneck) on a box with CPU to spare. On a box others
+    # keep busy (two CPU burners beside the suite) the CPUs are full first, and the policy says that
+    # instead (only when it measured the box at cpu_full or more), holding at 1 or 2.
+    assert ("downstream bottleneck" in a["reason"] or "the CPUs are full" in a["reason"]) \
+        and "probing again in" in a["reason"], a
     assert max_concurrent(sup.jobs.records()) <= 2, "the pool really is 2 connections"
     print(f"\npool of 2: targets {targets(sup)}; /status autoscale: {a['kind']}: {a['reason']}")
     assert sup.stop() == 0
