@@ -80,8 +80,9 @@ class Watch:
     def link_fresh(self, w: WorkerProcess, held: list[slots.Entry], now: float) -> bool:
         """Did the worker hear from NATS lately? Say so once when it stops, and explain in advance
         the redeliveries of what it holds: the server will hand them to someone else."""
-        quiet = now - w.table.server_seen()
-        if liveness.link_fresh(now, w.table.server_seen()):
+        seen = w.table.server_seen()
+        quiet = now - seen
+        if liveness.link_fresh(now, seen):
             if w.pid in self.stale_links:
                 self.stale_links.discard(w.pid)
                 log.info("worker %d (pid %d): NATS answers again", w.slot, w.pid)

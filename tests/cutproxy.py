@@ -59,11 +59,9 @@ class CutProxy(StallAfterPing):
         return [link.name for link in hit]
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            writer.close()
+        if (upstream := await self._upstream(writer)) is None:
             return
+        up_r, up_w = upstream
         link = Link(writer, up_w)
         self.links.append(link)
         await asyncio.gather(self._from_client(link, reader), self._to_client(link, up_r), return_exceptions=True)

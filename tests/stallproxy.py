@@ -53,12 +53,18 @@ class StallAfterPing:
         self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
 
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _upstream(self, client: asyncio.StreamWriter) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A connection to the server for a new client; None (the client hung up) if it is down."""
         try:
-            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+            return await asyncio.open_connection("127.0.0.1", self.upstream_port)
         except OSError:
-            writer.close()
+            client.close()
+            return None
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if (upstream := await self._upstream(writer)) is None:
             return
+        up_r, up_w = upstream
         port = writer.get_extra_info("peername")[1]
         await asyncio.gather(self._pump(reader, up_w, True, port), self._pump(up_r, writer, False, port),
                              return_exceptions=True)
