@@ -382,12 +382,14 @@ class _Events:
             log.debug("NATS connection to %s closed", self.server)
         else:
             self.failed_attempts, self.last_error = 0, ""
-            log.warning("disconnected from NATS at %s; reconnecting", self.server)
+            log.warning("disconnected from NATS at %s; reconnecting", self.server,
+                        extra={"event": "nats_disconnected", "server": self.server})
 
     async def reconnected_cb(self) -> None:
         self.server = _hostport(self.nc.connected_url)
         tries = f" after {self.failed_attempts} failed attempts" if self.failed_attempts else ""
-        log.warning("reconnected to NATS at %s%s", self.server, tries)
+        log.warning("reconnected to NATS at %s%s", self.server, tries,
+                    extra={"event": "nats_reconnected", "server": self.server, "failed_attempts": self.failed_attempts})
         self.failed_attempts, self.last_error = 0, ""
 
 

@@ -154,7 +154,7 @@ class Scaler:
                       busy=r.busy, running=running, cpu=r.cpu, worker_cpu=r.worker_cpu, cores=self.cores)
 
     def apply(self, d: Decision) -> None:
-        extra = {"event": "autoscale", "kind": d.kind, "workers": d.workers, "target": d.target}
+        extra = {"event": "autoscale", "kind": d.kind, "workers": d.workers, "target": d.target, "reason": d.reason}
         if d.changes:
             log.info("autoscale: %d -> %d worker(s) (%s): %s", d.workers, d.target, d.kind, d.reason, extra=extra)
             self.arb.scale(d.target, source="autoscale")
@@ -178,7 +178,7 @@ class Scaler:
     def resume(self, why: str) -> None:
         self.paused_until = None
         self.pause_reason = ""
-        log.info("autoscale: resumes (%s)", why, extra={"event": "autoscale_resumed"})
+        log.info("autoscale: resumes (%s)", why, extra={"event": "autoscale_resumed", "why": why})
 
     def reload(self, cfg: Any) -> None:
         """SIGHUP: new bounds and interval; a pause ends; turning autoscaling off returns the

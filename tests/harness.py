@@ -203,7 +203,7 @@ class SupervisorProc:
             return re.search(pattern, self.log())
         return wait_until(found, timeout, f"log line {pattern!r}")
 
-    def events(self, kind: str | None = None, **match: Any) -> list[dict]:
+    def events(self, kind: str | None = None, /, **match: Any) -> list[dict]:
         """The structured log events (extra={"event": ...}) of a supervisor started with
         `--log-format json`, in order; only those of `kind` whose fields equal `match`."""
         out = []
@@ -219,7 +219,7 @@ class SupervisorProc:
                 out.append(record)
         return out
 
-    def wait_event(self, kind: str, timeout: float = DEADLINE, **match: Any) -> dict:
+    def wait_event(self, kind: str, /, timeout: float = DEADLINE, **match: Any) -> dict:
         def found():
             assert self.proc.poll() is None or self.events(kind, **match), \
                 f"supervisor exited ({self.proc.returncode}) before event {kind} {match}:\n{self.log()[-3000:]}"

@@ -52,13 +52,22 @@ def done_data(sup) -> list[str]:
     return [r.data for r in sup.jobs.done()]
 
 
-def test_reject_is_logged_listed_and_replayed(nats_server, supervisor_factory):
-    sup = supervisor_factory(nats_server, workers={"count": 1, "handler": "uxhandlers:reject_unless_replayed"})
+def rejecting(supervisor_factory, nats_server, handler: str = "uxhandlers:reject_unless_replayed"):
+    """One worker, JSON logs: the tests read the structured events, not the wording."""
+    sup = supervisor_factory(nats_server, args=("--log-format", "json"), workers={"count": 1, "handler": handler})
     sup.wait_ready(1)
+    return sup
+
+
+def test_reject_is_logged_listed_and_replayed(nats_server, supervisor_factory):
+    sup = rejecting(supervisor_factory, nats_server)
     assert publish_jobs(nats_server.url, [("a", "t-a"), ("b", "t-b")]) == [1, 2]
     for seq, data in ((1, "a"), (2, "b")):
-        sup.wait_log(rf"worker 0: job seq={seq} subject=jobs\.new rejected by the handler \(TERM\): bad payload {data}")
-        assert f"job seq={seq} subject=jobs.new dead-lettered to dlq.jobs: bad payload {data}" in sup.log()
+        rejected = sup.wait_event("rejected", seq=seq)
+        assert (rejected["subject"], rejected["reason"], rejected["level"]) == ("jobs.new", f"bad payload {data}", "warning")
+        assert f"bad payload {data}" in rejected["message"]          # the operator's line says why
+        [copied] = sup.events("dead_letter", seq=seq)                 # copied before the TERM
+        assert (copied["to"], copied["reason"]) == ("dlq.jobs", f"bad payload {data}")
 
     letters = listed(nats_server.url)       # the copy is PubAcked before the TERM: both are there
     assert [(x["seq"], x["subject"], x["stream"], x["stream_seq"], x["deliveries"], x["reason"], x["data"])
@@ -82,15 +91,14 @@ def test_reject_is_logged_listed_and_replayed(nats_server, supervisor_factory):
     assert listed(nats_server.url) == []
     assert "no dead letters in JOBS_DLQ" in dlq_cli(nats_server.url, "list").stdout
     assert sorted(done_data(sup)) == ["a trace=t-a", "b trace=t-b"]
-    assert sup.log().count("rejected by the handler") == 2          # the replays ran; nothing rejected again
+    assert len(sup.events("rejected")) == 2          # the replays ran; nothing rejected again
     assert sup.stop() == 0
 
 
 def test_replay_cut_short_between_publish_and_delete_queues_the_job_once(nats_server, supervisor_factory):
-    sup = supervisor_factory(nats_server, workers={"count": 1, "handler": "uxhandlers:reject_unless_replayed"})
-    sup.wait_ready(1)
+    sup = rejecting(supervisor_factory, nats_server)
     publish_jobs(nats_server.url, [("c", "t-c")])
-    sup.wait_log(r"job seq=1 subject=jobs\.new rejected by the handler")
+    sup.wait_event("rejected", seq=1)
 
     async def first_half(js):    # what a replay killed right after its PubAck has done
         letters, _ = await dlq.read_letters(js, DLQ, 10)
@@ -110,10 +118,9 @@ def test_replay_cut_short_between_publish_and_delete_queues_the_job_once(nats_se
 
 
 def test_replay_that_cannot_be_stored_keeps_the_dead_letter(nats_server, supervisor_factory):
-    sup = supervisor_factory(nats_server, workers={"count": 1, "handler": "uxhandlers:reject_unless_replayed"})
-    sup.wait_ready(1)
+    sup = rejecting(supervisor_factory, nats_server)
     publish_jobs(nats_server.url, [("d", "t-d")])
-    sup.wait_log(r"job seq=1 subject=jobs\.new rejected by the handler")
+    sup.wait_event("rejected", seq=1)
     r = dlq_cli(nats_server.url, "replay", "--all", "--subject", "nowhere.at.all")
     assert r.returncode == 4, r.stdout + r.stderr
     assert "dead letter 1: publishing to nowhere.at.all failed (no stream captures that subject); it stays in " \
@@ -136,12 +143,13 @@ def test_dlq_usage_errors_exit_2(nats_server, tmp_path):
 def test_a_job_that_keeps_failing_is_dead_lettered_after_the_default_max_deliver(nats_server, supervisor_factory):
     """consumer.max_deliver is finite by default (10): the server stops redelivering and the
     MAX_DELIVERIES advisory puts a copy in the dead letters, where `dlq list` shows it."""
-    sup = supervisor_factory(nats_server, workers={"count": 1, "handler": "uxhandlers:always_fail",
-                                                   "retry_backoff": [0.0]})
+    sup = supervisor_factory(nats_server, args=("--log-format", "json"),
+                             workers={"count": 1, "handler": "uxhandlers:always_fail", "retry_backoff": [0.0]})
     sup.wait_ready(1)
     publish_jobs(nats_server.url, [("e", "t-e")])
-    sup.wait_log(r"job seq=1 subject=jobs\.new dead-lettered to dlq\.jobs: max deliveries reached \(10\)")
+    letter_logged = sup.wait_event("dead_letter", seq=1)
+    assert (letter_logged["to"], letter_logged["reason"]) == ("dlq.jobs", "max deliveries reached (10)")
     [letter] = listed(nats_server.url)
     assert (letter["stream_seq"], letter["deliveries"], letter["reason"]) == (1, 10, "max deliveries reached (10)")
-    assert "seq=1 delivery=10" in sup.log() and "delivery=11" not in sup.log()
+    assert [e["delivery"] for e in sup.events("handler_failed", seq=1)] == list(range(1, 11))
     assert sup.stop() == 0

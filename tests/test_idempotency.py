@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import signal
@@ -33,20 +32,6 @@ async def js_call(url, fn):
         return await fn(nc.jetstream())
     finally:
         await nc.close()
-
-
-def events(sup) -> list[dict]:
-    out = []
-    for line in sup.log().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-def has_event(sup, name: str) -> bool:
-    return any(e.get("event") == name for e in events(sup))
 
 
 # ---------------------------------------------------------------- the guard's pure parts
@@ -244,7 +229,7 @@ def test_lease_keeps_a_redelivered_slow_job_from_running_twice(nats_server, supe
                      workers={"progress_pings": False}, idempotency={"enabled": guard})
     sup.wait_ready()
     publish(nats_server.url, count=1, data="4", tmp=tmp_path)
-    sup.wait_log(r"job seq=1 redelivered \(delivery 2\)")
+    sup.wait_event("redelivered", seq=1, delivery=2)
     wait_until(lambda: nats_server.stream_msgs() == 0, what="the job acked")
     wait_until(lambda: not sup.jobs.running(), what="every run finished")
     starts = sup.jobs.started()
@@ -262,7 +247,7 @@ def test_deleted_bucket_never_lets_a_job_run_unguarded(nats_server, supervisor_f
     asyncio.run(js_call(nats_server.url, lambda js: js.delete_key_value("JOBS_DONE")))
     publish(nats_server.url, count=3, data="0", tmp=tmp_path)
     wait_until(lambda: sup.status()["jobs"]["nak"] >= 6, what="every job NAKed, again and again")
-    assert has_event(sup, "idempotency_unavailable")
+    assert sup.events("idempotency_unavailable")
     assert sup.jobs.records() == [] and nats_server.stream_msgs() == 3
     # The bucket is back: the jobs run, once each.
     asyncio.run(js_call(nats_server.url, lambda js: js.create_key_value(bucket="JOBS_DONE", ttl=3600, history=1)))
@@ -278,7 +263,7 @@ def test_start_creates_bucket_warns_and_shows_the_window(nats_server, supervisor
     sup = idempotent(supervisor_factory, nats_server, workers={"double_ack": False},
                      idempotency={"enabled": True, "ttl": 60.0}, stream={"duplicate_window": 120.0})
     sup.wait_ready()
-    assert has_event(sup, "idempotency_ttl_short") and has_event(sup, "idempotency_no_double_ack")
+    assert sup.events("idempotency_ttl_short") and sup.events("idempotency_no_double_ack")
     info = asyncio.run(js_call(nats_server.url, lambda js: js.stream_info("KV_JOBS_DONE")))
     assert info.config.max_age == 60.0 and info.config.allow_msg_ttl and info.config.max_msgs_per_subject == 1
     block = sup.status()["idempotency"]
@@ -292,7 +277,7 @@ def test_start_creates_bucket_warns_and_shows_the_window(nats_server, supervisor
 def test_no_warning_when_settings_are_sound(nats_server, supervisor_factory):
     sup = idempotent(supervisor_factory, nats_server)
     sup.wait_ready()
-    assert not has_event(sup, "idempotency_ttl_short") and not has_event(sup, "idempotency_no_double_ack")
+    assert not sup.events("idempotency_ttl_short") and not sup.events("idempotency_no_double_ack")
     assert sup.stop() == 0
 
 

@@ -210,22 +210,24 @@ def test_a_config_roll_past_graceful_timeout_naks_the_running_job_once(nats_serv
 # ---------------------------------------------------------------- 5. a death while NATS is down
 
 def test_a_worker_dying_while_nats_is_down_is_naked_when_it_comes_back(nats_server, supervisor_factory):
-    sup = supervisor_factory(nats_server, workers={"count": 1}, consumer={"ack_wait": ACK_WAIT})
+    sup = supervisor_factory(nats_server, args=("--log-format", "json"), workers={"count": 1},
+                             consumer={"ack_wait": ACK_WAIT})
     sup.wait_ready(1)
     publish(nats_server.url, count=1, data="30")
     wait_until(lambda: sup.jobs.running(), what="the long job running")
     victim = sup.workers()[0]
     nats_server.proc.kill()                      # the server goes away; nobody can NAK now
     nats_server.proc.wait()
-    wait_until(lambda: "disconnected from NATS" in sup.log(), what="the parent sees it")
+    sup.wait_event("nats_disconnected", pid=sup.proc.pid)          # the parent sees it
     victim.send_signal(signal.SIGKILL)
-    wait_until(lambda: "died" in sup.log(), what="the death reaped while disconnected")
+    death = sup.wait_event("worker_died", worker_pid=victim.pid)  # reaped while disconnected
+    assert death["held"] == [1], death
     nats_server.start()                          # same port, same store
     t_back = time.monotonic()
     wait_until(lambda: any(r.delivery == 2 for r in sup.jobs.started()), timeout=30,
                what="the job redelivered after the server came back")
     assert time.monotonic() - t_back < ACK_WAIT / 3, "the held-back NAK was sent, not AckWait"
-    assert "NAK(s) held back while disconnected" in sup.log()
+    assert sum(e["count"] for e in sup.events("held_back_sent")) == 1
     assert sup.stop() == 0
 
 
@@ -279,11 +281,12 @@ def test_stop_marks_workers_draining_in_status(nats_server, supervisor_factory):
 def test_a_stop_while_workers_boot_is_not_a_crash(nats_server, supervisor_factory):
     """SIGTERM right after start: workers still booting die of our SIGTERM before they installed
     their handlers; that is a stop, not a crash (no crash in the ledger, exit 0)."""
-    sup = supervisor_factory(nats_server, workers={"count": 4})
+    sup = supervisor_factory(nats_server, args=("--log-format", "json"), workers={"count": 4})
     wait_until(lambda: len(sup.worker_pids()) == 4, what="workers forked")
     sup.signal(signal.SIGTERM)
     assert sup.wait() == 0
-    assert " died: " not in sup.log(), sup.log()[-2000:]
+    assert len(sup.events("worker_exited")) == 4, sup.log()[-2000:]
+    assert sup.events("worker_died") == [], sup.log()[-2000:]
 
 
 # ---------------------------------------------------------------- 11. in transit at a death

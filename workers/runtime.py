@@ -408,7 +408,8 @@ class Worker:
             await self.reject(i, job, exc.reason)
         elif isinstance(exc, Exception):
             log.error("worker %d: handler failed on seq=%d delivery=%d", self.spec.slot, job.stream_seq,
-                      job.delivery, exc_info=exc)
+                      job.delivery, exc_info=exc,
+                      extra={"event": "handler_failed", "seq": job.stream_seq, "delivery": job.delivery})
             delay = retry_delay(self.wcfg.retry_backoff, job.delivery)
             await self.settler.settle(i, job, nak_payload(delay), "nak", f"{type(exc).__name__}: {exc}"[:200])
         else:                            # SystemExit from a handler: a crash, not an outcome
@@ -426,7 +427,8 @@ class Worker:
             return
         await self.settler.settle(i, job, b"+TERM " + reason.encode()[:200], "term", reason)
         log.warning("worker %d: job seq=%d subject=%s rejected by the handler (TERM): %s", self.spec.slot,
-                    job.stream_seq, job.subject, reason, extra={"event": "rejected", "seq": job.stream_seq})
+                    job.stream_seq, job.subject, reason,
+                    extra={"event": "rejected", "seq": job.stream_seq, "subject": job.subject, "reason": reason})
 
     # -- reporting rare events to the parent
 
@@ -496,4 +498,5 @@ async def dead_letter(nc: Any, cfg: Any, job: Job, reason: str, extra: dict[str,
     else:
         await nc.publish(subject, job.data, headers=headers)
     dead_log.warning("job seq=%d subject=%s dead-lettered to %s: %s", job.stream_seq, job.subject, subject, reason,
-                     extra={"event": "dead_letter", "seq": job.stream_seq})
+                     extra={"event": "dead_letter", "seq": job.stream_seq, "subject": job.subject, "to": subject,
+                            "reason": reason})
