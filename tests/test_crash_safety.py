@@ -443,6 +443,59 @@ def test_an_ack_not_yet_fenced_is_kept_and_naked_at_death(nats_server, superviso
     assert sup.stop() == 0
 
 
+def test_an_ack_nats_py_refuses_while_reconnecting_is_sent_once_it_is_back(nats_server, supervisor_factory, tmp_path):
+    """The interleaving: a job ends while the server is down and nats-py refuses its ack
+    (reconnect buffer full: OutboundBufferLimitError, testhandlers.full_buffer_when_down_init).
+    The error used to kill the task that settles jobs: the ack never went, the job ran again
+    after AckWait with no crash to explain it, and the worker settled nothing more. Now the entry
+    is kept as an ack to send again; once the server is back it is acked within seconds (AckWait
+    60 s), ran once, and the worker goes on working."""
+    gate = tmp_path / "finish"
+    sup = supervisor_factory(nats_server, workers={"count": 1, "init": "testhandlers:full_buffer_when_down_init"},
+                             consumer={"ack_wait": ACK_WAIT}, args=JSON_LOGS)
+    sup.wait_ready(1)
+    publish(nats_server.url, count=1, data=f"until:{gate}")
+    [job] = wait_until(lambda: sup.jobs.running(), what="the job running")
+    nats_server.stop()
+    sup.wait_event("nats_disconnected", pid=job.pid)                # the worker knows it is down
+    gate.touch()                                                    # the job ends now, offline
+    unsent = sup.wait_event("settle_unsent", seq=job.seq)
+    assert (unsent["outcome"], unsent["error"]) == ("ack", "OutboundBufferLimitError"), unsent
+    nats_server.start()
+    back = time.monotonic()
+    wait_until(lambda: nats_server.stream_msgs() == 0, timeout=ACK_WAIT / 3, what="the refused ack sent after the reconnect")
+    assert time.monotonic() - back < ACK_WAIT / 3
+    publish(nats_server.url, count=1, data="0")                     # the worker still settles jobs
+    wait_until(lambda: nats_server.stream_msgs() == 0 and len(sup.jobs.done()) == 2, what="the next job done and acked")
+    assert [(r.seq, r.delivery) for r in sup.jobs.started()] == [(job.seq, 1), (job.seq + 1, 1)], "nothing ran twice"
+    assert nats_server.consumer()["num_redelivered"] == 0
+    assert sup.worker_pids() == {job.pid} and sup.status()["crosscheck"]["crashes"] == 0
+    assert sup.stop() == 0
+
+
+def test_a_failing_settle_path_crashes_the_worker_so_its_job_comes_back(nats_server, supervisor_factory):
+    """A bug in the settle path (testhandlers.finish_fails_init raises in Worker.finish) used to
+    kill that task quietly: the job stayed held by a live worker that would never settle it, until
+    AckWait. Now the worker exits as crashed: the parent NAKs the job, it comes back within
+    seconds (AckWait 60 s) and the death explains the rerun."""
+    sup = supervisor_factory(nats_server, workers={"count": 1, "init": "testhandlers:finish_fails_init"},
+                             consumer={"ack_wait": ACK_WAIT}, args=JSON_LOGS)
+    sup.wait_ready(1)
+    publish(nats_server.url, count=1, data="finish-fails:0")
+    first = wait_until(lambda: sup.jobs.done(), what="the handler done")[0]
+    failed = sup.wait_event("worker_task_failed", pid=first.pid)
+    assert "the settle path failing on purpose" in failed["exception"]
+    death = sup.wait_event("worker_died", worker_pid=first.pid)
+    assert death["held"] == [first.seq] and death["naked"] == [first.seq], death
+    again = wait_until(lambda: [r for r in sup.jobs.done() if r.delivery == 2], timeout=ACK_WAIT / 3,
+                       what="the job back long before AckWait")[0]
+    assert again.seq == first.seq and again.pid != first.pid
+    wait_until(lambda: nats_server.stream_msgs() == 0, what="the job acked in the end")
+    cc = wait_until(lambda: (c := sup.status()["crosscheck"]) and not c["outstanding"] and c, what="ledger settled")
+    assert cc["crashes"] == 1 and cc["unexplained_redeliveries"] == 0, cc
+    assert sup.stop() == 0
+
+
 def test_inbox_tap_does_not_leave_a_dead_workers_job_to_ack_wait(nats_server, supervisor_factory):
     """Something subscribed to '_INBOX.>' keeps a dead worker's pull request alive, so the server
     hands the job the parent NAKed straight back to it. The parent NAKs once more when nobody

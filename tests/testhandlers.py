@@ -116,6 +116,42 @@ def die_after_ack_init() -> None:
     settling.Settler.settle = settle
 
 
+def full_buffer_when_down_init() -> None:
+    """Fault hook (workers.init): while the worker's connection is down its reconnect buffer is
+    full, so a settle published then is refused by nats-py's own check (OutboundBufferLimitError,
+    raised from its real state: only the limit is set here)."""
+    from workers import settle as settling
+
+    original = settling.Settler.publish
+
+    async def publish(self, i, payload):
+        nc = self.owner.nc
+        saved = nc._max_pending_size
+        if not nc.is_connected:
+            nc._max_pending_size = 1
+        try:
+            return await original(self, i, payload)
+        finally:
+            nc._max_pending_size = saved
+
+    settling.Settler.publish = publish
+
+
+def finish_fails_init() -> None:
+    """Fault hook (workers.init): settling the first delivery of a "finish-fails" job raises, as a
+    bug in the settle path would: the task that settles jobs dies with it."""
+    from workers import runtime
+
+    original = runtime.Worker.finish
+
+    async def finish(self, i, job, exc, elapsed):
+        if job.data.startswith(b"finish-fails") and job.delivery == 1:
+            raise RuntimeError("the settle path failing on purpose")
+        await original(self, i, job, exc, elapsed)
+
+    runtime.Worker.finish = finish
+
+
 NOT_CALLABLE = 42
 
 

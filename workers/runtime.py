@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -216,12 +216,12 @@ class Worker:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
         loop.add_signal_handler(signal.SIGUSR1, self.on_sigusr1)
-        settling = asyncio.ensure_future(self.settler.run())
-        tasks = [asyncio.ensure_future(c) for c in (self.heartbeat(), self.liveness(), self.pulls.run())]
+        settling = self.essential(self.settler.run())
+        tasks = [self.essential(c) for c in (self.heartbeat(), self.liveness(), self.pulls.run())]
         if self.is_async:
-            self.runners = [asyncio.ensure_future(self.runner()) for _ in range(self.wcfg.concurrency)]
+            self.runners = [self.essential(self.runner()) for _ in range(self.wcfg.concurrency)]
         else:
-            self.runners = [asyncio.ensure_future(c) for c in (self.runner(), self.threads.finisher())]
+            self.runners = [self.essential(c) for c in (self.runner(), self.threads.finisher())]
             self.threads.start_threads(loop)
         self.table.set_state(slots.READY)
         self.emit(ev="ready")
@@ -236,6 +236,21 @@ class Worker:
             await self.guard.close()   # leases of jobs we did not finish: free for their redelivery
         await self.close_connection()
         return EXIT_DRAINED
+
+    def essential(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """A task the worker cannot do without. If one fails, the worker exits as crashed: the
+        parent NAKs what it held and the death explains the reruns. Carrying on would keep those
+        jobs (and the slot) until AckWait with nobody left to settle them."""
+        task = asyncio.ensure_future(coro)
+        task.add_done_callback(self.essential_ended)
+        return task
+
+    def essential_ended(self, task: asyncio.Future) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("worker %d: an essential task failed; exiting so the supervisor NAKs its jobs", self.spec.slot,
+                  exc_info=task.exception(), extra={"event": "worker_task_failed"})
+        os._exit(EXIT_CRASHED)
 
     def on_sigterm(self) -> None:
         if os.getppid() != self.spec.parent_pid:

@@ -5,6 +5,11 @@ nats-py's publish only queues bytes and flush() does not fence earlier publishes
 an acked entry stays ACKED in the slot table (the parent NAKs it if we die: a NAK after an ack is
 a no-op) until `confirm` has fenced the connection it was sent on. Fences are coalesced: at most
 one per SETTLE_MIN_INTERVAL, whatever the job rate.
+
+A publish can also fail outright: nats-py raises while it reconnects with its reconnect buffer
+full (OutboundBufferLimitError), or once the connection is closed. The job is done by then, so
+the entry is kept as if its ack had been sent on a dead connection: `confirm` sends it after the
+reconnect, and if the worker dies first the parent NAKs it (the death explains the rerun).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any, Protocol
+
+import nats.errors
 
 from . import Job, slots
 from .slots import SlotTable
@@ -23,6 +30,7 @@ SETTLE_MIN_INTERVAL = 0.002  # coalesce ack-confirming flushes to at most one pe
 OUTCOME_COUNTERS = {"ack": slots.ACKED_N, "duplicate": slots.DUPLICATE_N, "nak": slots.NAKED_N,
                     "term": slots.TERMED_N}
 ACKS = ("ack", "duplicate")
+UNSENT = -1                  # the generation of a settle whose publish raised: no connection has it
 
 
 class Owner(Protocol):
@@ -44,12 +52,13 @@ class Settler:
         self.unconfirmed: list[tuple[int, int, bool]] = []
         self.closing = False
         self.wake_settle = asyncio.Event()
+        self.unsent_why = ""             # the error of the last publish nats-py refused
 
     async def ack(self, i: int, job: Job, outcome: str = "ack") -> None:
         w = self.owner
         if self.double_ack:
             try:
-                await w.nc.request(self.reply_of(i), b"+ACK", timeout=5.0)
+                await w.nc.request(self.replies[i], b"+ACK", timeout=5.0)
             except Exception as exc:
                 log.warning("worker %d: double ack of seq=%d not confirmed: %s", self.slot, job.stream_seq, exc)
             else:
@@ -62,12 +71,27 @@ class Settler:
     async def settle(self, i: int, job: Job, payload: bytes, outcome: str, reason: str) -> None:
         """Publish the ack/nak/term and keep the entry until a flush confirms it."""
         w = self.owner
-        await w.nc.publish(self.reply_of(i), payload)
+        generation = await self.publish(i, payload)
+        if generation == UNSENT:
+            log.warning("worker %d: %s of seq=%d not sent (%s); %s", self.slot, outcome, job.stream_seq,
+                        self.unsent_why, "sent again once NATS is back" if outcome in ACKS else
+                        "the job comes back after AckWait", extra={"event": "settle_unsent", "seq": job.stream_seq,
+                                                                    "outcome": outcome, "error": self.unsent_why})
         w.table.mark(i, slots.ACKED if outcome in ACKS else slots.SETTLED)
         w.table.count(OUTCOME_COUNTERS[outcome])
         self.report(job, outcome, reason)
-        self.unconfirmed.append((i, w.nc.stats["reconnects"], outcome in ACKS))
+        self.unconfirmed.append((i, generation, outcome in ACKS))
         self.wake_settle.set()
+
+    async def publish(self, i: int, payload: bytes) -> int:
+        """Send a settle; the connection generation it went out on, or UNSENT if nats-py refused it."""
+        nc = self.owner.nc
+        try:
+            await nc.publish(self.replies[i], payload)
+        except nats.errors.Error as exc:
+            self.unsent_why = type(exc).__name__
+            return UNSENT
+        return nc.stats["reconnects"]
 
     def report(self, job: Job, outcome: str, reason: str) -> None:
         # Only what explains a future redelivery (or follows one) goes to the parent: acks of
@@ -76,9 +100,6 @@ class Settler:
             if outcome == "duplicate":   # the parent's ledger knows acks, naks and terms
                 outcome, reason = "ack", "duplicate: already done"
             self.owner.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome=outcome, reason=reason)
-
-    def reply_of(self, i: int) -> str:
-        return self.replies[i]
 
     async def run(self) -> None:
         while not self.closing:
@@ -113,8 +134,7 @@ class Settler:
         current = w.nc.stats["reconnects"]
         for i, generation, was_ack in batch:
             if generation != current and was_ack:
-                await w.nc.publish(self.replies[i], b"+ACK")
-                self.unconfirmed.append((i, current, True))
+                self.unconfirmed.append((i, await self.publish(i, b"+ACK"), True))
             else:
                 w.table.release(i)
         w.wake_pull.set()
