@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workers import slots
-from workers.runtime import CHILD_EXIT_REASONS, ChildSpec
+from workers.runtime import CHILD_EXIT_REASONS, EXIT_CONNECT_FAILED, ChildSpec
 
 from . import liveness
 from .config import Config
@@ -290,6 +290,11 @@ class Arbiter:
                 self.peers.announce(seq, f"NAKed by a worker at delivery {delivery}")
             elif delivery > 1:
                 self.peers.settled(seq, delivery, outcome)
+        elif kind == "unsent":             # nats-py refused its ack/NAK/TERM: the job may come back
+            seq, delivery = int(event["seq"]), int(event["delivery"])
+            why = f"its {event['outcome']} by worker {w.slot} (pid {w.pid}) was not sent ({event['error']})"
+            self.ledger.expect(seq, why, delivery)
+            self.peers.announce(seq, why)
         elif kind == "recycle_due":        # its last job has started: start its replacement
             w.recycle_reason = f"ran {event['jobs']} jobs (workers.max_jobs)"
             w.last_job_started = True
@@ -325,7 +330,8 @@ class Arbiter:
             finished = w.jobs_finished          # read before forget() unmaps its table
             self.forget(w)
             if not clean:
-                self.pool.plan_restart(w, cause, finished, bool(self.stopping))
+                nats_down = code == EXIT_CONNECT_FAILED and not (self.nc and self.nc.is_connected)
+                self.pool.plan_restart(w, cause, finished, bool(self.stopping), nats_down)
 
     @staticmethod
     def exited_cleanly(w: WorkerProcess) -> bool:

@@ -267,3 +267,16 @@ def test_ack_wait_for_follows_the_server(backoff, delivery, expected):
 ])
 def test_a_nak_near_the_end_of_ack_wait_is_not_sent(ack_wait, age, safe):
     assert nak_is_safe(100.0 + age, 100.0, ack_wait) is safe
+
+
+def test_workers_that_cannot_reach_nats_during_an_outage_do_not_halt_the_supervisor():
+    """While the supervisor itself cannot reach NATS, a replacement worker that cannot either is
+    the outage, not a crash loop: it backs off like any boot death, and the halt never comes."""
+    policy = RestartPolicy(initial=0.1, maximum=2.0, boot_failures_to_halt=3)
+    delays = [policy.died(float(t), 0, "exit code 4: cannot reach NATS or bind the consumer", None, 0, nats_down=True)
+              for t in range(20)]
+    assert delays[:5] == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6]) and max(delays) == 2.0
+    assert not policy.halted and policy.boot.count == 0
+    for t in range(3):             # the same death with NATS up is the worker's: it counts
+        policy.died(30.0 + t, 0, "exit code 4: cannot reach NATS or bind the consumer", None, 0)
+    assert policy.halted

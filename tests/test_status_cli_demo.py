@@ -2,6 +2,7 @@
 real supervisors; the rendering of odd /status states (stale poll, dead workers' jobs) as a unit."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -207,13 +208,21 @@ def test_demo_runs_the_seed_scenario_and_exits_0(tmp_path):
     r = run_cli("demo", tmp=tmp_path, timeout=DEADLINE)
     out = r.stdout
     assert r.returncode == 0, out + r.stderr
-    assert "CRASHED (exit code 13) holding job-06 (seq 6), no ack; the supervisor NAKed it at once" in out, out
-    assert "got job-06 again (seq 6, delivery #2)" in out and "ms after the crash" in out, out
-    assert "restarted: pid" in out, out
-    assert "deliveries=31 unique=30 redelivered=1  (workers acked 30)" in out, out
+    # The crashing worker holds job-06, and on a loaded box also the job it had buffered to hide
+    # a slow pull round trip (workers/pulls.py): every job it held is named, NAKed and back.
+    crash = re.search(r"CRASHED \(exit code 13\) holding (job-06 \(seq 6\)(?:, job-\d\d \(seq \d+\))*), no ack; "
+                      r"the supervisor NAKed (it|\d+) at once", out)
+    assert crash, out
+    held = re.findall(r"job-(\d\d) \(seq (\d+)\)", crash.group(1))
+    n = len(held)
+    assert n <= 3 and crash.group(2) == ("it" if n == 1 else str(n)), out
+    for name, seq in held:
+        assert f"got job-{name} again (seq {seq}, delivery #2)" in out, out
+    assert "ms after the crash" in out and "restarted: pid" in out, out
+    assert f"deliveries={30 + n} unique=30 redelivered={n}  (workers acked 30)" in out, out
     assert "redelivered= counts jobs in flight that had been delivered before" in out, out
-    assert "delivered= counts deliveries, not jobs: 31 for 30 jobs; the extra 1 is the redelivery" in out, out
-    assert ("cross-check: crashes=1 held at crash=1 NAKed=1 redelivered=1 acked after crash=1 unexplained=0 "
+    assert f"delivered= counts deliveries, not jobs: {30 + n} for 30 jobs; the extra {n} " in out, out
+    assert (f"cross-check: crashes=1 held at crash={n} NAKed={n} redelivered={n} acked after crash={n} unexplained=0 "
             "outstanding=0") in out, out
     assert "stream JOBS: 0 message(s) left" in out and "one worker needs about 6.0 s" in out, out
     assert out.rstrip().splitlines()[-1].startswith("PASS: every job acked (30/30)"), out

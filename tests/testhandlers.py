@@ -118,23 +118,22 @@ def die_after_ack_init() -> None:
 
 def full_buffer_when_down_init() -> None:
     """Fault hook (workers.init): while the worker's connection is down its reconnect buffer is
-    full, so a settle published then is refused by nats-py's own check (OutboundBufferLimitError,
-    raised from its real state: only the limit is set here)."""
-    from workers import settle as settling
+    full, so whatever it publishes then (acks, pull requests) is refused by nats-py's own check
+    (OutboundBufferLimitError, raised from its real state: only the limit is set here)."""
+    from supervisor import natsfix
 
-    original = settling.Settler.publish
+    original = natsfix.Client.publish
 
-    async def publish(self, i, payload):
-        nc = self.owner.nc
-        saved = nc._max_pending_size
-        if not nc.is_connected:
-            nc._max_pending_size = 1
+    async def publish(self, *args, **kwargs):
+        if self.is_connected:
+            return await original(self, *args, **kwargs)
+        saved, self._max_pending_size = self._max_pending_size, 1
         try:
-            return await original(self, i, payload)
+            return await original(self, *args, **kwargs)
         finally:
-            nc._max_pending_size = saved
+            self._max_pending_size = saved
 
-    settling.Settler.publish = publish
+    natsfix.Client.publish = publish
 
 
 def finish_fails_init() -> None:

@@ -17,6 +17,7 @@ from nats.js.api import Header
 
 from .modes import SERVING
 from .pulls import PullSizer
+from .settle import REFUSED
 from .slots import SlotTable
 
 log = logging.getLogger("worker")
@@ -52,6 +53,7 @@ class Puller:
         self.backlog = False             # the last message said more were pending
         self.received = 0                # messages received, ever (max_jobs caps what we ask for)
         self.last_refusal = ("", 0.0)
+        self.unsent = False              # nats-py refused our last pull request
 
     async def run(self) -> None:
         """Pull while the worker is SERVING."""
@@ -59,22 +61,39 @@ class Puller:
         while w.mode == SERVING:
             self.expire_lost_pull()
             n = self.pull_size()
-            if n > 0:
-                now = time.monotonic()
-                # Nothing else on its way and a backlog to serve it at once: its first message
-                # times a round trip (a request the server holds until a publish times nothing).
-                self.pull_sent = now if not self.credits and self.backlog else 0.0
-                self.credits += n
-                w.table.set_credits(self.credits)
-                self.pull_deadline = now + PULL_EXPIRES
-                body = b'{"batch":%d,"expires":%d}' % (n, int(PULL_EXPIRES * 1e9))
-                await w.nc.publish(self.next_subject, body, reply=self.inbox)
+            if n > 0 and await self.request(n):
                 continue
-            w.wake_pull.clear()
+            w.wake_pull.clear()       # a reconnect, a free entry or a finished job wakes us
             try:
                 await asyncio.wait_for(w.wake_pull.wait(), PULL_EXPIRES)
             except TimeoutError:
                 pass
+
+    async def request(self, n: int) -> bool:
+        """Ask for `n` messages; False when nats-py refused the request (REFUSED: reconnecting with
+        its buffer full, closed): nothing is on its way, and the next try waits for a wake-up."""
+        w = self.owner
+        now = time.monotonic()
+        # Nothing else on its way and a backlog to serve it at once: its first message
+        # times a round trip (a request the server holds until a publish times nothing).
+        self.pull_sent = now if not self.credits and self.backlog else 0.0
+        self.credits += n
+        w.table.set_credits(self.credits)
+        deadline, self.pull_deadline = self.pull_deadline, now + PULL_EXPIRES
+        body = b'{"batch":%d,"expires":%d}' % (n, int(PULL_EXPIRES * 1e9))
+        try:
+            await w.nc.publish(self.next_subject, body, reply=self.inbox)
+        except REFUSED as exc:
+            self.credits -= n
+            w.table.set_credits(self.credits)
+            self.pull_deadline = deadline
+            if not self.unsent:          # once per outage: it is retried every PULL_EXPIRES
+                log.info("worker %d: pull request not sent (%s); asking again once NATS takes it", self.slot,
+                         type(exc).__name__, extra={"event": "pull_unsent", "error": type(exc).__name__})
+            self.unsent = True
+            return False
+        self.unsent = False
+        return True
 
     def forget(self) -> None:
         """No request of ours is live any more (a new connection, or the worker is done pulling)."""

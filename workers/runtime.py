@@ -242,14 +242,16 @@ class Worker:
         parent NAKs what it held and the death explains the reruns. Carrying on would keep those
         jobs (and the slot) until AckWait with nobody left to settle them."""
         task = asyncio.ensure_future(coro)
+        task.set_name(getattr(coro, "__qualname__", repr(coro)))
         task.add_done_callback(self.essential_ended)
         return task
 
-    def essential_ended(self, task: asyncio.Future) -> None:
+    def essential_ended(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
             return
-        log.error("worker %d: an essential task failed; exiting so the supervisor NAKs its jobs", self.spec.slot,
-                  exc_info=task.exception(), extra={"event": "worker_task_failed"})
+        name = task.get_name()
+        log.error("worker %d: %s failed; exiting so the supervisor NAKs its jobs", self.spec.slot, name,
+                  exc_info=task.exception(), extra={"event": "worker_task_failed", "task": name})
         os._exit(EXIT_CRASHED)
 
     def on_sigterm(self) -> None:

@@ -7,9 +7,10 @@ a no-op) until `confirm` has fenced the connection it was sent on. Fences are co
 one per SETTLE_MIN_INTERVAL, whatever the job rate.
 
 A publish can also fail outright: nats-py raises while it reconnects with its reconnect buffer
-full (OutboundBufferLimitError), or once the connection is closed. The job is done by then, so
-the entry is kept as if its ack had been sent on a dead connection: `confirm` sends it after the
-reconnect, and if the worker dies first the parent NAKs it (the death explains the rerun).
+full (OutboundBufferLimitError), or once the connection is closed (REFUSED). The job is done by
+then, so the entry is kept as if its ack had been sent on a dead connection: `confirm` sends it
+after the reconnect, and if the worker exits first the parent NAKs it. The parent is told either
+way (`unsent`), so if the job comes back its ledger explains the rerun.
 """
 
 from __future__ import annotations
@@ -26,11 +27,16 @@ from .slots import SlotTable
 log = logging.getLogger("worker")
 
 SETTLE_MIN_INTERVAL = 0.002  # coalesce ack-confirming flushes to at most one per this period
+FENCE_RETRY = 1.0            # seconds after a failed fence before the next try
 # Slot-table counter per outcome; a duplicate is acked without running its handler ([idempotency]).
 OUTCOME_COUNTERS = {"ack": slots.ACKED_N, "duplicate": slots.DUPLICATE_N, "nak": slots.NAKED_N,
                     "term": slots.TERMED_N}
 ACKS = ("ack", "duplicate")
 UNSENT = -1                  # the generation of a settle whose publish raised: no connection has it
+# What nats-py raises for a publish it cannot take now: reconnecting with its reconnect buffer
+# full, closed, or draining. Anything else is a bug, and crashes the worker (Worker.essential).
+REFUSED = (nats.errors.OutboundBufferLimitError, nats.errors.ConnectionClosedError,
+           nats.errors.ConnectionDrainingError)
 
 
 class Owner(Protocol):
@@ -52,7 +58,6 @@ class Settler:
         self.unconfirmed: list[tuple[int, int, bool]] = []
         self.closing = False
         self.wake_settle = asyncio.Event()
-        self.unsent_why = ""             # the error of the last publish nats-py refused
 
     async def ack(self, i: int, job: Job, outcome: str = "ack") -> None:
         w = self.owner
@@ -71,27 +76,32 @@ class Settler:
     async def settle(self, i: int, job: Job, payload: bytes, outcome: str, reason: str) -> None:
         """Publish the ack/nak/term and keep the entry until a flush confirms it."""
         w = self.owner
-        generation = await self.publish(i, payload)
-        if generation == UNSENT:
-            log.warning("worker %d: %s of seq=%d not sent (%s); %s", self.slot, outcome, job.stream_seq,
-                        self.unsent_why, "sent again once NATS is back" if outcome in ACKS else
-                        "the job comes back after AckWait", extra={"event": "settle_unsent", "seq": job.stream_seq,
-                                                                    "outcome": outcome, "error": self.unsent_why})
+        generation, refused = await self.publish(i, payload)
         w.table.mark(i, slots.ACKED if outcome in ACKS else slots.SETTLED)
         w.table.count(OUTCOME_COUNTERS[outcome])
         self.report(job, outcome, reason)
+        if refused:
+            self.unsent(job, outcome, refused)
         self.unconfirmed.append((i, generation, outcome in ACKS))
         self.wake_settle.set()
 
-    async def publish(self, i: int, payload: bytes) -> int:
-        """Send a settle; the connection generation it went out on, or UNSENT if nats-py refused it."""
+    async def publish(self, i: int, payload: bytes) -> tuple[int, str]:
+        """Send a settle: (the connection generation it went out on, ""), or (UNSENT, the error)
+        when nats-py refused it."""
         nc = self.owner.nc
         try:
             await nc.publish(self.replies[i], payload)
-        except nats.errors.Error as exc:
-            self.unsent_why = type(exc).__name__
-            return UNSENT
-        return nc.stats["reconnects"]
+        except REFUSED as exc:
+            return UNSENT, type(exc).__name__
+        return nc.stats["reconnects"], ""
+
+    def unsent(self, job: Job, outcome: str, error: str) -> None:
+        """An ack is sent again once a fence works; a NAK or TERM is not (see confirm). Either way
+        the job may come back, after AckWait: the parent is told, so its ledger explains that."""
+        log.warning("worker %d: %s of seq=%d not sent (%s); %s", self.slot, outcome, job.stream_seq, error,
+                    "sent again once NATS is back" if outcome in ACKS else "the job comes back after AckWait",
+                    extra={"event": "settle_unsent", "seq": job.stream_seq, "outcome": outcome, "error": error})
+        self.owner.emit(ev="unsent", seq=job.stream_seq, delivery=job.delivery, outcome=outcome, error=error)
 
     def report(self, job: Job, outcome: str, reason: str) -> None:
         # Only what explains a future redelivery (or follows one) goes to the parent: acks of
@@ -108,20 +118,21 @@ class Settler:
             await self.confirm()
             if not self.closing:
                 await asyncio.sleep(SETTLE_MIN_INTERVAL)
-        await self.confirm()
+        while self.unconfirmed and await self.confirm():
+            pass                         # acks sent again by a round are fenced by the next
 
     def close(self) -> None:
         """run() fences what is left and returns."""
         self.closing = True
         self.wake_settle.set()
 
-    async def confirm(self) -> None:
+    async def confirm(self) -> bool:
         """A fence (supervisor/natsfix.py) proves the server has read every ack sent before it on
         the same connection. An ack sent on a connection that has died since is sent again (acking
         twice is harmless); a NAK or TERM is not, since by now it could hit another worker's
         delivery of the job: if it was lost, the job comes back after AckWait."""
         if not self.unconfirmed:
-            return
+            return False
         w = self.owner
         batch, self.unconfirmed = self.unconfirmed, []
         try:
@@ -130,16 +141,20 @@ class Settler:
             log.warning("worker %d: fence failed (%s); acks stay unconfirmed", self.slot,
                         exc or type(exc).__name__)
             self.unconfirmed = batch + self.unconfirmed
-            return
+            # A reconnect wakes us (Worker.reconnected); a fence that timed out on a live link must
+            # not leave an idle worker's acks unconfirmed until its next job.
+            asyncio.get_running_loop().call_later(FENCE_RETRY, self.wake_settle.set)
+            return False
         current = w.nc.stats["reconnects"]
         for i, generation, was_ack in batch:
             if generation != current and was_ack:
-                self.unconfirmed.append((i, await self.publish(i, b"+ACK"), True))
+                self.unconfirmed.append((i, (await self.publish(i, b"+ACK"))[0], True))
             else:
                 w.table.release(i)
         w.wake_pull.set()
         if self.unconfirmed:
             self.wake_settle.set()
+        return True
 
 
 def nak_payload(delay: float) -> bytes:
