@@ -111,6 +111,8 @@ class Arbiter:
             if self.stopping and not self.living():
                 break
             await self.deaths.send_held_back()
+            if self.nc and self.nc.is_connected:
+                self.pool.nats_back(time.monotonic())
             await self.watch.inspect(self.living())
             if self.ever_all_ready and self.notifier and self.pool.ready_count() > 0:
                 self.notifier.watchdog()     # only while a worker serves: systemd restarts a pool that cannot
@@ -293,7 +295,7 @@ class Arbiter:
         elif kind == "unsent":             # nats-py refused its ack/NAK/TERM: the job may come back
             seq, delivery = int(event["seq"]), int(event["delivery"])
             why = f"its {event['outcome']} by worker {w.slot} (pid {w.pid}) was not sent ({event['error']})"
-            self.ledger.expect(seq, why, delivery)
+            self.ledger.expect(seq, why, delivery, retroactive=False)
             self.peers.announce(seq, why)
         elif kind == "recycle_due":        # its last job has started: start its replacement
             w.recycle_reason = f"ran {event['jobs']} jobs (workers.max_jobs)"
@@ -330,7 +332,9 @@ class Arbiter:
             finished = w.jobs_finished          # read before forget() unmaps its table
             self.forget(w)
             if not clean:
-                nats_down = code == EXIT_CONNECT_FAILED and not (self.nc and self.nc.is_connected)
+                # Reconnecting, not closed: a connection closed for good (credentials revoked) is
+                # no outage to wait out, and its crash loop must still halt.
+                nats_down = code == EXIT_CONNECT_FAILED and bool(self.nc and self.nc.is_reconnecting)
                 self.pool.plan_restart(w, cause, finished, bool(self.stopping), nats_down)
 
     @staticmethod

@@ -91,7 +91,7 @@ class Deaths:
             self.ledger.record_death(now, w.slot, w.pid, cause, held, in_transit=w.table.header(slots.CREDITS),
                                      job_to_blame=not w.kill_reason.startswith(("SIGQUIT", "killed: still draining")))
         for e, n in zip(entries, nak):
-            if n and clean:   # no death in the ledger to explain it: the backstop NAK itself does
+            if clean:         # no death in the ledger: what it left (NAKed now, or after AckWait) explains its rerun
                 self.ledger.expect(e.stream_seq, f"left {slots.ENTRY_STATES[e.state]} by worker {w.slot} "
                                                  f"(pid {w.pid}) when it exited", e.delivery)
             if n:     # peers first: the redelivery our NAK causes may land on another host

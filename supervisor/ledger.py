@@ -146,11 +146,12 @@ class CrashLedger:
             self._open.setdefault(job.seq, []).append((death, job))
         return death
 
-    def expect(self, seq: int, why: str, delivery: int = 0) -> bool:
+    def expect(self, seq: int, why: str, delivery: int = 0, retroactive: bool = True) -> bool:
         """A NAK (handler failure, Retry, drain, a peer's dead worker): the next delivery of
         `seq` is explained. A redelivery already seen and held as a suspect is explained now
-        (returns True)."""
-        late = sorted(d for s, d in self._suspects if s == seq and d > delivery)
+        (returns True), unless `retroactive` is False: what happened after it cannot be its cause
+        (a worker's ack refused after the job had already come back to another worker)."""
+        late = sorted(d for s, d in self._suspects if s == seq and d > delivery) if retroactive else []
         if late:                            # a NAK of delivery N explains only deliveries after N
             t = self._suspects.pop((seq, late[0]))
             self.counts["explained_redeliveries"] += 1

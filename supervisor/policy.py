@@ -130,8 +130,8 @@ class RestartPolicy:
     def died(self, t: float, slot: int, cause: str, ready_for: float | None, jobs_finished: int,
              nats_down: bool = False) -> float:
         """A worker died (not a clean exit); returns how long its slot waits before a restart.
-        `nats_down`: it could not reach NATS while the supervisor cannot either. That is the
-        outage, not the worker: it backs off but does not count towards the boot halt, or a
+        `nats_down`: it could not reach NATS while the supervisor is reconnecting too. That is
+        the outage, not the worker: it backs off but does not count towards the boot halt, or a
         worker dying during a long outage would stop the whole supervisor (exit 5)."""
         self.rate.died(t, cause)
         if ready_for is None and not nats_down:

@@ -41,6 +41,7 @@ class Pool:
         self.retiring: list[WorkerProcess] = []
         self.replacing: dict[int, WorkerProcess] = {}     # slot -> old worker awaiting its replacement's ready
         self.restart_at: dict[int, float] = {}             # slot -> when its dead worker's successor may start
+        self.waiting_for_nats: set[int] = set()            # slots whose worker could not reach NATS in an outage
         self.last_rss_check = 0.0
 
     def living(self) -> list[WorkerProcess]:
@@ -69,6 +70,14 @@ class Pool:
         for slot in range(self.target):
             if slot not in self.slots and self.restart_at.get(slot, 0.0) <= now:
                 self.spawn(slot)
+
+    def nats_back(self, now: float) -> None:
+        """NATS is reachable again: slots backing off because their workers could not reach it
+        start now, not at the end of a backoff the outage grew."""
+        for slot in self.waiting_for_nats:
+            if slot in self.restart_at:
+                self.restart_at[slot] = min(self.restart_at[slot], now)
+        self.waiting_for_nats.clear()
 
     def spawn(self, slot: int) -> WorkerProcess | None:
         table = SlotTable(self.table_entries(), self.reply_bytes())
@@ -194,6 +203,8 @@ class Pool:
         if w.retiring or w.slot >= self.target:
             return
         self.restart_at[w.slot] = now + delay
+        if nats_down:
+            self.waiting_for_nats.add(w.slot)
         self.stats.restarted(w.slot)
         log.info("restarting worker %d in %.2fs", w.slot, delay,
                  extra={"event": "worker_restart_planned", "slot": w.slot, "worker_pid": w.pid, "delay": delay})

@@ -202,6 +202,17 @@ def test_a_peer_nak_arriving_after_the_redelivery_explains_it():
     assert led.redelivered(FAR, 7, 3) == ""
 
 
+def test_a_refused_ack_explains_a_later_redelivery_not_an_earlier_one():
+    """A worker's ack refused by nats-py (ev unsent) explains the job coming back after it; a
+    redelivery already seen before it (AckWait ran out while the job still ran) stays unexplained."""
+    led = make()
+    assert led.redelivered(10.0, 5, 2) == ""                    # AckWait too short: a suspect
+    assert led.expect(5, "its ack was not sent", 1, retroactive=False) is False
+    assert [(r.seq, r.delivery) for r in confirm(led)] == [(5, 2)]
+    led.expect(6, "its ack was not sent", 1, retroactive=False)
+    assert led.redelivered(11.0, 6, 2) == "its ack was not sent"
+
+
 def test_suspects_are_confirmed_each_after_its_own_grace():
     led = make()
     led.redelivered(10.0, 1, 2)

@@ -234,10 +234,12 @@ def test_a_worker_dying_while_nats_is_down_is_naked_when_it_comes_back(nats_serv
 def test_replacements_that_cannot_reach_a_down_server_do_not_halt_the_supervisor(nats_server, supervisor_factory):
     """A worker dies while NATS is down; every replacement dies too, unable to connect. With
     restart.boot_failures_to_halt = 3 that used to halt the supervisor (exit 5) a few seconds into
-    the outage. The outage is not a crash loop: the slot backs off and comes back with the server,
-    and the job the dead worker held runs."""
+    the outage. The outage is not a crash loop: the slot backs off, and starts as soon as the
+    server is back (not at the end of a backoff the outage grew), and the job the dead worker
+    held runs."""
     sup = supervisor_factory(nats_server, args=("--log-format", "json"), workers={"count": 1},
-                             consumer={"ack_wait": ACK_WAIT}, restart={"boot_failures_to_halt": 3})
+                             consumer={"ack_wait": ACK_WAIT},
+                             restart={"boot_failures_to_halt": 3, "backoff_initial": 0.5, "backoff_max": 30.0})
     sup.wait_ready(1)
     publish(nats_server.url, count=1, data="long-once:30")
     [job] = wait_until(lambda: sup.jobs.running(), what="the long job running")
@@ -245,11 +247,14 @@ def test_replacements_that_cannot_reach_a_down_server_do_not_halt_the_supervisor
     sup.wait_event("nats_disconnected", pid=sup.proc.pid)
     psutil.Process(job.pid).send_signal(signal.SIGKILL)
     unreachable = "exit code 4: cannot reach NATS or bind the consumer"
-    wait_until(lambda: sup.proc.poll() is not None or len(sup.events("worker_died", cause=unreachable)) >= 5,
-               timeout=60, what="five replacements unable to connect (the halt limit is 3)")
+    wait_until(lambda: sup.proc.poll() is not None or (len(sup.events("worker_died", cause=unreachable)) >= 5
+                                                       and len(sup.events("worker_restart_planned")) >= 6),
+               timeout=60, what="five replacements unable to connect (the halt limit is 3), each restart planned")
     assert sup.proc.poll() is None and sup.events("halting") == [], sup.events("halting") or sup.log()[-2000:]
+    backoff = sup.events("worker_restart_planned")[-1]["delay"]
+    assert backoff >= 8.0, sup.events("worker_restart_planned")          # 0.5 s doubled by each death
     nats_server.start()
-    sup.wait_ready(1)
+    sup.wait_ready(1, timeout=backoff / 2)                               # at once, not after the backoff
     wait_until(lambda: [r for r in sup.jobs.done() if r.seq == job.seq], what="the dead worker's job run again")
     wait_until(lambda: nats_server.stream_msgs() == 0, what="and acked")
     assert sup.stop() == 0

@@ -210,12 +210,12 @@ def test_demo_runs_the_seed_scenario_and_exits_0(tmp_path):
     assert r.returncode == 0, out + r.stderr
     # The crashing worker holds job-06, and on a loaded box also the job it had buffered to hide
     # a slow pull round trip (workers/pulls.py): every job it held is named, NAKed and back.
-    crash = re.search(r"CRASHED \(exit code 13\) holding (job-06 \(seq 6\)(?:, job-\d\d \(seq \d+\))*), no ack; "
+    crash = re.search(r"CRASHED \(exit code 13\) holding ((?:job-\d\d \(seq \d+\)(?:, )?)+), no ack; "
                       r"the supervisor NAKed (it|\d+) at once", out)
     assert crash, out
-    held = re.findall(r"job-(\d\d) \(seq (\d+)\)", crash.group(1))
+    held = re.findall(r"job-(\d\d) \(seq (\d+)\)", crash.group(1))      # in the slot table's order
     n = len(held)
-    assert n <= 3 and crash.group(2) == ("it" if n == 1 else str(n)), out
+    assert ("06", "6") in held and n <= 3 and crash.group(2) == ("it" if n == 1 else str(n)), out
     for name, seq in held:
         assert f"got job-{name} again (seq {seq}, delivery #2)" in out, out
     assert "ms after the crash" in out and "restarted: pid" in out, out

@@ -71,22 +71,22 @@ class Puller:
 
     async def request(self, n: int) -> bool:
         """Ask for `n` messages; False when nats-py refused the request (REFUSED: reconnecting with
-        its buffer full, closed): nothing is on its way, and the next try waits for a wake-up."""
+        its buffer full): nothing is on its way, and the next try waits for a wake-up."""
         w = self.owner
         now = time.monotonic()
         # Nothing else on its way and a backlog to serve it at once: its first message
         # times a round trip (a request the server holds until a publish times nothing).
         self.pull_sent = now if not self.credits and self.backlog else 0.0
+        credits, deadline = self.credits, self.pull_deadline
         self.credits += n
         w.table.set_credits(self.credits)
-        deadline, self.pull_deadline = self.pull_deadline, now + PULL_EXPIRES
+        self.pull_deadline = now + PULL_EXPIRES
         body = b'{"batch":%d,"expires":%d}' % (n, int(PULL_EXPIRES * 1e9))
         try:
             await w.nc.publish(self.next_subject, body, reply=self.inbox)
         except REFUSED as exc:
-            self.credits -= n
-            w.table.set_credits(self.credits)
-            self.pull_deadline = deadline
+            self.credits, self.pull_deadline = credits, deadline
+            w.table.set_credits(credits)
             if not self.unsent:          # once per outage: it is retried every PULL_EXPIRES
                 log.info("worker %d: pull request not sent (%s); asking again once NATS takes it", self.slot,
                          type(exc).__name__, extra={"event": "pull_unsent", "error": type(exc).__name__})

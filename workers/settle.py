@@ -6,11 +6,11 @@ an acked entry stays ACKED in the slot table (the parent NAKs it if we die: a NA
 a no-op) until `confirm` has fenced the connection it was sent on. Fences are coalesced: at most
 one per SETTLE_MIN_INTERVAL, whatever the job rate.
 
-A publish can also fail outright: nats-py raises while it reconnects with its reconnect buffer
-full (OutboundBufferLimitError), or once the connection is closed (REFUSED). The job is done by
-then, so the entry is kept as if its ack had been sent on a dead connection: `confirm` sends it
-after the reconnect, and if the worker exits first the parent NAKs it. The parent is told either
-way (`unsent`), so if the job comes back its ledger explains the rerun.
+A publish can also be refused: nats-py raises while it reconnects with its reconnect buffer full
+(REFUSED). The job is done by then, so the entry is kept as if its ack had been sent on a dead
+connection: `confirm` sends it after the reconnect, and if the worker exits first the parent NAKs
+it. The parent is told either way (`unsent`), so if the job comes back its ledger explains the
+rerun.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ OUTCOME_COUNTERS = {"ack": slots.ACKED_N, "duplicate": slots.DUPLICATE_N, "nak":
                     "term": slots.TERMED_N}
 ACKS = ("ack", "duplicate")
 UNSENT = -1                  # the generation of a settle whose publish raised: no connection has it
-# What nats-py raises for a publish it cannot take now: reconnecting with its reconnect buffer
-# full, closed, or draining. Anything else is a bug, and crashes the worker (Worker.essential).
-REFUSED = (nats.errors.OutboundBufferLimitError, nats.errors.ConnectionClosedError,
-           nats.errors.ConnectionDrainingError)
+# What nats-py raises for a publish it cannot take *now*: reconnecting with its reconnect buffer
+# full. Anything else (a connection closed for good: credentials revoked, reconnects spent) ends
+# the task and so the worker (Worker.essential): the parent NAKs its jobs and starts another.
+REFUSED = (nats.errors.OutboundBufferLimitError,)
 
 
 class Owner(Protocol):
