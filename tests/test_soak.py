@@ -14,6 +14,8 @@ import time
 import psutil
 from harness import child_env, wait_until
 
+from supervisor.policy import STORM_MIN_DEATHS
+
 SOAK_SECONDS = float(os.environ.get("SOAK_SECONDS", "30"))
 ACK_WAIT = 60.0
 RATE = 150
@@ -60,5 +62,8 @@ def test_recycling_and_random_kills_keep_the_pool_up_and_lose_nothing(nats_serve
     assert kills >= SOAK_SECONDS / 4 - 1 and cc["crashes"] >= kills
     assert longest_gap < 1.0, f"a slot stayed empty for {longest_gap:.2f}s (restart delays grew)"
     assert cc["unexplained_redeliveries"] == 0
-    assert any(a["kind"] == "worker_deaths" for a in status["alerts"]) or SOAK_SECONDS < 60
+    # A kill every 2-4 s is a storm by the policy's measure (STORM_MIN_DEATHS within STORM_WINDOW,
+    # or one per worker): /status must say so, unless the run was too short to kill that often.
+    assert kills < max(STORM_MIN_DEATHS, 4) or any(a["kind"] == "worker_deaths" for a in status["alerts"]), \
+        (kills, status["alerts"])
     assert sup.stop() == 0
