@@ -301,7 +301,10 @@ def cmd_config(args: argparse.Namespace) -> int:
         path = Path(args.path)
         if path.exists() and not args.force:
             raise ConfigError("config init", f"{path} exists; pass --force to overwrite it")
-        path.write_text(config.render(config.Config(), redact=False))
+        try:
+            path.write_text(config.render(config.Config(), redact=False))
+        except OSError as exc:
+            raise ConfigError("config init", f"cannot write {path}: {exc.strerror or exc}") from None
         print(f"wrote {path}; set workers.handler before `supervisor start`")
         return EXIT_OK
     cfg = config.from_args(args)

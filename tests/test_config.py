@@ -579,6 +579,24 @@ def test_config_init_output_loads_as_the_defaults(tmp_path):
     assert load(path, {}) == Config()
 
 
+def test_config_init_command_writes_the_defaults_and_never_overwrites_unasked(tmp_path):
+    from harness import run_cli
+
+    r = run_cli("config", "init", tmp=tmp_path)
+    assert r.returncode == 0 and "set workers.handler" in r.stdout, r.stdout + r.stderr
+    written = tmp_path / "config.toml"
+    assert load(written, {}) == Config() and "# " in written.read_text()     # every key, commented
+    written.write_text("[workers]\ncount = 3\n")                            # the operator's edits
+    r = run_cli("config", "init", tmp=tmp_path)
+    assert r.returncode == EXIT_USAGE and "exists; pass --force to overwrite it" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and written.read_text() == "[workers]\ncount = 3\n"
+    r = run_cli("config", "init", str(tmp_path / "etc" / "c.toml"), tmp=tmp_path)
+    assert r.returncode == EXIT_USAGE and "Traceback" not in r.stderr, r.stderr
+    assert f"cannot write {tmp_path / 'etc' / 'c.toml'}: No such file or directory" in r.stderr, r.stderr
+    assert run_cli("config", "init", "--force", tmp=tmp_path).returncode == 0
+    assert load(written, {}) == Config()
+
+
 def test_render_names_every_key_with_its_comment():
     text = render(Config(), comments=True)
     blocks = dict(re.findall(r"^\[(\w+)\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S))
