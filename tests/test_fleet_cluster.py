@@ -270,6 +270,41 @@ def test_status_fleet_with_nats_unreachable_exits_4_within_connect_timeout(tmp_p
             assert took < 30, took      # connect_timeout (1.5 s), not startup_timeout (300 s), plus a loaded box
 
 
+def test_release_lost_false_leaves_a_silent_hosts_jobs_alone(nats_server, supervisor_factory, tmp_path):
+    """fleet.release_lost = false: a host gone silent (its whole process group SIGSTOPped, as in a
+    partition) is declared lost, but nothing it held is NAKed, so its jobs are not run twice
+    beside it. When it wakes it logs that it was declared lost, finishes its jobs, and each ran
+    once."""
+    gate = tmp_path / "finish"
+
+    def host(name: str):
+        return supervisor_factory(nats_server, args=("--log-format", "json"), consumer={"ack_wait": 300.0},
+                                  fleet={"name": name, "heartbeat": 0.5, "release_lost": False})
+
+    alpha = host("alpha")
+    alpha.wait_ready()
+    publish(nats_server.url, count=2, data=f"until:{gate}")
+    wait_until(lambda: len(alpha.jobs.running()) == 2, what="alpha running both jobs")
+    beta = host("beta")
+    beta.wait_ready()
+    wait_until(lambda: {r["name"]: r["held"] for r in fleet_view(beta)["supervisors"]}.get("alpha") == 2,
+               what="alpha's heartbeat listing both jobs", interval=0.5)
+    running = {r.seq for r in alpha.jobs.running()}
+    os.killpg(alpha.proc.pid, signal.SIGSTOP)
+    try:
+        lost = beta.wait_event("fleet_peer_lost", peer="alpha")
+    finally:
+        os.killpg(alpha.proc.pid, signal.SIGCONT)
+    assert lost["released"] == [] and set(lost["skipped"]) == running, lost
+    alpha.wait_event("fleet_declared_lost")
+    gate.touch()
+    wait_until(lambda: nats_server.stream_msgs() == 0, what="alpha finished and acked both jobs")
+    starts = [(r.seq, r.delivery) for r in alpha.jobs.started() + beta.jobs.started()]
+    assert sorted(starts) == sorted((seq, 1) for seq in running), "each job ran once, on alpha"
+    assert beta.status()["crosscheck"]["unexplained_redeliveries"] == 0
+    assert alpha.stop() == 0 and beta.stop() == 0
+
+
 def test_a_lost_hosts_running_jobs_are_released_long_before_ack_wait(nats_server, supervisor_factory):
     """AckWait 300 s: the killed host's two long jobs run again on the other host within the
     test's 60 s, which only the release (a NAK once the host is declared lost) can do."""
