@@ -39,6 +39,7 @@ MEMORY = ":memory:"                  # embedded.store_dir: a throw-away store
 STORE_LOCK = "supervisor.lock"       # held (flock) by the supervisor whose server uses the store
 TEMP_PREFIX = "jetstream-supervisor-"
 ORPHAN_AGE = 60.0                    # seconds: younger throw-away stores may still be taking their lock
+PORT_TRIES = 3                       # a port we picked and something took before the server bound it
 
 
 def default_store_dir(env: Mapping[str, str]) -> Path:
@@ -89,6 +90,7 @@ class EmbeddedServer:
         self.host = host
         self.port = port or free_port(host)
         self.monitor_port = free_port(host) if monitor_port == -1 else monitor_port
+        self.picked = (not port, monitor_port == -1)    # ours to pick again if taken before the bind
         self.throwaway = store_dir == MEMORY
         # A throw-away store is made in start(): nothing exists on disk before the server does.
         self.store_dir: Path | None = None if self.throwaway else \
@@ -139,21 +141,43 @@ class EmbeddedServer:
         self.lock_fd = fd
 
     def _spawn(self, timeout: float) -> None:
-        args = [find_binary(), "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port),
-                "-n", f"supervisor-{os.getpid()}"]
-        if self.monitor_port:
-            args += ["-m", str(self.monitor_port)]
         logfile = self.store() / "nats-server.log"
-        args += ["-l", str(logfile)]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, preexec_fn=_server_child_setup,
-                                     env=scrub_child_env(dict(os.environ)))
-        self._wait_serving(self.proc, timeout, logfile)
+        for attempt in range(1, PORT_TRIES + 1):
+            logged = logfile.stat().st_size if logfile.exists() else 0
+            self.proc = proc = subprocess.Popen(self._args(logfile), stdin=subprocess.DEVNULL,
+                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                                preexec_fn=_server_child_setup, env=scrub_child_env(dict(os.environ)))
+            try:
+                self._wait_serving(proc, timeout, logfile)
+                break
+            except NatsUnavailable:
+                # free_port() only found a port free a moment ago: any socket (an outgoing
+                # connection's ephemeral port included) may have taken it since. Pick again.
+                if attempt == PORT_TRIES or not self._lost_a_picked_port(logfile, logged):
+                    raise
+                log.debug("embedded nats-server: a port it was given was taken before it bound; picking again")
+                self.port = free_port(self.host) if self.picked[0] else self.port
+                self.monitor_port = free_port(self.host) if self.picked[1] else self.monitor_port
         monitor = f"http://{self.host}:{self.monitor_port}" if self.monitor_port else ""
-        log.info("embedded nats-server %s listening on %s (store %s%s)", self.proc.pid, self.url, self.store_dir,
+        log.info("embedded nats-server %s listening on %s (store %s%s)", proc.pid, self.url, self.store_dir,
                  f", monitoring {monitor}" if monitor else "",
-                 extra={"event": "embedded_server", "server_pid": self.proc.pid, "url": self.url,
+                 extra={"event": "embedded_server", "server_pid": proc.pid, "url": self.url,
                         "store": str(self.store_dir), "monitor": monitor})
+
+    def _args(self, logfile: Path) -> list[str]:
+        args = [find_binary(), "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port),
+                "-n", f"supervisor-{os.getpid()}", "-l", str(logfile)]
+        return args + ["-m", str(self.monitor_port)] if self.monitor_port else args
+
+    def _lost_a_picked_port(self, logfile: Path, since: int) -> bool:
+        if not any(self.picked) or self.proc is None or self.proc.poll() is None:
+            return False
+        try:
+            with open(logfile, "rb") as f:
+                f.seek(since)
+                return b"address already in use" in f.read()
+        except OSError:
+            return False
 
     def _wait_serving(self, proc: subprocess.Popen, timeout: float, logfile: Path) -> None:
         deadline = time.monotonic() + max(timeout, 1.0)
@@ -162,10 +186,15 @@ class EmbeddedServer:
                 tail = _tail(logfile)
                 raise NatsUnavailable(f"embedded nats-server exited with code {proc.returncode}: {tail}")
             try:
-                with socket.create_connection((self.host, self.port), timeout=0.2):
-                    return
+                # nats-server greets every client with INFO: whatever else listens on the port
+                # (something that took it before the server could bind) is not it.
+                with socket.create_connection((self.host, self.port), timeout=0.2) as conn:
+                    conn.settimeout(1.0)
+                    if conn.recv(4) == b"INFO":
+                        return
             except OSError:
-                time.sleep(0.02)
+                pass
+            time.sleep(0.02)
         raise NatsUnavailable(f"embedded nats-server did not listen on {self.host}:{self.port} within {timeout:g}s")
 
     def stop(self, timeout: float = 10.0) -> None:

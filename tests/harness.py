@@ -57,17 +57,31 @@ class NatsServer:
         self.monitor_port = monitor_port or free_port()
         self.extra_args = extra_args
         self.proc: subprocess.Popen | None = None
+        self.log_path = store_dir.parent / f"{store_dir.name}-nats-server.log"
+        # Ports we picked may be taken (by any socket, an outgoing connection's included) before
+        # the server binds them: picked again, but only before the first start (clients keep them).
+        self.repick = port is None and monitor_port is None
 
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> NatsServer:
-        self.proc = subprocess.Popen(
-            [nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1", "-p", str(self.port),
-             "-m", str(self.monitor_port), *self.extra_args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(self._serving, 30, f"nats-server on {self.port}")
+        for attempt in range(1, 4):
+            logged = self.log_path.stat().st_size if self.log_path.exists() else 0
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(
+                    [nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1", "-p", str(self.port),
+                     "-m", str(self.monitor_port), *self.extra_args], stdout=subprocess.DEVNULL, stderr=log)
+            try:
+                wait_until(self._serving, 30, f"nats-server on {self.port}")
+                break
+            except AssertionError:
+                said = self.log_path.read_bytes()[logged:]
+                if not (self.repick and attempt < 3 and b"address already in use" in said):
+                    raise AssertionError(f"nats-server on {self.port} did not start: {said[-1500:]!r}") from None
+                self.port, self.monitor_port = free_port(), free_port()
+        self.repick = False
         return self
 
     def _serving(self) -> bool:

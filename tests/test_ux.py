@@ -20,7 +20,7 @@ import tomli_w
 from harness import DEADLINE, REPO, child_env, publish, run_cli, wait_until
 from natsauth import free_port
 
-from supervisor import cli, config
+from supervisor import cli, config, embedded
 from supervisor.app import overruled, user_frame
 from supervisor.embedded import STORE_LOCK, TEMP_PREFIX, EmbeddedServer, default_store_dir
 from supervisor.errors import NatsUnavailable
@@ -110,6 +110,29 @@ def test_embedded_failures_leave_no_temp_dir(private_tempdir, monkeypatch):
     with pytest.raises(NatsUnavailable, match="exited with code 1"):
         server.start(5)
     assert not list(private_tempdir.iterdir())
+
+
+def test_a_picked_port_taken_before_the_server_binds_is_picked_again(tmp_path, monkeypatch):
+    """embedded.port = 0: free_port() found a port free a moment ago, and any socket may take it
+    before nats-server binds. The server exits "address already in use" (for real: the port is
+    held here); the start picks another port instead of failing. The pre-start check is skipped
+    to reach that window; a port the config names is still refused (test above)."""
+    monkeypatch.setattr("supervisor.embedded.check_port_free", lambda *args: None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks, real = iter([taken.getsockname()[1]]), embedded.free_port           # the taken port first
+        monkeypatch.setattr("supervisor.embedded.free_port", lambda host="127.0.0.1": next(picks, 0) or real(host))
+        server = EmbeddedServer("127.0.0.1", 0, 0, str(tmp_path / "store"))
+        assert server.port == taken.getsockname()[1]
+        server.start(30)
+        try:
+            assert server.port != taken.getsockname()[1]
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+                assert s.recv(4096).startswith(b"INFO ")
+            assert b"address already in use" in (tmp_path / "store" / "nats-server.log").read_bytes()
+        finally:
+            server.stop()
 
 
 def test_a_store_in_use_is_refused_and_the_refused_start_leaves_nothing(tmp_path, private_tempdir):
