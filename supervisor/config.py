@@ -158,7 +158,8 @@ class AutoscaleConfig:
 class MonitorConfig:
     interval: float = key(1.0, "ConsumerInfo poll period", reload=LIVE, lo=0.05)
     lag_window: float = key(60.0, "window for the pending trend", reload=LIVE, lo=1.0)
-    http: str = key("127.0.0.1:9520", "/, /status, /metrics, /healthz; \"\" disables", reload=RESTART)
+    http: str = key("127.0.0.1:9520", "/, /status, /metrics, /healthz; \"\" disables; port 0 picks a free one (logged)",
+                    reload=RESTART)
 
 
 @dataclass(frozen=True)

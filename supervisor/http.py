@@ -49,7 +49,9 @@ class HttpServer:
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self.handle, self.host, self.port, limit=MAX_HEAD)
-        log.info("status on http://%s:%d (/ /status /history /metrics /healthz)", self.host, self.port)
+        self.port = self.server.sockets[0].getsockname()[1]        # monitor.http "HOST:0": the one it got
+        log.info("status on http://%s:%d (/ /status /history /metrics /healthz)", self.host, self.port,
+                 extra={"event": "http_listening", "url": f"http://{self.host}:{self.port}"})
 
     async def close(self) -> None:
         if self.server:

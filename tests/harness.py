@@ -177,7 +177,7 @@ def base_config(server: NatsServer | None, tmp: Path, **sections: dict) -> dict:
         "embedded": {"port": 0, "monitor_port": 0, "store_dir": str(tmp / "embedded-store")},
         "workers": {"count": 2, "handler": "testhandlers:record"},
         "restart": {"backoff_initial": 0.05, "backoff_max": 1.0},
-        "monitor": {"http": f"127.0.0.1:{free_port()}", "interval": 0.25},
+        "monitor": {"http": "127.0.0.1:0", "interval": 0.25},     # a port the supervisor binds (SupervisorProc.http)
     }
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)
@@ -197,8 +197,10 @@ class SupervisorProc:
         self.proc: subprocess.Popen | None = None
         self._log = None
         self.wrapper: tuple[str, ...] = ()      # a command the supervisor runs under (strace -f ...)
+        self._http: str | None = None
 
     def start(self) -> SupervisorProc:
+        self._http: str | None = None
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-m", "supervisor", "start", "--config",
                                       str(self.config_path), *self.args], stdout=self._log, stderr=subprocess.STDOUT,
@@ -242,7 +244,31 @@ class SupervisorProc:
 
     @property
     def http(self) -> str:
-        return self.config["monitor"]["http"]
+        """HOST:PORT of the supervisor's HTTP endpoint. With port 0 (the default here: a port picked
+        in advance may be taken before the supervisor binds it) the one its parent listens on."""
+        configured = self.config["monitor"]["http"]
+        if not configured.endswith(":0"):
+            return configured
+        if self._http is None:
+            self._http = self._listening()
+        if self._http is None:
+            raise ConnectionRefusedError(f"the supervisor (pid {self.proc.pid}) is not listening yet")
+        return self._http
+
+    def _listening(self) -> str | None:
+        """The listening socket of the supervisor's parent (under a wrapper such as strace, its
+        child); workers listen on nothing, and the embedded nats-server is not ours to ask."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            for p in [root, *root.children(recursive=True)]:
+                if "nats-server" in " ".join(_cmdline(p)):
+                    continue
+                for c in p.net_connections("tcp"):
+                    if c.status == psutil.CONN_LISTEN:
+                        return f"{c.laddr.ip}:{c.laddr.port}"
+        except psutil.Error:
+            pass
+        return None
 
     def status(self) -> dict:
         with urllib.request.urlopen(f"http://{self.http}/status", timeout=5) as r:

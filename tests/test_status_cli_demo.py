@@ -28,7 +28,8 @@ def in_flight(status: dict) -> int:
 # ---------------------------------------------------------------- status
 
 def test_status_text_and_json_on_a_running_supervisor(nats_server, supervisor_factory):
-    sup = supervisor_factory(nats_server, workers={"count": 2})
+    # A fixed port in the config: `supervisor status --config` below finds it there.
+    sup = supervisor_factory(nats_server, workers={"count": 2}, monitor={"http": f"127.0.0.1:{free_port()}"})
     sup.wait_ready(2)
     publish(nats_server.url, count=4, data="2")
     s = wait_until(lambda: (lambda s: s if s and in_flight(s) == 2 and s["consumer"].get("num_ack_pending") == 2
