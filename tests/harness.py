@@ -198,9 +198,11 @@ class SupervisorProc:
         self._log = None
         self.wrapper: tuple[str, ...] = ()      # a command the supervisor runs under (strace -f ...)
         self._http: str | None = None
+        self._log_from = 0
 
     def start(self) -> SupervisorProc:
-        self._http: str | None = None
+        self._http = None
+        self._log_from = len(self.log())        # this run's lines start here (a restart appends)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-m", "supervisor", "start", "--config",
                                       str(self.config_path), *self.args], stdout=self._log, stderr=subprocess.STDOUT,
@@ -245,7 +247,7 @@ class SupervisorProc:
     @property
     def http(self) -> str:
         """HOST:PORT of the supervisor's HTTP endpoint. With port 0 (the default here: a port picked
-        in advance may be taken before the supervisor binds it) the one its parent listens on."""
+        in advance may be taken before the supervisor binds it) the one its parent bound."""
         configured = self.config["monitor"]["http"]
         if not configured.endswith(":0"):
             return configured
@@ -256,19 +258,10 @@ class SupervisorProc:
         return self._http
 
     def _listening(self) -> str | None:
-        """The listening socket of the supervisor's parent (under a wrapper such as strace, its
-        child); workers listen on nothing, and the embedded nats-server is not ours to ask."""
-        try:
-            root = psutil.Process(self.proc.pid)
-            for p in [root, *root.children(recursive=True)]:
-                if "nats-server" in " ".join(_cmdline(p)):
-                    continue
-                for c in p.net_connections("tcp"):
-                    if c.status == psutil.CONN_LISTEN:
-                        return f"{c.laddr.ip}:{c.laddr.port}"
-        except psutil.Error:
-            pass
-        return None
+        """Where the parent says its HTTP endpoint listens (its `status on http://HOST:PORT` line,
+        text or JSON). Not its listening sockets: a handler module it imports may open others."""
+        m = re.search(r"status on http://([^\s/]+:\d+)", self.log()[self._log_from:])
+        return m.group(1) if m else None
 
     def status(self) -> dict:
         with urllib.request.urlopen(f"http://{self.http}/status", timeout=5) as r:
