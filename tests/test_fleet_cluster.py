@@ -270,26 +270,32 @@ def test_status_fleet_with_nats_unreachable_exits_4_within_connect_timeout(tmp_p
             assert took < 30, took      # connect_timeout (1.5 s), not startup_timeout (300 s), plus a loaded box
 
 
+def alpha_running_two(nats_server, supervisor_factory, data: str, args: tuple = (), **fleet):
+    """Hosts alpha and beta (AckWait 300 s, heartbeat 0.5 s): alpha runs two jobs of `data` and
+    beta has seen alpha's heartbeat list both. (alpha, beta, the two jobs' sequences)."""
+    def host(name: str):
+        return supervisor_factory(nats_server, args=args, consumer={"ack_wait": 300.0},
+                                  fleet={"name": name, "heartbeat": 0.5, **fleet})
+
+    alpha = host("alpha")
+    alpha.wait_ready()
+    publish(nats_server.url, count=2, data=data)
+    wait_until(lambda: len(alpha.jobs.running()) == 2, what="alpha running both jobs")
+    beta = host("beta")
+    beta.wait_ready()
+    wait_until(lambda: {r["name"]: r["held"] for r in fleet_view(beta)["supervisors"]}.get("alpha") == 2,
+               what="alpha's heartbeat listing both jobs", interval=0.5)
+    return alpha, beta, {r.seq for r in alpha.jobs.running()}
+
+
 def test_release_lost_false_leaves_a_silent_hosts_jobs_alone(nats_server, supervisor_factory, tmp_path):
     """fleet.release_lost = false: a host gone silent (its whole process group SIGSTOPped, as in a
     partition) is declared lost, but nothing it held is NAKed, so its jobs are not run twice
     beside it. When it wakes it logs that it was declared lost, finishes its jobs, and each ran
     once."""
     gate = tmp_path / "finish"
-
-    def host(name: str):
-        return supervisor_factory(nats_server, args=("--log-format", "json"), consumer={"ack_wait": 300.0},
-                                  fleet={"name": name, "heartbeat": 0.5, "release_lost": False})
-
-    alpha = host("alpha")
-    alpha.wait_ready()
-    publish(nats_server.url, count=2, data=f"until:{gate}")
-    wait_until(lambda: len(alpha.jobs.running()) == 2, what="alpha running both jobs")
-    beta = host("beta")
-    beta.wait_ready()
-    wait_until(lambda: {r["name"]: r["held"] for r in fleet_view(beta)["supervisors"]}.get("alpha") == 2,
-               what="alpha's heartbeat listing both jobs", interval=0.5)
-    running = {r.seq for r in alpha.jobs.running()}
+    alpha, beta, running = alpha_running_two(nats_server, supervisor_factory, f"until:{gate}",
+                                             args=("--log-format", "json"), release_lost=False)
     os.killpg(alpha.proc.pid, signal.SIGSTOP)
     try:
         lost = beta.wait_event("fleet_peer_lost", peer="alpha")
@@ -308,18 +314,7 @@ def test_release_lost_false_leaves_a_silent_hosts_jobs_alone(nats_server, superv
 def test_a_lost_hosts_running_jobs_are_released_long_before_ack_wait(nats_server, supervisor_factory):
     """AckWait 300 s: the killed host's two long jobs run again on the other host within the
     test's 60 s, which only the release (a NAK once the host is declared lost) can do."""
-    def host(name: str):
-        return supervisor_factory(nats_server, consumer={"ack_wait": 300.0}, fleet={"name": name, "heartbeat": 0.5})
-
-    alpha = host("alpha")
-    alpha.wait_ready()
-    publish(nats_server.url, count=2, data="20")
-    wait_until(lambda: len(alpha.jobs.running()) == 2, what="alpha running both jobs")
-    beta = host("beta")
-    beta.wait_ready()
-    wait_until(lambda: {r["name"]: r["held"] for r in fleet_view(beta)["supervisors"]}.get("alpha") == 2,
-               what="alpha's heartbeat listing both jobs", interval=0.5)
-    running = {r.seq for r in alpha.jobs.running()}
+    alpha, beta, running = alpha_running_two(nats_server, supervisor_factory, "20")
     os.killpg(alpha.proc.pid, signal.SIGKILL)
     alpha.proc.wait()
     again = wait_until(lambda: {r.seq for r in beta.jobs.started() if r.delivery == 2} >= running and
