@@ -100,7 +100,7 @@ async def drain(url: str, total: int, start: Callable[[], Contender], *, data: b
     contender = None
     try:
         state = await consumer_state(js)
-        assert state.num_pending == total, f"backlog {state.num_pending} != {total}"
+        assert state.stored == total, f"backlog {state.stored} != {total}"
         t0 = time.monotonic()
         contender = start()
         progress = Progress(total, t0)

@@ -498,7 +498,7 @@ async def paced_load(ctx: Ctx, rate: int, seconds: float, parent: psutil.Process
             for tag, at in (("lo", 0.2), ("hi", 0.8)):
                 if tag not in marks and frac >= at:
                     s = await consumer_state(js)
-                    acked = sent - s.num_pending - s.num_ack_pending
+                    acked = sent - s.stored
                     marks[tag] = (time.monotonic(), cpu_seconds(parent), acked)
             await asyncio.sleep(max(0.0, start + due * tick - time.monotonic()))
     finally:
@@ -593,7 +593,7 @@ async def many_workers(ctx: Ctx, rep: int) -> dict:
 
 async def drained(js: Any) -> bool:
     s = await consumer_state(js)
-    return s.num_pending == 0 and s.num_ack_pending == 0
+    return s.stored == 0 and s.num_ack_pending == 0
 
 
 def summarize_footprint(parent: list[dict], memory: list[dict], many: list[dict]) -> dict:
