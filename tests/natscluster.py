@@ -124,16 +124,31 @@ class NatsCluster:
     def __init__(self, root: Path, size: int = 3):
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
-        cluster_ports = [free_port() for _ in range(size)]
+        self.size = size
+        self.nodes = self._nodes()
+
+    def _nodes(self) -> list[ClusterNode]:
+        cluster_ports = [free_port() for _ in range(self.size)]
         routes = [f"nats://127.0.0.1:{p}" for p in cluster_ports]
-        self.nodes = [ClusterNode(f"n{i + 1}", root, p, routes) for i, p in enumerate(cluster_ports)]
+        return [ClusterNode(f"n{i + 1}", self.root, p, routes) for i, p in enumerate(cluster_ports)]
 
     # -- life cycle
 
     def start(self) -> NatsCluster:
+        """Start every node. A port picked in advance can be taken (by any socket, an outgoing
+        connection's included) before its node binds it: then every node's ports, routes among
+        them, are picked again. Only here, at the first start: a restart keeps its ports."""
         try:
-            for node in self.nodes:
-                node.start()
+            for attempt in range(1, 4):
+                try:
+                    for node in self.nodes:
+                        node.start()
+                    break
+                except AssertionError as exc:
+                    self.stop()
+                    if attempt == 3 or "address already in use" not in str(exc):
+                        raise
+                    self.nodes = self._nodes()
             self.wait_healthy()
         except BaseException:
             self.stop()

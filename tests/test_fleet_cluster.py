@@ -6,13 +6,14 @@ import asyncio
 import json
 import os
 import signal
+import socket
 
 import nats
 import psutil
 from harness import _in_group, publish, run_cli, wait_until
 from nats.js import api
 from natsauth import free_port
-from natscluster import SteadyPublisher
+from natscluster import NatsCluster, SteadyPublisher
 
 
 async def _setup(urls: list[str]) -> None:
@@ -24,6 +25,22 @@ async def _setup(urls: list[str]) -> None:
     for i in range(5):
         await js.publish("jobs.x", str(i).encode())
     await nc.close()
+
+
+def test_a_cluster_port_taken_before_its_node_binds_is_picked_again(tmp_path):
+    """The cluster's ports are picked before any node starts; one taken in between (held here,
+    for real) makes that node exit "address already in use", and the start picks every node's
+    ports again instead of failing the test that asked for a cluster."""
+    cluster = NatsCluster(tmp_path / "cluster")
+    held = cluster.nodes[1].cluster_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", held))
+        taken.listen()
+        with cluster.start():
+            assert held not in {n.cluster_port for n in cluster.nodes}
+            assert len(cluster.live()) == 3 and cluster.meta_leader() in {"n1", "n2", "n3"}
+    said = b"".join(f.read_bytes() for f in (tmp_path / "cluster").glob("*.log"))
+    assert b"address already in use" in said
 
 
 def test_cluster_leaders_move_and_a_killed_node_comes_back(nats_cluster):
