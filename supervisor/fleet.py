@@ -45,6 +45,7 @@ its entry and logs that its jobs may have run twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -538,7 +539,8 @@ class Fleet:
         for _seq, _delivery, reply in plan.nak:
             await self.nc.publish(reply, b"-NAK")
         if plan.nak:
-            await self.nc.flush(timeout=2)
+            with contextlib.suppress(Exception):    # NATS away: the NAKs wait in nats-py's buffer; say what we did
+                await self.nc.flush(timeout=2)
         log.warning("supervisor %s (pid %s on %s) is lost: no heartbeat for %.1fs; it held %d job(s): "
                     "released %d now, left %d alone%s", peer.name, peer.beat.get("pid"), peer.beat.get("host"),
                     since, len(held), len(plan.nak), len(plan.skipped),

@@ -1,6 +1,6 @@
 """Everything this project relies on inside nats-py, in one place, checked against the pinned version.
 
-`Client` is nats-py's client with two changes; `supervisor.natsconn.connect()` is the one place
+`Client` is nats-py's client with three changes; `supervisor.natsconn.connect()` is the one place
 clients are made, so every connection of ours (parent, workers, one-shot commands) gets them:
 
 - `fence()`: returns once the server has read everything published before the call. nats-py's
@@ -13,6 +13,12 @@ clients are made, so every connection of ours (parent, workers, one-shot command
   chunk it was parsing (messages included), and every later flush() waits for the wrong PONG
   (seen here: a worker's connection drain hung for 10 s). Each PONG still answers exactly one
   PING, in order; we just never resolve a future twice. Cf. nats-io/nats.py#624.
+- `flush()` never succeeds without a PONG. nats-py's falls back to a plain write, and returns at
+  once, when its read or flusher task is done; a reconnect cancels both, and unconnected that
+  write does nothing. So mid-reconnect `flush()`, and `fence()` with it, "proved" the server had
+  read acks it never saw (a settle entry released on no evidence; a worker's liveness PING taken
+  for an answer), and the settler spun re-sending a refused ack every 2 ms. Here it raises
+  ConnectionReconnectingError instead, as a publish does when it cannot be taken.
 
 The other private attributes we read (server INFO, the transport, the current server) are
 wrapped below too, and tests/test_natsfix.py checks each premise against the installed nats-py.
@@ -25,6 +31,7 @@ import functools
 from importlib.metadata import version
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client as _NatsClient
 
 from .errors import SupervisorError
@@ -46,11 +53,21 @@ def check_version() -> None:
 
 
 class Client(_NatsClient):
+    async def flush(self, timeout: float = 10.0) -> None:  # type: ignore[override]   # nats-py types it int
+        """A PING and its PONG, or an error: never nats-py's no-op fallback (see above)."""
+        if self.is_reconnecting and not self.loops_running():
+            raise nats.errors.ConnectionReconnectingError
+        await super().flush(timeout)  # type: ignore[arg-type]
+
+    def loops_running(self) -> bool:
+        """nats-py's read and flusher tasks both run: a PING can be written, and its PONG read."""
+        return all(t is not None and not t.done() for t in (self._reading_task, self._flusher_task))
+
     async def fence(self, timeout: float = 5.0) -> None:
         """The server has read every command this client published before the call."""
         # The queued PUBs reach the socket first (bounded: nats-py's flush_timeout is None) ...
         await asyncio.wait_for(self._flush_pending(force_flush=True), timeout)
-        await self.flush(timeout)  # type: ignore[arg-type]   # ... then PING, PONG (nats-py types it int; it takes seconds)
+        await self.flush(timeout)  # ... then PING, PONG
 
     async def _process_pong(self) -> None:
         if self._pongs:

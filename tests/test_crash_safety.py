@@ -473,6 +473,35 @@ def test_an_ack_nats_py_refuses_while_reconnecting_is_sent_once_it_is_back(nats_
     assert sup.stop() == 0
 
 
+def test_a_stopping_worker_waits_for_nats_to_send_an_ack_it_could_not(nats_server, supervisor_factory, tmp_path):
+    """The interleaving: a job ends while the server is down, nats-py refuses its ack (as in the
+    test above), and the supervisor is told to stop before the server is back. The worker used to
+    try one fence and exit: the parent NAKed the entry, and the job, done and never acked, ran
+    again on the next start. Now the stopping worker waits for NATS, within graceful_timeout:
+    the server comes back, the ack is sent, and the supervisor stops cleanly with the stream
+    empty and the job run once."""
+    gate = tmp_path / "finish"
+    sup = supervisor_factory(nats_server, workers={"count": 1, "init": "testhandlers:full_buffer_when_down_init",
+                                                   "graceful_timeout": 60.0},
+                             consumer={"ack_wait": ACK_WAIT}, args=JSON_LOGS)
+    sup.wait_ready(1)
+    publish(nats_server.url, count=1, data=f"until:{gate}")
+    [job] = wait_until(lambda: sup.jobs.running(), what="the job running")
+    nats_server.stop()
+    sup.wait_event("nats_disconnected", pid=job.pid)
+    gate.touch()
+    unsent = sup.wait_event("settle_unsent", seq=job.seq)
+    assert unsent["outcome"] == "ack", unsent
+    sup.signal(signal.SIGTERM)
+    waiting = sup.wait_event("settle_waiting", pid=job.pid)      # stopping, and holding on for NATS
+    assert waiting["unconfirmed"] == 1, waiting
+    nats_server.start()
+    assert sup.wait() == 0
+    assert nats_server.stream_msgs() == 0, "the ack reached the server before the worker left"
+    assert [(r.seq, r.delivery) for r in sup.jobs.started()] == [(job.seq, 1)]
+    assert not sup.events("worker_died")
+
+
 def test_a_failing_settle_path_crashes_the_worker_so_its_job_comes_back(nats_server, supervisor_factory):
     """A bug in the settle path (testhandlers.finish_fails_init raises in Worker.finish) used to
     kill that task quietly: the job stayed held by a live worker that would never settle it, until

@@ -98,3 +98,40 @@ def test_a_cancelled_flush_does_not_break_the_next_one(nats_server):
             await nc.close()
 
     assert asyncio.run(run()) == b"x"
+
+
+@pytest.mark.parametrize("ours", [False, True], ids=["nats-py", "natsfix"])
+def test_a_flush_while_reconnecting_needs_a_pong(nats_server, ours):
+    """The premise: nats-py's flush() returns at once, PONG or not, while it reconnects (a
+    reconnect cancels the read and flusher tasks, and flush() then falls back to a write that
+    does nothing unconnected). Ours raises instead, so no fence "proves" an ack mid-outage; once
+    the server is back both flush for real."""
+    async def run():
+        nc = Client() if ours else NatsClient()
+        disconnected = asyncio.Event()
+
+        async def on_disconnect():
+            disconnected.set()
+
+        await nc.connect(nats_server.url, disconnected_cb=on_disconnect, reconnect_time_wait=0.1,
+                         max_reconnect_attempts=-1)
+        try:
+            await asyncio.to_thread(nats_server.stop)
+            await asyncio.wait_for(disconnected.wait(), 10)
+            assert nc.is_reconnecting or not nc.is_connected
+            try:
+                await nc.flush(timeout=2)
+                outcome = "returned"
+            except Exception as exc:
+                outcome = type(exc).__name__
+            await asyncio.to_thread(nats_server.start)
+            for _ in range(200):                 # up to 20 s for the reconnect
+                if nc.is_connected:
+                    break
+                await asyncio.sleep(0.1)
+            await nc.flush(timeout=5)
+            return outcome
+        finally:
+            await nc.close()
+
+    assert asyncio.run(run()) == ("ConnectionReconnectingError" if ours else "returned")

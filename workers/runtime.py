@@ -217,7 +217,8 @@ class Worker:
         loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
         loop.add_signal_handler(signal.SIGUSR1, self.on_sigusr1)
         settling = self.essential(self.settler.run())
-        tasks = [self.essential(c) for c in (self.heartbeat(), self.liveness(), self.pulls.run())]
+        beating = self.essential(self.heartbeat())
+        tasks = [self.essential(c) for c in (self.liveness(), self.pulls.run())]
         if self.is_async:
             self.runners = [self.essential(self.runner()) for _ in range(self.wcfg.concurrency)]
         else:
@@ -227,11 +228,12 @@ class Worker:
         self.emit(ev="ready")
         await self.stop.wait()
         await self.shutdown.wind_down()
-        self.settler.close()
+        self.settler.close(until=self.shutdown.deadline)
         for task in tasks + self.runners:
             task.cancel()
         self.threads.stop_threads()
         await settling                 # never cancel a task inside a flush: see supervisor/natsfix.py
+        beating.cancel()               # only now: waiting for NATS to take our acks is no hang
         if self.guard:
             await self.guard.close()   # leases of jobs we did not finish: free for their redelivery
         await self.close_connection()

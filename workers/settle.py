@@ -16,7 +16,9 @@ rerun.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from typing import Any, Protocol
 
 import nats.errors
@@ -57,6 +59,7 @@ class Settler:
         # ACKED/SETTLED entries awaiting a fence: (entry, connection generation, was an ack)
         self.unconfirmed: list[tuple[int, int, bool]] = []
         self.closing = False
+        self.close_by = 0.0                        # set by close(): the shutdown's deadline
         self.wake_settle = asyncio.Event()
 
     async def ack(self, i: int, job: Job, outcome: str = "ack") -> None:
@@ -118,15 +121,37 @@ class Settler:
             await self.confirm()
             if not self.closing:
                 await asyncio.sleep(SETTLE_MIN_INTERVAL)
-        while self.unconfirmed and await self.confirm():
-            pass                         # acks sent again by a round are fenced by the next
+        await self.fence_the_rest()
 
-    def close(self) -> None:
-        """run() fences what is left and returns."""
+    def close(self, until: float) -> None:
+        """run() fences what is left, waiting for NATS until `until` (the shutdown's deadline), and returns."""
         self.closing = True
+        self.close_by = until
         self.wake_settle.set()
 
-    async def confirm(self) -> bool:
+    async def fence_the_rest(self) -> None:
+        """The way out. An entry left unconfirmed is NAKed by the parent when we exit, and if its
+        ack never reached the server (the connection died, or nats-py refused it) the job runs
+        again. So while NATS is away, wait for it (a reconnect wakes us; a failed fence retries
+        after FENCE_RETRY) until the shutdown's deadline, the same graceful_timeout a running job
+        gets: acks sent again after the reconnect are fenced by the next round."""
+        waiting = False
+        while self.unconfirmed:
+            left = self.close_by - time.monotonic()
+            if await self.confirm(timeout=min(5.0, max(0.5, left))):
+                continue
+            if left <= 0:
+                break
+            if not waiting:
+                waiting = True
+                log.warning("worker %d: stopping with %d settle(s) NATS has not confirmed; waiting up to %.1fs for it",
+                            self.slot, len(self.unconfirmed), left,
+                            extra={"event": "settle_waiting", "slot": self.slot, "unconfirmed": len(self.unconfirmed)})
+            self.wake_settle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake_settle.wait(), left)
+
+    async def confirm(self, timeout: float = 5.0) -> bool:
         """A fence (supervisor/natsfix.py) proves the server has read every ack sent before it on
         the same connection. An ack sent on a connection that has died since is sent again (acking
         twice is harmless); a NAK or TERM is not, since by now it could hit another worker's
@@ -136,10 +161,11 @@ class Settler:
         w = self.owner
         batch, self.unconfirmed = self.unconfirmed, []
         try:
-            await w.nc.fence(timeout=5)
+            await w.nc.fence(timeout=timeout)
         except Exception as exc:
-            log.warning("worker %d: fence failed (%s); acks stay unconfirmed", self.slot,
-                        exc or type(exc).__name__)
+            # While nats-py reconnects (nats_disconnected told that already) a fence fails every FENCE_RETRY.
+            level = logging.DEBUG if isinstance(exc, nats.errors.ConnectionReconnectingError) else logging.WARNING
+            log.log(level, "worker %d: fence failed (%s); acks stay unconfirmed", self.slot, exc or type(exc).__name__)
             self.unconfirmed = batch + self.unconfirmed
             # A reconnect wakes us (Worker.reconnected); a fence that timed out on a live link must
             # not leave an idle worker's acks unconfirmed until its next job.

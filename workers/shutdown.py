@@ -52,6 +52,7 @@ class Shutdown:
     def __init__(self, owner: Owner, slot: int):
         self.owner = owner
         self.slot = slot
+        self.deadline = 0.0              # graceful_timeout from the start of wind_down
 
     async def wind_down(self) -> None:
         """Stop pulling. Run (RETIRING) or NAK (STOPPING) what was pulled but not started; let
@@ -60,11 +61,11 @@ class Shutdown:
         at most PULL_EXPIRES + PULL_MARGIN: no interest may be dropped while a request is live.
         An UNSUB, however well fenced, races the server itself: a message it has just assigned
         to our request is routed after the UNSUB to nobody, and waits for AckWait (and nats-py's
-        drain() even removes the subscription before the server reads the UNSUB). Then fence
-        every ack."""
+        drain() even removes the subscription before the server reads the UNSUB). The settler
+        then fences every ack, waiting for NATS until `deadline` (Settler.fence_the_rest)."""
         w = self.owner
         w.table.set_state(slots.DRAINING)
-        deadline = time.monotonic() + w.grace
+        deadline = self.deadline = time.monotonic() + w.grace
         while True:
             if w.mode == STOPPING:
                 await self.nak_queued()
@@ -87,7 +88,6 @@ class Shutdown:
             await w.sub.unsubscribe()
         except Exception as exc:         # closed: nothing more can reach us anyway
             log.debug("worker %d: unsubscribe: %s", self.slot, exc)
-        await w.settler.confirm()
 
     async def nak_queued(self) -> None:
         """NAK what was pulled and not started: the queue, and what the handler threads have not
