@@ -10,7 +10,7 @@ import sys
 import time
 
 import psutil
-from harness import NatsServer, child_env, publish, run_cli, wait_until
+from harness import NatsServer, child_env, publish, publish_now, run_cli, wait_until
 
 ACK_WAIT = 60.0      # far longer than any wait below: a job back within seconds was NAKed, not expired
 
@@ -116,7 +116,7 @@ def test_drain_naks_pulled_but_not_started(nats_server, supervisor_factory):
     sup.wait_ready(1)
     publish(nats_server.url, count=10, data="0")         # teaches the worker its jobs are fast: it prefetches
     wait_until(lambda: len(sup.jobs.done()) == 10, what="warm-up jobs done")
-    publish(nats_server.url, count=4, data="3.0")
+    publish_now(nats_server.url, count=4, data="3.0")   # at once: prefetch is forgotten after 5 s idle (pulls.py)
     first = wait_until(lambda: sup.jobs.running(), what="a job running")[0]
     def held():
         return [e for w in sup.status()["workers"]["list"] for e in w["in_flight"] if e["state"] == "held"]

@@ -165,10 +165,10 @@ def test_running_jobs_keep_their_lease_alive(nats_server):
     async def body(g, js):
         assert (await g.before(gjob("long"))).action == RUN
         first_rev = g.held["long"][0]
-        await asyncio.sleep(3.5)             # the job runs; 3.5 lease lifetimes of 1 s
-        verdict = await g.before(gjob("long", 2))
+        await asyncio.sleep(10)              # the job runs; 3.3 lease lifetimes of 3 s (renewed each 1 s:
+        verdict = await g.before(gjob("long", 2))   # a stall of this process under 2 s cannot expire it)
         return first_rev, g.held["long"][0], verdict
-    first_rev, later_rev, verdict = guard_run(nats_server.url, body, lease_ttl=1)
+    first_rev, later_rev, verdict = guard_run(nats_server.url, body, lease_ttl=3)
     assert later_rev > first_rev and verdict.action == RETRY
 
 

@@ -60,7 +60,9 @@ def test_recycling_and_random_kills_keep_the_pool_up_and_lose_nothing(nats_serve
     status = sup.status()
     cc = status["crosscheck"]
     assert kills >= SOAK_SECONDS / 4 - 1 and cc["crashes"] >= kills
-    assert longest_gap < 1.0, f"a slot stayed empty for {longest_gap:.2f}s (restart delays grew)"
+    # Refilled at backoff_initial every time (0.1 s; grown, it would pass 2 s within five kills),
+    # with room for a NAK fence and a fork on a loaded parent.
+    assert longest_gap < 2.0, f"a slot stayed empty for {longest_gap:.2f}s (restart delays grew)"
     assert cc["unexplained_redeliveries"] == 0
     # A kill every 2-4 s is a storm by the policy's measure (STORM_MIN_DEATHS within STORM_WINDOW,
     # or one per worker): /status must say so, unless the run was too short to kill that often.
