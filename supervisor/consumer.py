@@ -19,6 +19,11 @@ async def consumer_info(js: Any, stream: str, consumer: str) -> dict[str, Any]:
     return consumer_dict(info)
 
 
+# What a ConsumerInfo poll adds to /status "consumer"; null until the first poll answers.
+POLLED_KEYS = ("num_pending", "num_ack_pending", "num_redelivered", "num_waiting", "delivered_consumer_seq",
+               "delivered_stream_seq", "ack_floor_consumer_seq", "ack_floor_stream_seq", "leader", "created")
+
+
 def consumer_dict(info: Any) -> dict[str, Any]:
     """`leader`: the server that answered (in a cluster, the consumer leader; None on a single
     server); `created` tells a recreated consumer from a leader move (supervisor/monitor.py)."""

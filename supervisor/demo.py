@@ -342,7 +342,7 @@ class Demo:
     def tick(self) -> None:
         s = self.last
         c = s.get("consumer", {}) if s else {}
-        if "num_pending" not in c or time.time() - (c.get("poll_age_s") or 0.0) < self.published_at:
+        if c.get("num_pending") is None or time.time() - (c.get("poll_age_s") or 0.0) < self.published_at:
             return                       # no ConsumerInfo since the jobs were published: nothing new to say
         acked = s.get("jobs", {}).get("ack", 0) - self.base_status.get("jobs", {}).get("ack", 0)
         w = s["workers"]

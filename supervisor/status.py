@@ -10,6 +10,7 @@ from typing import Any
 from workers import slots
 
 from . import __version__
+from .consumer import POLLED_KEYS
 from .natsconn import redact_url
 from .pool import rss_of
 
@@ -81,7 +82,8 @@ def idempotency_block(cfg: Any) -> dict[str, Any]:
 
 
 def consumer_block(mon: Any, cfg: Any) -> dict[str, Any]:
-    block: dict[str, Any] = {"stream": cfg.stream.name, "name": cfg.consumer.name}
+    # Every key always there (null before the first poll): scripts index /status without guessing.
+    block: dict[str, Any] = {"stream": cfg.stream.name, "name": cfg.consumer.name, **dict.fromkeys(POLLED_KEYS)}
     if mon and mon.consumer:
         block.update({k: v for k, v in mon.consumer.items() if k not in ("stream", "name")})
     age = mon.poll_age() if mon else None

@@ -432,7 +432,7 @@ def _in_flight(jobs: list[dict[str, Any]]) -> str:
 def consumer_lines(s: dict[str, Any], color: bool) -> list[str]:
     c, lag = s.get("consumer") or {}, s.get("lag") or {}
     name = f"{c.get('stream', '?')}/{c.get('name', '?')}"
-    if c.get("poll_age_s") is None or "num_pending" not in c:
+    if c.get("poll_age_s") is None or c.get("num_pending") is None:
         line = f"consumer    {name}: no ConsumerInfo yet"
     else:
         old = lag.get("state") == "unknown" and c["poll_age_s"] >= STALE_MIN_S    # unknown also means "just started"

@@ -231,3 +231,16 @@ def test_backoff_reaches_the_server_and_pings_outlast_its_first_step(nats_server
     _, text = sup.get("/metrics")
     assert value(metric_families(text), "jetstream_supervisor_in_progress_pings") >= 2
     assert sup.stop() == 0
+
+
+def test_status_consumer_keys_are_there_and_null_before_the_first_poll():
+    """A script reading /status["consumer"]["num_pending"] must not hit a missing key in the
+    moment between start and the first ConsumerInfo answer: every polled key is there, null."""
+    from supervisor.config import Config
+    from supervisor.consumer import POLLED_KEYS
+    from supervisor.status import consumer_block
+
+    block = consumer_block(None, Config())
+    assert set(STATUS_SHAPE["consumer"]) - {"poll_age_s"} <= {"stream", "name", *POLLED_KEYS}
+    assert {k: block[k] for k in (*POLLED_KEYS, "poll_age_s")} == dict.fromkeys((*POLLED_KEYS, "poll_age_s"))
+    assert (block["stream"], block["name"]) == ("JOBS", "workers")
