@@ -32,7 +32,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from harness import SupervisorProc, base_config, wait_until  # noqa: E402
-from natsauth import free_port  # noqa: E402
 from natscluster import NatsCluster, SteadyPublisher  # noqa: E402
 
 
@@ -138,7 +137,7 @@ def supervisor(root: Path, cluster: NatsCluster, name: str, ack_wait: float, rel
     cfg = base_config(None, sub, nats={"servers": cluster.urls, "startup_timeout": 30.0},
                       stream={"replicas": 3}, consumer={"ack_wait": ack_wait},
                       fleet={"name": name, "heartbeat": 2.0, "release_lost": release},
-                      workers={"count": workers}, monitor={"interval": 1.0, "http": f"127.0.0.1:{free_port()}"})
+                      workers={"count": workers}, monitor={"interval": 1.0})   # http: base_config's port 0
     return SupervisorProc(sub, cfg).start()
 
 

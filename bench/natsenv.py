@@ -85,6 +85,7 @@ class NatsServer:
 
     def __init__(self, workdir: Path):
         self.store = Path(tempfile.mkdtemp(prefix="store-", dir=workdir))
+        self.log_path = self.store.with_suffix(".log")
         self.port, self.monitor_port = free_port(), free_port()
         self.proc: subprocess.Popen | None = None
         self.version = ""
@@ -96,16 +97,30 @@ class NatsServer:
     def __enter__(self) -> NatsServer:
         binary = nats_server_binary()
         self.version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.strip()
-        self.proc = subprocess.Popen([binary, "-js", "-sd", str(self.store), "-a", "127.0.0.1", "-p", str(self.port),
-                                      "-m", str(self.monitor_port)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=dies_with_the_bench())
-        wait_until(self._serving, 30, "nats-server", 0.05)
+        # The ports were picked free a moment ago; any socket (an outgoing connection's included) may
+        # take one before the server binds it: it exits "address already in use", and starts again
+        # on ports picked again (nothing uses them yet).
+        for attempt in range(1, 4):
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen([binary, "-js", "-sd", str(self.store), "-a", "127.0.0.1",
+                                              "-p", str(self.port), "-m", str(self.monitor_port)],
+                                             stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+                                             preexec_fn=dies_with_the_bench())
+            try:
+                wait_until(self._serving, 30, "nats-server", 0.05)
+                break
+            except RuntimeError as exc:
+                if attempt == 3 or "address already in use" not in str(exc):
+                    raise
+                self.port, self.monitor_port = free_port(), free_port()
         return self
 
     def _serving(self) -> bool:
         if self.proc.poll() is not None:
-            raise RuntimeError(f"nats-server exited with {self.proc.returncode}")
+            said = self.log_path.read_text(errors="replace")
+            raise RuntimeError(f"nats-server exited with {self.proc.returncode}: {said[-1500:]}")
+        if "Server is ready" not in self.log_path.read_text(errors="replace"):
+            return False        # not every listener of its own yet: /healthz might reach whoever took the port
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true",
                                         timeout=1) as r:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from typing import Any
 import psutil
 import tomli_w
 
-from .natsenv import child_env, dies_with_the_bench, free_port, wait_until
+from .natsenv import child_env, dies_with_the_bench, wait_until
 
 
 def _popen(argv: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -126,14 +127,30 @@ def start_faststream(n: int, url: str, workdir: Path, batch: int = 256) -> Conte
 
 @dataclass
 class Supervisor(Contender):
-    http: str = ""
+    http: str = ""                  # HOST:PORT of its HTTP endpoint, once its log names it
     config: dict = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
         return self.procs[0].pid
 
+    def bound_http(self) -> str:
+        """Where its HTTP endpoint listens, from its own `status on http://HOST:PORT` line: it binds
+        port 0, as a port picked here in advance may be taken (by any socket) before it binds it."""
+        m = not self.http and re.search(r"status on http://([^\s/]+):(\d+)",
+                                        (self.workdir / "supervisor.log").read_text(errors="replace"))
+        if m:
+            host, port = m.groups()
+            if port == "0":         # a --product tree older than port 0's support logs ":0": ask its socket
+                with contextlib.suppress(psutil.Error):
+                    port = next((str(c.laddr.port) for c in psutil.Process(self.pid).net_connections()
+                                 if c.status == psutil.CONN_LISTEN), "0")
+            self.http = f"{host}:{port}" if port != "0" else ""
+        return self.http
+
     def status(self) -> dict | None:
+        if not self.bound_http():
+            return None
         try:
             with urllib.request.urlopen(f"http://{self.http}/status", timeout=5) as r:
                 return json.load(r)
@@ -164,11 +181,12 @@ class Supervisor(Contender):
 
 def supervisor_config(url: str, n: int, handler: str, **sections: dict[str, Any]) -> dict:
     """`supervisor start`'s config: every key at its default but the server, the worker count, the
-    handler and a free HTTP port; `sections` add keys ({"workers": {"batch": 1024}, ...})."""
+    handler and HTTP on a port the supervisor binds (port 0; Supervisor.bound_http finds it);
+    `sections` add keys ({"workers": {"batch": 1024}, ...})."""
     config: dict[str, dict[str, Any]] = {
         "nats": {"servers": [url], "startup_timeout": 10.0},
         "workers": {"count": n, "handler": handler},
-        "monitor": {"http": f"127.0.0.1:{free_port()}"},
+        "monitor": {"http": "127.0.0.1:0"},
     }
     for section, keys in sections.items():
         config.setdefault(section, {}).update(keys)
@@ -178,7 +196,7 @@ def supervisor_config(url: str, n: int, handler: str, **sections: dict[str, Any]
 def start_supervisor(name: str, config: dict, workdir: Path, env: dict | None = None) -> Supervisor:
     path = workdir / "config.toml"
     path.write_text(tomli_w.dumps(config))
-    c = Supervisor(name, workdir, http=config["monitor"]["http"], config=config)
+    c = Supervisor(name, workdir, config=config)
     c.procs.append(_popen([sys.executable, "-m", "supervisor", "start", "--config", str(path)], workdir,
                           workdir / "supervisor.log", child_env(**(env or {}))))
     return c

@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import re
-import socket
 import subprocess
 import time
 import types
@@ -455,34 +454,35 @@ def _conf_port(conf_path: Path) -> int:
     return int(m.group(1))
 
 
-def _accepts(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False
+class PortTaken(RuntimeError):
+    """nats-server exited "address already in use": its port, picked free a moment earlier, was
+    taken before it could bind it (by any socket, an outgoing connection's included)."""
 
 
 @contextlib.contextmanager
 def run_nats_server(conf_path: Path | str, *, timeout: float = 15.0,
                     log_path: Path | None = None) -> Iterator[NatsServer]:
-    """Start nats-server -c conf, wait until its client port accepts, yield, always stop it."""
+    """Start nats-server -c conf, wait until it logs that it listens on the conf's port, yield,
+    always stop it. Its own log line, not a connect: if its port was taken, a connect would
+    reach whoever took it (and this server exits; PortTaken)."""
     conf_path = Path(conf_path)
     port = _conf_port(conf_path)
     log_path = log_path or conf_path.with_suffix(".log")
+    logged = log_path.stat().st_size if log_path.exists() else 0      # a restart appends to the same log
     with open(log_path, "ab") as logf:
         proc = subprocess.Popen([nats_server_binary(), "-c", str(conf_path)],
                                 stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT)
     server = NatsServer(proc, port, log_path)
+    listening = re.compile(rf"Listening for client connections on \S+:{port}\b")
     try:
         deadline = time.monotonic() + timeout
         delay = 0.005
-        while not _accepts(port):
+        while not listening.search(said := log_path.read_bytes()[logged:].decode(errors="replace")):
             if proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {proc.returncode}:\n{server.log()[-3000:]}")
+                error = PortTaken if "address already in use" in said else RuntimeError
+                raise error(f"nats-server exited with {proc.returncode}:\n{said[-3000:]}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"nats-server did not accept on 127.0.0.1:{port} within {timeout}s:\n"
-                                   f"{server.log()[-3000:]}")
+                raise RuntimeError(f"nats-server did not listen on port {port} within {timeout}s:\n{said[-3000:]}")
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
         yield server
@@ -502,7 +502,16 @@ def stop_nats_server(proc: subprocess.Popen, timeout: float = 10.0) -> None:
 
 @contextlib.contextmanager
 def nats_auth_server(mode: str, base: Path | str) -> Iterator[AuthCase]:
-    """make_case + run_nats_server: a running server for `mode`, stopped on exit."""
-    case = make_case(mode, Path(base))
-    with run_nats_server(case.conf_path, log_path=case.server_log):
+    """make_case + run_nats_server: a running server for `mode`, stopped on exit. The port
+    make_case picked may be taken before the server binds it: then the case is made again, on a
+    new port (no client has it yet; a restart with run_nats_server keeps its port)."""
+    with contextlib.ExitStack() as running:
+        for attempt in range(1, 4):
+            case = make_case(mode, Path(base))
+            try:
+                running.enter_context(run_nats_server(case.conf_path, log_path=case.server_log))
+                break
+            except PortTaken:
+                if attempt == 3:
+                    raise
         yield case

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 import traceback
 import types
@@ -163,10 +164,9 @@ def test_unreachable_server_fails_fast_with_one_line(tmp_path, nats_log):
 
 
 def test_reconnects_after_server_restart_with_one_line_per_event(tmp_path, nats_log):
-    case = natsauth.make_case("creds", tmp_path)
-
     async def scenario():
-        with natsauth.run_nats_server(case.conf_path):
+        # The first start may re-pick a port taken since make_case; the restart keeps it.
+        with natsauth.nats_auth_server("creds", tmp_path) as case:
             nc = await natsconn.connect(case.config(), reconnect_time_wait=0.05)
         deadline = time.monotonic() + 10
         while nc.is_connected and time.monotonic() < deadline:
@@ -179,9 +179,10 @@ def test_reconnects_after_server_restart_with_one_line_per_event(tmp_path, nats_
             await js.add_stream(name="AGAIN", subjects=["again.>"])
             ack = await js.publish("again.1", b"x")
         await nc.close()
-        return ack
+        return case, ack
 
-    assert asyncio.run(scenario()).seq == 1
+    case, ack = asyncio.run(scenario())
+    assert ack.seq == 1
     text = nats_log.text
     assert f"disconnected from NATS at 127.0.0.1:{case.port}" in text
     assert f"reconnected to NATS at 127.0.0.1:{case.port}" in text
@@ -189,6 +190,23 @@ def test_reconnects_after_server_restart_with_one_line_per_event(tmp_path, nats_
     assert len(warnings) <= 5, [r.getMessage() for r in warnings]
     assert "Traceback" not in text and all(r.exc_info is None for r in nats_log.records)
     assert_no_secret(case.secrets, text)
+
+
+def test_an_auth_server_port_taken_before_it_binds_is_picked_again(tmp_path, monkeypatch):
+    """The case's port is picked before its server starts; one taken in between (held here, for
+    real, by a listener a mere connect would mistake for the server) makes the server exit
+    "address already in use", and the case is made again on a new port."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+        picks, real = iter([held]), natsauth.free_port                 # the taken port first
+        monkeypatch.setattr(natsauth, "free_port", lambda: next(picks, 0) or real())
+        with natsauth.nats_auth_server("token", tmp_path) as case:
+            assert case.port != held and case.url.endswith(f":{case.port}")
+            ack, _ = asyncio.run(round_trip(case.config()))
+    assert ack.seq >= 1
+    assert "address already in use" in case.server_log.read_text()
 
 
 # ---------------------------------------------------------------- secret files

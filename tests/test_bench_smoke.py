@@ -4,11 +4,13 @@ it asserts nothing about speed (docs/BENCHMARKS.md holds the real numbers)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +120,24 @@ def test_a_sigtermed_bench_stops_everything_and_removes_its_workdir(tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
+
+
+def test_a_bench_nats_server_port_taken_before_it_binds_is_picked_again(tmp_path, monkeypatch):
+    """The bench's nats-server ports are picked before it starts; one taken in between (held here,
+    for real) makes it exit "address already in use", and it starts again on ports picked again."""
+    from bench import natsenv
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+        picks, real = iter([held]), natsenv.free_port                   # the taken port first
+        monkeypatch.setattr(natsenv, "free_port", lambda: next(picks, 0) or real())
+        server = natsenv.NatsServer(tmp_path)
+        assert server.port == held
+        with server:
+            assert server.port != held
+            asyncio.run(natsenv.reset_queue(server.url, natsenv.QueueSpec()))      # it is a JetStream server
 
 
 def positive(value) -> bool:

@@ -83,11 +83,13 @@ def test_a_paused_node_loses_its_leadership_and_resumes(nats_cluster):
 # ---------------------------------------------------------------- supervisors on the cluster
 
 def fleet_supervisor(factory, cluster, name: str, **sections):
-    """A supervisor as a separate "host": its own fleet name, HTTP port, job log."""
+    """A supervisor as a separate "host": its own fleet name, HTTP port, job log. The HTTP port is
+    base_config's 127.0.0.1:0, bound by the supervisor (SupervisorProc.http reads it from its log):
+    one picked here in advance could be taken before the supervisor binds it."""
     return factory(None, nats={"servers": cluster.urls, "startup_timeout": 30.0},
                    stream={"replicas": 3}, consumer={"ack_wait": 10.0},
                    fleet={"name": name, "heartbeat": 0.5}, workers={"count": 2},
-                   monitor={"interval": 0.25, "http": f"127.0.0.1:{free_port()}"}, **sections)
+                   monitor={"interval": 0.25}, **sections)
 
 
 def fleet_view(sup) -> dict:

@@ -5,7 +5,7 @@ import urllib.request
 
 import psutil
 import pytest
-from harness import NatsServer, free_port, publish, run_cli, wait_until
+from harness import NatsServer, publish, run_cli, wait_until
 
 PASSWORD = "s3cr3t-in-the-url-7f2a"
 
@@ -49,9 +49,11 @@ def test_scale_is_refused_from_a_non_loopback_client(nats_server, supervisor_fac
     address = non_loopback_ipv4()
     if address is None:
         pytest.skip("this machine has no non-loopback IPv4 address to connect from")
-    port = free_port()
-    sup = supervisor_factory(nats_server, workers={"count": 1}, monitor={"http": f"0.0.0.0:{port}"})
+    # Port 0 (a port picked in advance may be taken before the supervisor binds it): the port it
+    # bound on every address is in its log line, "status on http://0.0.0.0:PORT".
+    sup = supervisor_factory(nats_server, workers={"count": 1}, monitor={"http": "0.0.0.0:0"})
     sup.wait_ready(1)
+    port = sup.http.rpartition(":")[2]
     request = urllib.request.Request(f"http://{address}:{port}/scale?workers=3", method="POST")
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=5)

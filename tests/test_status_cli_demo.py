@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import psutil
+import tomli_w
 from harness import DEADLINE, child_env, publish, run_cli, wait_until
 from natsauth import free_port
 
@@ -28,8 +29,7 @@ def in_flight(status: dict) -> int:
 # ---------------------------------------------------------------- status
 
 def test_status_text_and_json_on_a_running_supervisor(nats_server, supervisor_factory):
-    # A fixed port in the config: `supervisor status --config` below finds it there.
-    sup = supervisor_factory(nats_server, workers={"count": 2}, monitor={"http": f"127.0.0.1:{free_port()}"})
+    sup = supervisor_factory(nats_server, workers={"count": 2})       # monitor.http port 0: SupervisorProc.http
     sup.wait_ready(2)
     publish(nats_server.url, count=4, data="2")
     s = wait_until(lambda: (lambda s: s if s and in_flight(s) == 2 and s["consumer"].get("num_ack_pending") == 2
@@ -51,7 +51,11 @@ def test_status_text_and_json_on_a_running_supervisor(nats_server, supervisor_fa
     assert {w["pid"] for w in data["workers"]["list"]} == sup.worker_pids()
     assert data["consumer"]["name"] == "workers" and "poll_age_s" in data["consumer"]
 
-    r = run_cli("status", "--config", str(sup.config_path))      # URL from monitor.http of the config
+    # URL from monitor.http of a config: one naming the port the supervisor bound. Its own config
+    # says port 0, as a port picked in advance may be taken (by any socket) before it binds it.
+    bound = sup.tmp / "bound.toml"
+    bound.write_text(tomli_w.dumps({**sup.config, "monitor": {**sup.config["monitor"], "http": sup.http}}))
+    r = run_cli("status", "--config", str(bound))
     assert r.returncode == 0, r.stderr
     assert str(sup.proc.pid) in r.stdout
 
