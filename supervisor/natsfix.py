@@ -64,10 +64,13 @@ class Client(_NatsClient):
         return all(t is not None and not t.done() for t in (self._reading_task, self._flusher_task))
 
     async def fence(self, timeout: float = 5.0) -> None:
-        """The server has read every command this client published before the call."""
+        """The server has read every command this client published before the call; `timeout`
+        bounds the whole (a stopping worker's deadline counts on it)."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout
         # The queued PUBs reach the socket first (bounded: nats-py's flush_timeout is None) ...
         await asyncio.wait_for(self._flush_pending(force_flush=True), timeout)
-        await self.flush(timeout)  # ... then PING, PONG
+        await self.flush(max(0.001, until - loop.time()))  # ... then PING, PONG
 
     async def _process_pong(self) -> None:
         if self._pongs:

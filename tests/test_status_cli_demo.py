@@ -28,10 +28,11 @@ def in_flight(status: dict) -> int:
 
 # ---------------------------------------------------------------- status
 
-def test_status_text_and_json_on_a_running_supervisor(nats_server, supervisor_factory):
+def test_status_text_and_json_on_a_running_supervisor(nats_server, supervisor_factory, tmp_path):
     sup = supervisor_factory(nats_server, workers={"count": 2})       # monitor.http port 0: SupervisorProc.http
     sup.wait_ready(2)
-    publish(nats_server.url, count=4, data="2")
+    gate = tmp_path / "gate"             # the two jobs stay in flight until the CLI has read them
+    publish(nats_server.url, count=2, data=f"until:{gate}")
     s = wait_until(lambda: (lambda s: s if s and in_flight(s) == 2 and s["consumer"].get("num_ack_pending") == 2
                             else None)(sup.try_status()), what="2 jobs in flight in /status")
 
@@ -58,6 +59,8 @@ def test_status_text_and_json_on_a_running_supervisor(nats_server, supervisor_fa
     r = run_cli("status", "--config", str(bound))
     assert r.returncode == 0, r.stderr
     assert str(sup.proc.pid) in r.stdout
+    gate.touch()
+    wait_until(lambda: len(sup.jobs.done()) == 2, what="the two jobs done")
 
 
 def test_status_and_scale_without_a_supervisor_are_one_clear_line(tmp_path):
