@@ -60,13 +60,22 @@ class PostgresServer:
         data = self.dir / "data"
         subprocess.run([str(self.bindir / "initdb"), "-D", str(data), "-U", "test", "--auth=trust", "-E", "UTF8",
                         "--no-sync"], check=True, capture_output=True, cwd=self.dir, **self._run_as())
-        self.proc = subprocess.Popen(
-            [str(self.bindir / "postgres"), "-D", str(data), "-p", str(self.port), "-k", str(self.dir),
-             "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=20"],
-            stdout=subprocess.DEVNULL, stderr=open(self.dir / "postgres.log", "wb"), cwd=self.dir,
-            start_new_session=True, **self._run_as())
-        wait_until(self._accepting, 60, f"postgres on {self.port}", interval=0.1)
-        return self
+        # The port was picked free a moment ago; any socket may take it before postgres binds it:
+        # then it exits "Address already in use" and starts again on a port picked again.
+        for attempt in range(1, 4):
+            with open(self.dir / "postgres.log", "wb") as log:
+                self.proc = subprocess.Popen(
+                    [str(self.bindir / "postgres"), "-D", str(data), "-p", str(self.port), "-k", str(self.dir),
+                     "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=20"],
+                    stdout=subprocess.DEVNULL, stderr=log, cwd=self.dir, start_new_session=True, **self._run_as())
+            try:
+                wait_until(self._accepting, 60, f"postgres on {self.port}", interval=0.1)
+                return self
+            except AssertionError as exc:
+                if attempt == 3 or "Address already in use" not in str(exc):
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
 
     def _accepting(self) -> bool:
         import psycopg
