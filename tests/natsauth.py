@@ -27,12 +27,14 @@ import hashlib
 import json
 import os
 import re
+import socket
 import subprocess
 import time
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import nkeys
 
@@ -452,6 +454,20 @@ def _conf_port(conf_path: Path) -> int:
     if not m:
         raise ValueError(f"{conf_path}: no 'listen: HOST:PORT' line")
     return int(m.group(1))
+
+
+@contextlib.contextmanager
+def first_pick_taken(monkeypatch: Any, module: Any) -> Iterator[int]:
+    """A port held for real (bound, listening: a mere connect would take it for a server) that
+    `module.free_port` hands out first, as when any socket takes a picked port before the process
+    it was picked for binds it. Yields the held port."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+        picks, real = iter([held]), module.free_port
+        monkeypatch.setattr(module, "free_port", lambda *args: next(picks, 0) or real(*args))
+        yield held
 
 
 class PortTaken(RuntimeError):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
 import traceback
 import types
@@ -196,12 +195,7 @@ def test_an_auth_server_port_taken_before_it_binds_is_picked_again(tmp_path, mon
     """The case's port is picked before its server starts; one taken in between (held here, for
     real, by a listener a mere connect would mistake for the server) makes the server exit
     "address already in use", and the case is made again on a new port."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        held = taken.getsockname()[1]
-        picks, real = iter([held]), natsauth.free_port                 # the taken port first
-        monkeypatch.setattr(natsauth, "free_port", lambda: next(picks, 0) or real())
+    with natsauth.first_pick_taken(monkeypatch, natsauth) as held:
         with natsauth.nats_auth_server("token", tmp_path) as case:
             assert case.port != held and case.url.endswith(f":{case.port}")
             ack, _ = asyncio.run(round_trip(case.config()))

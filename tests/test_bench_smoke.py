@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 from harness import child_env, wait_until
+from natsauth import first_pick_taken
 
 REPO = Path(__file__).resolve().parent.parent
 SMOKE_TIMEOUT = 170.0
@@ -127,12 +127,7 @@ def test_a_bench_nats_server_port_taken_before_it_binds_is_picked_again(tmp_path
     for real) makes it exit "address already in use", and it starts again on ports picked again."""
     from bench import natsenv
 
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        held = taken.getsockname()[1]
-        picks, real = iter([held]), natsenv.free_port                   # the taken port first
-        monkeypatch.setattr(natsenv, "free_port", lambda: next(picks, 0) or real())
+    with first_pick_taken(monkeypatch, natsenv) as held:
         server = natsenv.NatsServer(tmp_path)
         assert server.port == held
         with server:

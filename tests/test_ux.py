@@ -18,7 +18,7 @@ import psutil
 import pytest
 import tomli_w
 from harness import DEADLINE, REPO, child_env, publish, run_cli, wait_until
-from natsauth import free_port
+from natsauth import first_pick_taken, free_port
 
 from supervisor import cli, config, embedded
 from supervisor.app import overruled, user_frame
@@ -118,16 +118,12 @@ def test_a_picked_port_taken_before_the_server_binds_is_picked_again(tmp_path, m
     held here); the start picks another port instead of failing. The pre-start check is skipped
     to reach that window; a port the config names is still refused (test above)."""
     monkeypatch.setattr("supervisor.embedded.check_port_free", lambda *args: None)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        picks, real = iter([taken.getsockname()[1]]), embedded.free_port           # the taken port first
-        monkeypatch.setattr("supervisor.embedded.free_port", lambda host="127.0.0.1": next(picks, 0) or real(host))
+    with first_pick_taken(monkeypatch, embedded) as held:
         server = EmbeddedServer("127.0.0.1", 0, 0, str(tmp_path / "store"))
-        assert server.port == taken.getsockname()[1]
+        assert server.port == held
         server.start(30)
         try:
-            assert server.port != taken.getsockname()[1]
+            assert server.port != held
             with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
                 assert s.recv(4096).startswith(b"INFO ")
             assert b"address already in use" in (tmp_path / "store" / "nats-server.log").read_bytes()
