@@ -55,13 +55,9 @@ def check_version() -> None:
 class Client(_NatsClient):
     async def flush(self, timeout: float = 10.0) -> None:  # type: ignore[override]   # nats-py types it int
         """A PING and its PONG, or an error: never nats-py's no-op fallback (see above)."""
-        if self.is_reconnecting and not self.loops_running():
+        if self.is_reconnecting:     # no PONG can come back on the old socket, and nats-py drops the PING's future
             raise nats.errors.ConnectionReconnectingError
         await super().flush(timeout)  # type: ignore[arg-type]
-
-    def loops_running(self) -> bool:
-        """nats-py's read and flusher tasks both run: a PING can be written, and its PONG read."""
-        return all(t is not None and not t.done() for t in (self._reading_task, self._flusher_task))
 
     async def fence(self, timeout: float = 5.0) -> None:
         """The server has read every command this client published before the call; `timeout`

@@ -60,6 +60,7 @@ class Settler:
         self.unconfirmed: list[tuple[int, int, bool]] = []
         self.closing = False
         self.close_by = 0.0                        # set by close(): the shutdown's deadline
+        self.retry: asyncio.TimerHandle | None = None   # the pending fence retry after a failure
         self.wake_settle = asyncio.Event()
 
     async def ack(self, i: int, job: Job, outcome: str = "ack") -> None:
@@ -149,7 +150,11 @@ class Settler:
                             extra={"event": "settle_waiting", "slot": self.slot, "unconfirmed": len(self.unconfirmed)})
             self.wake_settle.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake_settle.wait(), left)
+                await asyncio.wait_for(self.wake_settle.wait(), max(0.0, self.close_by - time.monotonic()))
+
+    def retry_now(self) -> None:
+        self.retry = None
+        self.wake_settle.set()
 
     async def confirm(self, timeout: float = 5.0) -> bool:
         """A fence (supervisor/natsfix.py) proves the server has read every ack sent before it on
@@ -169,7 +174,8 @@ class Settler:
             self.unconfirmed = batch + self.unconfirmed
             # A reconnect wakes us (Worker.reconnected); a fence that timed out on a live link must
             # not leave an idle worker's acks unconfirmed until its next job.
-            asyncio.get_running_loop().call_later(FENCE_RETRY, self.wake_settle.set)
+            if self.retry is None:       # one timer: each failure starting its own made retries multiply
+                self.retry = asyncio.get_running_loop().call_later(FENCE_RETRY, self.retry_now)
             return False
         current = w.nc.stats["reconnects"]
         for i, generation, was_ack in batch:
