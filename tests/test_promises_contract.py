@@ -236,11 +236,17 @@ def test_backoff_reaches_the_server_and_pings_outlast_its_first_step(nats_server
 def test_status_consumer_keys_are_there_and_null_before_the_first_poll():
     """A script reading /status["consumer"]["num_pending"] must not hit a missing key in the
     moment between start and the first ConsumerInfo answer: every polled key is there, null."""
+    from types import SimpleNamespace
+
     from supervisor.config import Config
-    from supervisor.consumer import POLLED_KEYS
+    from supervisor.consumer import POLLED_KEYS, consumer_dict
     from supervisor.status import consumer_block
 
     block = consumer_block(None, Config())
     assert set(STATUS_SHAPE["consumer"]) - {"poll_age_s"} <= {"stream", "name", *POLLED_KEYS}
     assert {k: block[k] for k in (*POLLED_KEYS, "poll_age_s")} == dict.fromkeys((*POLLED_KEYS, "poll_age_s"))
     assert (block["stream"], block["name"]) == ("JOBS", "workers")
+    seqs = SimpleNamespace(consumer_seq=1, stream_seq=1)    # POLLED_KEYS names exactly what a poll adds
+    info = SimpleNamespace(stream_name="JOBS", name="workers", num_pending=0, num_ack_pending=0, num_redelivered=0,
+                           num_waiting=0, delivered=seqs, ack_floor=seqs, cluster=None, created="2026-12-01")
+    assert set(consumer_dict(info)) == {"stream", "name", *POLLED_KEYS}
