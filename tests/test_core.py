@@ -114,16 +114,20 @@ def test_drain_naks_pulled_but_not_started(nats_server, supervisor_factory):
                                                    "handler": "testhandlers:record_async"},
                              consumer={"ack_wait": 300.0})
     sup.wait_ready(1)
-    publish(nats_server.url, count=10, data="0")         # teaches the worker its jobs are fast: it prefetches
-    wait_until(lambda: len(sup.jobs.done()) == 10, what="warm-up jobs done")
+    # Teaches the worker its jobs are fast, so it prefetches. Forty, since the average forgets a
+    # slow first job (start-up, a loaded box) slowly, and until it has the worker buffers less.
+    warm = 40
+    publish(nats_server.url, count=warm, data="0")
+    wait_until(lambda: len(sup.jobs.done()) == warm, what="warm-up jobs done")
     publish_now(nats_server.url, count=4, data="3.0")   # at once: prefetch is forgotten after 5 s idle (pulls.py)
     first = wait_until(lambda: sup.jobs.running(), what="a job running")[0]
     def held():
         return [e for w in sup.status()["workers"]["list"] for e in w["in_flight"] if e["state"] == "held"]
-    wait_until(lambda: len(held()) == 3, what="3 jobs pulled but not started")
+    # Up to 3 (batch 4); how many depends on the measured job time, at least one is the case to force.
+    wait_until(lambda: len(held()) >= 1, what="jobs pulled but not started")
     sup.signal(signal.SIGTERM)
     assert sup.wait() == 0
-    assert [r.seq for r in sup.jobs.done()] == [*range(1, 11), first.seq]
+    assert [r.seq for r in sup.jobs.done()] == [*range(1, warm + 1), first.seq]
     assert nats_server.stream_msgs() == 3
     again = supervisor_factory(nats_server, workers={"count": 3}, consumer={"ack_wait": 300.0})
     wait_until(lambda: len(again.jobs.done()) == 3, timeout=60, what="the 3 others processed long before AckWait")
