@@ -7,7 +7,7 @@
   until the other supervisor runs those jobs again, with `fleet.release_lost` on (the lost
   host's jobs are NAKed once it is declared lost) and off (AckWait), for short and long jobs.
 
-The cluster and the supervisors are the test suite's (tests/natscluster.py, tests/harness.py):
+The cluster and the supervisors are the test suite's (tests/support/natscluster.py, tests/support/harness.py):
 the same processes the cluster tests run, measured instead of asserted.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO / "tests" / "support"), str(REPO / "tests" / "handlers")]
 
 from harness import SupervisorProc, base_config, wait_until  # noqa: E402
 from natscluster import NatsCluster, SteadyPublisher  # noqa: E402

@@ -28,9 +28,9 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from supervisor.config import ConsumerConfig
-from supervisor.embedded import find_binary as nats_server_binary
-from supervisor.embedded import free_port
-from workers.runtime import set_parent_death_signal
+from supervisor.nats.embedded import find_binary as nats_server_binary
+from supervisor.nats.embedded import free_port
+from workers.protocol.fork import set_parent_death_signal
 
 STREAM = "JOBS"
 CONSUMER = "workers"

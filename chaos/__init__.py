@@ -14,5 +14,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 # The runner reuses the test harness (real nats-server, real supervisor, wait_until).
-if str(REPO / "tests") not in sys.path:
-    sys.path.insert(0, str(REPO / "tests"))
+for _dir in ("support", "handlers"):      # the test suite's servers and supervisors, its handlers
+    if str(REPO / "tests" / _dir) not in sys.path:
+        sys.path.insert(0, str(REPO / "tests" / _dir))

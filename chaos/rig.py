@@ -2,7 +2,7 @@
 records every PubAck, a watcher that sees worker processes come and go, the fault log, and
 the end of a run (settle, stop, check).
 
-The runner is synchronous like tests/harness.py (whose NatsServer and SupervisorProc it
+The runner is synchronous like tests/support/harness.py (whose NatsServer and SupervisorProc it
 reuses); what has to be asynchronous (the NATS client that publishes and inspects the stream,
 the TCP proxy) lives on one background asyncio loop in a thread. Every wait polls a
 condition against a deadline.
@@ -31,8 +31,8 @@ from harness import NatsServer, SupervisorProc, base_config, wait_until
 from nats.js.errors import NotFoundError
 from natscluster import NatsCluster
 
-from supervisor.peers import SUSPECT_GRACE
-from workers.runtime import DLQ_HEADER
+from supervisor.parent.peers import SUSPECT_GRACE
+from workers.runtime.deadletter import DLQ_HEADER
 
 from .checker import Evidence, Report, check
 from .facts import Fault, Life, Rec, Stored
@@ -65,7 +65,7 @@ class Background:
 
 
 class ChaosNats(NatsServer):
-    """tests/harness.py's nats-server, plus the faults: SIGKILL, SIGSTOP/SIGCONT, restart on
+    """tests/support/harness.py's nats-server, plus the faults: SIGKILL, SIGSTOP/SIGCONT, restart on
     the same ports and store."""
 
     def kill(self) -> None:
@@ -448,7 +448,7 @@ class Run:
         return left
 
     async def dead_letters(self) -> list[int]:
-        """Stream sequences of the jobs copied to the dead-letter stream (workers/runtime.py headers)."""
+        """Stream sequences of the jobs copied to the dead-letter stream (workers/runtime/worker.py headers)."""
         js = self.nc.jetstream()
         try:
             info = await js.stream_info(DLQ_STREAM)

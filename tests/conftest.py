@@ -7,7 +7,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+for _dir in ("support", "handlers"):       # the suite's helpers and the handlers its workers run
+    sys.path.insert(0, str(Path(__file__).parent / _dir))
 
 from harness import NatsServer, SupervisorProc, base_config  # noqa: E402
 
@@ -109,7 +110,7 @@ def supervisor_factory(tmp_path):
 
 @pytest.fixture
 def nats_cluster(tmp_path):
-    """A 3-node JetStream cluster on loopback (tests/natscluster.py), stopped after the test."""
+    """A 3-node JetStream cluster on loopback (tests/support/natscluster.py), stopped after the test."""
     from natscluster import NatsCluster
 
     with NatsCluster(tmp_path / "cluster").start() as cluster:

@@ -14,7 +14,7 @@ ack). `with once(job, conn) as fresh:` makes a database side effect happen once 
 
 from dataclasses import dataclass, field
 
-from .once import once
+from workers.once import once
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ import sqlite3
 import threading
 import time
 
-from . import Job, once
+from workers import Job, once
 
 
 def sleep_job(job: Job) -> None:

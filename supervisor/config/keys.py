@@ -1,0 +1,320 @@
+"""The one config tree: every key declared once, with its comment, bounds and reload rule, and
+what makes a value valid (`build`: each key against its declaration, then the rules that
+involve several keys).
+
+Each key is a dataclass field whose metadata carries its comment and its bounds; loading
+(loading.py), `config init` / `config show` (rendering.py) and SIGHUP's plan (reload.py) all read
+these declarations, so the example config can never drift from the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from supervisor.config.subjects import parse_hostport, subject_matches, valid_subject
+from supervisor.errors import ConfigError
+
+ENV_PREFIX = "SUPERVISOR_"
+ENV_CONFIG_PATH = "SUPERVISOR_CONFIG"
+
+
+# How SIGHUP applies a key (supervisor/config/reload.py reads these):
+LIVE = "live"              # the parent applies it at once
+REPLACE = "replace"        # workers read it at fork: replace them one at a time, replacement first
+RESTART = "restart"        # fixed for the life of the process: logged, applied at the next start
+
+
+def key(default: Any, doc: str, *, reload: str, lo: float | None = None, hi: float | None = None,
+        choices: tuple[str, ...] | None = None, secret: bool = False) -> Any:
+    """Declare one config key: its default, its comment, how a reload applies it, its bounds."""
+    assert reload in (LIVE, REPLACE, RESTART), reload
+    meta = {"doc": doc, "lo": lo, "hi": hi, "choices": choices, "secret": secret, "reload": reload}
+    if isinstance(default, (list, tuple)):
+        return field(default=tuple(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class NatsConfig:
+    servers: tuple[str, ...] = key((), "empty: start the embedded nats-server", reload=RESTART, secret=True)
+    name: str = key("jetstream-supervisor", "connection name shown in the server's monitoring", reload=RESTART)
+    creds_file: str = key("", "JWT + NKey .creds", reload=RESTART)
+    nkey_seed_file: str = key("", "NKey seed (user auth by public key)", reload=RESTART)
+    token_file: str = key("", "auth token", reload=RESTART)
+    user: str = key("", "with password_file: user/password auth", reload=RESTART)
+    password_file: str = key("", "", reload=RESTART)
+    tls_ca_file: str = key("", "private CA for the server certificate", reload=RESTART)
+    tls_cert_file: str = key("", "with tls_key_file: mutual TLS", reload=RESTART)
+    tls_key_file: str = key("", "", reload=RESTART)
+    startup_timeout: float = key(30.0, "seconds `start` keeps trying before exit 4", reload=RESTART, lo=0.0)
+    connect_timeout: float = key(2.0, "one-shot commands give up after this (exit 4); also each connect attempt",
+                                 reload=RESTART, lo=0.1)
+
+
+@dataclass(frozen=True)
+class EmbeddedConfig:
+    host: str = key("127.0.0.1", "only used when nats.servers is empty", reload=RESTART)
+    port: int = key(4222, "client port; 0 picks a free one", reload=RESTART, lo=0, hi=65535)
+    monitor_port: int = key(8222, "the server's HTTP monitoring (/jsz, /healthz); 0 disables; -1 picks a free one",
+                            reload=RESTART, lo=-1, hi=65535)
+    store_dir: str = key("", "\"\": $STATE_DIRECTORY or $XDG_STATE_HOME/jetstream-supervisor (kept across restarts); "
+                             "\":memory:\" a throw-away temp dir", reload=RESTART)
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    name: str = key("JOBS", "the work-queue stream", reload=RESTART)
+    subjects: tuple[str, ...] = key(("jobs.>",), "subjects the stream captures", reload=RESTART)
+    create: bool = key(True, "create when missing; never silently change an existing stream", reload=RESTART)
+    storage: str = key("file", "file or memory", reload=RESTART, choices=("file", "memory"))
+    replicas: int = key(1, "copies in a cluster", reload=RESTART, lo=1, hi=5)
+    retention: str = key("workqueue", "workqueue, limits or interest", reload=RESTART,
+                         choices=("workqueue", "limits", "interest"))
+    duplicate_window: float = key(120.0, "seconds a Nats-Msg-Id is remembered", reload=RESTART, lo=0.0)
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    # Every consumer key is pushed to the server by a reload (supervisor/nats/provision.py).
+    name: str = key("workers", "the durable pull consumer every worker binds to", reload=RESTART)
+    filter_subject: str = key("", "empty: every subject of the stream", reload=LIVE)
+    ack_wait: float = key(30.0, "seconds before an unacked delivery is redelivered", reload=LIVE, lo=0.001)
+    max_deliver: int = key(10, "deliveries before the server gives up on a job; it is then copied to "
+                               "restart.dead_letter_subject (-1 = retry forever)", reload=LIVE, lo=-1)
+    max_ack_pending: int = key(1000, "jobs in flight across all workers", reload=LIVE, lo=1)
+    backoff: tuple[float, ...] = key((), "server-side redelivery delays (seconds) by delivery count", reload=LIVE)
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    count: int = key(4, "worker processes", reload=LIVE, lo=0, hi=1024)
+    handler: str = key("", "MOD:FUNC called for each job; `start` needs one (to try things: "
+                           "workers.examples:sleep_job)", reload=REPLACE)
+    init: str = key("", "MOD:FUNC called once in each worker after fork", reload=REPLACE)
+    concurrency: int = key(1, "jobs in flight at once per worker", reload=REPLACE, lo=1, hi=1024)
+    batch: int = key(256, "ceiling on jobs a worker buffers or asks for at once; it sizes pulls below it "
+                          "(README: Pull sizing)", reload=REPLACE, lo=1, hi=4096)
+    job_timeout: float = key(0.0, "hard limit per job; 0 = none", reload=LIVE, lo=0.0)
+    heartbeat_timeout: float = key(30.0, "a worker silent this long is killed", reload=LIVE, lo=0.1)
+    max_jobs: int = key(0, "recycle a worker after this many jobs (0 = never) ...", reload=LIVE, lo=0)
+    max_jobs_jitter: int = key(0, "... plus a random 0..jitter", reload=LIVE, lo=0)
+    max_rss_mb: int = key(0, "recycle a worker whose RSS exceeds this (0 = never)", reload=LIVE, lo=0)
+    graceful_timeout: float = key(30.0, "on stop/recycle: time to finish in-flight jobs", reload=REPLACE, lo=0.0)
+    double_ack: bool = key(False, "true: ack_sync (exactly-once with Nats-Msg-Id)", reload=REPLACE)
+    retry_backoff: tuple[float, ...] = key((1.0, 5.0, 30.0), "NAK delays by delivery count for failed jobs",
+                                           reload=REPLACE)
+    progress_pings: bool = key(True, "keep running jobs from redelivery with +WPI before AckWait; false only to "
+                                     "diagnose", reload=LIVE)
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    backoff_initial: float = key(0.1, "first restart delay of a crashed slot", reload=LIVE, lo=0.0)
+    backoff_max: float = key(30.0, "restart delay ceiling", reload=LIVE, lo=0.0)
+    boot_failures_to_halt: int = key(10, "consecutive workers dying before ready -> exit 5", reload=LIVE, lo=1)
+    poison_after_crashes: int = key(3, "a job running at this many worker deaths is quarantined", reload=LIVE, lo=1)
+    dead_letter_subject: str = key("dlq.jobs", "where rejected, poison and max-delivered jobs are copied",
+                                   reload=REPLACE)
+    dead_letter_stream: str = key("JOBS_DLQ", "created (when stream.create) to keep dead letters; \"\" = none",
+                                  reload=RESTART)
+
+
+@dataclass(frozen=True)
+class IdempotencyConfig:
+    enabled: bool = key(False, "true: skip jobs whose key is already done (KV done-markers)", reload=REPLACE)
+    bucket: str = key("JOBS_DONE", "JetStream KV bucket of done-markers (created when stream.create)",
+                      reload=RESTART)
+    ttl: float = key(86400.0, "seconds a done-marker is kept (should exceed how long duplicates can arrive)",
+                     reload=RESTART, lo=1.0)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    name: str = key("", "this supervisor's name in the fleet view; \"\" = hostname", reload=RESTART)
+    bucket: str = key("SUPERVISOR_FLEET", "KV bucket of supervisor heartbeats", reload=RESTART)
+    heartbeat: float = key(2.0, "seconds between heartbeats; lost after 3 missed", reload=LIVE, lo=0.1)
+    release_lost: bool = key(True, "NAK a lost supervisor's held jobs now, not after AckWait (README: partitions)",
+                             reload=LIVE)
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    enabled: bool = key(False, "true: the supervisor sets the worker count between min and max", reload=LIVE)
+    min: int = key(1, "never fewer workers than this", reload=LIVE, lo=0, hi=1024)
+    max: int = key(8, "never more workers than this", reload=LIVE, lo=1, hi=1024)
+    interval: float = key(5.0, "seconds between decisions", reload=LIVE, lo=0.1)
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    interval: float = key(1.0, "ConsumerInfo poll period", reload=LIVE, lo=0.05)
+    lag_window: float = key(60.0, "window for the pending trend", reload=LIVE, lo=1.0)
+    http: str = key("127.0.0.1:9520", "/, /status, /metrics, /healthz; \"\" disables; port 0 picks a free one (logged)",
+                    reload=RESTART)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = key("info", "debug, info, warning or error", reload=LIVE,
+                     choices=("debug", "info", "warning", "error"))
+    format: str = key("text", "text or json", reload=RESTART, choices=("text", "json"))
+
+
+@dataclass(frozen=True)
+class Config:
+    nats: NatsConfig = NatsConfig()
+    embedded: EmbeddedConfig = EmbeddedConfig()
+    stream: StreamConfig = StreamConfig()
+    consumer: ConsumerConfig = ConsumerConfig()
+    workers: WorkersConfig = WorkersConfig()
+    restart: RestartConfig = RestartConfig()
+    idempotency: IdempotencyConfig = IdempotencyConfig()
+    fleet: FleetConfig = FleetConfig()
+    autoscale: AutoscaleConfig = AutoscaleConfig()
+    monitor: MonitorConfig = MonitorConfig()
+    log: LogConfig = LogConfig()
+
+    def replace(self, **sections: dict[str, Any]) -> Config:
+        """A copy with some keys changed, validated like a loaded config."""
+        raw = as_dict(self)
+        for section, values in sections.items():
+            raw[section].update(values)
+        return build(raw, {f"{s}.{k}": "override" for s, v in sections.items() for k in v})
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def section_keys(section: str) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+
+
+def key_type(section: str, name: str) -> Any:
+    return typing.get_type_hints(SECTIONS[section])[name]
+
+
+def as_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return {s: {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(getattr(cfg, s)).items()}
+            for s in SECTIONS}
+
+
+# ---------------------------------------------------------------- building and checking
+
+def build(raw: Mapping[str, Mapping[str, Any]], sources: Mapping[str, str]) -> Config:
+    sections = {}
+    for section, cls in SECTIONS.items():
+        values = {}
+        for name in section_keys(section):
+            dotted = f"{section}.{name}"
+            values[name] = _check_value(dotted, raw[section][name], key_type(section, name),
+                                        section_keys(section)[name].metadata, sources.get(dotted, ""))
+        sections[section] = cls(**values)
+    cfg = Config(**sections)
+    _check_together(cfg, sources)
+    return cfg
+
+
+def _check_value(dotted: str, value: Any, typ: Any, meta: Mapping[str, Any], source: str) -> Any:
+    value = _coerce(dotted, value, typ, source, meta["secret"])
+    items = value if isinstance(value, tuple) else (value,)
+    for item in items:
+        if isinstance(item, (int, float)) and not isinstance(item, bool):
+            if meta["lo"] is not None and item < meta["lo"]:
+                raise ConfigError(dotted, f"must be at least {meta['lo']:g}, got {item!r}", source)
+            if meta["hi"] is not None and item > meta["hi"]:
+                raise ConfigError(dotted, f"must be at most {meta['hi']:g}, got {item!r}", source)
+        if meta["choices"] and item not in meta["choices"]:
+            raise ConfigError(dotted, f"must be one of {', '.join(meta['choices'])}; got {item!r}", source)
+    return value
+
+
+def _coerce(dotted: str, value: Any, typ: Any, source: str, secret: bool = False) -> Any:
+    def wrong() -> ConfigError:
+        return ConfigError(dotted, f"expected {type_name(typ)}, got {_describe(value, secret)}", source)
+
+    if typing.get_origin(typ) is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise wrong()
+        item_type = typing.get_args(typ)[0]
+        return tuple(_coerce(dotted, v, item_type, source, secret) for v in value)
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise wrong()
+        return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong()
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise wrong()
+        return float(value)
+    if typ is str and not isinstance(value, str):
+        raise wrong()
+    return value
+
+
+def type_name(typ: Any) -> str:
+    if typing.get_origin(typ) is tuple:
+        return "a list of " + {bool: "booleans", int: "integers", float: "numbers (seconds)",
+                               str: "strings"}[typing.get_args(typ)[0]]
+    return {bool: "true or false", int: "an integer", float: "a number (seconds)", str: "a string"}[typ]
+
+
+def _describe(value: Any, secret: bool = False) -> str:
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "a table"}.get(type(value), type(value).__name__)
+    return f"{kind} ({value!r})" if not isinstance(value, (list, dict)) and not secret else kind
+
+
+def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
+    """Rules that involve more than one key."""
+    def fail(dotted: str, problem: str) -> None:
+        raise ConfigError(dotted, problem, sources.get(dotted, ""))
+
+    for dotted in ("workers.handler", "workers.init"):
+        spec = getattr(cfg.workers, dotted.split(".")[1])
+        if spec and (spec.count(":") != 1 or not all(spec.split(":"))):
+            fail(dotted, f"expected MODULE:FUNCTION, got {spec!r}")
+    if not cfg.stream.subjects:
+        fail("stream.subjects", "needs at least one subject")
+    if cfg.autoscale.max < cfg.autoscale.min:
+        fail("autoscale.max", f"must be >= autoscale.min ({cfg.autoscale.min})")
+    if cfg.restart.backoff_max < cfg.restart.backoff_initial:
+        fail("restart.backoff_max", f"must be >= restart.backoff_initial ({cfg.restart.backoff_initial:g})")
+    if cfg.consumer.backoff and cfg.consumer.max_deliver != -1 and cfg.consumer.max_deliver <= len(cfg.consumer.backoff):
+        fail("consumer.backoff", "needs consumer.max_deliver greater than its length (a NATS rule)")
+    if cfg.consumer.max_deliver == 0:
+        fail("consumer.max_deliver", "must be -1 (unlimited) or at least 1")
+    for dotted in ("workers.retry_backoff", "consumer.backoff"):
+        section, name = dotted.split(".")
+        if any(d < 0 for d in getattr(getattr(cfg, section), name)):
+            fail(dotted, "delays cannot be negative")
+    if any(not valid_subject(s, wildcards=True) for s in cfg.stream.subjects):
+        bad = next(s for s in cfg.stream.subjects if not valid_subject(s, True))
+        fail("stream.subjects", f"not a valid subject: {bad!r}")
+    if cfg.consumer.filter_subject and not any(subject_matches(p, cfg.consumer.filter_subject) or
+                                                p == cfg.consumer.filter_subject for p in cfg.stream.subjects):
+        fail("consumer.filter_subject", f"{cfg.consumer.filter_subject!r} is not within stream.subjects")
+    dlq = cfg.restart.dead_letter_subject
+    if dlq and not valid_subject(dlq, wildcards=False):
+        fail("restart.dead_letter_subject", f"{dlq!r} must be a plain subject (no spaces, no wildcards)")
+    if dlq and any(subject_matches(pattern, dlq) for pattern in cfg.stream.subjects):
+        fail("restart.dead_letter_subject",
+             f"{dlq!r} is captured by stream.subjects; dead letters would be redelivered as jobs")
+    if cfg.monitor.http:
+        parse_hostport(cfg.monitor.http, "monitor.http", sources.get("monitor.http", ""))
+    for dotted in ("nats.tls_cert_file", "nats.tls_key_file"):
+        other = "nats.tls_key_file" if dotted.endswith("cert_file") else "nats.tls_cert_file"
+        if getattr(cfg.nats, dotted.split(".")[1]) and not getattr(cfg.nats, other.split(".")[1]):
+            fail(dotted, f"needs {other} too (mutual TLS takes both)")
+    if cfg.nats.password_file and not cfg.nats.user:
+        fail("nats.password_file", "needs nats.user")
+    for server in cfg.nats.servers:
+        if not server or " " in server:
+            fail("nats.servers", "each server must be a URL like nats://host:4222")

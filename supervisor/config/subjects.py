@@ -1,0 +1,32 @@
+"""NATS subject grammar and HOST:PORT, as the config checks them."""
+
+from __future__ import annotations
+
+from supervisor.errors import ConfigError
+
+
+def valid_subject(subject: str, wildcards: bool) -> bool:
+    tokens = subject.split(".")
+    if not subject or any(not t or any(c.isspace() for c in t) for t in tokens):
+        return False
+    if not wildcards and any(t in ("*", ">") for t in tokens):
+        return False
+    return ">" not in tokens[:-1]
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` is one token, `>` the rest."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p):
+        if token == ">":
+            return len(s) > i
+        if i >= len(s) or (token != "*" and token != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def parse_hostport(text: str, name: str, source: str = "") -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(name, f"expected HOST:PORT, got {text!r}", source)
+    return host.strip("[]") or "127.0.0.1", int(port)

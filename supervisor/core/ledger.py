@@ -1,0 +1,360 @@
+"""The crash ledger: what every dead worker held, and the proof that each job came back.
+
+Pure bookkeeping, no I/O: the arbiter feeds it deaths (with the slot-table entries the worker
+held), the workers' rare events (a redelivery seen, a non-ack outcome) and the consumer's ack
+floor, and it answers three questions:
+  - did every job held at a death come back and get acked? (`outstanding`)
+  - which redeliveries does nothing explain? (AckWait shorter than the jobs, usually)
+  - which job keeps killing workers? (poison)
+Every redelivery is explained by something the ledger can name: a death (held, or pulled and
+still in transit), a NAK from a handler or a drain, a whole supervisor lost (the jobs its last
+fleet heartbeat listed, and a window with a count for those it took after it), or nothing
+(unexplained).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from supervisor.core.policy import ack_wait_for
+
+EXPECT_LIMIT = 100_000      # remembered NAKs (a bound, not a window: they are few)
+HISTORY = 200               # deaths and unexplained redeliveries kept for /status
+LOST_PEER = "held by lost supervisor "      # how a lost fleet peer's held jobs are explained
+HOLD_MAX = 30.0             # a suspect is held back for a silent fleet peer at most this long past its grace
+
+
+@dataclass
+class HeldJob:
+    seq: int
+    delivery: int
+    state: str                  # held | running | acked (ack in doubt) | settled
+    naked: bool                 # the parent sent -NAK for it at the death
+    redelivered_at: float | None = None
+    acked_at: float | None = None
+    resolved: str = ""          # "" while outstanding; else how it was settled
+
+    def as_dict(self, death: Death, now: float) -> dict:
+        return {"stream_seq": self.seq, "delivery": self.delivery, "state_at_death": self.state,
+                "naked": self.naked, "death": death.id, "slot": death.slot, "pid": death.pid,
+                "cause": death.cause, "age_s": round(now - death.t, 3),
+                "redelivered": self.redelivered_at is not None}
+
+    def fate(self, died_at: float) -> dict:
+        """What became of this job after the death: came back (redelivered) and acked, in
+        seconds after it; `resolved` names how it was settled ("ack", "term", "below ack floor",
+        "quarantined", ...; "" while outstanding)."""
+        def after(t: float | None) -> float | None:
+            return None if t is None else round(t - died_at, 3)
+        return {"stream_seq": self.seq, "delivery": self.delivery, "state_at_death": self.state,
+                "naked": self.naked, "came_back_after_s": after(self.redelivered_at),
+                "acked_after_s": after(self.acked_at) if self.resolved == "ack" else None,
+                "resolved": self.resolved}
+
+
+@dataclass
+class Death:
+    id: int
+    t: float
+    slot: int
+    pid: int
+    cause: str
+    held: list[HeldJob]
+    in_transit: int             # pull credits outstanding: messages maybe on the wire
+    attributed: int = 0         # redeliveries later explained as in transit at this death
+    # The consumer's delivered stream sequence at the first ConsumerInfo after the death: a
+    # message in transit at the death had been delivered, so its sequence is at most this.
+    delivered_bound: int | None = None
+
+    def summary(self, now: float) -> dict:
+        """`held` lists the seqs; `held_jobs` says per job when it came back and when it was
+        acked, in seconds after this death (None: not yet, or not seen by this supervisor)."""
+        return {"id": self.id, "slot": self.slot, "pid": self.pid, "cause": self.cause, "age_s": round(now - self.t, 3),
+                "held": [h.seq for h in self.held], "in_transit": self.in_transit,
+                "held_jobs": [h.fate(self.t) for h in self.held]}
+
+
+@dataclass
+class Redelivery:
+    t: float
+    seq: int
+    delivery: int
+    why: str                    # explanation, or "unexplained"
+
+
+@dataclass
+class Window:
+    """Redeliveries due between `start` and `end` (monotonic), at most `budget` of them, are
+    explained by `why`, and counted under `counter`: the jobs a lost supervisor took after its
+    last heartbeat, or jobs whose acks a consumer leader move may have swallowed."""
+    start: float
+    end: float
+    budget: int
+    why: str
+    counter: str = "lost_peer_redeliveries"
+
+    def covers(self, t: float) -> bool:
+        return self.budget > 0 and self.start <= t <= self.end
+
+
+@dataclass
+class CrashLedger:
+    ack_wait: float
+    poison_after: int
+    backoff: tuple[float, ...] = ()         # consumer.backoff: AckWait per delivery when set
+    deaths: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    unexplained: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    counts: dict = field(default_factory=lambda: dict.fromkeys(
+        ("crashes", "crashes_holding_jobs", "jobs_held_at_crash", "held_jobs_naked", "held_jobs_redelivered",
+         "held_jobs_acked_after_crash", "unexplained_redeliveries", "explained_redeliveries",
+         "in_transit_redeliveries", "in_transit_naked", "quarantined", "lost_peer_redeliveries",
+         "leader_move_redeliveries"), 0))
+
+    def __post_init__(self) -> None:
+        self._inherited_up_to = 0       # stream seqs pending (delivered, unacked) when we started ...
+        self._inherited_left = 0        # ... and how many of their redeliveries that can explain
+        self._ids = itertools.count(1)
+        self._open: dict[int, list[tuple[Death, HeldJob]]] = {}      # seq -> held jobs not yet resolved
+        self._expected: OrderedDict[int, str] = OrderedDict()        # seq -> why it will come back
+        self._fatal: dict[int, list[Death]] = {}                     # seq -> deaths while it ran
+        self._suspects: dict[tuple[int, int], float] = {}            # (seq, delivery) -> seen, unexplained so far
+        self.quarantined: dict[int, list[Death]] = {}
+        self._windows: deque[Window] = deque(maxlen=HISTORY)
+        self.cluster_explained: deque[Redelivery] = deque(maxlen=HISTORY)
+        self._hold_until = 0.0                                      # see hold_suspects
+
+    # ------------------------------------------------------------ inputs
+
+    def record_death(self, t: float, slot: int, pid: int, cause: str, held: list[tuple[int, int, str, bool]],
+                     in_transit: int = 0, job_to_blame: bool = True) -> Death:
+        """`held`: (stream seq, delivery, entry state, NAKed by the parent) per slot-table entry.
+        `job_to_blame` is False when the supervisor itself ended the worker (SIGQUIT, a drain
+        past its deadline): the jobs it was running did not kill it, so it is no poison evidence."""
+        death = Death(next(self._ids), t, slot, pid, cause,
+                      [HeldJob(seq, delivery, state, naked) for seq, delivery, state, naked in held], in_transit)
+        self.deaths.append(death)
+        self.counts["crashes"] += 1
+        if death.held:
+            self.counts["crashes_holding_jobs"] += 1
+        for job in death.held:
+            self.counts["jobs_held_at_crash"] += 1
+            self.counts["held_jobs_naked"] += job.naked
+            if job.state == "running" and job_to_blame:
+                self._fatal.setdefault(job.seq, []).append(death)
+            self._open.setdefault(job.seq, []).append((death, job))
+        return death
+
+    def expect(self, seq: int, why: str, delivery: int = 0, retroactive: bool = True) -> bool:
+        """A NAK (handler failure, Retry, drain, a peer's dead worker): the next delivery of
+        `seq` is explained. A redelivery already seen and held as a suspect is explained now
+        (returns True), unless `retroactive` is False: what happened after it cannot be its cause
+        (a worker's ack refused after the job had already come back to another worker)."""
+        late = sorted(d for s, d in self._suspects if s == seq and d > delivery) if retroactive else []
+        if late:                            # a NAK of delivery N explains only deliveries after N
+            t = self._suspects.pop((seq, late[0]))
+            self.counts["explained_redeliveries"] += 1
+            if why.startswith(LOST_PEER):
+                self._by_the_cluster(t, seq, late[0], why, "lost_peer_redeliveries")
+            return True
+        self._expected[seq] = why
+        self._expected.move_to_end(seq)
+        while len(self._expected) > EXPECT_LIMIT:
+            self._expected.popitem(last=False)
+        return False
+
+    def redelivered(self, t: float, seq: int, delivery: int) -> str:
+        """A worker received `seq` with delivery > 1. Returns the explanation, or "" when nothing
+        explains it yet: it stays a suspect until `confirm_suspects`, because a peer supervisor's
+        word about the NAK may arrive a moment after the redelivery it caused."""
+        why = self._explain(t, seq, delivery)
+        if why == "unexplained":
+            self._suspects[(seq, delivery)] = t
+            return ""
+        self.counts["explained_redeliveries"] += 1
+        return why
+
+    def hold_suspects(self, until: float) -> None:
+        """A fleet peer is silent but not yet declared lost: a redelivery of a job it held would
+        be explained once it is. Until `until` (renewed while the peer stays silent), suspects
+        wait, up to HOLD_MAX past their grace."""
+        self._hold_until = max(self._hold_until, until)
+
+    def expect_window(self, start: float, end: float, budget: int, why: str,
+                      counter: str = "lost_peer_redeliveries") -> None:
+        """Up to `budget` redeliveries due between `start` and `end` are explained by `why`,
+        including suspects already waiting."""
+        window = Window(start, end, budget, why, counter)
+        self._windows.append(window)
+        for (seq, d), t in sorted(self._suspects.items(), key=lambda item: item[1]):
+            if window.covers(t):
+                del self._suspects[(seq, d)]
+                window.budget -= 1
+                self.counts["explained_redeliveries"] += 1
+                self._by_the_cluster(t, seq, d, why, counter)
+
+    def _by_the_cluster(self, t: float, seq: int, delivery: int, why: str, counter: str) -> None:
+        """A redelivery explained by a lost supervisor or a consumer leader move: counted under
+        `counter` and kept in `recent_cluster_explained` (/status says which jobs and why)."""
+        self.counts[counter] += 1
+        self.cluster_explained.append(Redelivery(t, seq, delivery, why))
+
+    def confirm_suspects(self, now: float, grace: float) -> list[Redelivery]:
+        """Suspects older than `grace` that nothing explained: counted as unexplained, unless they
+        were pending before we started (the weakest explanation, so a peer's word wins if it came).
+        While a fleet peer is silent (`hold_suspects`) they wait, up to HOLD_MAX past the grace."""
+        held = now < self._hold_until
+        due = [(seq, d, t) for (seq, d), t in self._suspects.items()
+               if now - t >= grace and (not held or now - t >= grace + HOLD_MAX)]
+        confirmed = []
+        for seq, d, t in due:
+            del self._suspects[(seq, d)]
+            if seq <= self._inherited_up_to and self._inherited_left > 0:
+                self._inherited_left -= 1
+                self.counts["explained_redeliveries"] += 1
+                continue
+            self.counts["unexplained_redeliveries"] += 1
+            self.unexplained.append(Redelivery(t, seq, d, "unexplained"))
+            confirmed.append(self.unexplained[-1])
+        return confirmed
+
+    def _mark_redelivered(self, t: float, seq: int, delivery: int) -> list[tuple[Death, HeldJob]]:
+        held = [(d, j) for d, j in self._open.get(seq, ()) if delivery > j.delivery and j.redelivered_at is None]
+        for _, job in held:
+            job.redelivered_at = t
+            self.counts["held_jobs_redelivered"] += 1
+        return held
+
+    def redelivered_elsewhere(self, t: float, seq: int, delivery: int) -> None:
+        """A peer supervisor's worker received `seq` again: our held job came back there (the
+        peer's ledger says whether it was explained)."""
+        self._mark_redelivered(t, seq, delivery)
+
+    def awaiting_redelivery(self, seq: int, delivery: int) -> bool:
+        """A job a dead worker held at `delivery`, NAKed, not seen again anywhere yet."""
+        return any(j.delivery == delivery and j.redelivered_at is None for _, j in self._open.get(seq, ()))
+
+    def _explain(self, t: float, seq: int, delivery: int) -> str:
+        held = self._mark_redelivered(t, seq, delivery)
+        if held:
+            self._expected.pop(seq, None)   # a NAK sent before the death explains this same redelivery
+            death = held[-1][0]
+            return f"held by worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
+        if seq in self._expected:
+            why = self._expected.pop(seq)
+            if why.startswith(LOST_PEER):
+                self._by_the_cluster(t, seq, delivery, why, "lost_peer_redeliveries")
+            return why
+        # A lost supervisor's unlisted jobs all come back; acks a leader move swallowed only may
+        # have: where both windows cover a redelivery, the lost supervisor is the better bet.
+        for window in sorted(self._windows, key=lambda w: w.counter != "lost_peer_redeliveries"):
+            if window.covers(t):
+                window.budget -= 1
+                self._by_the_cluster(t, seq, delivery, window.why, window.counter)
+                return window.why
+        return self._attribute_in_transit(t, seq)
+
+    def inherit(self, num_ack_pending: int, delivered_stream_seq: int) -> None:
+        """The consumer at our start: `num_ack_pending` deliveries made before we existed (a
+        previous run's drain NAKs, another process's jobs) whose redeliveries we will see."""
+        self._inherited_left, self._inherited_up_to = num_ack_pending, delivered_stream_seq
+
+    def delivered_seen(self, t: float, delivered_stream_seq: int) -> None:
+        """A ConsumerInfo taken at `t`: bounds what deaths before it can have had in transit."""
+        for death in reversed(self.deaths):
+            if death.delivered_bound is not None:
+                break
+            if death.t <= t:
+                death.delivered_bound = delivered_stream_seq
+
+    def _attribute_in_transit(self, t: float, seq: int) -> str:
+        """A message pulled by a worker that died before recording it comes back after AckWait
+        (first delivery: that is what was on the wire), within the death's credits, and only if
+        the consumer had delivered it by the death."""
+        ack_wait = ack_wait_for(self.ack_wait, self.backoff, 1)
+        for death in reversed(self.deaths):
+            due = death.t + ack_wait
+            in_range = death.delivered_bound is None or seq <= death.delivered_bound
+            if death.attributed < death.in_transit and in_range and due - 1.0 <= t <= due + max(5.0, ack_wait):
+                death.attributed += 1
+                self.counts["in_transit_redeliveries"] += 1
+                return f"in transit to worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
+        return "unexplained"
+
+    def settled(self, t: float, seq: int, delivery: int, outcome: str) -> None:
+        """A worker acked, NAKed or terminated `seq` at `delivery`."""
+        if outcome == "nak":
+            self.expect(seq, f"NAKed at delivery {delivery}", delivery)
+            return
+        self._expected.pop(seq, None)
+        self._fatal.pop(seq, None)
+        for _death, job in self._open.pop(seq, ()):
+            job.acked_at = t
+            job.resolved = outcome
+            if outcome == "ack":
+                self.counts["held_jobs_acked_after_crash"] += 1
+
+    def ack_floor(self, stream_seq: int) -> None:
+        """Everything at or below the consumer's ack floor is settled, by whoever settled it
+        (an ack that was in doubt at a death, another host's worker, a TERM)."""
+        for seq in [s for s in self._open if s <= stream_seq]:
+            for _, job in self._open.pop(seq):
+                job.resolved = job.resolved or "below ack floor"
+        for seq in [s for s in self._fatal if s <= stream_seq]:
+            del self._fatal[seq]
+
+    def in_transit_naked(self, seq: int, why: str) -> None:
+        """The supervisor found and NAKed a message in transit to a dead worker (reconciliation)."""
+        self.counts["in_transit_naked"] += 1
+        self.expect(seq, why)
+
+    def expecting(self, seq: int) -> bool:
+        """A redelivery of `seq` is already explained in advance (a NAK we know of)."""
+        return seq in self._expected or seq in self._open
+
+    def resolve(self, seq: int, how: str) -> None:
+        """Settled by evidence other than a worker's report (e.g. a work-queue message that is gone)."""
+        for _, job in self._open.pop(seq, ()):
+            job.resolved = how
+
+    def in_doubt(self) -> list[int]:
+        """Held jobs whose ack was sent but not confirmed at the death, not seen since."""
+        return [seq for seq, jobs in self._open.items()
+                if all(j.state == "acked" and j.redelivered_at is None for _, j in jobs)]
+
+    def quarantine(self, seq: int) -> list[Death]:
+        deaths = self._fatal.pop(seq, [])
+        self.quarantined[seq] = deaths
+        self.counts["quarantined"] += 1
+        for _, job in self._open.pop(seq, ()):
+            job.resolved = "quarantined"
+        return deaths
+
+    # ------------------------------------------------------------ questions
+
+    def is_poison(self, seq: int) -> bool:
+        return seq not in self.quarantined and len(self._fatal.get(seq, ())) >= self.poison_after
+
+    def deaths_of(self, seq: int) -> list[Death]:
+        return list(self._fatal.get(seq, ()))
+
+    def outstanding(self, now: float) -> list[dict]:
+        return [job.as_dict(death, now) for jobs in self._open.values() for death, job in jobs]
+
+    def crosscheck(self, now: float) -> dict:
+        out = {k: self.counts[k] for k in ("crashes", "crashes_holding_jobs", "jobs_held_at_crash", "held_jobs_naked",
+                                           "held_jobs_redelivered", "held_jobs_acked_after_crash",
+                                           "unexplained_redeliveries", "quarantined")}
+        out["explained_redeliveries"] = self.counts["explained_redeliveries"]
+        out["in_transit_redeliveries"] = self.counts["in_transit_redeliveries"]
+        out["in_transit_naked"] = self.counts["in_transit_naked"]
+        out["lost_peer_redeliveries"] = self.counts["lost_peer_redeliveries"]
+        out["leader_move_redeliveries"] = self.counts["leader_move_redeliveries"]
+        out["outstanding"] = self.outstanding(now)
+        out["recent_deaths"] = [d.summary(now) for d in list(self.deaths)[-10:]]
+        out["recent_cluster_explained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "why": r.why,
+                                            "age_s": round(now - r.t, 3)} for r in list(self.cluster_explained)[-20:]]
+        out["recent_unexplained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "age_s": round(now - r.t, 3)}
+                                     for r in list(self.unexplained)[-10:]]
+        return out

@@ -1,0 +1,101 @@
+"""Everything this project relies on inside nats-py, in one place, checked against the pinned version.
+
+`Client` is nats-py's client with three changes; `supervisor.natsconn.connect()` is the one place
+clients are made, so every connection of ours (parent, workers, one-shot commands) gets them:
+
+- `fence()`: returns once the server has read everything published before the call. nats-py's
+  `flush()` writes its PING straight to the socket while `publish()` queues its bytes for the
+  flusher task, so `publish(); flush()` can put `PING, PUB` on the wire and the PONG proves
+  nothing about the PUB (DESIGN.md). `fence()` makes the flusher write the queue first.
+- `_process_pong`: a `flush()` that times out, or whose task is cancelled, leaves its future in
+  the client's PONG queue. When that PING's PONG arrives, nats-py calls set_result() on the
+  cancelled future, raises InvalidStateError inside the protocol parser, drops the rest of the
+  chunk it was parsing (messages included), and every later flush() waits for the wrong PONG
+  (seen here: a worker's connection drain hung for 10 s). Each PONG still answers exactly one
+  PING, in order; we just never resolve a future twice. Cf. nats-io/nats.py#624.
+- `flush()` never succeeds without a PONG. nats-py's falls back to a plain write, and returns at
+  once, when its read or flusher task is done; a reconnect cancels both, and unconnected that
+  write does nothing. So mid-reconnect `flush()`, and `fence()` with it, "proved" the server had
+  read acks it never saw (a settle entry released on no evidence; a worker's liveness PING taken
+  for an answer), and the settler spun re-sending a refused ack every 2 ms. Here it raises
+  ConnectionReconnectingError instead, as a publish does when it cannot be taken.
+
+The other private attributes we read (server INFO, the transport, the current server) are
+wrapped below too, and tests/integration/test_natsfix.py checks each premise against the installed nats-py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from importlib.metadata import version
+from typing import Any
+
+import nats.errors
+from nats.aio.client import Client as _NatsClient
+
+from supervisor.errors import SupervisorError
+
+PINNED_NATS_PY = "2.16.0"      # pyproject pins it; the premises below were read in this version
+
+
+class NatsPyVersionError(SupervisorError):
+    """Exit 1: an installation problem, not a config one."""
+
+
+@functools.cache
+def check_version() -> None:
+    """Refuse to run on a nats-py whose internals we have not checked."""
+    installed = version("nats-py")
+    if installed != PINNED_NATS_PY:
+        raise NatsPyVersionError(f"nats-py {installed} is installed; this supervisor was checked against "
+                                 f"{PINNED_NATS_PY} (pyproject pins it): reinstall with pip install .")
+
+
+class Client(_NatsClient):
+    async def flush(self, timeout: float = 10.0) -> None:  # type: ignore[override]   # nats-py types it int
+        """A PING and its PONG, or an error: never nats-py's no-op fallback (see above)."""
+        if self.is_reconnecting:     # no PONG can come back on the old socket, and nats-py drops the PING's future
+            raise nats.errors.ConnectionReconnectingError
+        await super().flush(timeout)  # type: ignore[arg-type]
+
+    async def fence(self, timeout: float = 5.0) -> None:
+        """The server has read every command this client published before the call; `timeout`
+        bounds the whole (a stopping worker's deadline counts on it)."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout
+        # The queued PUBs reach the socket first (bounded: nats-py's flush_timeout is None) ...
+        await asyncio.wait_for(self._flush_pending(force_flush=True), timeout)
+        await self.flush(max(0.001, until - loop.time()))  # ... then PING, PONG
+
+    async def _process_pong(self) -> None:
+        if self._pongs:
+            future = self._pongs.pop(0)
+            if not future.done():
+                future.set_result(True)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
+
+
+def server_info(nc: _NatsClient) -> dict[str, Any]:
+    """The INFO the server sent at connect (tls_required, server_name, ...)."""
+    return nc._server_info or {}
+
+
+def current_server_uri(nc: _NatsClient) -> Any:
+    """The parsed URL of the server the client is (re)connecting to, or None."""
+    srv = getattr(nc, "_current_server", None)
+    return getattr(srv, "uri", None) if srv is not None else None
+
+
+def abandon(nc: _NatsClient) -> None:
+    """Drop a client whose first connect failed: nats-py leaves its socket open then.
+
+    Not `nc.close()`: after a failed TLS upgrade it awaits `wait_closed()` on a stream whose
+    protocol asyncio's start_tls has replaced, which never completes. No task of the client
+    runs yet at this point (they start after the first PONG), so closing the socket is all.
+    """
+    transport = nc._transport
+    if transport:
+        transport.close()
+    nc._status = _NatsClient.CLOSED

@@ -1,0 +1,230 @@
+"""Reach NATS within nats.startup_timeout, then ensure the stream, the durable pull consumer, the
+dead-letter stream and (with [idempotency] on) the KV bucket of done-markers. An existing stream
+is never changed behind the user's back: we log what differs and leave it. The consumer is ours,
+so the settings the server lets us change are changed, each change logged; anything else that
+differs is an error (exit 4)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+import time
+from typing import Any
+
+from nats.js import api
+from nats.js.errors import NotFoundError
+
+from supervisor.config import Config
+from supervisor.errors import ConfigError, NatsUnavailable
+from supervisor.nats import connect as natsconn
+
+FLEET_KEEP_S = 3600.0       # the fleet bucket's max_age: a lost supervisor stays in the view this long
+
+log = logging.getLogger("supervisor.nats")
+
+RETENTION = {"workqueue": api.RetentionPolicy.WORK_QUEUE, "limits": api.RetentionPolicy.LIMITS,
+             "interest": api.RetentionPolicy.INTEREST}
+STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
+# Consumer settings a running server lets us update in place.
+CONSUMER_UPDATABLE = ("ack_wait", "max_deliver", "max_ack_pending", "backoff", "filter_subject")
+VALID_BUCKET = re.compile(r"[a-zA-Z0-9_-]+")
+
+
+async def connect_until(cfg: Config, *, name: str, **options: Any) -> Any:
+    """Connect, retrying until nats.startup_timeout; a refused secret fails at once (exit 4)."""
+    deadline = time.monotonic() + cfg.nats.startup_timeout
+    last_note = 0.0
+    while True:
+        try:
+            return await natsconn.connect(cfg.nats, name=name, **options)
+        except natsconn.NatsConnectError as exc:
+            if exc.auth_failed:
+                raise
+            now = time.monotonic()
+            if now >= deadline:
+                raise NatsUnavailable(f"{exc} (gave up after nats.startup_timeout={cfg.nats.startup_timeout:g}s)") from None
+            if now - last_note >= 5.0:
+                log.warning("%s; retrying for up to %.0fs more", exc, deadline - now)
+                last_note = now
+            await asyncio.sleep(min(0.5, deadline - now))
+
+
+def stream_config(cfg: Config) -> api.StreamConfig:
+    s = cfg.stream
+    return api.StreamConfig(name=s.name, subjects=list(s.subjects), retention=RETENTION[s.retention],
+                            storage=STORAGE[s.storage], num_replicas=s.replicas, duplicate_window=s.duplicate_window)
+
+
+def consumer_config(cfg: Config) -> api.ConsumerConfig:
+    c = cfg.consumer
+    return api.ConsumerConfig(durable_name=c.name, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=c.ack_wait,
+                              max_deliver=c.max_deliver, max_ack_pending=c.max_ack_pending,
+                              backoff=list(c.backoff) or None, filter_subject=c.filter_subject or None,
+                              deliver_policy=api.DeliverPolicy.ALL)
+
+
+async def ensure(nc: Any, cfg: Config) -> None:
+    js = nc.jetstream()
+    try:
+        await ensure_stream(js, stream_config(cfg), cfg.stream.create, "stream")
+        await ensure_consumer(js, cfg)
+        if cfg.restart.dead_letter_stream and cfg.restart.dead_letter_subject:
+            dlq = api.StreamConfig(name=cfg.restart.dead_letter_stream, subjects=[cfg.restart.dead_letter_subject],
+                                   retention=api.RetentionPolicy.LIMITS, storage=STORAGE[cfg.stream.storage],
+                                   num_replicas=cfg.stream.replicas, duplicate_window=cfg.stream.duplicate_window)
+            await ensure_stream(js, dlq, cfg.stream.create, "restart.dead_letter_stream")
+        if cfg.idempotency.enabled:
+            await ensure_idempotency(js, cfg)
+    except (NatsUnavailable, ConfigError):
+        raise
+    except Exception as exc:
+        raise NatsUnavailable(f"cannot ensure stream {cfg.stream.name} / consumer {cfg.consumer.name}: "
+                              f"{_describe(exc)}") from None
+    await ensure_fleet_bucket(js, cfg)
+
+
+async def ensure_fleet_bucket(js: Any, cfg: Config) -> None:
+    """The KV bucket of fleet heartbeats (supervisor/parent/fleet.py): one value per key, kept for
+    FLEET_KEEP_S after its last write (so a lost supervisor stays visible a while), as many
+    replicas as the stream. Not fatal: without it the work goes on, only the fleet view is off."""
+    from nats.js.errors import BucketNotFoundError
+
+    bucket = cfg.fleet.bucket
+    try:
+        await js.key_value(bucket)
+        return
+    except BucketNotFoundError:
+        pass
+    except Exception as exc:
+        log.warning("fleet bucket %s: %s; the fleet view is off until it answers", bucket, _describe(exc))
+        return
+    if not cfg.stream.create:
+        log.warning("KV bucket %s does not exist and stream.create is false: the fleet view is off", bucket)
+        return
+    try:
+        await js.create_key_value(bucket=bucket, history=1, ttl=FLEET_KEEP_S, replicas=cfg.stream.replicas,
+                                  storage=STORAGE[cfg.stream.storage],
+                                  description="jetstream-supervisor fleet heartbeats")
+        log.info("created KV bucket %s (fleet heartbeats, %d replica(s))", bucket, cfg.stream.replicas)
+    except Exception as exc:
+        log.warning("cannot create KV bucket %s: %s; the fleet view is off", bucket, _describe(exc))
+
+
+async def ensure_stream(js: Any, want: api.StreamConfig, create: bool, key: str) -> None:
+    try:
+        have = (await js.stream_info(want.name)).config
+    except NotFoundError:
+        if not create:
+            raise NatsUnavailable(f"{key}: stream {want.name} does not exist and stream.create is false") from None
+        await js.add_stream(want)
+        log.info("created stream %s (subjects %s, %s, %s storage)", want.name, ", ".join(want.subjects or ()),
+                 getattr(want.retention, "value", "?"), getattr(want.storage, "value", "?"),
+                 extra={"event": "stream_created", "stream": want.name})
+        return
+    for name, had, wanted in _differences(have, want, ("subjects", "retention", "storage", "num_replicas",
+                                                       "duplicate_window")):
+        log.warning("stream %s exists with %s=%s (config: %s); left as it is", want.name, name, had, wanted,
+                    extra={"event": "stream_differs", "stream": want.name, "setting": name, "have": had,
+                           "want": wanted})
+
+
+async def ensure_consumer(js: Any, cfg: Config) -> None:
+    want = consumer_config(cfg)
+    try:
+        have = (await js.consumer_info(cfg.stream.name, cfg.consumer.name)).config
+    except NotFoundError:
+        if not cfg.stream.create:
+            raise NatsUnavailable(f"consumer {cfg.consumer.name} does not exist on stream {cfg.stream.name} "
+                                  "and stream.create is false") from None
+        await js.add_consumer(cfg.stream.name, want)
+        log.info("created durable pull consumer %s on %s (AckWait %gs, max_ack_pending %d)", want.durable_name,
+                 cfg.stream.name, cfg.consumer.ack_wait, cfg.consumer.max_ack_pending,
+                 extra={"event": "consumer_created", "consumer": want.durable_name})
+        return
+    if have.deliver_subject or have.ack_policy != api.AckPolicy.EXPLICIT:
+        raise NatsUnavailable(f"consumer {cfg.consumer.name} on {cfg.stream.name} exists but is not a pull consumer "
+                              "with explicit acks; workers cannot share it")
+    changes = _differences(have, want, CONSUMER_UPDATABLE)
+    if changes and cfg.stream.create:
+        await js.add_consumer(cfg.stream.name, dataclasses.replace(have, **{n: getattr(want, n) for n, _, _ in changes}))
+        for name, had, wanted in changes:
+            log.warning("consumer %s: updated %s from %s to %s (config)", cfg.consumer.name, name, had, wanted,
+                        extra={"event": "consumer_updated", "consumer": cfg.consumer.name, "setting": name,
+                               "have": had, "want": wanted})
+    for name, had, wanted in changes if not cfg.stream.create else ():
+        log.warning("consumer %s has %s=%s (config: %s); stream.create is false, so left as it is",
+                    cfg.consumer.name, name, had, wanted,
+                    extra={"event": "consumer_differs", "consumer": cfg.consumer.name, "setting": name,
+                           "have": had, "want": wanted})
+
+
+async def ensure_idempotency(js: Any, cfg: Config) -> None:
+    """The KV bucket of done-markers (workers/runtime/guard.py): max_age = idempotency.ttl, per-message
+    TTL allowed (the job leases expire by it). Warns about settings that weaken the guard."""
+    bucket = cfg.idempotency.bucket
+    if not VALID_BUCKET.fullmatch(bucket):
+        raise ConfigError("idempotency.bucket", f"{bucket!r} is not a KV bucket name (letters, digits, _ and - only)")
+    try:
+        have = (await js.stream_info(f"KV_{bucket}")).config
+    except NotFoundError:
+        if not cfg.stream.create:
+            raise NatsUnavailable(f"idempotency.bucket: KV bucket {bucket} does not exist and "
+                                  "stream.create is false") from None
+        await js.create_key_value(bucket=bucket, ttl=cfg.idempotency.ttl, history=1,
+                                  storage=STORAGE[cfg.stream.storage], replicas=cfg.stream.replicas,
+                                  description="jetstream-supervisor done-markers and job leases")
+        log.info("created KV bucket %s (done-markers kept %gs)", bucket, cfg.idempotency.ttl)
+    else:
+        await _check_bucket(js, cfg, have)
+    warn_idempotency(cfg, (await js.stream_info(cfg.stream.name)).config.duplicate_window or 0.0)
+
+
+async def _check_bucket(js: Any, cfg: Config, have: api.StreamConfig) -> None:
+    bucket = cfg.idempotency.bucket
+    if not have.allow_msg_ttl:
+        if not cfg.stream.create:
+            raise NatsUnavailable(f"idempotency.bucket: KV bucket {bucket} does not allow per-message TTLs, which the "
+                                  "job leases need, and stream.create is false (recreate it, or let us update it)")
+        await js.update_stream(dataclasses.replace(have, allow_msg_ttl=True))
+        log.warning("KV bucket %s: allowed per-message TTLs (the job leases expire by them)", bucket)
+    if _norm(have.max_age) != _norm(cfg.idempotency.ttl):
+        log.warning("KV bucket %s exists with max_age=%ss (idempotency.ttl: %gs); left as it is: done-markers live "
+                    "max_age", bucket, _norm(have.max_age), cfg.idempotency.ttl)
+
+
+def warn_idempotency(cfg: Config, duplicate_window: float) -> None:
+    """Two settings that leave holes in the exactly-once story (README "Exactly once")."""
+    if cfg.idempotency.ttl < duplicate_window:
+        log.warning("idempotency.ttl (%gs) is shorter than stream %s's duplicate window (%gs): done-markers should "
+                    "outlive the time publishers may retry", cfg.idempotency.ttl, cfg.stream.name, duplicate_window,
+                    extra={"event": "idempotency_ttl_short"})
+    if not cfg.workers.double_ack:
+        log.warning("[idempotency] is on but workers.double_ack is off: acks are not confirmed, so a lost ack "
+                    "redelivers a finished job (the done-marker then skips it)",
+                    extra={"event": "idempotency_no_double_ack"})
+
+
+def _differences(have: Any, want: Any, names: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
+    out = []
+    for name in names:
+        had, wanted = _norm(getattr(have, name)), _norm(getattr(want, name))
+        if had != wanted:
+            out.append((name, had, wanted))
+    return out
+
+
+def _norm(value: Any) -> Any:
+    if hasattr(value, "value"):
+        return value.value
+    if isinstance(value, list):
+        return [_norm(v) for v in value] or None
+    if isinstance(value, float):
+        return round(value, 6)
+    return None if value == "" else value
+
+
+def _describe(exc: Exception) -> str:
+    desc = getattr(exc, "description", None)
+    return desc or str(exc) or type(exc).__name__

@@ -1,0 +1,146 @@
+"""The supervisor's HTTP endpoint (monitor.http), on the parent's loop: no threads.
+
+    GET /         the dashboard: one self-contained page (dashboard.html) drawing /status and /history
+    GET /healthz  200 ok | 503 <reason>
+    GET /status   JSON (SPEC.md)
+    GET /history  JSON: the last monitor.lag_window of ConsumerInfo samples and crash moments
+    GET /metrics  Prometheus text
+    POST /scale?workers=N   loopback clients only
+
+A deliberately small HTTP/1.0-style server: one request per connection, bounded reads, a
+timeout; anything malformed gets a 4xx and the connection is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import os
+import time
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from supervisor.observe import metrics
+from supervisor.observe.status import build_status, health
+
+log = logging.getLogger("supervisor.http")
+
+MAX_HEAD = 16 * 1024
+READ_TIMEOUT = 5.0
+MAX_WORKERS = 1024
+# The dashboard may talk to this server and nothing else: the browser enforces it.
+PAGE_HEADERS = ("Content-Security-Policy: default-src 'none'; connect-src 'self'; script-src 'unsafe-inline'; "
+                "style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'; "
+                "frame-ancestors 'none'\r\nX-Content-Type-Options: nosniff\r\n")
+REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
+           405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large", 500: "Internal Server Error",
+           503: "Service Unavailable"}
+
+
+class HttpServer:
+    def __init__(self, sup: Any, host: str, port: int):
+        self.sup = sup
+        self.host, self.port = host, port
+        self.server: asyncio.AbstractServer | None = None
+        self.page = resources.files("supervisor.observe").joinpath("dashboard.html").read_bytes()
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self.handle, self.host, self.port, limit=MAX_HEAD)
+        self.port = self.server.sockets[0].getsockname()[1]        # monitor.http "HOST:0": the one it got
+        log.info("status on http://%s:%d (/ /status /history /metrics /healthz)", self.host, self.port,
+                 extra={"event": "http_listening", "url": f"http://{self.host}:{self.port}"})
+
+    async def close(self) -> None:
+        if self.server:
+            self.server.close()
+            await self.server.wait_closed()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            status, ctype, body = await self.respond(reader, writer)
+        except Exception:
+            log.exception("HTTP handler failed")
+            status, ctype, body = 500, "text/plain", b"internal error\n"
+        head = (f"HTTP/1.1 {status} {REASONS.get(status, '')}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\nCache-Control: no-store\r\n"
+                f"{PAGE_HEADERS if ctype.startswith('text/html') else ''}\r\n")
+        try:
+            writer.write(head.encode() + body)
+            await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def respond(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[int, str, bytes]:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT)
+        except TimeoutError:
+            return 408, "text/plain", b"request timeout\n"
+        except asyncio.LimitOverrunError:
+            return 413, "text/plain", b"request head too large\n"
+        except asyncio.IncompleteReadError:
+            return 400, "text/plain", b"incomplete request\n"
+        parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return 400, "text/plain", b"malformed request line\n"
+        method, target = parts[0], urlsplit(parts[1])
+        route = ROUTES.get(target.path)
+        if route is None:
+            return 404, "text/plain", b"not found: try / /status /history /metrics /healthz\n"
+        allowed, fn = route
+        if method not in allowed:
+            return 405, "text/plain", f"use {' or '.join(allowed)}\n".encode()
+        return fn(self, target.query, writer.get_extra_info("peername"))
+
+    def get_status(self, query: str, peer: Any) -> tuple[int, str, bytes]:
+        return 200, "application/json", json.dumps(build_status(self.sup), indent=1).encode() + b"\n"
+
+    def get_dashboard(self, query: str, peer: Any) -> tuple[int, str, bytes]:
+        return 200, "text/html; charset=utf-8", self.page
+
+    def get_history(self, query: str, peer: Any) -> tuple[int, str, bytes]:
+        """/history[?after=SEQ]: the samples of the window newer than SEQ (all without it)."""
+        values = parse_qs(query).get("after", ["0"])
+        if len(values) != 1 or not (values[0].isascii() and values[0].isdigit()):
+            return 400, "text/plain", b"expected /history or /history?after=SEQ with SEQ a sample number >= 0\n"
+        mon = self.sup.monitor
+        if mon is None:
+            return 503, "text/plain", b"not monitoring yet\n"
+        body = mon.history.as_dict(time.monotonic(), time.time(), self.sup.arbiter.ledger.deaths, int(values[0]))
+        body["pid"] = os.getpid()           # a restarted supervisor numbers its samples anew
+        return 200, "application/json", json.dumps(body, separators=(",", ":")).encode() + b"\n"
+
+    def get_metrics(self, query: str, peer: Any) -> tuple[int, str, bytes]:
+        return 200, "text/plain; version=0.0.4; charset=utf-8", metrics.render(self.sup)
+
+    def get_healthz(self, query: str, peer: Any) -> tuple[int, str, bytes]:
+        ok, reason = health(self.sup)
+        return (200 if ok else 503), "text/plain", (reason + "\n").encode()
+
+    def post_scale(self, query: str, peer: Any) -> tuple[int, str, bytes]:
+        if not is_loopback(peer):
+            return 403, "text/plain", b"/scale is accepted from loopback only\n"
+        values = parse_qs(query).get("workers", [])
+        if len(values) != 1 or not values[0].isdigit() or int(values[0]) > MAX_WORKERS:
+            return 400, "text/plain", f"expected /scale?workers=N with 0 <= N <= {MAX_WORKERS}\n".encode()
+        if self.sup.arbiter.stopping:
+            return 503, "text/plain", b"supervisor is stopping\n"
+        n = int(values[0])
+        self.sup.arbiter.post(lambda: self.sup.arbiter.scale(n, source="POST /scale"))   # the loop applies it
+        return 202, "application/json", json.dumps({"target": int(values[0])}).encode() + b"\n"
+
+
+def is_loopback(peer: Any) -> bool:
+    try:
+        return ipaddress.ip_address(peer[0]).is_loopback
+    except (TypeError, ValueError, IndexError):
+        return False
+
+
+ROUTES = {"/": (("GET",), HttpServer.get_dashboard), "/status": (("GET",), HttpServer.get_status),
+          "/history": (("GET",), HttpServer.get_history), "/metrics": (("GET",), HttpServer.get_metrics),
+          "/healthz": (("GET",), HttpServer.get_healthz), "/scale": (("POST",), HttpServer.post_scale)}

@@ -1,0 +1,410 @@
+"""The parent: one thread, one asyncio loop, forking and watching the workers.
+
+The loop reads like gunicorn's arbiter:
+
+    restore the worker count -> sleep until woken -> apply what was queued (signals, worker
+    events, a reloaded config, monitor readings) -> reap the dead (NAK what they held, write the
+    ledger) -> send NAKs a disconnection held back -> inspect the living (heartbeats, job
+    timeouts, in-progress pings, drain deadlines) -> recycle -> halt on a boot crash loop ->
+    audit (peers, re-NAK, in-transit reconciliation)
+
+One writer: signal handlers, pidfd readers, event-pipe readers, the reload task and the monitor
+only queue work (`post`) and set `wakeup`; the loop applies it. The work itself is done in rooms
+the loop calls in turn: pool.py (which worker runs in which slot; fork, retire, recycle, restart
+delays), deaths.py (the NATS side of a death: NAK, quarantine, held-back NAKs, re-NAK), watch.py
+(kill the stuck, +WPI for the healthy), stats.py (counters for /status and /metrics). What to do
+is decided by pure pieces with a clock passed in: policy.py, liveness.py, ledger.py, lag.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from supervisor.config import Config
+from supervisor.core import liveness
+from supervisor.core.ledger import CrashLedger
+from supervisor.core.liveness import DRAIN_MARGIN, Limits
+from supervisor.core.policy import RestartPolicy
+from supervisor.errors import EXIT_HALTED, EXIT_OK
+from supervisor.parent.deaths import Deaths
+from supervisor.parent.in_transit import InTransit
+from supervisor.parent.peers import SUSPECT_GRACE, Peers
+from supervisor.parent.pool import Pool
+from supervisor.parent.process import WorkerProcess
+from supervisor.parent.scaler import Scaler
+from supervisor.parent.stats import Stats
+from supervisor.parent.watch import Watch
+from workers.protocol import slots
+from workers.protocol.exits import CHILD_EXIT_REASONS, EXIT_CONNECT_FAILED
+from workers.runtime.spec import ChildSpec
+
+log = logging.getLogger("supervisor")
+
+SIGNALS = {signal.SIGTERM: "stop", signal.SIGINT: "interrupt", signal.SIGQUIT: "quit", signal.SIGHUP: "reload",
+           signal.SIGTTIN: "increment", signal.SIGTTOU: "decrement"}
+REAP_RETRY = 0.05           # a pidfd said "exited" but waitpid did not agree yet: look again this soon
+STORM_LOG_EVERY = 60.0      # while workers keep dying fast, say so this often
+
+
+class Arbiter:
+    """The loop and its queues. Long because it is the one place every input arrives (signals,
+    posted work, worker events, the dead) and every stop, scale and reload begins; each handler is
+    a few lines that hand the work to a room (pool, deaths, watch, stats)."""
+
+    def __init__(self, cfg: Config, nc: Any, handler: Callable, init: Callable | None,
+                 connect_worker: Callable[[int], Any], notifier: Any = None,
+                 reload_config: Callable[[], Any] | None = None):
+        self.cfg = cfg
+        self.nc = nc
+        self.handler, self.init = handler, init
+        self.connect_worker = connect_worker
+        self.notifier = notifier
+        self.reload_config = reload_config
+        self.restarts = RestartPolicy(cfg.restart.backoff_initial, cfg.restart.backoff_max,
+                                      cfg.restart.boot_failures_to_halt)
+        self.ledger = CrashLedger(cfg.consumer.ack_wait, cfg.restart.poison_after_crashes, cfg.consumer.backoff)
+        self.peers = Peers(nc, cfg.stream.name, cfg.consumer.name, self.ledger, self.post)
+        self.in_transit = InTransit(cfg, nc, self.ledger)
+        self.alerts: collections.deque = collections.deque(maxlen=50)
+        self.deaths = Deaths(cfg, nc, self.ledger, self.peers, self.alert)
+        self.stats = Stats(self.living)
+        self.pool = Pool(cfg, self.fork, self.restarts, self.stats, self.alert)
+        self.watch = Watch(cfg, nc, self.ledger, self.deaths, self.stats, self.alert)
+        self.signals: collections.deque[int] = collections.deque()
+        self.posted: collections.deque[Callable[[], Any]] = collections.deque()
+        self.dead: collections.deque[WorkerProcess] = collections.deque()
+        self.tasks: set[asyncio.Task] = set()
+        self.wakeup = asyncio.Event()
+        self.state = "starting"
+        self.stopping: str | None = None                  # None | "drain" | "quit"
+        self.exit_code = EXIT_OK
+        self.halt_message = ""
+        self.started = time.monotonic()
+        self.last_storm_log = 0.0
+        self.ever_all_ready = False
+        self.loop = asyncio.get_running_loop()          # made inside it (app.py): pidfd readers and signals live there
+        self.autoscale = Scaler(self)
+
+    # ================================================================ the loop
+
+    async def run(self) -> int:
+        for sig in SIGNALS:
+            self.loop.add_signal_handler(sig, self.queue_signal, sig)
+        await self.peers.start()
+        log.info("supervising %d worker(s) on %s/%s, handler %s", self.pool.target, self.cfg.stream.name,
+                 self.cfg.consumer.name, self.cfg.workers.handler)
+        self.check_all_ready()                 # workers.count = 0 is ready at once
+        while True:
+            if not self.stopping:
+                self.pool.restore_count(time.monotonic())
+            await self.sleep()
+            self.dispatch_signals()
+            self.apply_posted()
+            await self.reap()
+            if self.stopping and not self.living():
+                break
+            await self.deaths.send_held_back()
+            if self.nc and self.nc.is_connected:
+                self.pool.nats_back(time.monotonic())
+            await self.watch.inspect(self.living())
+            if self.ever_all_ready and self.notifier and self.pool.ready_count() > 0:
+                self.notifier.watchdog()     # only while a worker serves: systemd restarts a pool that cannot
+            self.pool.recycle(bool(self.stopping))
+            self.autoscale.tick(time.monotonic())
+            self.check_boot_failures()
+            await self.audit()
+        for sig in SIGNALS:
+            self.loop.remove_signal_handler(sig)
+        for task in self.tasks:
+            task.cancel()
+        self.state = "stopping"
+        return self.exit_code
+
+    async def sleep(self) -> None:
+        timeout = liveness.inspect_every(Limits.of(self.cfg))
+        due = self.pool.next_restart()
+        if due is not None and not self.stopping:
+            timeout = min(timeout, due - time.monotonic())
+        if self.dead:
+            timeout = min(timeout, REAP_RETRY)
+        timeout = min(timeout, self.autoscale.due_in(time.monotonic()))
+        try:
+            await asyncio.wait_for(self.wakeup.wait(), max(0.0, timeout))
+        except TimeoutError:
+            pass
+        self.wakeup.clear()
+
+    def living(self) -> list[WorkerProcess]:
+        return self.pool.living()
+
+    def post(self, work: Callable[[], Any]) -> None:
+        """Queue a change of state for the loop to apply (the one-writer rule)."""
+        self.posted.append(work)
+        self.wakeup.set()
+
+    def apply_posted(self) -> None:
+        while self.posted:
+            self.posted.popleft()()
+
+    def spawn_task(self, coro: Any) -> None:
+        """A background task the loop keeps a reference to (and cancels at the end)."""
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # ================================================================ signals
+
+    def queue_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+        self.wakeup.set()
+
+    def dispatch_signals(self) -> None:
+        while self.signals:
+            sig = self.signals.popleft()
+            log.info("received %s", signal.Signals(sig).name, extra={"event": "signal", "signal": signal.Signals(sig).name})
+            getattr(self, "on_" + SIGNALS[signal.Signals(sig)])()
+
+    def on_stop(self) -> None:
+        if not self.stopping:
+            self.begin_stop("drain")
+
+    def on_interrupt(self) -> None:
+        if self.stopping:                      # a second Ctrl-C: stop now
+            self.on_quit()
+        else:
+            self.begin_stop("drain")
+
+    def on_quit(self) -> None:
+        self.begin_stop("quit")
+
+    def on_increment(self) -> None:
+        self.scale(self.pool.target + 1, source="SIGTTIN")
+
+    def on_decrement(self) -> None:
+        self.scale(max(0, self.pool.target - 1), source="SIGTTOU")
+
+    def on_reload(self) -> None:
+        if self.reload_config is None or self.stopping:
+            log.warning("reload: nothing to re-read" if not self.stopping else "reload ignored while stopping")
+            return
+        self.spawn_task(self.reload_config())   # it posts apply_config back to the loop
+
+    def apply_config(self, cfg: Config, change: Any, handler: Callable | None, init: Callable | None) -> None:
+        """Take a reloaded config: new workers get it; the old ones are replaced one at a time
+        (like a recycle: the replacement first) when something they read at fork time changed."""
+        self.cfg = self.pool.cfg = self.in_transit.cfg = self.deaths.cfg = self.watch.cfg = cfg
+        if handler is not None:
+            self.handler, self.init = handler, init
+        self.restarts.configure(cfg.restart.backoff_initial, cfg.restart.backoff_max, cfg.restart.boot_failures_to_halt)
+        self.ledger.ack_wait, self.ledger.backoff = cfg.consumer.ack_wait, cfg.consumer.backoff
+        self.ledger.poison_after = cfg.restart.poison_after_crashes
+        self.autoscale.reload(cfg)                 # before scale_to: a changed workers.count pauses it again
+        if change.replace_workers:
+            for w in self.pool.slots.values():
+                w.recycle_reason = w.recycle_reason or "config reloaded"
+        if change.scale_to is not None:
+            self.scale(change.scale_to, source="reload: workers.count")
+        self.wakeup.set()
+
+    def begin_stop(self, mode: str) -> None:
+        self.stopping = mode
+        self.state = "draining" if mode == "drain" else "stopping"
+        grace = self.cfg.workers.graceful_timeout
+        if self.notifier:
+            self.notifier.stopping()
+            if mode == "drain":    # ask systemd for the drain's worth of time, whatever TimeoutStopSec says
+                self.notifier.extend_timeout(grace + 2 * DRAIN_MARGIN)
+        log.info("%s %d worker(s)%s", "draining" if mode == "drain" else "killing", len(self.living()),
+                 f" (graceful_timeout {grace:g}s)" if mode == "drain" else "",
+                 extra={"event": "stop_begun", "mode": mode, "workers": len(self.living())})
+        for w in self.living():
+            if mode == "quit":
+                w.kill_reason = "SIGQUIT: stop at once"
+                w.send(signal.SIGKILL)
+            else:                  # retiring ones too: a shutdown NAKs what they have not started
+                self.pool.drain(w, signal.SIGTERM)
+
+    def scale(self, n: int, source: str) -> None:
+        """Set the worker count. Any source but the autoscaler is a person, whose count autoscaling
+        then leaves alone for a while (scaler.py)."""
+        if self.stopping:
+            return
+        if source != "autoscale":
+            self.autoscale.manual(n, source)
+        log.info("scaling from %d to %d worker(s)", self.pool.target, n,
+                 extra={"event": "scaling", "from": self.pool.target, "to": n, "source": source})
+        self.pool.target = n
+        self.wakeup.set()
+
+    # ================================================================ starting workers
+
+    def fork(self, w: WorkerProcess) -> None:
+        try:
+            w.spawn(self.loop, self.child_spec, self.on_exit, self.on_events)
+        except OSError:
+            w.close(self.loop)
+            raise
+
+    def child_spec(self, w: WorkerProcess, events_fd: int) -> ChildSpec:
+        return ChildSpec(slot=w.slot, parent_pid=os.getpid(), table=w.table, events_fd=events_fd, cfg=self.cfg,
+                         handler=self.handler, init=self.init, connect=lambda: self.connect_worker(w.slot),
+                         job_limit=w.job_limit)
+
+    # ================================================================ events from workers
+
+    def on_exit(self, w: WorkerProcess) -> None:
+        self.loop.remove_reader(w.pidfd)
+        self.dead.append(w)
+        self.wakeup.set()
+
+    def on_events(self, w: WorkerProcess) -> None:
+        events = w.read_events()
+        if events:
+            self.post(lambda: self.apply_events(w, events))
+
+    def apply_events(self, w: WorkerProcess, events: list[dict]) -> None:
+        for event in events:
+            self.apply_event(w, event)
+
+    def apply_event(self, w: WorkerProcess, event: dict) -> None:
+        kind, now = event.get("ev"), time.monotonic()
+        if kind == "ready":
+            self.pool.worker_ready(w, now)
+            self.check_all_ready()
+        elif kind == "redelivered":
+            seq, delivery = int(event["seq"]), int(event["delivery"])
+            why = self.ledger.redelivered(now, seq, delivery)
+            self.peers.seen(seq, delivery)
+            log.info("job seq=%d redelivered (delivery %d) to worker %d: %s", seq, delivery, w.slot,
+                     why or "no explanation yet", extra={"event": "redelivered", "seq": seq, "delivery": delivery,
+                                                         "slot": w.slot, "worker_pid": w.pid, "why": why})
+        elif kind == "settled":
+            seq, delivery, outcome = int(event["seq"]), int(event["delivery"]), event["outcome"]
+            self.ledger.settled(now, seq, delivery, outcome)
+            if outcome == "nak":
+                self.peers.announce(seq, f"NAKed by a worker at delivery {delivery}")
+            elif delivery > 1:
+                self.peers.settled(seq, delivery, outcome)
+        elif kind == "unsent":             # nats-py refused its ack/NAK/TERM: the job may come back
+            seq, delivery = int(event["seq"]), int(event["delivery"])
+            why = f"its {event['outcome']} by worker {w.slot} (pid {w.pid}) was not sent ({event['error']})"
+            self.ledger.expect(seq, why, delivery, retroactive=False)
+            self.peers.announce(seq, why)
+        elif kind == "recycle_due":        # its last job has started: start its replacement
+            w.recycle_reason = f"ran {event['jobs']} jobs (workers.max_jobs)"
+            w.last_job_started = True
+
+    def check_all_ready(self) -> None:
+        """The first time every worker is ready: state running, READY=1 to systemd."""
+        if not self.ever_all_ready and not self.stopping and self.pool.ready_count() >= self.pool.target:
+            self.ever_all_ready = True
+            self.state = "running"
+            if self.notifier:
+                self.notifier.ready(self.status_line())
+
+    # ================================================================ reaping
+
+    async def reap(self) -> None:
+        if self.stopping == "quit" and not all(w.reap() for w in self.living()):
+            return       # SIGQUIT: NAK once every worker is dead, or a NAK may hand a job to a dying one
+        for _ in range(len(self.dead)):
+            w = self.dead.popleft()
+            if not w.reap():
+                self.dead.append(w)             # exited but not waitable yet: next tick (sleep() hurries)
+                continue
+            self.apply_events(w, w.read_events())      # whatever it said before dying
+            clean = self.exited_cleanly(w)
+            cause = w.kill_reason or w.describe_exit()
+            code = w.exit_code()
+            if not clean and code in CHILD_EXIT_REASONS:
+                cause += f": {CHILD_EXIT_REASONS[code]}"
+            if not clean:
+                self.in_transit.death(time.monotonic(), w.table.header(slots.CREDITS), f"worker {w.slot} (pid {w.pid})")
+            await self.deaths.settle(w, cause, clean)
+            self.stats.carry(w)
+            finished = w.jobs_finished          # read before forget() unmaps its table
+            self.forget(w)
+            if not clean:
+                # Reconnecting, not closed: a connection closed for good (credentials revoked) is
+                # no outage to wait out, and its crash loop must still halt.
+                nats_down = code == EXIT_CONNECT_FAILED and bool(self.nc and self.nc.is_reconnecting)
+                self.pool.plan_restart(w, cause, finished, bool(self.stopping), nats_down)
+
+    @staticmethod
+    def exited_cleanly(w: WorkerProcess) -> bool:
+        """Exit 0 after a drain; or killed by the SIGTERM/SIGUSR1 we sent before it had installed
+        its handlers (a worker told to stop while still booting): neither is a crash."""
+        if w.kill_reason:
+            return False
+        if w.exit_code() == 0:
+            return True
+        asked = w.drain_deadline is not None and w.ready_at is None
+        return asked and w.signalled_by() in (signal.SIGTERM, signal.SIGUSR1)
+
+    def forget(self, w: WorkerProcess) -> None:
+        self.pool.forget(w)
+        self.deaths.forget(w.pid)
+        self.watch.forget(w.pid)
+        w.close(self.loop)
+
+    def check_boot_failures(self) -> None:
+        if self.restarts.halted and not self.stopping:
+            boot = self.restarts.boot
+            message = (f"halting: {boot.count} workers in a row died before becoming ready "
+                       f"(restart.boot_failures_to_halt={boot.limit}); last: {boot.last_reason}")
+            log.error(message, extra={"event": "halting", "deaths": boot.count})
+            self.halt_message = message
+            self.alert("halted", message)
+            self.exit_code = EXIT_HALTED
+            self.begin_stop("drain")
+
+    # ================================================================ inspecting the living
+
+    async def audit(self) -> None:
+        """Share our NAKs with peer supervisors; count redeliveries nobody explained; NAK once more
+        a dead worker's job nobody has seen again; find what was in transit to a dead worker;
+        say so while workers keep dying fast."""
+        await self.peers.flush()
+        await self.deaths.renak_unseen(self.held_anywhere)
+        await self.in_transit.step(time.monotonic(), self.held_anywhere, self.links_all_fresh_since,
+                                   self.peers.alone(time.monotonic()))
+        for r in self.ledger.confirm_suspects(time.monotonic(), SUSPECT_GRACE):
+            log.warning("job seq=%d redelivered (delivery %d) and nothing explains it: AckWait (%gs) shorter than "
+                        "the job, or held by a process outside any supervisor's ledger", r.seq, r.delivery,
+                        self.deaths.ack_wait(r.delivery - 1),
+                        extra={"event": "unexplained_redelivery", "seq": r.seq, "delivery": r.delivery})
+        self.watch_deaths()
+
+    def held_anywhere(self) -> set[int]:
+        """Stream sequences in any worker's table, the dead not yet reaped included."""
+        return {e.stream_seq for w in [*self.living(), *self.dead] for e in w.table.snapshot()}
+
+    def links_all_fresh_since(self, t: float) -> bool:
+        """Every live worker had a PONG from NATS for a PING it sent after `t`: each has read and
+        recorded every message the server sent it before then."""
+        return all(w.table.server_seen() > t for w in self.living() if w.status is None)
+
+    def watch_deaths(self) -> None:
+        now = time.monotonic()
+        rate = self.restarts.rate
+        if not rate.storm(now, max(1, self.pool.target)) or now - self.last_storm_log < STORM_LOG_EVERY:
+            return
+        self.last_storm_log = now
+        text = f"{rate.describe(now)}: restarts continue at full speed; find out why they die"
+        self.alert("worker_deaths", text)
+        log.warning("%s", text)
+
+    # ================================================================ helpers
+
+    def alert(self, kind: str, message: str) -> None:
+        self.alerts.append({"kind": kind, "message": message, "t": time.time()})
+
+    def status_line(self) -> str:
+        return f"{self.pool.ready_count()}/{self.pool.target} workers ready"

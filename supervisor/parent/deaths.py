@@ -1,0 +1,211 @@
+"""The NATS side of a worker's death: NAK what it held at once, quarantine poison, hold NAKs back
+while NATS is away, NAK once more a job nobody has seen again, and fence it all.
+
+The arbiter's loop is the only caller (one writer); what a dead worker held comes from its slot
+table, read after the pidfd said it exited. The rules (when a NAK is safe, when to repeat one)
+are pure functions in policy.py and liveness.py; this room sends what they decide.
+
+Why NAK at all: a dead worker's deliveries would otherwise wait for AckWait (30 s by default).
+Why never blindly: NAKs match by stream sequence, so a NAK for a delivery whose AckWait has (nearly)
+run out may hit the job's next delivery, held by someone else (policy.nak_is_safe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from supervisor.config import Config
+from supervisor.core import liveness
+from supervisor.core.ledger import CrashLedger
+from supervisor.core.policy import ack_wait_for, nak_is_safe
+from supervisor.parent.peers import Peers
+from supervisor.parent.process import WorkerProcess
+from workers import Job
+from workers.protocol import slots
+from workers.runtime.deadletter import dead_letter
+
+log = logging.getLogger("supervisor")
+
+
+@dataclasses.dataclass
+class SentNak:
+    """A dead worker's job we NAKed, until some supervisor sees it again (renak_unseen)."""
+    reply: str
+    delivery: int
+    sent_at: float
+    confirmed_at: float | None = None     # when a fence proved the server had read it
+
+
+@dataclasses.dataclass
+class HeldBack:
+    """A NAK for a dead worker's job that could not be sent (NATS disconnected): sent on reconnect
+    if its AckWait still allows it."""
+    seq: int
+    delivery: int
+    reply: str
+    timer_started: float
+
+
+class Deaths:
+    def __init__(self, cfg: Config, nc: Any, ledger: CrashLedger, peers: Peers,
+                 alert: Callable[[str, str], None]):
+        self.cfg, self.nc, self.ledger, self.peers, self.alert = cfg, nc, ledger, peers, alert
+        self.pinged: dict[tuple[int, int], float] = {}     # (pid, seq) -> our last +WPI for it
+        self.renak: dict[int, SentNak] = {}                # a dead worker's job NAKed, by stream seq
+        self.held_back: list[HeldBack] = []
+
+    # ---------------------------------------------------------------- AckWait timers
+
+    def ack_wait(self, delivery: int) -> float:
+        return ack_wait_for(self.cfg.consumer.ack_wait, self.cfg.consumer.backoff, delivery)
+
+    def timer_started(self, pid: int, e: slots.Entry) -> float:
+        """When the server's AckWait timer for this delivery last started: held, or our last +WPI."""
+        return max(e.t_held, self.pinged.get((pid, e.stream_seq), 0.0))
+
+    def pinged_now(self, pid: int, seq: int, now: float) -> None:
+        self.pinged[(pid, seq)] = now
+
+    def keep_pings(self, held: set[tuple[int, int]]) -> None:
+        """Settled jobs need no memory; a dying worker's pings still date its jobs."""
+        self.pinged = {k: t for k, t in self.pinged.items() if k in held}
+
+    def forget(self, pid: int) -> None:
+        self.pinged = {k: v for k, v in self.pinged.items() if k[0] != pid}
+
+    # ---------------------------------------------------------------- a death
+
+    async def settle(self, w: WorkerProcess, cause: str, clean: bool) -> None:
+        """NAK what a dead worker held, at once, so it is redelivered in milliseconds, not AckWait.
+        A worker that exited cleanly has settled and fenced everything: anything left (HELD,
+        RUNNING, an ACKED entry in doubt) is a backstop NAK."""
+        now = time.monotonic()
+        entries = w.table.snapshot()
+        nak = [self.nak_guard(w.pid, e, now) for e in entries]
+        if not clean:
+            held = [(e.stream_seq, e.delivery, slots.ENTRY_STATES[e.state], n) for e, n in zip(entries, nak)]
+            self.ledger.record_death(now, w.slot, w.pid, cause, held, in_transit=w.table.header(slots.CREDITS),
+                                     job_to_blame=not w.kill_reason.startswith(("SIGQUIT", "killed: still draining")))
+        for e, n in zip(entries, nak):
+            if clean:         # no death in the ledger: what it left (NAKed now, or after AckWait) explains its rerun
+                self.ledger.expect(e.stream_seq, f"left {slots.ENTRY_STATES[e.state]} by worker {w.slot} "
+                                                 f"(pid {w.pid}) when it exited", e.delivery)
+            if n:     # peers first: the redelivery our NAK causes may land on another host
+                self.peers.announce(e.stream_seq, f"held by worker {w.slot} (pid {w.pid}) at its death ({cause})")
+        await self.peers.flush()
+        for e, n in zip(entries, nak):
+            if not n:
+                continue
+            if not clean and e.state == slots.RUNNING and self.ledger.is_poison(e.stream_seq):
+                await self.quarantine(e)
+            else:
+                await self.nak(HeldBack(e.stream_seq, e.delivery, e.reply, self.timer_started(w.pid, e)))
+        if any(nak):
+            await self.flush()
+        naked = [e.stream_seq for e, n in zip(entries, nak) if n]
+        if clean:
+            log.info("worker %d (pid %d) drained and exited", w.slot, w.pid,
+                     extra={"event": "worker_exited", "slot": w.slot, "worker_pid": w.pid, "naked": naked})
+        else:
+            seqs = ", ".join(f"seq {e.stream_seq}" for e in entries) or "nothing"
+            log.warning("worker %d (pid %d) died: %s; held %s%s", w.slot, w.pid, cause, seqs,
+                        f"; NAKed {len(naked)} for immediate redelivery" if naked else "",
+                        extra={"event": "worker_died", "slot": w.slot, "worker_pid": w.pid, "cause": cause,
+                               "held": [e.stream_seq for e in entries], "naked": naked})
+
+    def nak_guard(self, pid: int, e: slots.Entry, now: float) -> bool:
+        """NAK unsettled jobs, and acked ones whose ack may be lost (a NAK after an ack is a no-op);
+        never one whose AckWait has (nearly) run out: it may be redelivered to someone else already."""
+        if e.state not in (slots.HELD, slots.RUNNING, slots.ACKED) or not e.reply:
+            return False
+        return nak_is_safe(now, self.timer_started(pid, e), self.ack_wait(e.delivery))
+
+    async def nak(self, order: HeldBack) -> None:
+        """NAK now, or, while NATS is disconnected, as soon as it is back (if still safe then)."""
+        if not self.nc.is_connected:
+            self.held_back.append(order)
+            return
+        log.debug("NAK seq=%d (delivery %d) via %s", order.seq, order.delivery, order.reply)
+        await self.nc.publish(order.reply, b"-NAK")
+        self.renak[order.seq] = SentNak(order.reply, order.delivery, time.monotonic())
+
+    async def send_held_back(self) -> None:
+        if not self.held_back or not self.nc.is_connected:
+            return
+        now, orders, self.held_back = time.monotonic(), self.held_back, []
+        sent = 0
+        for order in orders:
+            if nak_is_safe(now, order.timer_started, self.ack_wait(order.delivery)):
+                await self.nak(order)
+                sent += 1
+            else:
+                log.warning("job seq=%d of a dead worker: NATS was down until its AckWait ran out; the server "
+                            "redelivers it", order.seq, extra={"event": "held_back_expired", "seq": order.seq})
+        if sent:
+            log.info("NATS is back: sent %d NAK(s) held back while disconnected", sent,
+                     extra={"event": "held_back_sent", "count": sent})
+            await self.flush()
+
+    async def quarantine(self, e: slots.Entry) -> None:
+        """A job held at poison_after_crashes worker deaths: dead-letter it with the evidence, TERM it."""
+        deaths = self.ledger.quarantine(e.stream_seq)
+        evidence = "; ".join(f"pid {d.pid} {d.cause}" for d in deaths)
+        reason = f"poison: held at {len(deaths)} worker deaths ({evidence})"
+        try:
+            raw = await self.nc.jetstream().get_msg(self.cfg.stream.name, e.stream_seq)
+            headers = dict(raw.headers or {})
+            job = Job(data=raw.data or b"", subject=raw.subject or "", headers=headers, stream_seq=e.stream_seq,
+                      delivery=e.delivery, msg_id=headers.get("Nats-Msg-Id"))
+            await dead_letter(self.nc, self.cfg, job, reason, {"Supervisor-Dead-Letter-Deaths": evidence})
+            await self.nc.publish(e.reply, b"+TERM " + reason.encode()[:300])
+        except Exception as exc:    # any failure: the job must not be left to AckWait
+            log.error("cannot quarantine poison job seq=%d (%s); NAKing it instead", e.stream_seq, exc)
+            await self.nc.publish(e.reply, b"-NAK")
+            return
+        self.alert("poison", f"job seq={e.stream_seq} quarantined to {self.cfg.restart.dead_letter_subject}: {reason}")
+
+    # ---------------------------------------------------------------- afterwards
+
+    async def renak_unseen(self, held_anywhere: Callable[[], Iterable[int]]) -> None:
+        """A NAKed job can be handed straight to another dead worker's pull request when something
+        else keeps that inbox alive (a `nats sub '>'` or '_INBOX.>' tap does): it would then wait
+        for AckWait. One more NAK, RENAK_AFTER after a fence proved the first one arrived (two
+        NAKs stuck in one stalled socket would arrive together and run the job twice), but only
+        when that is safe: no supervisor has seen the job again, no worker of ours holds it, and
+        its AckWait is far from over. A NAK matches by stream sequence, so a job redelivered to a
+        consumer outside any supervisor would be NAKed too: every process bound to the consumer
+        must be a supervisor's worker."""
+        if not self.renak:
+            return
+        if any(n.confirmed_at is None for n in self.renak.values()) and self.nc.is_connected:
+            await self.flush()                  # a NAK counts from when the server surely read it
+        now, held = time.monotonic(), None
+        for seq, n in list(self.renak.items()):
+            if not self.ledger.awaiting_redelivery(seq, n.delivery):
+                del self.renak[seq]
+            elif liveness.renak_due(now, n.confirmed_at):
+                del self.renak[seq]
+                held = set(held_anywhere()) if held is None else held
+                if seq in held or not nak_is_safe(now, n.sent_at, self.ack_wait(n.delivery)) \
+                        or not self.nc.is_connected:
+                    continue
+                log.warning("job seq=%d not seen again %.0fs after its NAK: NAKing it once more (is something "
+                            "subscribed to '>' or '_INBOX.>'? it keeps dead pull requests alive)", seq,
+                            now - n.sent_at, extra={"event": "renak", "seq": seq, "delivery": n.delivery})
+                await self.nc.publish(n.reply, b"-NAK")
+
+    async def flush(self) -> None:
+        """Fence what we published (NAKs): on success, every NAK sent so far has arrived."""
+        try:
+            await self.nc.fence(timeout=2)
+        except Exception as exc:    # timeout, disconnect: the NAKs stay unconfirmed, re-NAK waits
+            log.warning("flushing NAKs to NATS failed: %s", exc or type(exc).__name__)
+            return
+        now = time.monotonic()
+        for n in self.renak.values():
+            if n.confirmed_at is None:
+                n.confirmed_at = now

@@ -1,0 +1,473 @@
+"""The fleet: one supervisor per host, one consumer, seen through a JetStream KV bucket.
+
+Every supervisor puts a small JSON heartbeat into `fleet.bucket` every `fleet.heartbeat` seconds,
+under a key of its own (`sup.<name>.<pid>.<run>`): who it is, its workers, jobs/s, crashes, and
+the jobs its workers hold right now (stream seq, delivery, how long their AckWait timer has run,
+reply subject). `supervisor status --fleet` reads the bucket straight from NATS.
+
+One supervisor per fleet is the *poller*, elected through a lease key in the same bucket
+(created with a per-message TTL, renewed with a revision-checked update: two can never both
+renew it). Only the poller reads ConsumerInfo (every `monitor.interval`) and broadcasts each
+sample on core NATS, and only it watches the heartbeats. Everybody else takes the poller's
+samples and polls ConsumerInfo itself only when they stop coming. So a fleet of N costs one
+ConsumerInfo request per interval instead of N, and N heartbeat deliveries per beat instead
+of N*N (docs/FLEET.md has the numbers that led here).
+
+Losing a host. The poller marks a peer `lost` once it has missed 3 heartbeats *while the bucket
+worked*: its own heartbeats must have come back through the watch for that long, so a KV outage
+or a leader election that silences everybody declares nobody lost. Ages are measured in the
+server's timestamps, so no two hosts' clocks are compared. Then, in this order:
+  1. It writes the mark into the lost peer's own entry with a revision check. If the peer beat
+     again in the meantime, the check fails and nothing else happens.
+  2. It tells every supervisor (supervisor/parent/peers.py) which jobs the lost peer held, so a
+     redelivery of one is explained "held by lost supervisor X", and when its jobs taken after
+     its last heartbeat will come back (an AckWait window and a count), so those are too.
+  3. It NAKs ("releases") the lost peer's held jobs so they are redelivered now instead of after
+     AckWait, but only a job whose AckWait, counted from when it was held or last pinged, has
+     more than RELEASE_MARGIN left (else the server may have redelivered it already, and a NAK
+     matches by stream sequence: it would hit the current holder's delivery), that no live
+     peer and no redelivery anyone reported has at a later delivery, and whose ack had not been
+     sent already.
+A poller elected after the old one died counts its own heartbeat puts that have been getting
+through as the proof that the bucket worked, so the old poller is declared lost as soon as the
+new one sees it, not 3 more heartbeats later.
+
+A partitioned peer is not a dead one: its workers may still run the jobs it held. A release
+then makes those jobs run twice at once. Without it, they would run twice anyway once AckWait
+ran out, because a partitioned parent cannot send the +WPI pings that keep them held, unless
+the partition heals first. We release by default because a host lost for 3 heartbeats is far
+more often dead than cut off for exactly between 3 heartbeats and AckWait, and handlers must
+tolerate a redelivery anyway (at-least-once; `once()` for exactly-once effects).
+`fleet.release_lost = false` waits for AckWait instead. A peer that comes back finds the mark on
+its entry and logs that its jobs may have run twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from typing import Any
+
+from supervisor import __version__
+from supervisor.core.fleetview import (
+    BEAT_PREFIX,
+    LOST_AFTER,
+    Fallback,
+    FleetView,
+    Peer,
+    Release,
+    ack_wait_range,
+    beat_key,
+    lease_ttl,
+    plan_release,
+    unlisted_window,
+)
+from supervisor.core.policy import ack_wait_for
+
+log = logging.getLogger("supervisor.fleet")
+
+LEASE_KEY = "poller"
+SAMPLE_FRESH = 2.5          # poll intervals a broadcast ConsumerInfo sample stays usable
+
+
+def sample_subject(stream: str, consumer: str) -> str:
+    return f"supervisor.fleet.{stream}.{consumer}"
+
+
+# ================================================================ one heartbeat
+
+def held_jobs(arbiter: Any, now: float) -> list[list]:
+    """[seq, delivery, seconds its AckWait timer has run, reply, state] for every job a worker
+    holds (state: held = pulled, running, acked = ack sent, not yet confirmed)."""
+    from workers.protocol import slots
+
+    out = []
+    for w in arbiter.living():
+        for e in w.table.snapshot():
+            if e.state in (slots.HELD, slots.RUNNING, slots.ACKED):
+                timer = arbiter.deaths.timer_started(w.pid, e)
+                out.append([e.stream_seq, e.delivery, round(now - timer, 3), e.reply, slots.ENTRY_STATES[e.state]])
+    return out
+
+
+def build_beat(arbiter: Any, cfg: Any, name: str, started: float, jobs_per_s: float, now: float) -> dict:
+    counts = arbiter.ledger.counts
+    return {"name": name, "host": socket.gethostname(), "pid": os.getpid(), "version": __version__,
+            "state": arbiter.state, "workers": {"ready": arbiter.pool.ready_count(), "target": arbiter.pool.target},
+            "jobs_per_s": round(jobs_per_s, 2), "crashes": counts["crashes"],
+            "unexplained": counts["unexplained_redeliveries"], "started": started, "t": time.time(),
+            "heartbeat": cfg.fleet.heartbeat,
+            "capacity": len(arbiter.pool.slots) * arbiter.pool.table_entries() // 2,
+            "acked": arbiter.stats.worker_counters()["ack"],
+            "busy": arbiter.stats.progress_beat(cfg.workers.job_timeout) is not None,
+            "held": held_jobs(arbiter, now)}
+
+
+# ================================================================ the parent's fleet task
+
+class Fleet:
+    """Runs on the parent's loop beside the monitor. It only reads the arbiter's state (slot
+    tables, counters) and talks to NATS; it never changes a worker. Every NATS failure is
+    logged once and retried at the next beat: the fleet view is never a reason to stop work.
+
+    Long because heartbeat, lease, watch, loss handling and sample sharing are one task's steps
+    around one piece of state (whether we hold the lease, at which revision); the decisions are
+    already outside it (FleetView, Fallback, plan_release, unlisted_window), each pure."""
+
+    def __init__(self, cfg: Any, nc: Any, arbiter: Any):
+        self.cfg, self.nc, self.arbiter = cfg, nc, arbiter
+        self.name = cfg.fleet.name or socket.gethostname()
+        self.key = beat_key(self.name, os.getpid(), secrets.token_hex(3))
+        self.started = time.time()
+        self.kv: Any = None
+        self.rev = 0                          # our entry's revision after our last heartbeat
+        self.lease_rev = 0                    # the lease's revision while we hold it; 0: we do not
+        self.view: FleetView | None = None    # only while we are the poller
+        self.watcher: Any = None
+        self.watch_task: asyncio.Task | None = None
+        self.watch_started = 0.0
+        self.sample: tuple[dict, float, int, float] | None = None   # (consumer, received at, seq, interval)
+        self.summary: dict = {}               # the poller's latest word on the fleet
+        self.summary_at = 0.0
+        self.sent = 0
+        self.acked_at: tuple[float, int] | None = None
+        self.problem = ""
+        self.fallback = Fallback()
+        self.puts_ok_since: float | None = None      # since when every heartbeat put has succeeded
+
+    @property
+    def heartbeat(self) -> float:
+        return self.cfg.fleet.heartbeat
+
+    @property
+    def poller(self) -> bool:
+        return self.lease_rev > 0
+
+    def apply_config(self, cfg: Any) -> None:
+        self.cfg = cfg
+        if self.view:
+            self.view.heartbeat = cfg.fleet.heartbeat
+
+    async def run(self) -> None:
+        await self.nc.subscribe(sample_subject(self.cfg.stream.name, self.cfg.consumer.name), cb=self.on_sample)
+        while True:
+            started = time.monotonic()
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:          # NATS hiccups of every kind: say it once, try next beat
+                self.trouble(f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(max(0.05, self.heartbeat - (time.monotonic() - started)))
+
+    async def tick(self) -> None:
+        if self.kv is None and not await self.open():
+            return
+        await self.beat()
+        await self.hold_lease()
+        if self.poller:
+            self.ensure_watch()
+            await self.handle_lost()
+            await self.broadcast(None)
+        self.hold_suspects()
+
+    def trouble(self, problem: str) -> None:
+        if problem != self.problem:
+            log.warning("%s", problem, extra={"event": "fleet_trouble"})
+        self.problem = problem
+
+    async def open(self) -> bool:
+        from nats.js.errors import BucketNotFoundError
+
+        try:
+            self.kv = await self.nc.jetstream().key_value(self.cfg.fleet.bucket)
+        except BucketNotFoundError:
+            self.trouble(f"KV bucket {self.cfg.fleet.bucket} does not exist (stream.create is false?); "
+                         "this supervisor is not in the fleet view")
+            return False
+        return True
+
+    # ------------------------------------------------------------ heartbeat
+
+    async def beat(self) -> None:
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        now = time.monotonic()
+        acked = self.arbiter.stats.worker_counters()["ack"]
+        rate = 0.0
+        if self.acked_at and now > self.acked_at[0]:
+            rate = (acked - self.acked_at[1]) / (now - self.acked_at[0])
+        self.acked_at = (now, acked)
+        body = json.dumps(build_beat(self.arbiter, self.cfg, self.name, self.started, rate, now),
+                          separators=(",", ":")).encode()
+        try:
+            self.rev = await (self.kv.update(self.key, body, last=self.rev) if self.rev
+                              else self.kv.create(self.key, body))
+        except KeyWrongLastSequenceError:
+            await self.overwritten()
+            self.rev = await self.kv.put(self.key, body)
+        except BaseException:
+            self.puts_ok_since = None
+            raise
+        if self.puts_ok_since is None:
+            self.puts_ok_since = now
+        if self.problem:
+            log.info("heartbeats get through again")
+            self.problem = ""
+
+    async def overwritten(self) -> None:
+        """Our entry changed under us: a poller marked us lost while we could not beat."""
+        try:
+            entry = await self.kv.get(self.key)
+            mark = json.loads(entry.value).get("lost") or {}
+        except Exception:
+            mark = {}
+        if mark:
+            log.warning("%s declared this supervisor lost (no heartbeat for %d beats) and released the jobs "
+                        "its workers held then: any of them still running here may run twice",
+                        mark.get("by", "the poller"), LOST_AFTER, extra={"event": "fleet_declared_lost"})
+
+    # ------------------------------------------------------------ the poller lease
+
+    async def hold_lease(self) -> None:
+        """Renew the lease we hold (revision-checked), or take it when nobody holds it."""
+        from nats.js.errors import APIError, KeyWrongLastSequenceError
+
+        body = json.dumps({"key": self.key, "name": self.name}).encode()
+        ttl = lease_ttl(self.heartbeat)
+        subject = f"$KV.{self.cfg.fleet.bucket}.{LEASE_KEY}"
+        if self.poller:
+            try:
+                ack = await self.nc.jetstream().publish(subject, body, msg_ttl=ttl,
+                                                        headers={"Nats-Expected-Last-Subject-Sequence": str(self.lease_rev)})
+                self.lease_rev = ack.seq
+            except APIError as exc:
+                if exc.err_code in (10071, 10164):      # someone else holds it now
+                    await self.step_down("the lease moved to another supervisor")
+                else:
+                    raise
+            return
+        if time.monotonic() - self.summary_at < LOST_AFTER * self.heartbeat:
+            return                                    # a poller is talking: no need to ask
+        try:
+            self.lease_rev = await self.kv.create(LEASE_KEY, body, msg_ttl=ttl)
+        except KeyWrongLastSequenceError:
+            return
+        self.view = FleetView(self.key, self.heartbeat, channel_since=self.puts_ok_since)
+        log.info("this supervisor is the poller now (ConsumerInfo and the fleet watch)",
+                 extra={"event": "fleet_poller"})
+
+    async def step_down(self, why: str) -> None:
+        log.info("no longer the poller: %s", why, extra={"event": "fleet_poller_lost"})
+        self.lease_rev = 0
+        self.view = None
+        await self.stop_watch()
+
+    # ------------------------------------------------------------ the watch (poller only)
+
+    def ensure_watch(self) -> None:
+        """(Re)start the watch, also when it has stopped delivering our own heartbeats: the
+        ordered consumer under it lives on one server, which may have gone."""
+        view = self.view
+        if view is None:
+            return                  # not the poller
+        stale = view.server_now(time.monotonic()) is None and self.watch_task is not None \
+            and time.monotonic() - self.watch_started > view.stale_after
+        if self.watch_task is None or self.watch_task.done() or stale:
+            if self.watch_task is not None:
+                asyncio.ensure_future(self.stop_watch())
+            self.watch_started = time.monotonic()
+            self.watch_task = asyncio.ensure_future(self.watch())
+
+    async def watch(self) -> None:
+        from nats.js.kv import KV_DEL, KV_PURGE
+
+        self.watcher = await self.kv.watch(f"{BEAT_PREFIX}>")
+        async for entry in self.watcher:
+            if entry is None or self.view is None:
+                continue
+            if entry.operation in (KV_DEL, KV_PURGE):
+                self.view.gone(entry.key)
+                continue
+            try:
+                beat = json.loads(entry.value)
+            except ValueError:
+                log.warning("ignoring a malformed heartbeat under %s", entry.key)
+                continue
+            self.view.saw(entry.key, beat, entry.created.timestamp(), entry.revision, time.monotonic())
+
+    async def stop_watch(self) -> None:
+        task, watcher, self.watch_task, self.watcher = self.watch_task, self.watcher, None, None
+        if task is not None:
+            task.cancel()
+        if watcher is not None:
+            try:
+                await watcher.stop()
+            except Exception as exc:
+                log.debug("stopping the watch: %s", exc)
+
+    # ------------------------------------------------------------ lost peers (poller only)
+
+    async def handle_lost(self) -> None:
+        now, view = time.monotonic(), self.view
+        if view is None:
+            return                  # not the poller
+        for peer in view.due_lost(now):
+            since = view.age(peer, now)
+            if since is not None and await self.mark(peer, since):
+                await self.lost(peer, since)
+
+    async def mark(self, peer: Peer, since: float) -> bool:
+        """Write the lost mark into the peer's entry, checked against the revision we saw. Only
+        the poller that wins this write acts on the loss, and not at all if the peer beat again."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        beat = dict(peer.beat, lost={"by": self.name, "t": time.time(), "server_t": peer.server_t})
+        try:
+            peer.rev = await self.kv.update(peer.key, json.dumps(beat, separators=(",", ":")).encode(), last=peer.rev)
+        except KeyWrongLastSequenceError:
+            return False
+        peer.marked = True
+        return True
+
+    async def lost(self, peer: Peer, since: float) -> None:
+        held = peer.beat.get("held") or []
+        plan = self.plan(held, since)
+        window = unlisted_window(since, ack_wait_range(self.cfg))
+        budget = max(0, int(peer.beat.get("capacity") or 0) - len(held))
+        self.arbiter.peers.lost_peer(peer.name, [(s, d) for s, d, *_ in held], window, budget)
+        await self.arbiter.peers.flush()    # the word first: our NAKs' redeliveries may land anywhere
+        for _seq, _delivery, reply in plan.nak:
+            await self.nc.publish(reply, b"-NAK")
+        if plan.nak:
+            with contextlib.suppress(Exception):    # NATS away: the NAKs wait in nats-py's buffer; say what we did
+                await self.nc.flush(timeout=2)
+        log.warning("supervisor %s (pid %s on %s) is lost: no heartbeat for %.1fs; it held %d job(s): "
+                    "released %d now, left %d alone%s", peer.name, peer.beat.get("pid"), peer.beat.get("host"),
+                    since, len(held), len(plan.nak), len(plan.skipped),
+                    "".join(f"; seq {s}: {why}" for s, _, why in plan.skipped[:5]),
+                    extra={"event": "fleet_peer_lost", "peer": peer.name, "held": len(held),
+                           "released": [s for s, _, _ in plan.nak], "skipped": [s for s, _, _ in plan.skipped]})
+
+    def plan(self, held: list[list], since: float) -> Release:
+        """What to NAK of a lost peer's jobs: a job anybody else (a live peer's heartbeat, our
+        own workers, a redelivery any supervisor reported) has at a later delivery is not its."""
+        if not self.cfg.fleet.release_lost:
+            return Release(skipped=[(s, d, "fleet.release_lost is false") for s, d, *_ in held])
+        now = time.monotonic()
+        live = self.view.held_by_live(now) if self.view else {}
+        own = {e[0]: e[1] for e in held_jobs(self.arbiter, now)}
+        peers = self.arbiter.peers
+        c = self.cfg.consumer
+        return plan_release(held, since, lambda d: ack_wait_for(c.ack_wait, c.backoff, d),
+                            lambda seq: max(live.get(seq, 0), own.get(seq, 0), peers.seen_delivery(seq)))
+
+    # ------------------------------------------------------------ samples and the fleet summary
+
+    def own_summary(self) -> dict:
+        now = time.monotonic()
+        counts = self.view.counts(now) if self.view else {}
+        acked, busy = self.view.progress(now) if self.view else (0, False)
+        return {"poller": self.name, "poller_key": self.key, "ok": counts.get("ok", 0) + counts.get("silent", 0),
+                "silent": counts.get("silent", 0), "lost": counts.get("lost", 0),
+                "acked": acked + self.arbiter.stats.worker_counters()["ack"],
+                "busy": busy or self.arbiter.stats.progress_beat(self.cfg.workers.job_timeout) is not None}
+
+    def progress(self) -> tuple[int, bool]:
+        """Fleet-wide progress for the lag analysis: a sum of every supervisor's acks (it moves
+        whenever anybody's workers ack), and whether any worker anywhere is busy on a long job
+        within its job_timeout. Without it a host whose own workers are idle would read another
+        host's long job, or its steady acks behind an ack floor pinned by a lost ack, as stuck."""
+        summary = self.own_summary() if self.poller else self.summary \
+            if time.monotonic() - self.summary_at < LOST_AFTER * self.heartbeat else {}
+        return int(summary.get("acked") or 0), bool(summary.get("busy"))
+
+    async def share(self, consumer: dict) -> None:
+        """The monitor polled ConsumerInfo: as the poller, hand the answer to everybody."""
+        if self.poller:
+            await self.broadcast(consumer)
+
+    async def broadcast(self, consumer: dict | None) -> None:
+        self.sent += 1
+        body = {"from": self.key, "seq": self.sent, "interval": self.cfg.monitor.interval,
+                "heartbeat": self.heartbeat, "fleet": self.own_summary()}
+        if consumer is not None:
+            body["consumer"] = consumer
+        await self.nc.publish(sample_subject(self.cfg.stream.name, self.cfg.consumer.name),
+                              json.dumps(body, separators=(",", ":"), default=str).encode())
+
+    async def on_sample(self, msg: Any) -> None:
+        try:
+            body = json.loads(msg.data)
+            sender, seq, interval = str(body["from"]), int(body["seq"]), float(body["interval"])
+            summary = dict(body["fleet"])
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring a malformed sample: %r", msg.data[:100])
+            return
+        if sender == self.key:
+            return
+        # A second poller can only be one whose lease ran out unnoticed (renewals failing): its
+        # next renewal fails the revision check and it steps down; meanwhile the lost mark's own
+        # revision check keeps the two from both acting on a loss.
+        now = time.monotonic()
+        self.summary, self.summary_at = summary, now
+        if isinstance(body.get("consumer"), dict):
+            self.sample = (body["consumer"], now, seq, interval)
+
+    def shared_sample(self, now: float) -> tuple[dict, int] | None:
+        """The poller's latest ConsumerInfo while fresh; None: poll it yourself (if `may_poll`)."""
+        if self.poller or self.sample is None:
+            return None
+        consumer, at, seq, interval = self.sample
+        if now - at > SAMPLE_FRESH * max(interval, self.cfg.monitor.interval):
+            return None
+        self.fallback.reset()
+        return consumer, seq
+
+    def may_poll(self, now: float) -> bool:
+        """With no fresh sample: the poller always, and so does a supervisor that has never had a
+        poller's sample (it has just started: its lag readings must not wait); a member whose
+        poller went quiet at its Fallback pace."""
+        if self.poller or self.sample is None:
+            return True
+        return self.fallback.due(now, self.cfg.monitor.interval, int(self.summary.get("ok") or 0))
+
+    def hold_suspects(self) -> None:
+        """While a peer is silent but not yet lost, a redelivery of a job it held must not be
+        called unexplained: the ledger waits, at most until the peer is resolved."""
+        from supervisor.parent.peers import SUSPECT_GRACE
+
+        silent = self.view.counts(time.monotonic())["silent"] if self.view else self.summary.get("silent", 0)
+        if silent:
+            until, ledger = time.monotonic() + max(SUSPECT_GRACE, 2 * self.heartbeat), self.arbiter.ledger
+            self.arbiter.post(lambda: ledger.hold_suspects(until))      # the arbiter's loop writes the ledger
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        fresh = self.poller or now - self.summary_at < LOST_AFTER * self.heartbeat
+        summary = self.own_summary() if self.poller else self.summary if fresh else {}
+        # The poller counts everybody but itself as ok/silent/lost; so does each member (it is one
+        # of the poller's peers, and the poller one of its own): peers = the poller's "ok".
+        return {"name": self.name, "key": self.key, "bucket": self.cfg.fleet.bucket,
+                "peers": summary.get("ok") if summary else None,
+                "lost": summary.get("lost") if summary else None,
+                "poller": summary.get("poller") if summary else None, "is_poller": self.poller,
+                "error": self.problem or None}
+
+    async def close(self) -> None:
+        """A clean stop leaves the fleet: our entry goes (not `lost`), and the lease is freed."""
+        await self.stop_watch()
+        if self.kv is None:
+            return
+        try:
+            await self.kv.purge(self.key)
+            if self.poller:
+                await self.kv.delete(LEASE_KEY, last=self.lease_rev)
+        except Exception as exc:
+            log.warning("leaving the fleet view: %s", exc)

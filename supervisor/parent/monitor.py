@@ -1,0 +1,263 @@
+"""Watching the consumer: ConsumerInfo every monitor.interval, and the server's advisories.
+
+Each poll feeds the lag analyzer (pure, lag.py), the dashboard's history ring (history.py) and
+the crash ledger's ack floor. A failed poll (server down, consumer deleted) clears nothing and
+crashes nothing: the numbers age (`poll_age_s`) until the lag state turns `unknown`.
+Advisories: MAX_DELIVERIES means the server gave up on a job; it is still in the stream, so it is
+copied to the dead-letter subject and nothing vanishes silently. MSG_TERMINATED is counted.
+
+In a fleet (supervisor/parent/fleet.py) only the elected poller asks the server; the others take its
+samples and ask themselves only when those stop coming. In a cluster ConsumerInfo comes from the
+consumer leader, whichever node that is now; `SampleGuard` keeps an answer that cannot be right
+(a leader still catching up after a move, reporting consumer sequences that went backwards)
+out of the lag analysis and the ledger. Acks sent while the leader moves can be lost (measured on
+the 3-node test cluster: jobs acked during a step-down came back after AckWait): the ledger is
+told to expect those redeliveries (`lost_ack_window`) instead of calling them unexplained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from nats.js.errors import NotFoundError
+
+from supervisor.config import Config
+from supervisor.core.fleetview import ack_wait_range
+from supervisor.core.lag import LagAnalyzer, Sample
+from supervisor.nats.consumer import consumer_dict
+from supervisor.observe.history import History
+from workers import Job
+from workers.runtime.deadletter import dead_letter
+
+log = logging.getLogger("supervisor.monitor")
+
+ACCEPT_AFTER = 5        # consecutive backward samples from one consumer taken as the truth after all
+MOVE_SLACK = 2.0        # seconds around the window in which acks lost to a leader move come back
+
+
+def lost_ack_window(before: dict, after: dict, t_before: float, t_after: float,
+                    ack_waits: tuple[float, float]) -> tuple[float, float, int]:
+    """(start, end, budget): when jobs whose acks a leader move swallowed come back, and at most
+    how many. The acks were sent between the last answer of the old leader and the first of the
+    new one; each job's AckWait timer had started at most a third of AckWait before its ack (the
+    parent pings every AckWait/3), so it runs out between 2/3 AckWait after the first and AckWait
+    after the last. At most the jobs in flight then, plus those delivered during the move."""
+    low, high = ack_waits
+    budget = max(before["num_ack_pending"], after["num_ack_pending"]) + max(
+        0, after["delivered_consumer_seq"] - before["delivered_consumer_seq"])
+    return t_before + low * 2 / 3 - MOVE_SLACK, t_after + high + MOVE_SLACK, budget
+
+
+class SampleGuard:
+    """Decides whether a ConsumerInfo answer is fit for the lag analysis. Pure.
+
+    A durable consumer's sequences (delivered, ack floor) only grow for its whole life, on
+    every node: an answer where they went back, from the same consumer (same `created`), is a
+    consumer leader that has just taken over and not caught up, and is skipped. A new `created`
+    is a recreated consumer: its answers count at once (the analyzer starts a new history). If
+    the backward numbers persist for ACCEPT_AFTER answers, they are taken as the truth (a
+    restored store), so a guard can never blind the monitor for good.
+    """
+
+    def __init__(self) -> None:
+        self.last: dict | None = None
+        self.rejected = 0           # in a row
+        self.skipped = 0            # in total
+
+    def check(self, c: dict) -> str:
+        """"" when the sample is good (and becomes the reference), else why it is skipped."""
+        why = self._problem(c)
+        if why and self.rejected + 1 < ACCEPT_AFTER:
+            self.rejected += 1
+            self.skipped += 1
+            return why
+        self.last, self.rejected = c, 0
+        return ""
+
+    def _problem(self, c: dict) -> str:
+        delivered, floor = c["delivered_consumer_seq"], c["ack_floor_consumer_seq"]
+        if floor > delivered:
+            return f"ack floor {floor} above delivered {delivered}"
+        last = self.last
+        if last is None or c.get("created") != last.get("created"):
+            return ""
+        if delivered < last["delivered_consumer_seq"] or floor < last["ack_floor_consumer_seq"]:
+            return (f"consumer sequences went back (delivered {last['delivered_consumer_seq']} -> {delivered}, "
+                    f"ack floor {last['ack_floor_consumer_seq']} -> {floor})")
+        return ""
+
+
+class Monitor:
+    def __init__(self, cfg: Config, nc: Any, arbiter: Any):
+        self.cfg = cfg
+        self.nc = nc
+        self.arbiter = arbiter
+        self.analyzer = LagAnalyzer(cfg.monitor.lag_window, cfg.consumer.ack_wait, cfg.monitor.interval)
+        self.history = History(cfg.monitor.lag_window, cfg.monitor.interval)
+        self.consumer: dict[str, Any] | None = None
+        self.polled_at: float | None = None
+        self.error = ""
+        self.advisories = {"max_deliveries": 0, "terminated": 0}
+        self.guard = SampleGuard()
+        self.fleet: Any = None              # supervisor/parent/fleet.py, set by the app when the fleet runs
+        self.shared_seq = 0                 # the poller's last sample taken
+        self.source = "self"                # who the newest sample came from: "self" or the poller's name
+
+    def apply_config(self, cfg: Config) -> None:
+        old, self.cfg = self.cfg, cfg
+        if (old.monitor.lag_window, old.monitor.interval, old.consumer.ack_wait) != \
+                (cfg.monitor.lag_window, cfg.monitor.interval, cfg.consumer.ack_wait):
+            self.analyzer = LagAnalyzer(cfg.monitor.lag_window, cfg.consumer.ack_wait, cfg.monitor.interval)
+            self.history.resize(cfg.monitor.lag_window, cfg.monitor.interval)
+
+    async def run(self) -> None:
+        await self.subscribe_advisories()
+        while True:
+            started = time.monotonic()
+            await self.poll()
+            self.after_poll()
+            await asyncio.sleep(max(0.0, self.cfg.monitor.interval - (time.monotonic() - started)))
+
+    async def poll(self) -> None:
+        js = self.nc.jetstream()
+        now = time.monotonic()
+        shared = self.fleet.shared_sample(now) if self.fleet else None
+        if shared is not None:
+            consumer, seq = shared
+            if seq != self.shared_seq:          # a sample we have not taken yet
+                self.shared_seq, self.source = seq, self.fleet.summary.get("poller") or "poller"
+                await self.accept(js, consumer)
+            return
+        if self.fleet and not self.fleet.may_poll(now):
+            return                              # a failover in a big fleet: the readings age meanwhile
+        try:
+            info = await js.consumer_info(self.cfg.stream.name, self.cfg.consumer.name,
+                                          timeout=max(1.0, 2 * self.cfg.monitor.interval))
+        except NotFoundError:
+            self.failed(time.monotonic(), f"consumer {self.cfg.consumer.name} not found on stream {self.cfg.stream.name}")
+            return
+        except Exception as exc:
+            self.failed(time.monotonic(), f"ConsumerInfo failed: {type(exc).__name__}: {exc}"[:200])
+            return
+        consumer, self.source = consumer_dict(info), "self"
+        if await self.accept(js, consumer) and self.fleet:
+            await self.fleet.share(consumer)
+
+    async def accept(self, js: Any, consumer: dict[str, Any]) -> bool:
+        """Take one ConsumerInfo answer (ours or the poller's) unless the guard rejects it."""
+        if self.error:
+            log.info("ConsumerInfo answers again")
+        self.error = ""
+        why = self.guard.check(consumer)
+        if why:
+            log.warning("ignoring a ConsumerInfo answer from %s: %s (a new consumer leader catching up?)",
+                        consumer.get("leader") or "the server", why, extra={"event": "consumer_sample_skipped"})
+            return False
+        now = time.monotonic()
+        if self.consumer is not None and self.polled_at is not None \
+                and consumer.get("leader") != self.consumer.get("leader"):
+            self.leader_moved(self.consumer, consumer, self.polled_at, now)
+        self.consumer = consumer
+        self.polled_at = now
+        beat = self.arbiter.stats.progress_beat(self.arbiter.cfg.workers.job_timeout)
+        # In a fleet, progress anywhere counts (supervisor/parent/fleet.py Fleet.progress).
+        fleet_acked, fleet_busy = self.fleet.progress() if self.fleet else (0, False)
+        self.analyzer.add(Sample(t=self.polled_at, num_pending=consumer["num_pending"],
+                                 num_ack_pending=consumer["num_ack_pending"],
+                                 num_redelivered=consumer["num_redelivered"],
+                                 delivered_consumer_seq=consumer["delivered_consumer_seq"],
+                                 ack_floor_consumer_seq=consumer["ack_floor_consumer_seq"],
+                                 local_acked=self.arbiter.stats.worker_counters()["ack"] + fleet_acked,
+                                 progress_alive=beat is not None or fleet_busy, progress_at=beat))
+        self.history.add(self.polled_at, consumer, self.analyzer.report(self.polled_at).state)
+        ledger, c, t = self.arbiter.ledger, consumer, self.polled_at
+        self.arbiter.post(lambda: (ledger.ack_floor(c["ack_floor_stream_seq"]),
+                                   ledger.delivered_seen(t, c["delivered_stream_seq"])))
+        await self.resolve_acks_in_doubt(js)
+        return True
+
+    def leader_moved(self, before: dict, after: dict, t_before: float, now: float) -> None:
+        start, end, budget = lost_ack_window(before, after, t_before, now, ack_wait_range(self.cfg))
+        why = f"ack possibly lost while the consumer leader moved ({before.get('leader')} -> {after.get('leader')})"
+        ledger = self.arbiter.ledger
+        self.arbiter.post(lambda: ledger.expect_window(start, end, budget, why, counter="leader_move_redeliveries"))
+        log.info("consumer leader is %s now (was %s)", after.get("leader"), before.get("leader"),
+                 extra={"event": "consumer_leader_moved"})
+
+    async def resolve_acks_in_doubt(self, js: Any) -> None:
+        """A dead worker's ack that may or may not have arrived: in a work queue an acked message
+        is deleted, so a message that is gone was acked (the NAK we sent just in case was a no-op)."""
+        if self.cfg.stream.retention != "workqueue":
+            return                  # the ack floor settles these
+        for seq in self.arbiter.ledger.in_doubt()[:20]:
+            try:
+                await js.get_msg(self.cfg.stream.name, seq)
+            except NotFoundError:
+                self.arbiter.post(lambda seq=seq: self.arbiter.ledger.resolve(seq, "acked before the death (message gone)"))
+            except Exception:
+                return              # try again next poll
+
+    def failed(self, t: float, error: str) -> None:
+        if error != self.error:
+            log.warning("%s", error)
+        self.error = error
+        self.analyzer.poll_failed(t, error)
+        self.history.gap(t, self.analyzer.report(t).state)
+
+    def after_poll(self) -> None:
+        now = time.monotonic()
+        change = self.analyzer.transition(now)
+        if change:
+            report = self.analyzer.report(now)
+            level = logging.WARNING if report.state in ("stuck", "growing") else logging.INFO
+            log.log(level, "lag state %s -> %s: %s", change[0], change[1], report.reason)
+        if self.arbiter.notifier:
+            self.arbiter.notifier.status(self.status_line(now))
+
+    def status_line(self, now: float) -> str:
+        c = self.consumer or {}
+        return (f"{self.arbiter.status_line()}; pending {c.get('num_pending', '?')}, "
+                f"in flight {c.get('num_ack_pending', '?')}; lag {self.analyzer.report(now).state}")
+
+    def poll_age(self) -> float | None:
+        return None if self.polled_at is None else time.monotonic() - self.polled_at
+
+    # ------------------------------------------------------------ advisories
+
+    async def subscribe_advisories(self) -> None:
+        s, c = self.cfg.stream.name, self.cfg.consumer.name
+        await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{s}.{c}", cb=self.on_max_deliveries)
+        await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{s}.{c}", cb=self.on_terminated)
+
+    async def on_terminated(self, msg: Any) -> None:
+        self.advisories["terminated"] += 1
+
+    async def on_max_deliveries(self, msg: Any) -> None:
+        self.advisories["max_deliveries"] += 1
+        try:
+            advisory = json.loads(msg.data)
+            seq, deliveries = int(advisory["stream_seq"]), int(advisory.get("deliveries", 0))
+        except (ValueError, KeyError, TypeError):
+            log.warning("malformed MAX_DELIVERIES advisory: %r", msg.data[:200])
+            return
+        log.warning("job seq=%d reached consumer.max_deliver (%d deliveries); copying it to %s", seq, deliveries,
+                    self.cfg.restart.dead_letter_subject or "(no dead-letter subject)")
+        try:
+            raw = await self.nc.jetstream().get_msg(self.cfg.stream.name, seq)
+        except Exception as exc:
+            log.error("job seq=%d: cannot read it back for the dead-letter copy: %s", seq, exc)
+            return
+        headers = dict(raw.headers or {})
+        job = Job(data=raw.data or b"", subject=raw.subject or "", headers=headers, stream_seq=seq,
+                  delivery=deliveries, msg_id=headers.get("Nats-Msg-Id"))
+        try:
+            await dead_letter(self.nc, self.cfg, job, f"max deliveries reached ({deliveries})")
+        except Exception as exc:
+            log.error("job seq=%d: dead-letter copy failed: %s", seq, exc)
+            return
+        message = f"job seq={seq} gave up after {deliveries} deliveries; copied to {self.cfg.restart.dead_letter_subject}"
+        self.arbiter.post(lambda: self.arbiter.alert("max_deliveries", message))

@@ -1,0 +1,175 @@
+"""Ledgers shared between supervisors on one consumer.
+
+With a supervisor per host against one cluster, a job that host A NAKs (its dead worker held
+it, or its handler failed) may be redelivered to a worker on host B. B's ledger would call that
+redelivery unexplained. So every supervisor announces the NAKs it knows of on
+`supervisor.ledger.<stream>.<consumer>` (core NATS, a few small messages per crash) and takes
+its peers' announcements as expectations. A death is announced before its NAKs are sent, and a
+redelivery nothing explains stays a suspect for SUSPECT_GRACE before it counts. Supervisors also
+share the redeliveries their workers receive and how those ended, so a job held by host A's dead
+worker and redone on host B shows as redelivered and acked in A's cross-check too.
+
+A whole host lost (supervisor/parent/fleet.py) is announced by the fleet's poller, which alone watches
+the heartbeats: the jobs the lost supervisor's last heartbeat listed, and a window of time with a
+count for the jobs it took after that heartbeat (they come back when their AckWait runs out).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from supervisor.core.ledger import LOST_PEER
+
+log = logging.getLogger("supervisor.peers")
+
+SUSPECT_GRACE = 2.0     # seconds a peer has to explain a redelivery before it counts as unexplained
+CHUNK = 500             # NAKs per announcement
+HELLO_EVERY = 2.0       # a supervisor says it exists this often, even with nothing to announce ...
+PEER_QUIET = 3 * HELLO_EVERY + 1.0   # ... a peer unheard for this long is gone ...
+LISTEN_FIRST = HELLO_EVERY + 1.0     # ... and a fresh supervisor knows whether it is alone after this
+SEEN_LIMIT = 100_000    # redeliveries remembered (seq -> highest delivery) for the fleet's release check
+
+
+class Peers:
+    def __init__(self, nc: Any, stream: str, consumer: str, ledger: Any, post: Callable[[Callable[[], None]], None]):
+        self.nc = nc
+        self.ledger = ledger
+        self.post = post                         # the arbiter applies what we hear, in its loop
+        self.subject = f"supervisor.ledger.{stream}.{consumer}"
+        self.origin = f"{socket.gethostname()}/{os.getpid()}"
+        # naks: [seq, why] explain a redelivery to come; seen: [seq, delivery] a redelivery one of
+        # our workers received; settled: [seq, delivery, outcome] how a redelivered job ended;
+        # lost: a lost supervisor's jobs, {"name", "held": [[seq, delivery]], "window": [start, end]
+        # seconds from the send, "budget": how many it may have taken after its last heartbeat}.
+        self.outbox: dict[str, list] = {"naks": [], "seen": [], "settled": [], "lost": []}
+        self.seen_max: OrderedDict[int, int] = OrderedDict()
+        self.warned = False
+        self.listening_since: float | None = None
+        self.last_hello = 0.0
+        self.heard: dict[str, float] = {}        # origin -> when we last heard from it
+
+    async def start(self) -> None:
+        try:
+            await self.nc.subscribe(self.subject, cb=self.on_message)
+            self.listening_since = time.monotonic()
+            await self._publish({"origin": self.origin, "hello": 1, "ask": 1})   # peers: say hello now
+        except Exception as exc:
+            log.warning("cannot subscribe to %s (%s): redeliveries caused by other supervisors will read as "
+                        "unexplained", self.subject, exc)
+
+    def announce(self, seq: int, why: str) -> None:
+        self.outbox["naks"].append((seq, why))
+
+    def seen(self, seq: int, delivery: int) -> None:
+        self.outbox["seen"].append((seq, delivery))
+        self.remember(seq, delivery)
+
+    def remember(self, seq: int, delivery: int) -> None:
+        if delivery > self.seen_max.get(seq, 0):
+            self.seen_max[seq] = delivery
+            self.seen_max.move_to_end(seq)
+            while len(self.seen_max) > SEEN_LIMIT:
+                self.seen_max.popitem(last=False)
+
+    def seen_delivery(self, seq: int) -> int:
+        """The highest delivery of `seq` any supervisor's worker reported receiving (0: none)."""
+        return self.seen_max.get(seq, 0)
+
+    def lost_peer(self, name: str, held: list[tuple[int, int]], window: tuple[float, float], budget: int) -> None:
+        """The fleet's poller found supervisor `name` lost: explain its jobs here and everywhere."""
+        item = {"name": name, "held": [list(h) for h in held], "window": [round(w, 3) for w in window],
+                "budget": budget}
+        self.outbox["lost"].append(item)
+        sent = time.monotonic()             # the window counts from now, not from when the arbiter gets to it
+        self.post(lambda: self.apply_lost(sent, item))
+
+    def apply_lost(self, now: float, item: dict) -> None:
+        name = item["name"]
+        for seq, delivery in item["held"]:
+            self.ledger.expect(seq, LOST_PEER + name, delivery)
+        start, end = item["window"]
+        if item["budget"] > 0:
+            self.ledger.expect_window(now + start, now + end, item["budget"],
+                                      f"taken by lost supervisor {name} after its last heartbeat")
+
+    def settled(self, seq: int, delivery: int, outcome: str) -> None:
+        self.outbox["settled"].append((seq, delivery, outcome))
+
+    def alone(self, now: float) -> bool | None:
+        """No other supervisor on this consumer? None while we cannot tell yet (a peer says
+        hello every HELLO_EVERY, and answers a newcomer's question at once)."""
+        if self.listening_since is None:
+            return False                         # deaf to peers: never assume we are alone
+        if any(now - t <= PEER_QUIET for t in self.heard.values()):
+            return False
+        return None if now - self.listening_since < LISTEN_FIRST else True
+
+    async def flush(self) -> None:
+        now = time.monotonic()
+        if now - self.last_hello >= HELLO_EVERY and self.nc.is_connected:
+            self.last_hello = now
+            await self._publish({"origin": self.origin, "hello": 1})
+        if not any(self.outbox.values()) or not self.nc.is_connected:
+            return
+        batch, self.outbox = self.outbox, {k: [] for k in self.outbox}
+        for key, items in batch.items():
+            for i in range(0, len(items), CHUNK):
+                await self._publish({"origin": self.origin, key: items[i:i + CHUNK]})
+
+    async def _publish(self, body: dict) -> None:
+        try:
+            await self.nc.publish(self.subject, json.dumps(body, separators=(",", ":")).encode())
+        except Exception as exc:
+            self._warn(exc)
+
+    def _warn(self, exc: Exception) -> None:
+        if not self.warned:
+            log.warning("cannot announce NAKs on %s: %s", self.subject, exc)
+            self.warned = True
+
+    async def on_message(self, msg: Any) -> None:
+        try:
+            body = json.loads(msg.data)
+            origin = str(body["origin"])
+            naks = [(int(seq), str(why)) for seq, why in body.get("naks", ())]
+            seen = [(int(seq), int(delivery)) for seq, delivery in body.get("seen", ())]
+            settled = [(int(seq), int(d), str(outcome)) for seq, d, outcome in body.get("settled", ())]
+            lost = [lost_item(item) for item in body.get("lost", ())]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            log.warning("ignoring a malformed ledger message on %s: %r", self.subject, msg.data[:100])
+            return
+        if origin != self.origin:
+            self.post(lambda: self.apply(origin, naks, seen, settled, lost, asked=bool(body.get("ask"))))
+
+    def apply(self, origin: str, naks: list, seen: list, settled: list, lost: Sequence[dict] = (),
+              asked: bool = False) -> None:
+        now = time.monotonic()
+        self.heard[origin] = now
+        if asked:
+            self.last_hello = 0.0                # a newcomer asks who is there: hello at the next flush
+        for seq, why in naks:
+            if self.ledger.expect(seq, f"{why} (on {origin})"):
+                log.info("job seq=%d, redelivered here a moment ago, is explained: %s (on %s)", seq, why, origin,
+                         extra={"event": "redelivery_explained", "seq": seq, "why": f"{why} (on {origin})"})
+        for seq, delivery in seen:
+            self.ledger.redelivered_elsewhere(now, seq, delivery)
+            self.remember(seq, delivery)
+        for item in lost:
+            self.apply_lost(now, item)
+        for seq, delivery, outcome in settled:
+            if outcome in ("ack", "term"):
+                self.ledger.settled(now, seq, delivery, outcome)
+
+
+def lost_item(item: dict) -> dict:
+    """A "lost" announcement checked and typed (ValueError, KeyError or TypeError when malformed)."""
+    start, end = item["window"]
+    return {"name": str(item["name"]), "held": [(int(seq), int(d)) for seq, d in item["held"]],
+            "window": (float(start), float(end)), "budget": int(item["budget"])}

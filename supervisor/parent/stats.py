@@ -1,0 +1,84 @@
+"""The pool's counters: what exited workers did (carried over when they are reaped) plus what the
+living's shared-memory tables say now. /status, /metrics, the monitor and the autoscaler read
+these; nothing here decides anything."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+
+from supervisor.core import liveness
+from supervisor.parent.process import WorkerProcess
+from workers.protocol import slots
+
+
+@dataclasses.dataclass
+class Totals:
+    """Counters carried over from workers that have exited (the live ones are read from their tables)."""
+    acked: int = 0
+    naked: int = 0
+    termed: int = 0
+    duplicates: int = 0
+    restarts: int = 0
+    worker_deaths: int = 0
+    pings: int = 0
+    buckets: list = dataclasses.field(default_factory=lambda: [0] * (len(slots.DURATION_BUCKETS) + 1))
+    duration_sum: float = 0.0
+    max_duration: float = 0.0
+
+
+class Stats:
+    def __init__(self, living: Callable[[], list[WorkerProcess]]):
+        self.living = living
+        self.totals = Totals()
+        self.slot_restarts: collections.Counter = collections.Counter()
+
+    def carry(self, w: WorkerProcess) -> None:
+        """A worker is gone: keep what its table counted before the table is unmapped."""
+        t = w.table
+        self.totals.acked += t.header(slots.ACKED_N)
+        self.totals.naked += t.header(slots.NAKED_N)
+        self.totals.termed += t.header(slots.TERMED_N)
+        self.totals.duplicates += t.header(slots.DUPLICATE_N)
+        buckets, total = t.histogram()
+        self.totals.buckets = [a + b for a, b in zip(self.totals.buckets, buckets)]
+        self.totals.duration_sum += total
+        self.totals.max_duration = max(self.totals.max_duration, t.max_duration())
+
+    def restarted(self, slot: int) -> None:
+        self.totals.restarts += 1
+        self.slot_restarts[slot] += 1
+
+    def worker_counters(self) -> dict[str, int]:
+        """Jobs acked/naked/termed (and acked as duplicates without running) since start: exited
+        workers' totals plus the living's tables."""
+        live = self.living()
+        return {"ack": self.totals.acked + sum(w.table.header(slots.ACKED_N) for w in live),
+                "nak": self.totals.naked + sum(w.table.header(slots.NAKED_N) for w in live),
+                "term": self.totals.termed + sum(w.table.header(slots.TERMED_N) for w in live),
+                "duplicate": self.totals.duplicates + sum(w.table.header(slots.DUPLICATE_N) for w in live)}
+
+    def slowest_job(self) -> float:
+        return max([self.totals.max_duration, *(w.table.max_duration() for w in self.living())])
+
+    def duration_histogram(self) -> tuple[list[int], float]:
+        counts, total = list(self.totals.buckets), self.totals.duration_sum
+        for w in self.living():
+            buckets, s = w.table.histogram()
+            counts = [a + b for a, b in zip(counts, buckets)]
+            total += s
+        return counts, total
+
+    def progress_beat(self, job_timeout: float) -> float | None:
+        """The last heartbeat of a live, beating worker running a job within its job_timeout
+        (legitimate progress on a long job), or None when no worker shows any."""
+        now, latest = time.monotonic(), None
+        for w in self.living():
+            beat = w.table.heartbeat()
+            if w.status is None and liveness.beat_fresh(now, beat) and any(
+                    e.state == slots.RUNNING and (not job_timeout or now - e.t_started < job_timeout)
+                    for e in w.table.snapshot()):
+                latest = beat if latest is None else max(latest, beat)
+        return latest

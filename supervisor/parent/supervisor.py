@@ -1,0 +1,287 @@
+"""`supervisor start`: embedded server (if needed) -> connect -> provision -> supervise -> stop.
+
+Everything that can fail on bad input fails here, before a single worker is forked: the config
+(exit 2), the handler import (exit 3), NATS and the stream/consumer (exit 4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import sys
+import sysconfig
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import setproctitle
+import uvloop
+
+from supervisor import logs
+from supervisor.config import Config, parse_hostport, reload, with_servers
+from supervisor.errors import EXIT_HALTED, ConfigError, Halted, HandlerError, SupervisorError
+from supervisor.nats import connect as natsconn
+from supervisor.nats import provision
+from supervisor.nats.embedded import EmbeddedServer
+from supervisor.observe.http import HttpServer
+from supervisor.parent.arbiter import Arbiter
+from supervisor.parent.fleet import Fleet
+from supervisor.parent.monitor import Monitor
+from supervisor.parent.systemd import Notifier
+
+log = logging.getLogger("supervisor")
+
+# Seconds between nats-py's PINGs on the parent's and each worker's connection; two unanswered
+# and it reconnects: a half-open link is noticed in about 10-15 s, not nats-py's default 4 min.
+PING_INTERVAL = 5
+TITLE_INTERVAL = 0.5         # how often the parent's process title is brought up to date
+# What `start` says when there is no handler: the key, what to write, and an example to try.
+NO_HANDLER = ("not set; `supervisor start` needs the function that runs each job: pass --handler "
+              "myjobs:handle, or write handler = \"myjobs:handle\" under [workers] in the config "
+              "(workers.examples:sleep_job to try things out)")
+
+
+def require_handler(cfg: Config) -> None:
+    if not cfg.workers.handler:
+        raise ConfigError("workers.handler", NO_HANDLER)
+
+
+def load_callable(spec: str, key: str) -> Callable:
+    """Import MODULE:FUNCTION for workers.handler / workers.init; any failure is exit 3."""
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())       # like gunicorn: the app lives where we were started
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        where = user_frame(exc, module_name)
+        raise HandlerError(f"{key}: cannot import {module_name!r}: {type(exc).__name__}: {exc}"
+                           + (f" (at {where})" if where else "")) from None
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise HandlerError(f"{key}: module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise HandlerError(f"{key}: {spec} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+def user_frame(exc: BaseException, module_name: str) -> str:
+    """`path:line: code` of the innermost frame of the user's code in an import failure.
+
+    The user's code is what is neither Python's nor an installed library's nor ours; when the
+    handler's package is itself installed (site-packages), its own frames. A SyntaxError is
+    raised by the compiler, so it carries the place itself. "" when no frame qualifies."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{_shown_path(exc.filename)}:{exc.lineno}"
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    libraries = tuple(p + os.sep for p in {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib",
+                                                                             "platlib")} if p)
+    ours = tuple(os.path.dirname(sys.modules[n].__file__ or "") + os.sep for n in ("supervisor", "workers")
+                 if n in sys.modules)
+    top = module_name.split(".")[0]
+
+    def outside(frame: Any) -> bool:
+        name = frame.f_code.co_filename
+        return not name.startswith("<") and not name.startswith(libraries) and not name.startswith(ours)
+
+    def in_package(frame: Any) -> bool:
+        name = frame.f_globals.get("__name__", "")
+        return name == top or name.startswith(top + ".")
+
+    chosen = [f for f in frames if outside(f[0])] or [f for f in frames if in_package(f[0])]
+    if not chosen:
+        return ""
+    frame, line = chosen[-1]
+    code = (traceback.FrameSummary(frame.f_code.co_filename, line, frame.f_code.co_name).line or "").strip()
+    return f"{_shown_path(frame.f_code.co_filename)}:{line}" + (f": {code[:80]}" if code else "")
+
+
+def _shown_path(path: str) -> str:
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def overruled(new: Config, from_config: Config, pins: Mapping[str, str]) -> list[tuple[str, str, Any, Any]]:
+    """(key, flag, value kept, value the file/environment now gives) for each key a command-line
+    flag pins while the reloaded config says otherwise: a SIGHUP cannot change those."""
+    out = []
+    for dotted, flag in pins.items():
+        section, name = dotted.split(".")
+        kept, said = getattr(getattr(new, section), name), getattr(getattr(from_config, section), name)
+        if kept != said:
+            out.append((dotted, flag, kept, said))
+    return out
+
+
+class Supervisor:
+    """Owns the pieces of one `supervisor start` run and tears them down in order."""
+
+    def __init__(self, cfg: Config, reload_config: Callable[[], Config] | None = None,
+                 file_config: Callable[[], Config] | None = None, pins: Mapping[str, str] | None = None):
+        self.cfg = cfg
+        self.reload_source = reload_config
+        # The config without command-line flags, and the keys the flags pin (key -> flag): a
+        # reload says which edits of the file the flags overrule.
+        self.file_source = file_config
+        self.pins = dict(pins or {})
+        self.embedded: EmbeddedServer | None = None
+        self.nc: Any = None
+        self.arbiter: Arbiter | None = None
+        self.monitor: Monitor | None = None
+        self.fleet: Fleet | None = None
+        self.http: HttpServer | None = None
+        self.notifier = Notifier()
+
+    def run(self) -> int:
+        cfg = self.cfg
+        require_handler(cfg)
+        self.set_title("starting")
+        handler = load_callable(cfg.workers.handler, "workers.handler")
+        init = load_callable(cfg.workers.init, "workers.init") if cfg.workers.init else None
+        if not cfg.nats.servers:
+            e = cfg.embedded
+            self.embedded = EmbeddedServer(e.host, e.port, e.monitor_port, e.store_dir)
+            self.cfg = with_servers(cfg, (self.embedded.url,))
+        natsconn.connect_kwargs(self.cfg.nats)     # secret files readable? (exit 2 before anything starts)
+        if self.embedded:
+            self.embedded.start(cfg.nats.startup_timeout)
+        try:
+            return uvloop.run(self.serve(handler, init))
+        finally:
+            if self.embedded:
+                self.embedded.stop()
+
+    async def serve(self, handler: Callable, init: Callable | None) -> int:
+        cfg = self.cfg
+        self.nc = await provision.connect_until(cfg, name=cfg.nats.name, ping_interval=PING_INTERVAL,
+                                                max_outstanding_pings=2)
+        tasks: list[asyncio.Task] = []
+        try:
+            await provision.ensure(self.nc, cfg)
+            self.arbiter = Arbiter(cfg, self.nc, handler, init, self.connect_worker, self.notifier,
+                                   reload_config=self.reload if self.reload_source else None)
+            await self.inherit_pending(self.arbiter)
+            self.monitor = Monitor(cfg, self.nc, self.arbiter)
+            self.arbiter.autoscale.monitor = self.monitor      # its lag analysis and consumer numbers
+            self.fleet = self.monitor.fleet = Fleet(cfg, self.nc, self.arbiter)
+            if cfg.monitor.http:
+                host, port = parse_hostport(cfg.monitor.http, "monitor.http")
+                self.http = HttpServer(self, host, port)
+                try:
+                    await self.http.start()
+                except OSError as exc:
+                    raise ConfigError("monitor.http", f"cannot listen on {cfg.monitor.http}: {exc.strerror}") from None
+            tasks.append(asyncio.ensure_future(self.monitor.run()))
+            tasks.append(asyncio.ensure_future(self.keep_title()))
+            tasks.append(asyncio.ensure_future(self.fleet.run()))
+            code = await self.arbiter.run()
+            if code == EXIT_HALTED:
+                raise Halted(self.arbiter.halt_message)
+            return code
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.set_title("stopping")
+            if self.fleet:
+                await self.fleet.close()
+            if self.http:
+                await self.http.close()
+            await self.close()
+
+    def parts(self) -> tuple[Arbiter, Monitor, Fleet]:
+        """What serve() made; the reload and the title task run only once it exists."""
+        assert self.arbiter and self.monitor and self.fleet, "serve() has not made its parts yet"
+        return self.arbiter, self.monitor, self.fleet
+
+    async def inherit_pending(self, arbiter: Arbiter) -> None:
+        """Deliveries pending before we started (a previous run NAKed them while draining) come
+        back to our workers: the ledger must not call them unexplained."""
+        try:
+            info = await self.nc.jetstream().consumer_info(self.cfg.stream.name, self.cfg.consumer.name)
+        except Exception as exc:
+            log.debug("ConsumerInfo at start failed (%s): inherited redeliveries may read as unexplained", exc)
+            return
+        arbiter.ledger.inherit(info.num_ack_pending or 0, info.delivered.stream_seq or 0)
+
+    async def reload(self) -> None:
+        """SIGHUP: re-read the config; apply what can change live; keep running on the old
+        config (and say why) when the new one is invalid."""
+        arbiter = self.parts()[0]
+        assert self.reload_source is not None, "SIGHUP is only wired with a config source"
+        self.notifier.reloading()
+        try:
+            new = self.reload_source()
+            require_handler(new)
+            pinned = overruled(new, self.file_source(), self.pins) if self.file_source and self.pins else []
+            if self.embedded and not new.nats.servers:
+                new = with_servers(new, self.cfg.nats.servers)
+            change = reload.plan(self.cfg, new)
+            cfg = change.effective
+            handler = init = None
+            if any(k in ("workers.handler", "workers.init") for k, _, _ in change.changed):
+                handler = load_callable(cfg.workers.handler, "workers.handler")
+                init = load_callable(cfg.workers.init, "workers.init") if cfg.workers.init else None
+            if change.update_consumer:
+                await provision.ensure_consumer(self.nc.jetstream(), cfg)
+            if cfg.idempotency.enabled and not self.cfg.idempotency.enabled:    # the new workers need the bucket
+                await provision.ensure_idempotency(self.nc.jetstream(), cfg)
+        except Exception as exc:      # whatever went wrong, the running config stays
+            why = str(exc) if isinstance(exc, SupervisorError) else f"{type(exc).__name__}: {exc}"
+            log.error("reload failed; still running on the previous config: %s", why,
+                      extra={"event": "reload_failed", "reason": why})
+            self.notifier.ready(arbiter.status_line())
+            return
+        for key, flag, kept, said in pinned:
+            log.warning("reload: %s stays %r (set by %s); the config now says %r", key, kept, flag, said)
+        for key in change.needs_restart:
+            log.warning("reload: %s changed; it takes effect at the next start", key,
+                        extra={"event": "reload_needs_restart", "key": key})
+        for key, old, new_value in change.changed:
+            if key not in change.needs_restart:
+                log.info("reload: %s: %r -> %r", key, old, new_value,
+                         extra={"event": "reload_applied", "key": key, "old": old, "new": new_value})
+        if not change.changed:
+            log.info("reload: configuration unchanged", extra={"event": "reload_unchanged"})
+        arbiter.post(lambda: self.apply_config(cfg, change, handler, init))
+
+    def apply_config(self, cfg: Config, change: Any, handler: Callable | None, init: Callable | None) -> None:
+        """In the arbiter's loop (one writer): every part takes the new config at the same moment."""
+        self.cfg = cfg
+        arbiter, monitor, fleet = self.parts()
+        arbiter.apply_config(cfg, change, handler, init)
+        monitor.apply_config(cfg)
+        fleet.apply_config(cfg)
+        logs.setup(cfg.log.level, cfg.log.format)
+        self.notifier.ready(arbiter.status_line())
+
+    # ------------------------------------------------------------ the process title in `ps`
+
+    def set_title(self, state: str) -> None:
+        setproctitle.setproctitle(f"supervisor: parent [{self.cfg.stream.name}/{self.cfg.consumer.name}] {state}")
+
+    async def keep_title(self) -> None:
+        """`supervisor: parent [JOBS/workers] 4/4 ready` in ps/top, kept current (a read of the
+        arbiter's state every TITLE_INTERVAL; the arbiter is not disturbed)."""
+        shown = ""
+        a = self.parts()[0]
+        while True:
+            state = f"{a.pool.ready_count()}/{a.pool.target} ready" + (f", {a.state}" if a.state != "running" else "")
+            if state != shown:
+                self.set_title(state)
+                shown = state
+            await asyncio.sleep(TITLE_INTERVAL)
+
+    async def connect_worker(self, slot: int) -> Any:
+        # The worker's own liveness PINGs tell the parent sooner (slot table SERVER_SEEN).
+        return await natsconn.connect(self.cfg.nats, name=f"{self.cfg.nats.name} worker {slot}",
+                                      max_reconnect_attempts=-1, ping_interval=PING_INTERVAL,
+                                      max_outstanding_pings=2)
+
+    async def close(self) -> None:
+        try:
+            await self.nc.drain()
+        except Exception as exc:
+            log.warning("closing the NATS connection: %s", exc)

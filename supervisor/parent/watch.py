@@ -1,0 +1,98 @@
+"""Watching the living: the stuck are killed, the healthy keep their jobs alive with +WPI.
+
+Every tick the arbiter's loop hands over its living workers; their slot tables say when each last
+beat, last heard from NATS, and what it holds since when. The rules are pure (liveness.py); this
+room reads the tables, signals and publishes. A worker whose NATS link went quiet gets no more
++WPI (its acks could not arrive anyway): the alert and the ledger say its jobs come back after
+AckWait, before they do.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from supervisor.config import Config
+from supervisor.core import liveness
+from supervisor.core.ledger import CrashLedger
+from supervisor.core.liveness import Limits
+from supervisor.parent.deaths import Deaths
+from supervisor.parent.process import WorkerProcess
+from supervisor.parent.stats import Stats
+from workers.protocol import slots
+
+log = logging.getLogger("supervisor")
+
+
+class Watch:
+    def __init__(self, cfg: Config, nc: Any, ledger: CrashLedger, deaths: Deaths, stats: Stats,
+                 alert: Callable[[str, str], None]):
+        self.cfg, self.nc, self.ledger, self.deaths, self.stats, self.alert = cfg, nc, ledger, deaths, stats, alert
+        self.stale_links: set[int] = set()                  # pids whose NATS connection looks dead
+
+    def forget(self, pid: int) -> None:
+        self.stale_links.discard(pid)
+
+    async def inspect(self, living: list[WorkerProcess]) -> None:
+        """Kill the stuck (no heartbeat, a job past job_timeout, a drain past its deadline) and
+        send +WPI for the held jobs of the healthy before their AckWait runs out."""
+        now, lim = time.monotonic(), Limits.of(self.cfg)
+        pings: list[tuple[WorkerProcess, slots.Entry]] = []
+        held: set[tuple[int, int]] = set()
+        for w in living:
+            entries = w.table.snapshot()
+            held.update((w.pid, e.stream_seq) for e in entries)   # a dying worker's pings still date its jobs
+            if w.status is not None or w.kill_reason:
+                continue
+            reason = liveness.why_kill(now, lim, w.table.heartbeat(), w.started_at, entries, w.drain_deadline)
+            if reason:
+                self.kill(w, reason)
+                continue
+            pings += self.due_pings(w, entries, now)
+        self.deaths.keep_pings(held)
+        for w, e in pings:
+            await self.nc.publish(e.reply, b"+WPI")
+            self.deaths.pinged_now(w.pid, e.stream_seq, now)
+        self.stats.totals.pings += len(pings)
+
+    def kill(self, w: WorkerProcess, reason: str) -> None:
+        log.warning("killing worker %d (pid %d): %s", w.slot, w.pid, reason,
+                    extra={"event": "worker_killed", "slot": w.slot, "worker_pid": w.pid, "reason": reason})
+        w.kill_reason = f"killed: {reason}"
+        w.send(signal.SIGKILL)
+
+    def due_pings(self, w: WorkerProcess, entries: list[slots.Entry], now: float) -> list:
+        """+WPI for jobs a live, beating worker still holds, before their AckWait runs out.
+        A worker that has stopped beating, or whose NATS connection has gone quiet, gets none:
+        its jobs must be free to come back (its ack could not reach the server anyway)."""
+        if not self.cfg.workers.progress_pings or not liveness.beat_fresh(now, w.table.heartbeat()):
+            return []
+        held = [e for e in entries if e.state in liveness.UNSETTLED and e.reply]
+        if not self.link_fresh(w, held, now):
+            return []
+        return [(w, e) for e in liveness.pings_due(now, held, lambda e: self.deaths.timer_started(w.pid, e),
+                                                   self.deaths.ack_wait)]
+
+    def link_fresh(self, w: WorkerProcess, held: list[slots.Entry], now: float) -> bool:
+        """Did the worker hear from NATS lately? Say so once when it stops, and explain in advance
+        the redeliveries of what it holds: the server will hand them to someone else."""
+        seen = w.table.server_seen()
+        quiet = now - seen
+        if liveness.link_fresh(now, seen):
+            if w.pid in self.stale_links:
+                self.stale_links.discard(w.pid)
+                log.info("worker %d (pid %d): NATS answers again", w.slot, w.pid)
+            return True
+        if w.pid not in self.stale_links and w.ready_at is not None:
+            self.stale_links.add(w.pid)
+            why = f"held by worker {w.slot} (pid {w.pid}) whose NATS connection went quiet"
+            for e in held:
+                self.ledger.expect(e.stream_seq, why, e.delivery)
+            self.alert("stale_connection", f"worker {w.slot} (pid {w.pid}) has had no answer from NATS for "
+                                           f"{quiet:.0f}s; its {len(held)} job(s) are left to AckWait")
+            log.warning("worker %d (pid %d): no answer from NATS for %.0fs; no more +WPI for its %d job(s)",
+                        w.slot, w.pid, quiet, len(held))
+        return False

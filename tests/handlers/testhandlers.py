@@ -1,0 +1,200 @@
+"""Handlers the tests run inside real workers. Each job is logged to $JOBS_LOG as
+`start|done pid seq delivery time data`, one O_APPEND write per line (atomic), so the test
+knows exactly which process ran what, when, and how often."""
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+from workers import Job, Reject, Retry
+
+_fd = None
+_hoard = []          # memory kept on purpose by "grow:MB" jobs
+
+
+def _log(event: str, job: Job, tag: str = "") -> None:
+    global _fd
+    if _fd is None:
+        _fd = os.open(os.environ["JOBS_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    data = tag + job.data.decode(errors="replace").replace("\n", " ")
+    os.write(_fd, f"{event} {os.getpid()} {job.stream_seq} {job.delivery} {time.time():.6f} {data}\n".encode())
+
+
+def _act(job: Job) -> float:
+    """What the payload asks for; returns seconds to sleep."""
+    text = job.data.decode(errors="replace").strip()
+    if text == "crash" or (text == "crash-once" and job.delivery == 1):
+        os._exit(13)
+    if text == "reject":
+        raise Reject("payload asked to be rejected")
+    if text.startswith("retry:") and job.delivery == 1:
+        raise Retry(delay=float(text.split(":")[1]))
+    if text == "fail-once" and job.delivery == 1:
+        raise RuntimeError("failing the first delivery on purpose")
+    if text == "fail":
+        raise RuntimeError("failing every delivery on purpose")
+    if text.startswith("grow:"):
+        _hoard.append(bytearray(int(text.split(":")[1]) * 1024 * 1024))   # zero-filled pages count in RSS once touched
+        _hoard[-1][::4096] = b"x" * len(_hoard[-1][::4096])
+        return 0.0
+    if text.startswith("long-once:"):   # long the first time (a test can catch it running), then instant
+        return float(text.split(":")[1]) if job.delivery == 1 else 0.0
+    if text.startswith("until:"):       # runs until the test creates that file: as long as the test needs
+        gate, deadline = Path(text.split(":", 1)[1]), time.monotonic() + 120
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return 0.0
+    if text.startswith("hog") and job.delivery == 1:
+        while True:           # a handler that never yields the GIL long enough... burns CPU forever
+            pass
+    try:
+        return float(text.split(":")[-1])
+    except ValueError:
+        return 0.0
+
+
+def record(job: Job) -> None:
+    _log("start", job)
+    seconds = _act(job)
+    time.sleep(seconds)
+    _log("done", job)
+
+
+def record_v2(job: Job) -> None:
+    """`record` that tags what it logs (data "v2:<payload>"): which handler ran a job."""
+    _log("start", job, "v2:")
+    time.sleep(_act(job))
+    _log("done", job, "v2:")
+
+
+async def record_async(job: Job) -> None:
+    _log("start", job)
+    seconds = _act(job)
+    await asyncio.sleep(seconds)
+    _log("done", job)
+
+
+def boom_init() -> None:
+    raise RuntimeError("init hook failing on purpose")
+
+
+def gate_init() -> None:
+    """Hold a worker before it becomes ready until the test creates $GATE_DIR/open. With
+    $GATE_ONE set only the first worker to get here waits (it claims the gate); the rest go on."""
+    gate = Path(os.environ["GATE_DIR"])
+    if os.environ.get("GATE_ONE"):
+        try:
+            os.close(os.open(gate / "claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+    while not (gate / "open").exists():
+        time.sleep(0.02)
+
+
+def slow_init() -> None:
+    """A worker slow to become ready ($SLOW_INIT seconds): a replacement that takes its time."""
+    time.sleep(float(os.environ.get("SLOW_INIT", "2")))
+
+
+def die_after_ack_init() -> None:
+    """A kill point between an ack and its fence, made explicit: a worker running a job whose
+    payload is `die-after-ack` (first delivery) SIGKILLs itself right after it has published the
+    ack and marked the entry ACKED, before its settler can fence it (nats-py's publish only
+    queues the bytes for the flusher task, and nothing here yields to the loop, so the ack never
+    reaches the server: the parent's NAK is what brings the job back)."""
+    from workers.runtime import settle as settling
+
+    original = settling.Settler.settle
+
+    async def settle(self, i, job, payload, outcome, reason):
+        await original(self, i, job, payload, outcome, reason)
+        if outcome == "ack" and job.delivery == 1 and job.data == b"die-after-ack":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    settling.Settler.settle = settle
+
+
+def full_buffer_when_down_init() -> None:
+    """Fault hook (workers.init): while the worker's connection is down its reconnect buffer is
+    full, so whatever it publishes then (acks, pull requests) is refused by nats-py's own check
+    (OutboundBufferLimitError, raised from its real state: only the limit is set here)."""
+    from supervisor.nats import fix as natsfix
+
+    original = natsfix.Client.publish
+
+    async def publish(self, *args, **kwargs):
+        if self.is_connected:
+            return await original(self, *args, **kwargs)
+        saved, self._max_pending_size = self._max_pending_size, 1
+        try:
+            return await original(self, *args, **kwargs)
+        finally:
+            self._max_pending_size = saved
+
+    natsfix.Client.publish = publish
+
+
+def finish_fails_init() -> None:
+    """Fault hook (workers.init): settling the first delivery of a "finish-fails" job raises, as a
+    bug in the settle path would: the task that settles jobs dies with it."""
+    from workers.runtime import worker as runtime
+
+    original = runtime.Worker.finish
+
+    async def finish(self, i, job, exc, elapsed):
+        if job.data.startswith(b"finish-fails") and job.delivery == 1:
+            raise RuntimeError("the settle path failing on purpose")
+        await original(self, i, job, exc, elapsed)
+
+    runtime.Worker.finish = finish
+
+
+NOT_CALLABLE = 42
+
+
+# ---------------------------------------------------------------- autoscaling workloads
+
+_pool_fds: list[int] = []
+
+
+def _pool() -> list[int]:
+    """$POOL_SIZE lock files in $POOL_DIR: the "connections" of a pool every worker shares."""
+    if not _pool_fds:
+        size, where = int(os.environ["POOL_SIZE"]), os.environ["POOL_DIR"]
+        _pool_fds.extend(os.open(os.path.join(where, f"conn{i}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+                         for i in range(size))
+    return _pool_fds
+
+
+def pooled(job: Job) -> None:
+    """Hold one of the pool's connections (a file lock) for the payload's seconds (0.1 by default),
+    waiting for a free one like a client of a saturated database pool. Logged inside the lock,
+    so the test can check that no more than $POOL_SIZE jobs ever ran at once."""
+    import fcntl
+
+    seconds = float(job.data or b"0.1")
+    while True:
+        for fd in _pool():
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            try:
+                _log("start", job)
+                time.sleep(seconds)
+                _log("done", job)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            return
+        time.sleep(0.002)
+
+
+def burn(job: Job) -> None:
+    """Spend the payload's seconds (0.05 by default) of this thread's CPU time: however many
+    workers share the cores, each job costs the same CPU."""
+    seconds = float(job.data or b"0.05")
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass

@@ -1,0 +1,235 @@
+"""The benchmark harness, run end to end with tiny counts (`python -m bench --smoke`), so it cannot
+rot unnoticed. It checks that every scenario runs and yields sane, internally consistent figures;
+it asserts nothing about speed (docs/BENCHMARKS.md holds the real numbers)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from harness import child_env, wait_until
+from natsauth import first_pick_taken
+
+REPO = Path(__file__).resolve().parents[2]
+SMOKE_TIMEOUT = 170.0
+
+
+def start_bench(args: list[str], tmp: Path) -> subprocess.Popen:
+    """`python -m bench` in a session of its own, its temp files (jsbench-*) under `tmp`."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "bench", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=child_env(TMPDIR=str(tmp)))
+
+
+def stop_bench(proc: subprocess.Popen) -> None:
+    """SIGTERM (it stops what it started and removes its workdir), SIGKILL after 30 s; its
+    nats-server and contenders get a parent-death signal either way."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("bench")
+    proc = start_bench(["--smoke", "--out", str(out)], out / "tmp")
+    try:
+        stdout, stderr = proc.communicate(timeout=SMOKE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        stop_bench(proc)
+        raise AssertionError(f"the smoke benchmark took more than {SMOKE_TIMEOUT:g}s") from None
+    finally:
+        if proc.poll() is None:
+            stop_bench(proc)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert list((out / "tmp").glob("jsbench-*")) == [], "the bench removes its workdir"
+    return json.loads((out / "results.json").read_text()), out
+
+
+def bench_family(proc: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def cmdlines(family: list[psutil.Process]) -> str:
+    out = []
+    for p in family:
+        with contextlib.suppress(psutil.Error):
+            out.append(" ".join(p.cmdline()))
+    return " | ".join(out)
+
+
+def gone(family: list[psutil.Process]) -> bool:
+    return not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def running_bench(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """A bench (crash scenario) with its nats-server and a supervisor with a worker running (by
+    the worker's process title)."""
+    proc = start_bench(["--smoke", "--only", "crash", "--out", str(tmp_path / "out")], tmp_path / "tmp")
+
+    def up():
+        assert proc.poll() is None, proc.communicate()
+        family = bench_family(proc)
+        names = cmdlines(family)
+        return family if "nats-server" in names and "supervisor: worker" in names else None
+    return proc, wait_until(up, timeout=60, what="the bench's nats-server, supervisor and workers")
+
+
+def test_a_sigkilled_bench_takes_its_processes_with_it(tmp_path):
+    proc, family = running_bench(tmp_path)
+    try:
+        proc.kill()                          # what a timeout does: the bench alone, no cleanup of its own
+        proc.wait()
+        wait_until(lambda: gone(family), timeout=30, what="the bench's nats-server and contenders gone")
+    finally:
+        for p in family:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        proc.communicate()
+
+
+def test_a_sigtermed_bench_stops_everything_and_removes_its_workdir(tmp_path):
+    proc, family = running_bench(tmp_path)
+    try:
+        assert list((tmp_path / "tmp").glob("jsbench-*")), "the workdir exists while it runs"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+        wait_until(lambda: gone(family), timeout=30, what="the bench's nats-server and contenders gone")
+        assert list((tmp_path / "tmp").glob("jsbench-*")) == []
+    finally:
+        for p in family:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def test_a_bench_nats_server_port_taken_before_it_binds_is_picked_again(tmp_path, monkeypatch):
+    """The bench's nats-server ports are picked before it starts; one taken in between (held here,
+    for real) makes it exit "address already in use", and it starts again on ports picked again."""
+    from bench import natsenv
+
+    with first_pick_taken(monkeypatch, natsenv) as held:
+        server = natsenv.NatsServer(tmp_path)
+        assert server.port == held
+        with server:
+            assert server.port != held
+            asyncio.run(natsenv.reset_queue(server.url, natsenv.QueueSpec()))      # it is a JetStream server
+
+
+def positive(value) -> bool:
+    return isinstance(value, (int, float)) and value > 0
+
+
+@pytest.mark.parametrize("scenario", ["throughput", "tuned"])
+def test_throughput_figures_are_sane(smoke, scenario):
+    results, _ = smoke
+    tp = results[scenario]
+    assert {"supervisor", "supervisor-sync", "plain"} <= set(tp["contenders"])
+    for run in tp["runs"]:
+        assert run["jobs"] == results["profile"]["jobs"] and run["extra"]["section"] == tp["section"]
+        assert positive(run["jobs_per_s"]), run
+        assert 0 < run["first_ack_s"] <= run["done_s"], run
+    for row in tp["summary"]:
+        assert positive(row["jobs_per_s"]) and positive(row["vs_plain"]), row
+    assert next(r for r in tp["summary"] if r["contender"] == "plain")["vs_plain"] == 1.0
+
+
+def test_defaults_come_first_and_tuned_last_on_their_own_consumers(smoke):
+    results, out = smoke
+    text = (out / "tables.md").read_text()
+    assert text.index("Throughput, no-op handler, defaults") < text.index("Throughput, no-op handler, tuned")
+    assert list(results).index("throughput") < list(results).index("tuned")
+    assert results["throughput"]["tuning"] == {} and results["throughput"]["queue"]["max_ack_pending"] == 1000
+    assert results["tuned"]["tuning"]["workers"]["batch"] > 256
+    assert results["tuned"]["queue"]["max_ack_pending"] == results["tuned"]["tuning"]["consumer"]["max_ack_pending"]
+    assert "seed" in results["throughput"]["contenders"] and "seed" not in results["tuned"]["contenders"]
+
+
+def test_seed_experiment_and_publish_figures_are_sane(smoke):
+    results, _ = smoke
+    seed = results["seed"]
+    for run in seed["runs"]:
+        assert sum(run["jobs_per_worker"]) == seed["jobs"] and 1 <= run["workers_used"] <= 3
+        assert run["seconds"] >= seed["jobs"] * seed["job_s"] / 3      # it cannot beat the work itself
+    pub = results["publish"]
+    assert {r["contender"] for r in pub["runs"]} == {"supervisor-publish", "publish-async"}
+    for row in pub["summary"]:
+        assert positive(row["msgs_per_s"]) and positive(row["vs_async"]) and positive(row["done_s"]), row
+
+
+def test_cpu_scaling_figures_are_sane(smoke):
+    results, _ = smoke
+    rows = results["cpu"]["summary"]
+    assert {r["contender"] for r in rows} == {"supervisor-sync", "plain", "bare"}
+    for row in rows:
+        assert positive(row["jobs_per_s"]) and positive(row["efficiency_per_core"]), row
+        if row["workers"] == 1:
+            assert row["speedup"] == pytest.approx(1.0)
+
+
+def test_crash_figures_are_sane(smoke):
+    results, _ = smoke
+    crash = results["crash"]
+    kills = results["profile"]["kills"]
+    assert len(crash["ours"]) == kills and len(crash["baseline"]) == kills
+    for row in crash["ours"]:
+        assert row["replacement_pid"] != row["killed_pid"]
+        assert row["redelivery"] > row["held_delivery"]
+        assert 0 <= row["redelivered_s"] <= row["acked_s"], row
+        assert positive(row["replacement_ready_s"]), row
+    for row in crash["baseline"]:
+        assert 0 <= row["redelivered_s"] <= row["acked_s"], row
+    ours, baseline = crash["summary"]
+    assert positive(ours["redelivered_p99_s"]) and positive(baseline["redelivered_p99_s"])
+
+
+def test_footprint_figures_are_sane(smoke):
+    results, _ = smoke
+    s = results["footprint"]["summary"]
+    assert positive(s["worker_uss"]) and s["worker_uss"] <= s["worker_rss"]
+    assert positive(s["parent_rss"])
+    assert s["parent_cpu_pct"] >= 0 and positive(s["acked_per_s"])
+    assert 1 <= s["many_workers_serving"] <= s["many_workers"]
+    assert positive(s["many_all_ready_s"]) and positive(s["many_uss_total"])
+    assert "plain" in s["baselines"]
+
+
+def test_guard_cost_figures_are_sane(smoke):
+    results, _ = smoke
+    guard = results["guard"]
+    assert {r["extra"]["variant"] for r in guard["runs"]} == {"no guard", "guard", "double_ack alone",
+                                                               "guard + double_ack"}
+    for row in guard["summary"]:
+        assert positive(row["jobs_per_s"]) and positive(row["vs_no_guard"]), row
+    base = next(r for r in guard["summary"] if r["variant"] == "no guard")
+    assert base["vs_no_guard"] == 1.0 and base["extra_us_per_job"] == 0
+
+
+def test_report_is_written(smoke):
+    results, out = smoke
+    text = (out / "tables.md").read_text()
+    for heading in ("Throughput", "CPU-bound", "seed experiment", "Crash recovery", "Footprint", "supervisor publish",
+                    "guard's cost", "tuned", "Targets"):
+        assert heading in text
+    assert results["targets"] and all("met" in t for t in results["targets"])
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "throughput.png").stat().st_size > 1000

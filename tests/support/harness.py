@@ -1,0 +1,377 @@
+"""Test support: a real nats-server, the real `supervisor start` in a subprocess, and the job log
+written by tests/handlers/testhandlers.py. Every wait polls a condition against a deadline; nothing
+sleeps to synchronise."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+import psutil
+import tomli_w
+from natsauth import free_port, nats_server_binary
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
+HANDLERS = TESTS / "handlers"   # what the suite's workers import by name (testhandlers:job, ...)
+SUPPORT = TESTS / "support"
+# Generous: a loaded 2-core CI box must pass every time. Waits return as soon as true.
+DEADLINE = 60.0
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = DEADLINE, what: str = "condition",
+               interval: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HANDLERS), str(SUPPORT), str(REPO)])
+    env.update(extra)
+    return env
+
+
+# ---------------------------------------------------------------- nats-server
+
+class NatsServer:
+    def __init__(self, store_dir: Path, port: int | None = None, monitor_port: int | None = None,
+                 extra_args: tuple[str, ...] = ()):
+        self.store_dir = store_dir
+        self.port = port or free_port()
+        self.monitor_port = monitor_port or free_port()
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen | None = None
+        self.log_path = store_dir.parent / f"{store_dir.name}-nats-server.log"
+        # Ports we picked may be taken (by any socket, an outgoing connection's included) before
+        # the server binds them: picked again, but only before the first start (clients keep them).
+        self.repick = port is None and monitor_port is None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> NatsServer:
+        for attempt in range(1, 4):
+            logged = self.log_path.stat().st_size if self.log_path.exists() else 0
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(
+                    [nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1", "-p", str(self.port),
+                     "-m", str(self.monitor_port), *self.extra_args], stdout=subprocess.DEVNULL, stderr=log)
+            try:
+                wait_until(self._serving, 30, f"nats-server on {self.port}")
+                break
+            except AssertionError:
+                said = self.log_path.read_bytes()[logged:]
+                if not (self.repick and attempt < 3 and b"address already in use" in said):
+                    raise AssertionError(f"nats-server on {self.port} did not start: {said[-1500:]!r}") from None
+                self.port, self.monitor_port = free_port(), free_port()
+        self.repick = False
+        return self
+
+    def _serving(self) -> bool:
+        assert self.proc and self.proc.poll() is None, "nats-server exited"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true",
+                                        timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def jsz(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_port}/jsz?consumers=true", timeout=5) as r:
+            return json.load(r)
+
+    def consumer(self, stream: str = "JOBS", name: str = "workers") -> dict:
+        for account in self.jsz().get("account_details", []):
+            for s in account.get("stream_detail", []):
+                if s["name"] == stream:
+                    for c in s.get("consumer_detail", []):
+                        if c["name"] == name:
+                            return c
+        raise AssertionError(f"consumer {stream}/{name} not found in /jsz")
+
+    def stream_last_seq(self, stream: str = "JOBS") -> int:
+        for account in self.jsz().get("account_details", []):
+            for s in account.get("stream_detail", []):
+                if s["name"] == stream:
+                    return s["state"]["last_seq"]
+        raise AssertionError(f"stream {stream} not found in /jsz")
+
+    def stream_msgs(self, stream: str = "JOBS") -> int:
+        for account in self.jsz().get("account_details", []):
+            for s in account.get("stream_detail", []):
+                if s["name"] == stream:
+                    return s["state"]["messages"]
+        raise AssertionError(f"stream {stream} not found in /jsz")
+
+
+# ---------------------------------------------------------------- the job log
+
+@dataclass(frozen=True)
+class Record:
+    event: str          # start | done
+    pid: int
+    seq: int
+    delivery: int
+    t: float
+    data: str
+
+
+@dataclass
+class JobLog:
+    path: Path
+
+    def records(self) -> list[Record]:
+        if not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text().splitlines():
+            event, pid, seq, delivery, t, data = line.split(" ", 5)
+            out.append(Record(event, int(pid), int(seq), int(delivery), float(t), data))
+        return out
+
+    def done(self) -> list[Record]:
+        return [r for r in self.records() if r.event == "done"]
+
+    def started(self) -> list[Record]:
+        return [r for r in self.records() if r.event == "start"]
+
+    def running(self) -> list[Record]:
+        finished = {(r.pid, r.seq, r.delivery) for r in self.done()}
+        return [r for r in self.started() if (r.pid, r.seq, r.delivery) not in finished]
+
+    def done_seqs(self) -> set[int]:
+        return {r.seq for r in self.done()}
+
+
+# ---------------------------------------------------------------- the supervisor under test
+
+def base_config(server: NatsServer | None, tmp: Path, **sections: dict) -> dict:
+    cfg: dict[str, dict] = {
+        "nats": {"servers": [server.url] if server else [], "startup_timeout": 10.0},
+        "embedded": {"port": 0, "monitor_port": 0, "store_dir": str(tmp / "embedded-store")},
+        "workers": {"count": 2, "handler": "testhandlers:record"},
+        "restart": {"backoff_initial": 0.05, "backoff_max": 1.0},
+        "monitor": {"http": "127.0.0.1:0", "interval": 0.25},     # a port the supervisor binds (SupervisorProc.http)
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+class SupervisorProc:
+    def __init__(self, tmp: Path, config: dict, args: tuple[str, ...] = (), env: dict | None = None):
+        self.tmp = tmp
+        self.config_path = tmp / "config.toml"
+        self.config_path.write_text(tomli_w.dumps(config))
+        self.config = config
+        self.jobs = JobLog(tmp / "jobs.log")
+        self.log_path = tmp / "supervisor.log"
+        self.args = args
+        self.env = child_env(JOBS_LOG=str(self.jobs.path), **(env or {}))
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+        self.wrapper: tuple[str, ...] = ()      # a command the supervisor runs under (strace -f ...)
+        self._http: str | None = None
+        self._log_from = 0
+
+    def start(self) -> SupervisorProc:
+        self._http = None
+        self._log_from = len(self.log())        # this run's lines start here (a restart appends)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-m", "supervisor", "start", "--config",
+                                      str(self.config_path), *self.args], stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, cwd=self.tmp, start_new_session=True)
+        return self
+
+    # -- observing
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_log(self, pattern: str, timeout: float = DEADLINE) -> re.Match:
+        def found():
+            assert self.proc.poll() is None or re.search(pattern, self.log()), \
+                f"supervisor exited ({self.proc.returncode}) before logging {pattern!r}:\n{self.log()[-3000:]}"
+            return re.search(pattern, self.log())
+        return wait_until(found, timeout, f"log line {pattern!r}")
+
+    def events(self, kind: str | None = None, /, **match: Any) -> list[dict]:
+        """The structured log events (extra={"event": ...}) of a supervisor started with
+        `--log-format json`, in order; only those of `kind` whose fields equal `match`."""
+        out = []
+        for line in self.log().splitlines():
+            if not line.startswith("{"):
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue                     # a line still being written
+            if "event" in record and kind in (None, record["event"]) and \
+                    all(record.get(k) == v for k, v in match.items()):
+                out.append(record)
+        return out
+
+    def wait_event(self, kind: str, /, timeout: float = DEADLINE, **match: Any) -> dict:
+        def found():
+            assert self.proc.poll() is None or self.events(kind, **match), \
+                f"supervisor exited ({self.proc.returncode}) before event {kind} {match}:\n{self.log()[-3000:]}"
+            return self.events(kind, **match)
+        return wait_until(found, timeout, f"event {kind} {match}")[0]
+
+    @property
+    def http(self) -> str:
+        """HOST:PORT of the supervisor's HTTP endpoint. With port 0 (the default here: a port picked
+        in advance may be taken before the supervisor binds it) the one its parent bound."""
+        configured = self.config["monitor"]["http"]
+        if not configured.endswith(":0"):
+            return configured
+        if self._http is None:
+            self._http = self._listening()
+        if self._http is None:
+            raise ConnectionRefusedError(f"the supervisor (pid {self.proc.pid}) is not listening yet")
+        return self._http
+
+    def _listening(self) -> str | None:
+        """Where the parent says its HTTP endpoint listens (its `status on http://HOST:PORT` line,
+        text or JSON). Not its listening sockets: a handler module it imports may open others."""
+        m = re.search(r"status on http://([^\s/]+:\d+)", self.log()[self._log_from:])
+        return m.group(1) if m else None
+
+    def status(self) -> dict:
+        with urllib.request.urlopen(f"http://{self.http}/status", timeout=5) as r:
+            return json.load(r)
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://{self.http}{path}", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def try_status(self) -> dict | None:
+        try:
+            return self.status()
+        except OSError:
+            return None
+
+    def workers(self) -> list[psutil.Process]:
+        """Direct children that are workers (the embedded nats-server excluded)."""
+        try:
+            children = psutil.Process(self.proc.pid).children()
+        except psutil.NoSuchProcess:
+            return []
+        return [c for c in children if "nats-server" not in " ".join(_cmdline(c))]
+
+    def worker_pids(self) -> set[int]:
+        return {p.pid for p in self.workers()}
+
+    def wait_ready(self, n: int | None = None, timeout: float = DEADLINE) -> dict:
+        n = self.config["workers"]["count"] if n is None else n
+
+        def ready():
+            s = self.try_status()
+            return s if s and sum(w["state"] == "ready" for w in s["workers"]["list"]) == n \
+                and s["workers"]["alive"] == n else None
+        return wait_until(ready, timeout, f"{n} ready workers")
+
+    # -- acting
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = DEADLINE) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"supervisor still running after {timeout:g}s:\n{self.log()[-3000:]}") from None
+
+    def stop(self, timeout: float = DEADLINE) -> int:
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def cleanup(self) -> None:
+        """Never leave a process behind, whatever the test did."""
+        if self.proc is None:
+            return
+        try:
+            group = [p for p in psutil.process_iter() if _in_group(p, self.proc.pid)]
+        except psutil.Error:
+            group = []
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for p in group:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        if self._log:
+            self._log.close()
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _in_group(p: psutil.Process, pgid: int) -> bool:
+    try:
+        return os.getpgid(p.pid) == pgid
+    except OSError:
+        return False
+
+
+def run_cli(*args: str, tmp: Path | None = None, env: dict | None = None, timeout: float = DEADLINE,
+            stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "supervisor", *args], capture_output=True, text=True,
+                          env=child_env(**(env or {})), cwd=tmp, timeout=timeout, input=stdin)
+
+
+def publish(server_url: str, *, count: int, data: str = "0", tmp: Path | None = None, extra: tuple = ()) -> str:
+    r = run_cli("publish", "--server", server_url, "--count", str(count), "--data", data, *extra, tmp=tmp)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def publish_now(server_url: str, *, count: int, data: str = "0", subject: str = "jobs.new") -> list[int]:
+    """Store `count` jobs from this process: no CLI start-up (half a second idle, more on a loaded
+    box) between the call and the jobs, where a test's timing depends on it. Their stream seqs."""
+    async def run() -> list[int]:
+        nc = await nats.connect(server_url)
+        try:
+            js = nc.jetstream()
+            return [(await js.publish(subject, data.encode())).seq for _ in range(count)]
+        finally:
+            await nc.close()
+    return asyncio.run(run())

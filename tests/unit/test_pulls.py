@@ -1,0 +1,144 @@
+"""Unit tests for workers/runtime/pulls.py: pull sizing from the measured job time and round trip.
+
+Pure code: every time is passed in, no clock is read.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.runtime.pulls import DEPTH, IDLE_STALE, MIN_SPAN, RTT_CAP, RTT_SAMPLES, PullSizer, fair_share
+
+NOW = 1000.0
+
+
+def sizer(concurrency: int = 1, ceiling: int = 256, share: int = 1000, job: float | None = None,
+          rtt: float | None = None) -> PullSizer:
+    s = PullSizer(concurrency, ceiling, share)
+    s.message(NOW)
+    if rtt is not None:
+        s.round_trip(rtt)
+    if job is not None:
+        s.job_done(job)
+    return s
+
+
+def test_a_fresh_worker_asks_for_one_job_per_handler():
+    s = PullSizer(concurrency=3, ceiling=256, share=1000)
+    assert s.prefetch(NOW) == 0 and s.capacity(NOW) == 3
+    assert s.size(NOW, outstanding=0, credits=0, free_entries=100) == 3
+
+
+def test_short_jobs_get_a_deep_buffer_and_large_pulls():
+    s = sizer(job=0.00002, rtt=0.002)                  # 20 µs jobs, 2 ms round trip: capped by the ceiling
+    assert s.capacity(NOW) == 1 + 256
+    assert s.size(NOW, outstanding=0, credits=0, free_entries=600) == 256
+    assert s.size(NOW, outstanding=1, credits=0, free_entries=600) == 256
+
+
+def test_slow_jobs_hoard_nothing():
+    s = sizer(job=0.2, rtt=0.002)                      # the seed experiment: 0.2 s jobs
+    assert s.prefetch(NOW) == 0 and s.capacity(NOW) == 1
+    assert s.size(NOW, outstanding=1, credits=0, free_entries=100) == 0      # busy: ask for nothing
+    assert s.size(NOW, outstanding=0, credits=0, free_entries=100) == 1      # free handler: one job
+
+
+def test_prefetch_covers_depth_round_trips_of_work():
+    s = sizer(concurrency=2, job=0.003, rtt=0.012)
+    assert s.prefetch(NOW) == round(2 * DEPTH * 0.012 / 0.003)               # 16 jobs of 3 ms
+    assert s.capacity(NOW) == 2 + 16
+
+
+def test_a_job_is_buffered_once_a_round_trip_is_a_quarter_of_it():
+    assert sizer(job=0.1, rtt=0.024).prefetch(NOW) == 0          # 2 x 24 ms / 100 ms = 0.48
+    assert sizer(job=0.1, rtt=0.026).prefetch(NOW) == 1          # 0.52
+
+
+def test_requests_top_up_only_once_half_the_capacity_is_free():
+    s = sizer(job=0.003, rtt=0.012)                              # capacity 1 + 8 = 9
+    assert s.capacity(NOW) == 9
+    assert s.size(NOW, outstanding=6, credits=0, free_entries=100) == 0      # room 3 < 4
+    assert s.size(NOW, outstanding=5, credits=2, free_entries=100) == 4      # room 4
+    assert s.size(NOW, outstanding=0, credits=0, free_entries=100) == 9
+
+
+def test_the_round_trip_is_bounded_below_and_above():
+    assert sizer(job=0.001, rtt=0.0001).rtt == MIN_SPAN
+    assert sizer(job=0.001, rtt=5.0).rtt == RTT_CAP
+    assert sizer(job=0.1, rtt=5.0).prefetch(NOW) == round(DEPTH * RTT_CAP / 0.1)   # never more work than that
+
+
+def test_the_round_trip_is_the_worst_recent_sample_and_an_old_spike_ages_out():
+    s = sizer(job=0.001)
+    s.round_trip(0.05)                                  # a start-up spike
+    s.round_trip(0.01)
+    assert s.rtt == 0.05
+    for _ in range(RTT_SAMPLES):
+        s.round_trip(0.01)
+    assert s.rtt == 0.01
+
+
+def test_a_slower_job_counts_at_once_and_faster_ones_slowly():
+    s = sizer(job=0.001)
+    s.job_done(0.021)
+    assert s.job_time == pytest.approx(0.011)           # half way up at once
+    s.job_done(0.001)
+    assert s.job_time == pytest.approx(0.010)           # a tenth of the way down
+
+
+def test_the_fair_share_of_max_ack_pending_caps_everything():
+    assert fair_share(1000, 8) == 125 and fair_share(1000, 3) == 333
+    assert fair_share(4, 8) == 1 and fair_share(0, 0) == 1              # robust when small
+    s = sizer(concurrency=4, share=fair_share(10, 4), job=0.00001, rtt=0.01)
+    assert s.capacity(NOW) == 2                          # below concurrency: the server would stop there anyway
+    assert s.size(NOW, outstanding=0, credits=0, free_entries=100) == 2
+    assert s.size(NOW, outstanding=1, credits=1, free_entries=100) == 1
+    assert s.size(NOW, outstanding=2, credits=1, free_entries=100) == 0
+
+
+def test_the_ceiling_caps_prefetch_and_each_request():
+    s = sizer(ceiling=16, job=0.00001, rtt=0.01)
+    assert s.prefetch(NOW) == 16 and s.capacity(NOW) == 17
+    assert s.size(NOW, outstanding=0, credits=0, free_entries=100) == 16
+
+
+def test_the_slot_table_and_max_jobs_limit_the_request():
+    s = sizer(job=0.00001, rtt=0.01)                     # capacity 257
+    assert s.size(NOW, outstanding=0, credits=0, free_entries=200) == 200
+    assert s.size(NOW, outstanding=0, credits=100, free_entries=200) == 0    # room 100 < half of 257
+    assert s.size(NOW, outstanding=0, credits=0, free_entries=200, jobs_left=3) == 3
+    assert s.size(NOW, outstanding=0, credits=0, free_entries=200, jobs_left=0) == 0
+
+
+def test_after_an_idle_spell_the_job_time_is_stale_until_a_new_job_finishes():
+    s = sizer(job=0.00001, rtt=0.01)
+    assert s.capacity(NOW + IDLE_STALE - 1) == 257
+    later = NOW + IDLE_STALE + 1
+    assert s.capacity(later) == 1                        # the idle worker's renewed request: one job
+    s.message(later)                                     # a new burst: still one until a job of it is timed
+    assert s.capacity(later) == 1
+    s.job_done(0.5)                                      # a slow one: replaces the estimate outright
+    assert s.job_time == 0.5 and s.capacity(later) == 1
+    for _ in range(100):                                 # then fast ones win it back, slowly
+        s.job_done(0.00001)
+    assert s.capacity(later) == 257
+
+
+def test_sync_handlers_hide_two_hand_overs_and_the_outcome_batching():
+    threads = PullSizer(1, 256, 1000, threads=True, batching=0.005)
+    threads.message(NOW)
+    threads.round_trip(0.004)
+    assert threads.rtt == pytest.approx(2 * 0.004 + 0.005)
+    threads.job_done(0.003)                                   # outcomes of 3 ms jobs wait up to 2 ms more
+    assert threads.rtt == pytest.approx(2 * 0.004 + 0.002)
+    assert threads.prefetch(NOW) == round(DEPTH * 0.010 / 0.003)
+    assert sizer(job=0.003, rtt=0.004).rtt == MIN_SPAN        # an async handler: one round trip
+
+
+def test_jobs_longer_than_the_outcome_batching_go_back_alone_and_buy_no_buffer():
+    s = PullSizer(1, 256, 1000, threads=True, batching=0.02)
+    s.message(NOW)
+    s.round_trip(0.004)
+    s.job_done(0.05)                                          # the crash test's 50 ms jobs
+    assert s.rtt == pytest.approx(2 * 0.004)
+    assert s.prefetch(NOW) == 0 and s.capacity(NOW) == 1     # what a death leaves: the running job

@@ -1,0 +1,44 @@
+"""Copying a job to the dead-letter subject: a worker's Reject, and the parent's poison and
+max-deliver copies, all through this one function."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from workers import Job
+
+dead_log = logging.getLogger("supervisor.dead_letter")   # worker Rejects, poison jobs, max deliveries
+
+DLQ_HEADER = "Supervisor-Dead-Letter-"
+
+
+async def dead_letter(nc: Any, cfg: Any, job: Job, reason: str, extra: dict[str, str] | None = None) -> None:
+    """Copy a job to restart.dead_letter_subject with headers that say where it came from and why.
+
+    With a dead-letter stream the copy is confirmed by a PubAck before the caller TERMs the
+    original; without one it is a plain publish for whoever listens."""
+    subject = cfg.restart.dead_letter_subject
+    if not subject:
+        return
+    headers = {k: v for k, v in job.headers.items() if k != "Nats-Msg-Id"}
+    if job.msg_id:
+        headers[DLQ_HEADER + "Msg-Id"] = job.msg_id
+    headers.update({
+        DLQ_HEADER + "Stream": cfg.stream.name,
+        DLQ_HEADER + "Sequence": str(job.stream_seq),
+        DLQ_HEADER + "Subject": job.subject,
+        DLQ_HEADER + "Deliveries": str(job.delivery),
+        DLQ_HEADER + "Reason": reason[:500],
+    })
+    headers.update(extra or {})
+    # A worker that dies between this copy and its TERM copies again on redelivery: the
+    # dead-letter stream's duplicate window folds the two into one.
+    headers["Nats-Msg-Id"] = f"dlq-{cfg.stream.name}-{job.stream_seq}"
+    if cfg.restart.dead_letter_stream:
+        await nc.jetstream().publish(subject, job.data, headers=headers, timeout=5.0)
+    else:
+        await nc.publish(subject, job.data, headers=headers)
+    dead_log.warning("job seq=%d subject=%s dead-lettered to %s: %s", job.stream_seq, job.subject, subject, reason,
+                     extra={"event": "dead_letter", "seq": job.stream_seq, "subject": job.subject, "to": subject,
+                            "reason": reason})

@@ -1,0 +1,159 @@
+"""Asking for work: a worker's pull requests and the credits they carry.
+
+The puller issues raw pull requests to $JS.API.CONSUMER.MSG.NEXT (not js.fetch, see DESIGN.md)
+and counts credits (messages asked for and not yet received or expired), so the worker never has
+more messages on the way than it can start now plus a prefetch sized from the measured job time
+and pull round trip (workers/runtime/pulls.py, the pure policy; this is its mechanism).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Protocol
+
+from nats.js.api import Header
+
+from workers.protocol.modes import SERVING
+from workers.protocol.slots import SlotTable
+from workers.runtime.pulls import PullSizer
+from workers.runtime.settle import REFUSED
+
+log = logging.getLogger("worker")
+
+PULL_EXPIRES = 1.0          # a pull request lives this long: an idle worker renews it this often, and a
+                            # stopping worker waits at most this long (+ PULL_MARGIN) for its last one to end
+PULL_MARGIN = 1.0           # past a request's local expiry, before its credits are given up (the server's
+                            # clock starts when the request arrives; one round trip at most)
+
+
+class Owner(Protocol):
+    """What pulling needs of the worker that owns it (workers/runtime/worker.py Worker)."""
+    nc: Any                                # the worker's connection, made once the worker runs
+    table: SlotTable
+    mode: str
+    wake_pull: asyncio.Event               # room for more: pull now
+    changed: asyncio.Event                 # wind_down waits on it
+
+    def outstanding(self) -> int: ...      # queued and running jobs
+
+
+class Puller:
+    def __init__(self, owner: Owner, slot: int, sizer: PullSizer, job_limit: int, next_subject: str):
+        self.owner = owner
+        self.slot = slot
+        self.sizer = sizer
+        self.job_limit = job_limit
+        self.next_subject = next_subject
+        self.inbox = ""                  # where our requests' messages come: set once connected
+        self.credits = 0                 # messages asked for and not yet received or expired
+        self.pull_deadline = 0.0         # when the last outstanding pull request expires
+        self.pull_sent = 0.0             # when a request left alone towards a backlog (its round trip)
+        self.backlog = False             # the last message said more were pending
+        self.received = 0                # messages received, ever (max_jobs caps what we ask for)
+        self.last_refusal = ("", 0.0)
+        self.unsent = False              # nats-py refused our last pull request
+
+    async def run(self) -> None:
+        """Pull while the worker is SERVING."""
+        w = self.owner
+        while w.mode == SERVING:
+            self.expire_lost_pull()
+            n = self.pull_size()
+            if n > 0 and await self.request(n):
+                continue
+            w.wake_pull.clear()       # a reconnect, a free entry or a finished job wakes us
+            try:
+                await asyncio.wait_for(w.wake_pull.wait(), PULL_EXPIRES)
+            except TimeoutError:
+                pass
+
+    async def request(self, n: int) -> bool:
+        """Ask for `n` messages; False when nats-py refused the request (REFUSED: reconnecting with
+        its buffer full): nothing is on its way, and the next try waits for a wake-up."""
+        w = self.owner
+        now = time.monotonic()
+        # Nothing else on its way and a backlog to serve it at once: its first message
+        # times a round trip (a request the server holds until a publish times nothing).
+        self.pull_sent = now if not self.credits and self.backlog else 0.0
+        credits, deadline = self.credits, self.pull_deadline
+        self.credits += n
+        w.table.set_credits(self.credits)
+        self.pull_deadline = now + PULL_EXPIRES
+        body = b'{"batch":%d,"expires":%d}' % (n, int(PULL_EXPIRES * 1e9))
+        try:
+            await w.nc.publish(self.next_subject, body, reply=self.inbox)
+        except REFUSED as exc:
+            self.credits, self.pull_deadline = credits, deadline
+            w.table.set_credits(credits)
+            if not self.unsent:          # once per outage: it is retried every PULL_EXPIRES
+                log.info("worker %d: pull request not sent (%s); asking again once NATS takes it", self.slot,
+                         type(exc).__name__, extra={"event": "pull_unsent", "error": type(exc).__name__})
+            self.unsent = True
+            return False
+        self.unsent = False
+        return True
+
+    def forget(self) -> None:
+        """No request of ours is live any more (a new connection, or the worker is done pulling)."""
+        self.credits = 0
+        self.owner.table.set_credits(0)
+
+    def requests_end(self) -> float:
+        """When every pull request we sent has surely ended (0 when none is outstanding)."""
+        return self.pull_deadline + PULL_MARGIN if self.credits > 0 else 0.0
+
+    def expire_lost_pull(self) -> None:
+        """A pull request the server forgot (restart, leader change) must not hold credits forever."""
+        if self.credits > 0 and time.monotonic() > self.pull_deadline + PULL_MARGIN:
+            self.forget()
+
+    def pull_size(self) -> int:
+        outstanding = self.owner.outstanding() + self.credits
+        # A worker due for recycling takes no job it will not run.
+        jobs_left = self.job_limit - self.received - self.credits if self.job_limit else None
+        return self.sizer.size(time.monotonic(), outstanding, self.credits, self.owner.table.free_entries(), jobs_left)
+
+    def arrived(self, reply: str) -> None:
+        """A message came for a request (already held in the table: see Worker.on_message)."""
+        self.received += 1
+        if self.credits > 0:
+            self.credits -= 1
+            self.owner.table.set_credits(self.credits)
+        self.timed(reply)
+
+    def timed(self, reply: str) -> None:
+        """Feed pull sizing: a message arrived (idleness); whether more are pending; the round
+        trip of a request sent alone while they were."""
+        now = time.monotonic()
+        self.sizer.message(now)
+        self.backlog = pending_after(reply) > 0
+        if self.pull_sent:
+            self.sizer.round_trip(now - self.pull_sent)
+            self.pull_sent = 0.0
+
+    def on_status(self, msg: Any) -> None:
+        headers = msg.headers or {}
+        status = headers.get("Status")
+        if status in ("408", "409"):
+            unfilled = int(headers.get("Nats-Pending-Messages", "0") or 0)
+            self.credits = max(0, self.credits - unfilled)
+            self.owner.table.set_credits(self.credits)
+            if status == "409":
+                self.refused(headers.get(Header.DESCRIPTION, "409"))
+        self.owner.wake_pull.set()
+        self.owner.changed.set()
+
+    def refused(self, why: str) -> None:
+        """409 (consumer deleted, leadership change, max waiting): say so once a minute, not per pull."""
+        now = time.monotonic()
+        if why != self.last_refusal[0] or now - self.last_refusal[1] > 60:
+            log.warning("worker %d: pull request refused: %s", self.slot, why)
+            self.last_refusal = (why, now)
+
+
+def pending_after(reply: str) -> int:
+    """Messages pending for the consumer after this one, from a $JS.ACK reply subject (v1 or v2)."""
+    t = reply.split(".")
+    return int(t[8 if len(t) == 9 else 10])

@@ -1,0 +1,202 @@
+"""Settling a worker's jobs: publish the ack, NAK or TERM, and keep each entry until a fence proves
+the server has it.
+
+nats-py's publish only queues bytes and flush() does not fence earlier publishes (DESIGN.md), so
+an acked entry stays ACKED in the slot table (the parent NAKs it if we die: a NAK after an ack is
+a no-op) until `confirm` has fenced the connection it was sent on. Fences are coalesced: at most
+one per SETTLE_MIN_INTERVAL, whatever the job rate.
+
+A publish can also be refused: nats-py raises while it reconnects with its reconnect buffer full
+(REFUSED). The job is done by then, so the entry is kept as if its ack had been sent on a dead
+connection: `confirm` sends it after the reconnect, and if the worker exits first the parent NAKs
+it. The parent is told either way (`unsent`), so if the job comes back its ledger explains the
+rerun.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, Protocol
+
+import nats.errors
+
+from workers import Job
+from workers.protocol import slots
+from workers.protocol.slots import SlotTable
+
+log = logging.getLogger("worker")
+
+SETTLE_MIN_INTERVAL = 0.002  # coalesce ack-confirming flushes to at most one per this period
+FENCE_RETRY = 1.0            # seconds after a failed fence before the next try
+# Slot-table counter per outcome; a duplicate is acked without running its handler ([idempotency]).
+OUTCOME_COUNTERS = {"ack": slots.ACKED_N, "duplicate": slots.DUPLICATE_N, "nak": slots.NAKED_N,
+                    "term": slots.TERMED_N}
+ACKS = ("ack", "duplicate")
+UNSENT = -1                  # the generation of a settle whose publish raised: no connection has it
+# What nats-py raises for a publish it cannot take *now*: reconnecting with its reconnect buffer
+# full. Anything else (a connection closed for good: credentials revoked, reconnects spent) ends
+# the task and so the worker (Worker.essential): the parent NAKs its jobs and starts another.
+REFUSED = (nats.errors.OutboundBufferLimitError,)
+
+
+class Owner(Protocol):
+    """What settling needs of the worker that owns it (workers/runtime/worker.py Worker)."""
+    nc: Any                                # the worker's connection, made once the worker runs
+    table: SlotTable
+    wake_pull: asyncio.Event               # a released entry can take another message
+
+    def emit(self, **event: Any) -> None: ...
+
+
+class Settler:
+    def __init__(self, owner: Owner, slot: int, double_ack: bool, entries: int):
+        self.owner = owner
+        self.slot = slot
+        self.double_ack = double_ack
+        self.replies: list[str] = [""] * entries   # reply subject by entry index
+        # ACKED/SETTLED entries awaiting a fence: (entry, connection generation, was an ack)
+        self.unconfirmed: list[tuple[int, int, bool]] = []
+        self.closing = False
+        self.close_by = 0.0                        # set by close(): the shutdown's deadline
+        self.retry: asyncio.TimerHandle | None = None   # the pending fence retry after a failure
+        self.wake_settle = asyncio.Event()
+
+    async def ack(self, i: int, job: Job, outcome: str = "ack") -> None:
+        w = self.owner
+        if self.double_ack:
+            try:
+                await w.nc.request(self.replies[i], b"+ACK", timeout=5.0)
+            except Exception as exc:
+                log.warning("worker %d: double ack of seq=%d not confirmed: %s", self.slot, job.stream_seq, exc)
+            else:
+                w.table.count(OUTCOME_COUNTERS[outcome])
+                self.report(job, outcome, "")
+                w.table.release(i)
+                return
+        await self.settle(i, job, b"+ACK", outcome, "")
+
+    async def settle(self, i: int, job: Job, payload: bytes, outcome: str, reason: str) -> None:
+        """Publish the ack/nak/term and keep the entry until a flush confirms it."""
+        w = self.owner
+        generation, refused = await self.publish(i, payload)
+        w.table.mark(i, slots.ACKED if outcome in ACKS else slots.SETTLED)
+        w.table.count(OUTCOME_COUNTERS[outcome])
+        self.report(job, outcome, reason)
+        if refused:
+            self.unsent(job, outcome, refused)
+        self.unconfirmed.append((i, generation, outcome in ACKS))
+        self.wake_settle.set()
+
+    async def publish(self, i: int, payload: bytes) -> tuple[int, str]:
+        """Send a settle: (the connection generation it went out on, ""), or (UNSENT, the error)
+        when nats-py refused it."""
+        nc = self.owner.nc
+        try:
+            await nc.publish(self.replies[i], payload)
+        except REFUSED as exc:
+            return UNSENT, type(exc).__name__
+        return nc.stats["reconnects"], ""
+
+    def unsent(self, job: Job, outcome: str, error: str) -> None:
+        """An ack is sent again once a fence works; a NAK or TERM is not (see confirm). Either way
+        the job may come back, after AckWait: the parent is told, so its ledger explains that."""
+        log.warning("worker %d: %s of seq=%d not sent (%s); %s", self.slot, outcome, job.stream_seq, error,
+                    "sent again once NATS is back" if outcome in ACKS else "the job comes back after AckWait",
+                    extra={"event": "settle_unsent", "seq": job.stream_seq, "outcome": outcome, "error": error})
+        self.owner.emit(ev="unsent", seq=job.stream_seq, delivery=job.delivery, outcome=outcome, error=error)
+
+    def report(self, job: Job, outcome: str, reason: str) -> None:
+        # Only what explains a future redelivery (or follows one) goes to the parent: acks of
+        # first deliveries, the hot path, stay in the table counters.
+        if outcome != "ack" or job.delivery > 1:
+            if outcome == "duplicate":   # the parent's ledger knows acks, naks and terms
+                outcome, reason = "ack", "duplicate: already done"
+            self.owner.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome=outcome, reason=reason)
+
+    async def run(self) -> None:
+        while not self.closing:
+            await self.wake_settle.wait()
+            self.wake_settle.clear()
+            await self.confirm()
+            if not self.closing:
+                await asyncio.sleep(SETTLE_MIN_INTERVAL)
+        await self.fence_the_rest()
+
+    def close(self, until: float) -> None:
+        """run() fences what is left, waiting for NATS until `until` (the shutdown's deadline), and returns."""
+        self.closing = True
+        self.close_by = until
+        self.wake_settle.set()
+
+    async def fence_the_rest(self) -> None:
+        """The way out. An entry left unconfirmed is NAKed by the parent when we exit, and if its
+        ack never reached the server (the connection died, or nats-py refused it) the job runs
+        again. So while NATS is away, wait for it (a reconnect wakes us; a failed fence retries
+        after FENCE_RETRY) until the shutdown's deadline, the same graceful_timeout a running job
+        gets: acks sent again after the reconnect are fenced by the next round."""
+        waiting = False
+        while self.unconfirmed:
+            left = self.close_by - time.monotonic()
+            if await self.confirm(timeout=min(5.0, max(0.5, left))):
+                continue
+            if left <= 0:
+                break
+            if not waiting:
+                waiting = True
+                log.warning("worker %d: stopping with %d settle(s) NATS has not confirmed; waiting up to %.1fs for it",
+                            self.slot, len(self.unconfirmed), left,
+                            extra={"event": "settle_waiting", "slot": self.slot, "unconfirmed": len(self.unconfirmed)})
+            self.wake_settle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake_settle.wait(), max(0.0, self.close_by - time.monotonic()))
+
+    def retry_now(self) -> None:
+        self.retry = None
+        self.wake_settle.set()
+
+    async def confirm(self, timeout: float = 5.0) -> bool:
+        """A fence (supervisor/nats/fix.py) proves the server has read every ack sent before it on
+        the same connection. An ack sent on a connection that has died since is sent again (acking
+        twice is harmless); a NAK or TERM is not, since by now it could hit another worker's
+        delivery of the job: if it was lost, the job comes back after AckWait."""
+        if not self.unconfirmed:
+            return False
+        w = self.owner
+        batch, self.unconfirmed = self.unconfirmed, []
+        try:
+            await w.nc.fence(timeout=timeout)
+        except Exception as exc:
+            # While nats-py reconnects (nats_disconnected told that already) a fence fails every FENCE_RETRY.
+            level = logging.DEBUG if isinstance(exc, nats.errors.ConnectionReconnectingError) else logging.WARNING
+            log.log(level, "worker %d: fence failed (%s); acks stay unconfirmed", self.slot, exc or type(exc).__name__)
+            self.unconfirmed = batch + self.unconfirmed
+            # A reconnect wakes us (Worker.reconnected); a fence that timed out on a live link must
+            # not leave an idle worker's acks unconfirmed until its next job.
+            if self.retry is None:       # one timer: each failure starting its own made retries multiply
+                self.retry = asyncio.get_running_loop().call_later(FENCE_RETRY, self.retry_now)
+            return False
+        current = w.nc.stats["reconnects"]
+        for i, generation, was_ack in batch:
+            if generation != current and was_ack:
+                self.unconfirmed.append((i, (await self.publish(i, b"+ACK"))[0], True))
+            else:
+                w.table.release(i)
+        w.wake_pull.set()
+        if self.unconfirmed:
+            self.wake_settle.set()
+        return True
+
+
+def nak_payload(delay: float) -> bytes:
+    if delay <= 0:
+        return b"-NAK"
+    return b'-NAK {"delay":%d}' % int(delay * 1e9)
+
+
+def retry_delay(backoff: tuple[float, ...], delivery: int) -> float:
+    if not backoff:
+        return 0.0
+    return backoff[min(delivery, len(backoff)) - 1]

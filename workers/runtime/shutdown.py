@@ -1,0 +1,131 @@
+"""A worker's way out: stop pulling, give back what it will not run, let running jobs finish
+within graceful_timeout, and NAK what still runs after it.
+
+RETIRING runs what the worker already holds; STOPPING NAKs what has not started (with a delay:
+SHUTDOWN_NAK_DELAY) and takes the worker's start_lock to switch, so no handler thread starts a
+job behind the shutdown's back (workers/runtime/threads.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Any, Protocol
+
+from workers import Job
+from workers.protocol import slots
+from workers.protocol.modes import STOPPING
+from workers.protocol.slots import SlotTable
+from workers.runtime.guard import Guard
+from workers.runtime.puller import PULL_EXPIRES, PULL_MARGIN, Puller
+from workers.runtime.settle import Settler, nak_payload
+from workers.runtime.threads import HandlerThreads
+
+log = logging.getLogger("worker")
+
+# A shutdown NAKs what it had not started with this delay: every worker of the supervisor is
+# stopping too, and one whose pull request is still live would take the job only to NAK it
+# again, spending another of consumer.max_deliver. By then every such request has ended.
+SHUTDOWN_NAK_DELAY = PULL_EXPIRES + PULL_MARGIN
+
+
+class Owner(Protocol):
+    """What the shutdown path needs of the worker that owns it (workers/runtime/worker.py Worker)."""
+    mode: str
+    grace: float                           # graceful_timeout, shorter once the parent is gone
+    queue: deque[tuple[Any, int, Job]]
+    running: int
+    runners: list[asyncio.Task]
+    guard: Guard | None
+    table: SlotTable
+    sub: Any                               # the subscription our pull requests' messages come to
+    changed: asyncio.Event                 # something the wind-down waits for has happened
+    pulls: Puller
+    settler: Settler
+    threads: HandlerThreads
+
+    def set_mode(self, mode: str) -> None: ...
+
+
+class Shutdown:
+    def __init__(self, owner: Owner, slot: int):
+        self.owner = owner
+        self.slot = slot
+        self.deadline = 0.0              # graceful_timeout from the start of wind_down
+
+    async def wind_down(self) -> None:
+        """Stop pulling. Run (RETIRING) or NAK (STOPPING) what was pulled but not started; let
+        running jobs finish within graceful_timeout and NAK what still runs after it. Keep the
+        subscription until every pull request we sent has ended (filled, 408 on expiry, 409),
+        at most PULL_EXPIRES + PULL_MARGIN: no interest may be dropped while a request is live.
+        An UNSUB, however well fenced, races the server itself: a message it has just assigned
+        to our request is routed after the UNSUB to nobody, and waits for AckWait (and nats-py's
+        drain() even removes the subscription before the server reads the UNSUB). The settler
+        then fences every ack, waiting for NATS until `deadline` (Settler.fence_the_rest)."""
+        w = self.owner
+        w.table.set_state(slots.DRAINING)
+        deadline = self.deadline = time.monotonic() + w.grace
+        while True:
+            if w.mode == STOPPING:
+                await self.nak_queued()
+            now = time.monotonic()
+            busy = bool(w.running or w.queue)
+            if busy and now >= deadline:
+                await self.abandon()
+                busy = False
+            pulls_end = w.pulls.requests_end()
+            if not busy and now >= pulls_end:
+                break
+            wake = min(deadline if busy else float("inf"), pulls_end if pulls_end > now else float("inf"))
+            w.changed.clear()
+            try:
+                await asyncio.wait_for(w.changed.wait(), max(0.001, wake - now))
+            except TimeoutError:
+                pass
+        w.pulls.forget()
+        try:
+            await w.sub.unsubscribe()
+        except Exception as exc:         # closed: nothing more can reach us anyway
+            log.debug("worker %d: unsubscribe: %s", self.slot, exc)
+
+    async def nak_queued(self) -> None:
+        """NAK what was pulled and not started: the queue, and what the handler threads have not
+        taken yet (in STOPPING they take nothing more: start_lock). The [idempotency] guard
+        admitted the latter: their leases are released first, for their redelivery."""
+        w = self.owner
+        admitted = w.threads.take_unstarted()
+        w.running -= len(admitted)
+        if w.guard and admitted:
+            guard = w.guard
+            await asyncio.gather(*(guard.after(job, False) for _, _, job in admitted))
+        admitted.extend(w.queue)
+        w.queue.clear()
+        for _, i, job in admitted:
+            await self.nak_unstarted_job(i, job)
+
+    async def nak_unstarted_job(self, i: int, job: Job) -> None:
+        """A shutdown gives back a job it never started, with a delay (SHUTDOWN_NAK_DELAY)."""
+        await self.owner.settler.settle(i, job, nak_payload(SHUTDOWN_NAK_DELAY), "nak", "not started before shutdown")
+
+    async def abandon(self) -> None:
+        """graceful_timeout ran out: NAK what still runs (its handler's outcome will never be
+        sent: the runners are cancelled first, so no late ack can hit the job's next delivery)."""
+        w = self.owner
+        w.set_mode(STOPPING)
+        await self.nak_queued()
+        for task in w.runners:
+            task.cancel()
+        await asyncio.gather(*w.runners, return_exceptions=True)
+        for entry in w.table.snapshot():         # HELD here: taken by a runner, not started yet
+            if entry.state in (slots.HELD, slots.RUNNING):
+                log.warning("worker %d: job seq=%d still %s after graceful_timeout (%gs); NAKing it",
+                            self.slot, entry.stream_seq,
+                            "running" if entry.state == slots.RUNNING else "waiting to start", w.grace,
+                            extra={"event": "graceful_timeout_nak", "slot": self.slot, "seq": entry.stream_seq,
+                                   "delivery": entry.delivery})
+                job = Job(data=b"", subject="", headers={}, stream_seq=entry.stream_seq,
+                          consumer_seq=entry.consumer_seq, delivery=entry.delivery)
+                await w.settler.settle(entry.index, job, b"-NAK", "nak", "still running when graceful_timeout ran out")
+        w.running = 0

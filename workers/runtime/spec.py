@@ -1,0 +1,25 @@
+"""What the parent hands a worker across fork()."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from workers import Job
+from workers.protocol.slots import SlotTable
+
+
+@dataclass
+class ChildSpec:
+    """Everything a freshly forked worker needs; built by the parent before the fork."""
+    slot: int
+    parent_pid: int
+    table: SlotTable
+    events_fd: int
+    cfg: Any                                   # supervisor.config.Config (servers resolved)
+    handler: Callable[[Job], Any]
+    init: Callable[[], Any] | None
+    connect: Callable[[], Awaitable[Any]]      # returns a connected nats client
+    job_limit: int = 0                         # tell the parent once this many jobs started (max_jobs)
+    keep_fds: tuple[int, ...] = ()

@@ -1,0 +1,226 @@
+"""Sync handlers: `concurrency` handler threads of a worker's own, fed from its loop.
+
+The threads take their next job from a locked queue themselves and hand outcomes back in
+batches (one loop wake-up per batch): no trip through the event loop between two jobs, which is
+what made CPU-bound jobs pay for GIL ping-pong. Acks are still published from the loop
+(`finisher`, through the worker's `finish`).
+
+The queue's lock is the worker's start_lock: the worker's switch to STOPPING takes it, so once a
+shutdown has NAKed what runs, no handler thread can start another job behind its back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from workers import Job
+from workers.protocol import slots
+from workers.protocol.modes import SERVING, STOPPING
+from workers.protocol.slots import SlotTable
+from workers.runtime.guard import Guard
+
+CONFIRM_AFTER = 0.1         # after a job this long a thread also waits for its ack's fence (a few ms at most) ...
+CONFIRM_WAIT = 1.0          # ... but never longer than this (a fence that fails leaves the ack for the next one)
+CONFIRM_POLL = 0.002
+OUTCOME_EVERY = 0.02        # a busy handler thread hands outcomes back at most this often: each wake-up of
+                            # the loop takes the GIL from a CPU-bound handler (a handful of context switches)
+
+Chunk = list[tuple[Any, int, Job]]         # (message, table entry, job) as the worker pulled them
+
+
+class Owner(Protocol):
+    """What the handler threads need of the worker that owns them (workers/runtime/worker.py Worker)."""
+    mode: str                              # read under start_lock; the worker writes it under it too
+    running: int                           # jobs taken from the worker's queue and not finished
+    guard: Guard | None
+    table: SlotTable
+    changed: asyncio.Event
+    wake_pull: asyncio.Event
+
+    def count_start(self) -> None: ...
+    async def admit(self, chunk: Chunk) -> Chunk: ...
+    async def finish(self, i: int, job: Job, exc: BaseException | None, elapsed: float) -> None: ...
+
+
+class HandlerThreads:
+    def __init__(self, owner: Owner, start_lock: threading.Lock, handler: Callable[[Job], Any],
+                 concurrency: int, job_limit: int):
+        self.owner = owner
+        self.handler = handler
+        self.concurrency = concurrency
+        self.job_limit = job_limit
+        # Jobs handed to the threads (guarded by start_lock), outcomes coming back, and whether
+        # the loop has been rung for them since it last took them.
+        self.handed = threading.Condition(start_lock)
+        # Threads waiting for the loop to settle what they handed back wait on a condition of their
+        # own (same lock): a hand-over's notify must reach an idle thread, not one of these.
+        self.settled = threading.Condition(start_lock)
+        self.ready: deque[tuple[Any, int, Job]] = deque()
+        self.outcomes: list[tuple[int, Job, BaseException | None, float]] = []
+        self.outcomes_since = 0.0        # when the oldest outcome the loop has not been rung for came
+        self.rung = False
+        self.handed_back = self.settled_back = 0   # outcomes handed to the loop, and settled by it
+        self.threads_stop = False
+        self.wake_finish = asyncio.Event()
+
+    # -- on the loop
+
+    async def hand_over(self, chunk: Chunk) -> None:
+        """The jobs the [idempotency] guard admits (all of them without one) go to the threads.
+        A shutdown that came while the guard was asked NAKs them (wind_down wakes for that)."""
+        w = self.owner
+        if w.guard:
+            runnable = await w.admit(chunk)
+            w.running -= len(chunk) - len(runnable)
+            chunk = runnable
+            w.changed.set()
+            w.wake_pull.set()
+        self.run_sync(chunk)
+
+    def run_sync(self, chunk: Chunk) -> None:
+        """Hand pulled jobs (already in the slot table) to the handler threads."""
+        with self.handed:
+            self.ready.extend(chunk)
+            self.handed.notify(len(chunk))
+
+    def take_unstarted(self) -> Chunk:
+        """What the threads have not taken yet (in STOPPING they take nothing more: start_lock)."""
+        with self.handed:
+            admitted = list(self.ready)
+            self.ready.clear()
+        return admitted
+
+    def start_threads(self, loop: asyncio.AbstractEventLoop) -> None:
+        for k in range(self.concurrency):
+            threading.Thread(target=self.handler_thread, args=(loop,), name=f"handler_{k}", daemon=True).start()
+
+    def stop_threads(self) -> None:
+        with self.handed:
+            self.threads_stop = True
+            self.handed.notify_all()
+            self.settled.notify_all()
+
+    def collect(self) -> None:
+        """Take outcomes kept back by a handler thread busy with a long job (see hand_back)."""
+        if self.outcomes:
+            self.wake_finish.set()
+
+    async def finisher(self) -> None:
+        """Ack, NAK or TERM the outcomes the handler threads handed back, a batch per wake-up."""
+        w = self.owner
+        while True:
+            await self.wake_finish.wait()
+            self.wake_finish.clear()
+            with self.handed:
+                batch, self.outcomes, self.rung = self.outcomes, [], False
+            try:
+                if w.guard:              # the batch's done-markers (or lease releases) at once, not a round
+                                         # trip per job; finish() then finds them written
+                    guard = w.guard
+                    await asyncio.gather(*(guard.after(job, exc is None) for _, job, exc, _ in batch))
+                for i, job, exc, elapsed in batch:
+                    await w.finish(i, job, exc, elapsed)
+                    w.running -= 1
+            finally:
+                w.changed.set()
+                w.wake_pull.set()
+                with self.settled:       # handler threads waiting in await_settled() go on
+                    self.settled_back += len(batch)
+                    self.settled.notify_all()
+
+    # -- in a handler thread
+
+    def handler_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run jobs back to back while there are any: no trip through the loop between two."""
+        while (taken := self.next_job()) is not None:
+            i, job = taken
+            if self.job_limit:           # the parent starts our replacement while this job runs
+                loop.call_soon_threadsafe(self.owner.count_start)
+            exc, elapsed = call_handler(self.handler, job, loop)
+            if not self.hand_back(loop, i, job, exc, elapsed):
+                return
+            if exc is not None and not isinstance(exc, Exception):
+                return                   # SystemExit & co: finish() exits the process
+            if elapsed >= OUTCOME_EVERY:
+                self.await_settled(i if elapsed >= CONFIRM_AFTER else None)
+
+    def next_job(self) -> tuple[int, Job] | None:
+        """In a handler thread: the next job, marked running before its handler starts (its entry
+        is this thread's alone until the loop gets the outcome back); None once the worker closes.
+        Nothing starts in STOPPING: the loop NAKs what is left."""
+        with self.handed:
+            while not self.threads_stop:
+                if self.ready and self.owner.mode != STOPPING:
+                    _, i, job = self.ready.popleft()
+                    self.owner.table.start(i)  # several handler threads share the table's counters
+                    return i, job
+                self.handed.wait()
+        return None
+
+    def hand_back(self, loop: asyncio.AbstractEventLoop, i: int, job: Job, exc: BaseException | None,
+                  elapsed: float) -> bool:
+        """Queue an outcome for the loop, and wake it only if no wake-up is on its way already and
+        either this thread is about to wait (nothing ready, a shutdown, a crash) or its oldest
+        outcome would be OUTCOME_EVERY old by the end of another job like this one: short jobs
+        go back in batches, one loop wake-up each; long ones one by one. An outcome kept back
+        behind an unexpectedly long job is collected by the worker's liveness() (collect())."""
+        now = time.monotonic()
+        with self.handed:
+            if not self.outcomes:
+                self.outcomes_since = now
+            self.outcomes.append((i, job, exc, elapsed))
+            self.handed_back += 1
+            if self.rung:
+                return True
+            busy = bool(self.ready) and self.owner.mode == SERVING and isinstance(exc, (Exception, type(None)))
+            if busy and now + elapsed - self.outcomes_since < OUTCOME_EVERY:
+                return True
+            self.rung = True
+        try:
+            loop.call_soon_threadsafe(self.wake_finish.set)
+        except RuntimeError:             # the loop is closed: the worker is exiting
+            return False
+        return True
+
+    def await_settled(self, confirm: int | None) -> None:
+        """In a handler thread, after a job of OUTCOME_EVERY or more: wait until the loop has
+        acked (NAKed, TERMed) what this thread handed back, before the next job starts, as when
+        every job went through the loop. A crash in the next job then finds this one's ack sent
+        and its fence on the way, not still queued here (a few ms a job; short jobs never wait).
+        After a job of CONFIRM_AFTER or more (entry `confirm`), wait for the fence too: a crash
+        in the next job then leaves no ack in doubt behind it (the parent would NAK that job as
+        held at the death; a no-op for an ack that arrived, but a job the crash did not touch),
+        at the cost of one round trip per job that long."""
+        with self.settled:
+            mine = self.handed_back
+            while self.settled_back < mine and not self.threads_stop and self.owner.mode != STOPPING:
+                self.settled.wait()
+            if confirm is None:
+                return
+            deadline = time.monotonic() + CONFIRM_WAIT
+            while self.owner.table.state_of(confirm) in (slots.ACKED, slots.SETTLED) and not self.threads_stop \
+                    and self.owner.mode != STOPPING and time.monotonic() < deadline:
+                self.settled.wait(CONFIRM_POLL)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def call_handler(handler: Callable[[Job], Any], job: Job, loop: asyncio.AbstractEventLoop
+                 ) -> tuple[BaseException | None, float]:
+    """In a handler thread: run one job; (the exception it raised or None, seconds it took)."""
+    started = time.monotonic()
+    try:
+        result = handler(job)
+        if inspect.isawaitable(result):          # a sync callable that returned a coroutine
+            asyncio.run_coroutine_threadsafe(_awaited(result), loop).result()
+    except BaseException as exc:
+        return exc, time.monotonic() - started
+    return None, time.monotonic() - started

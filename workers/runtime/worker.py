@@ -1,0 +1,439 @@
+"""The worker process: become a clean child after fork, then pull -> handle -> ack.
+
+One worker = one process, one uvloop loop, one NATS connection, bound to the durable pull
+consumer every other worker shares. `Worker` is the loop that wires the worker's rooms:
+
+    puller.py    raw pull requests and their credits, sized by pulls.py
+    threads.py   sync handlers' threads, which take their next job themselves
+    settle.py    ack, NAK or TERM, and the fence that proves the server has it
+    shutdown.py  the way out: give back what will not run, wait for what runs
+
+and keeps the mode (workers/protocol/modes.py), the queue of pulled jobs, and running them. Every
+message is recorded in the shared slot table before anything else happens, so the parent
+always knows what this process holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Coroutine
+from typing import Any, NoReturn
+
+import setproctitle
+
+from workers import Job, Reject, Retry
+from workers.protocol import slots
+from workers.protocol.exits import EXIT_CONNECT_FAILED, EXIT_CRASHED, EXIT_DRAINED, EXIT_INIT_FAILED
+from workers.protocol.fork import neutralise_inherited_fds, scrub_child_env, set_parent_death_signal
+from workers.protocol.modes import RETIRING, SERVING, STOPPING
+from workers.runtime.deadletter import dead_letter
+from workers.runtime.guard import DUPLICATE, RUN, Guard
+from workers.runtime.puller import Puller
+from workers.runtime.pulls import PullSizer, fair_share
+from workers.runtime.settle import Settler, nak_payload, retry_delay
+from workers.runtime.shutdown import Shutdown
+from workers.runtime.spec import ChildSpec
+from workers.runtime.threads import OUTCOME_EVERY, HandlerThreads
+
+log = logging.getLogger("worker")
+
+LIVENESS_EVERY = 0.25       # a worker proves its NATS connection with a PING/PONG this often ...
+LIVENESS_TIMEOUT = 2.0      # ... and gives up waiting for the PONG after this
+ORPHAN_GRACE = 2.0          # running jobs get this long when the parent has died
+
+
+# ---------------------------------------------------------------- process hygiene after fork
+
+def child_main(spec: ChildSpec) -> NoReturn:
+    """Entry point in the child right after fork(); never returns."""
+    code = EXIT_CRASHED
+    try:
+        become_child(spec)
+        code = run_worker(spec)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else EXIT_CRASHED
+    except BaseException:
+        log.exception("worker %d crashed", spec.slot)
+    finally:
+        logging.shutdown()
+        os._exit(code)
+
+
+def become_child(spec: ChildSpec) -> None:
+    """Shed everything inherited from the parent that a worker must not use."""
+    set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != spec.parent_pid:      # the parent died before prctl took effect
+        os._exit(EXIT_CRASHED)
+    signal.set_wakeup_fd(-1)                 # the parent loop's self-pipe
+    for sig in (signal.SIGHUP, signal.SIGQUIT, signal.SIGTTIN, signal.SIGTTOU, signal.SIGUSR1,
+                signal.SIGUSR2, signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    # Ctrl-C reaches the whole process group; the parent decides and tells us with SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    neutralise_inherited_fds(keep={0, 1, 2, spec.events_fd, *spec.keep_fds})
+    scrub_child_env(os.environ)              # only the main process talks to systemd
+    random.seed()
+    asyncio.events._set_running_loop(None)   # we were forked from inside the parent's loop
+    setproctitle.setproctitle(f"supervisor: worker {spec.slot} [{spec.cfg.stream.name}/{spec.cfg.consumer.name}]")
+
+
+def run_worker(spec: ChildSpec) -> int:
+    if spec.init is not None:
+        try:
+            spec.init()
+        except Exception as exc:
+            # One line that names the culprit; the full traceback only at debug level.
+            log.error("worker %d: workers.init raised %s", spec.slot, describe_exception(exc))
+            log.debug("workers.init traceback", exc_info=True)
+            return EXIT_INIT_FAILED
+    import uvloop
+
+    loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(Worker(spec).run())
+    finally:
+        loop.close()
+
+
+# ---------------------------------------------------------------- the pull / handle / ack loop
+
+class Worker:
+    """The worker's loop, wiring its rooms: pulling (workers/runtime/puller.py), the handler threads for
+    sync handlers (workers/runtime/threads.py), settling and fencing (workers/runtime/settle.py), the shutdown
+    path (workers/runtime/shutdown.py). It owns the mode, the queue of pulled jobs, and running them."""
+
+    def __init__(self, spec: ChildSpec):
+        cfg = spec.cfg
+        self.spec = spec
+        self.table = spec.table
+        self.wcfg = cfg.workers
+        self.stream, self.consumer = cfg.stream.name, cfg.consumer.name
+        self.is_async = inspect.iscoroutinefunction(spec.handler)
+        self.queue: deque[tuple[Any, int, Job]] = deque()   # pulled, not started
+        self.running = 0                 # taken from the queue (sync: handed to the threads), not finished
+        sizer = PullSizer(self.wcfg.concurrency, self.wcfg.batch,
+                          fair_share(cfg.consumer.max_ack_pending, self.wcfg.count),
+                          threads=not self.is_async, batching=OUTCOME_EVERY)
+        self.pulls = Puller(self, spec.slot, sizer, spec.job_limit,
+                            f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.consumer}")
+        self.settler = Settler(self, spec.slot, self.wcfg.double_ack, self.table.entries)
+        self.started_jobs = 0
+        self.generation = 0              # reconnects seen: what was sent on a dead connection may be lost
+        self.mode = SERVING
+        self.wake_pull = asyncio.Event()
+        self.wake_run = asyncio.Event()
+        self.changed = asyncio.Event()
+        self.stop = asyncio.Event()
+        self.grace = self.wcfg.graceful_timeout
+        self.nc: Any = None
+        self.runners: list[asyncio.Task] = []
+        # Handler threads start jobs under this lock, and the switch to STOPPING takes it: once a
+        # shutdown has NAKed what runs, no handler thread can start another job behind its back.
+        self.start_lock = threading.Lock()
+        self.guard: Guard | None = None   # [idempotency] (workers/runtime/guard.py)
+        self.threads = HandlerThreads(self, self.start_lock, spec.handler, self.wcfg.concurrency, spec.job_limit)
+        self.shutdown = Shutdown(self, spec.slot)
+
+    # -- lifecycle
+
+    async def run(self) -> int:
+        self.table.beat()
+        try:
+            self.nc = await self.spec.connect()
+            await self.nc.jetstream().consumer_info(self.stream, self.consumer)
+        except Exception as exc:
+            log.error("worker %d: cannot connect or bind %s/%s: %s", self.spec.slot, self.stream,
+                      self.consumer, exc or type(exc).__name__)
+            return EXIT_CONNECT_FAILED
+        self.table.server_answered(time.monotonic())
+        if self.spec.cfg.idempotency.enabled:          # issue 10: done-markers and leases
+            self.guard = Guard(self.nc, self.spec.cfg.idempotency.bucket, f"worker {self.spec.slot}",
+                               lambda delivery: retry_delay(self.wcfg.retry_backoff, delivery)).start()
+        self.pulls.inbox = self.nc.new_inbox()
+        self.sub = await self.nc.subscribe(self.pulls.inbox, cb=self.on_message, pending_msgs_limit=0,
+                                           pending_bytes_limit=0)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
+        loop.add_signal_handler(signal.SIGUSR1, self.on_sigusr1)
+        settling = self.essential(self.settler.run())
+        beating = self.essential(self.heartbeat())
+        tasks = [self.essential(c) for c in (self.liveness(), self.pulls.run())]
+        if self.is_async:
+            self.runners = [self.essential(self.runner()) for _ in range(self.wcfg.concurrency)]
+        else:
+            self.runners = [self.essential(c) for c in (self.runner(), self.threads.finisher())]
+            self.threads.start_threads(loop)
+        self.table.set_state(slots.READY)
+        self.emit(ev="ready")
+        await self.stop.wait()
+        await self.shutdown.wind_down()
+        self.settler.close(until=self.shutdown.deadline)
+        for task in tasks + self.runners:
+            task.cancel()
+        self.threads.stop_threads()
+        await settling                 # never cancel a task inside a flush: see supervisor/nats/fix.py
+        beating.cancel()               # only now: waiting for NATS to take our acks is no hang
+        if self.guard:
+            await self.guard.close()   # leases of jobs we did not finish: free for their redelivery
+        await self.close_connection()
+        return EXIT_DRAINED
+
+    def essential(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """A task the worker cannot do without. If one fails, the worker exits as crashed: the
+        parent NAKs what it held and the death explains the reruns. Carrying on would keep those
+        jobs (and the slot) until AckWait with nobody left to settle them."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(getattr(coro, "__qualname__", repr(coro)))
+        task.add_done_callback(self.essential_ended)
+        return task
+
+    def essential_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        name = task.get_name()
+        log.error("worker %d: %s failed; exiting so the supervisor NAKs its jobs", self.spec.slot, name,
+                  exc_info=task.exception(), extra={"event": "worker_task_failed", "task": name})
+        os._exit(EXIT_CRASHED)
+
+    def on_sigterm(self) -> None:
+        if os.getppid() != self.spec.parent_pid:
+            self.grace = min(self.grace, ORPHAN_GRACE)
+            log.warning("worker %d: supervisor is gone; stopping", self.spec.slot)
+        self.set_mode(STOPPING)
+
+    def on_sigusr1(self) -> None:
+        if self.mode == SERVING:
+            self.set_mode(RETIRING)
+
+    def set_mode(self, mode: str) -> None:
+        with self.start_lock:            # handler threads read the mode under it (workers/runtime/threads.py)
+            self.mode = mode
+        self.stop.set()
+        for event in (self.wake_pull, self.wake_run, self.changed):
+            event.set()
+
+    async def heartbeat(self) -> None:
+        every = min(0.5, self.wcfg.heartbeat_timeout / 4)   # the parent calls a beat older than 1.5 s stale
+        while True:
+            self.table.beat()
+            if self.nc.stats["reconnects"] != self.generation:
+                self.reconnected()
+            if os.getppid() != self.spec.parent_pid and self.mode != STOPPING:
+                self.on_sigterm()
+            await asyncio.sleep(every)
+
+    async def liveness(self) -> None:
+        """Prove the connection works, not just the process: a PING/PONG every LIVENESS_EVERY,
+        its time in the table. A worker whose connection went half-open keeps beating, but the
+        parent stops keeping its jobs alive with +WPI once this goes stale. Its round trip, loop
+        and GIL latency included, is one of the samples pull sizing hides (workers/runtime/pulls.py)."""
+        while True:
+            sent = time.monotonic()
+            try:
+                await self.nc.flush(timeout=LIVENESS_TIMEOUT)
+            except Exception:
+                pass                     # stale: the parent sees the time stop moving
+            else:
+                now = time.monotonic()
+                self.table.server_answered(now)
+                self.pulls.sizer.round_trip(now - sent)
+            self.threads.collect()       # outcomes kept back by a handler thread busy with a long job
+            await asyncio.sleep(LIVENESS_EVERY)
+
+    def reconnected(self) -> None:
+        """Pull requests died with the old connection; acks written to it may be lost (Settler.confirm
+        sends those again)."""
+        self.generation = self.nc.stats["reconnects"]
+        log.info("worker %d: reconnected to NATS; pulling afresh", self.spec.slot)
+        self.pulls.forget()
+        self.wake_pull.set()
+        self.settler.wake_settle.set()
+        self.changed.set()
+
+    async def close_connection(self) -> None:
+        try:
+            await self.nc.drain()
+        except Exception as exc:
+            log.warning("worker %d: closing the connection: %s", self.spec.slot, exc)
+
+    # -- receiving (the requests themselves: workers/runtime/puller.py)
+
+    def outstanding(self) -> int:
+        """Jobs pulled and not finished: what pull sizing counts besides the credits."""
+        return len(self.queue) + self.running
+
+    async def on_message(self, msg: Any) -> None:
+        if not msg.reply:
+            self.pulls.on_status(msg)
+            return
+        job = make_job(msg)
+        # Record it before anything else, credits after: a death between the two leaves the
+        # parent counting the message twice (held and in transit), never zero times.
+        i = self.table.hold(job.stream_seq, job.consumer_seq, job.delivery, msg.reply.encode())
+        self.pulls.arrived(msg.reply)
+        if i >= 0:
+            self.settler.replies[i] = msg.reply
+        if job.delivery > 1:
+            self.emit(ev="redelivered", seq=job.stream_seq, delivery=job.delivery)
+        if i < 0:                        # more arrived than we asked for and the table is full
+            await self.nc.publish(msg.reply, b"-NAK")
+            self.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome="nak", reason="table full")
+            return
+        self.queue.append((msg, i, job))
+        self.wake_run.set()
+        self.changed.set()               # a shutdown NAKs it at once; a retirement runs it
+
+    # -- running jobs
+
+    async def runner(self) -> None:
+        """Async handlers: one of `concurrency` tasks, each running a job at a time on the loop.
+        Sync handlers: the only one, handing what was pulled to the handler threads."""
+        while True:
+            while not self.queue or self.mode == STOPPING:
+                self.wake_run.clear()
+                await self.wake_run.wait()
+            chunk = self.take_chunk()
+            self.running += len(chunk)
+            if not self.is_async:
+                await self.threads.hand_over(chunk)   # its finisher() takes the outcomes
+                continue
+            try:
+                runnable = await self.admit(chunk) if self.guard else chunk   # [idempotency], issue 10
+                if runnable:
+                    await self.run_async(*runnable[0][1:])
+            finally:
+                self.running -= len(chunk)
+                self.changed.set()
+                self.wake_pull.set()
+
+    async def admit(self, chunk: list[tuple[Any, int, Job]]) -> list[tuple[Any, int, Job]]:
+        """[idempotency] (workers/runtime/guard.py): ack the jobs already done without running them, NAK
+        those another worker is running or that cannot be checked; return the ones to run."""
+        guard = self.guard
+        if guard is None:                # called only with a guard; without one everything runs
+            return chunk
+        verdicts = await asyncio.gather(*(guard.before(job) for _, _, job in chunk))
+        runnable = []
+        for (msg, i, job), verdict in zip(chunk, verdicts):
+            if verdict.action == RUN:
+                runnable.append((msg, i, job))
+            elif verdict.action == DUPLICATE:
+                await self.settler.ack(i, job, "duplicate")
+            else:
+                await self.settler.settle(i, job, nak_payload(verdict.delay), "nak", verdict.reason)
+        return runnable
+
+    def take_chunk(self) -> list[tuple[Any, int, Job]]:
+        """An async runner's next job; for the handler threads, everything queued."""
+        n = 1 if self.is_async else len(self.queue)
+        return [self.queue.popleft() for _ in range(n)]
+
+    def count_start(self) -> None:
+        self.started_jobs += 1
+        if self.started_jobs == self.spec.job_limit:
+            # The parent starts our replacement now (we take no further job: pull_size) and
+            # retires us once the replacement is ready and our last job is done.
+            self.emit(ev="recycle_due", jobs=self.started_jobs)
+
+    async def run_async(self, i: int, job: Job) -> None:
+        """An async handler, on the loop."""
+        if self.mode == STOPPING:
+            await self.shutdown.nak_unstarted_job(i, job)
+            return
+        self.table.start(i)
+        self.count_start()
+        started = time.monotonic()
+        try:
+            await self.spec.handler(job)
+        except asyncio.CancelledError:
+            raise                        # graceful_timeout ran out; abandon() NAKs the job
+        except BaseException as exc:
+            await self.finish(i, job, exc, time.monotonic() - started)
+        else:
+            await self.finish(i, job, None, time.monotonic() - started)
+
+    async def finish(self, i: int, job: Job, exc: BaseException | None, elapsed: float) -> None:
+        """Ack, NAK or TERM by the handler's outcome."""
+        self.table.observe(elapsed)
+        self.pulls.sizer.job_done(elapsed)
+        if self.guard:                   # the done-marker before the ack; a failed job's lease released
+            await self.guard.after(job, exc is None)
+        if exc is None:
+            await self.settler.ack(i, job)
+        elif isinstance(exc, Retry):
+            await self.settler.settle(i, job, nak_payload(exc.delay), "nak", str(exc))
+        elif isinstance(exc, Reject):
+            await self.reject(i, job, exc.reason)
+        elif isinstance(exc, Exception):
+            log.error("worker %d: handler failed on seq=%d delivery=%d", self.spec.slot, job.stream_seq,
+                      job.delivery, exc_info=exc,
+                      extra={"event": "handler_failed", "seq": job.stream_seq, "delivery": job.delivery})
+            delay = retry_delay(self.wcfg.retry_backoff, job.delivery)
+            await self.settler.settle(i, job, nak_payload(delay), "nak", f"{type(exc).__name__}: {exc}"[:200])
+        else:                            # SystemExit from a handler: a crash, not an outcome
+            log.error("worker %d: handler raised %s on seq=%d; exiting without ack",
+                      self.spec.slot, type(exc).__name__, job.stream_seq)
+            os._exit(EXIT_CRASHED)
+
+    async def reject(self, i: int, job: Job, reason: str) -> None:
+        try:
+            await dead_letter(self.nc, self.spec.cfg, job, reason)
+        except Exception as exc:
+            log.error("worker %d: cannot dead-letter seq=%d (%s); NAKing it instead", self.spec.slot, job.stream_seq, exc)
+            await self.settler.settle(i, job, nak_payload(retry_delay(self.wcfg.retry_backoff, job.delivery)), "nak",
+                                      f"dead-letter failed: {exc}")
+            return
+        await self.settler.settle(i, job, b"+TERM " + reason.encode()[:200], "term", reason)
+        log.warning("worker %d: job seq=%d subject=%s rejected by the handler (TERM): %s", self.spec.slot,
+                    job.stream_seq, job.subject, reason,
+                    extra={"event": "rejected", "seq": job.stream_seq, "subject": job.subject, "reason": reason})
+
+    # -- reporting rare events to the parent
+
+    def emit(self, **event: Any) -> None:
+        os.write(self.spec.events_fd, json.dumps(event, separators=(",", ":")).encode() + b"\n")
+
+
+# ---------------------------------------------------------------- small pure helpers
+
+def describe_exception(exc: BaseException) -> str:
+    """`RuntimeError: message (file.py:12)`, the innermost frame being where it was raised."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f" ({os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno})" if tb else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def make_job(msg: Any) -> Job:
+    sseq, cseq, delivery = parse_ack_reply(msg.reply)
+    headers = {k: v for k, v in (msg.headers or {}).items() if isinstance(k, str)}
+    return Job(data=msg.data, subject=msg.subject, headers=headers, stream_seq=sseq, consumer_seq=cseq,
+               delivery=delivery, msg_id=headers.get("Nats-Msg-Id"), stream=ack_reply_stream(msg.reply))
+
+
+def parse_ack_reply(reply: str) -> tuple[int, int, int]:
+    """(stream seq, consumer seq, delivery count) from a $JS.ACK reply subject (v1 or v2 form)."""
+    t = reply.split(".")
+    at = 4 if len(t) == 9 else 6         # v2 adds domain and account hash after $JS.ACK
+    return int(t[at + 1]), int(t[at + 2]), int(t[at])
+
+
+def ack_reply_stream(reply: str) -> str:
+    """The stream name in a $JS.ACK reply subject: $JS.ACK.<stream>... (v1) or
+    $JS.ACK.<domain>.<account hash>.<stream>... (v2)."""
+    t = reply.split(".")
+    return t[2] if len(t) == 9 else t[4]
+
+
