@@ -39,7 +39,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+
+from supervisor.config import Config
 
 # --- tuning (module constants; the config exposes only enabled/min/max/interval) ---------------
 
@@ -91,7 +92,7 @@ class Params:
     cpu_bound: float = CPU_BOUND
 
     @classmethod
-    def from_config(cls, cfg: Any) -> Params:
+    def from_config(cls, cfg: Config) -> Params:
         """From the config's [autoscale] section. Decisions need fresh ConsumerInfo, so they are
         never more frequent than monitor.interval polls."""
         a = cfg.autoscale

@@ -47,6 +47,7 @@ import nats
 import nats.errors
 from nats.aio.client import RawCredentials
 
+from supervisor.config import NatsConfig
 from supervisor.config.secrets import redact_text, redact_url
 from supervisor.errors import ConfigError, NatsUnavailable
 from supervisor.nats import fix as natsfix
@@ -200,11 +201,11 @@ def _canonical_creds(jwt: str, seed: str) -> str:
 
 # ---------------------------------------------------------------- kwargs
 
-def _cfg(nats_cfg: Any, name: str) -> str:
+def _cfg(nats_cfg: NatsConfig, name: str) -> str:
     return getattr(nats_cfg, name, "") or ""
 
 
-def _auth_kwargs(nats_cfg: Any) -> tuple[dict[str, Any], list[str]]:
+def _auth_kwargs(nats_cfg: NatsConfig) -> tuple[dict[str, Any], list[str]]:
     chosen = [k for k in AUTH_KEYS if _cfg(nats_cfg, k)]
     if len(chosen) > 1:
         raise NatsConfigError(f"nats.{chosen[1]}",
@@ -230,12 +231,12 @@ def _auth_kwargs(nats_cfg: Any) -> tuple[dict[str, Any], list[str]]:
     return {"user_credentials": RawCredentials(_canonical_creds(jwt, seed))}, [seed]
 
 
-def _tls_wanted(nats_cfg: Any, servers: list[str]) -> bool:
+def _tls_wanted(nats_cfg: NatsConfig, servers: list[str]) -> bool:
     files = ("tls_ca_file", "tls_cert_file", "tls_key_file")
     return any(_cfg(nats_cfg, k) for k in files) or any(s.startswith("tls://") for s in servers)
 
 
-def _tls_context(nats_cfg: Any) -> ssl.SSLContext:
+def _tls_context(nats_cfg: NatsConfig) -> ssl.SSLContext:
     cert, key = _cfg(nats_cfg, "tls_cert_file"), _cfg(nats_cfg, "tls_key_file")
     if bool(cert) != bool(key):
         present, missing = ("tls_cert_file", "tls_key_file") if cert else ("tls_key_file", "tls_cert_file")
@@ -273,7 +274,7 @@ def _tls_url(url: str) -> str:
     return f"tls://{rest}" if scheme == "nats" else url
 
 
-def _build(nats_cfg: Any) -> tuple[dict[str, Any], list[str]]:
+def _build(nats_cfg: NatsConfig) -> tuple[dict[str, Any], list[str]]:
     servers = [s for s in (getattr(nats_cfg, "servers", None) or [])]
     if not servers:
         raise NatsConfigError("nats.servers", "no server to connect to (empty means the embedded server; pass its URL)")
@@ -287,7 +288,7 @@ def _build(nats_cfg: Any) -> tuple[dict[str, Any], list[str]]:
     return kwargs, secrets + _url_secrets(servers)
 
 
-def connect_kwargs(nats_cfg: Any) -> dict[str, Any]:
+def connect_kwargs(nats_cfg: NatsConfig) -> dict[str, Any]:
     """nats-py `connect()` keyword arguments (servers, name, auth, tls) for a `[nats]` config.
 
     Reads the secret files; raises `NatsConfigError` naming the key when one is unusable.
@@ -296,7 +297,7 @@ def connect_kwargs(nats_cfg: Any) -> dict[str, Any]:
     return _build(nats_cfg)[0]
 
 
-def secret_values(nats_cfg: Any) -> list[str]:
+def secret_values(nats_cfg: NatsConfig) -> list[str]:
     """Every secret string the config leads to (for `redact_text`); unreadable files are skipped."""
     found = _url_secrets(getattr(nats_cfg, "servers", None) or [])
     for key, pick in (("password_file", None), ("token_file", None), ("nkey_seed_file", None),
@@ -410,7 +411,7 @@ def _require_tls(nc: Client, value: Any) -> Callable[[], Any]:
     return get
 
 
-async def connect(nats_cfg: Any, *, name: str | None = None, max_reconnect_attempts: int = -1,
+async def connect(nats_cfg: NatsConfig, *, name: str | None = None, max_reconnect_attempts: int = -1,
                   connect_timeout: float = 2.0, reconnect_time_wait: float = 2.0,
                   **options: Any) -> Client:
     """Connect once to the configured servers (one try each, no retry loop) and return the client.

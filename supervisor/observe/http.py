@@ -17,13 +17,12 @@ import asyncio
 import ipaddress
 import json
 import logging
-import os
-import time
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from supervisor.observe import metrics
+from supervisor.observe.snapshot import Snapshot
 from supervisor.observe.status import build_status, health
 
 log = logging.getLogger("supervisor.http")
@@ -40,9 +39,22 @@ REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 403: "Forbidden", 404
            503: "Service Unavailable"}
 
 
+class Commands(Protocol):
+    """What the endpoint may ask of the supervisor: read its picture, its lag window, or ask it
+    to scale. Everything else about the supervisor is out of the endpoint's reach."""
+
+    def snapshot(self) -> Snapshot: ...
+
+    def history(self, after: int) -> dict[str, Any] | None:
+        """/history's body (samples newer than `after`), or None while not monitoring yet."""
+
+    def scale(self, n: int, source: str) -> str | None:
+        """Ask for n workers (the loop applies it); None when accepted, else why not."""
+
+
 class HttpServer:
-    def __init__(self, sup: Any, host: str, port: int):
-        self.sup = sup
+    def __init__(self, commands: Commands, host: str, port: int):
+        self.commands = commands
         self.host, self.port = host, port
         self.server: asyncio.AbstractServer | None = None
         self.page = resources.files("supervisor.observe").joinpath("dashboard.html").read_bytes()
@@ -97,7 +109,7 @@ class HttpServer:
         return fn(self, target.query, writer.get_extra_info("peername"))
 
     def get_status(self, query: str, peer: Any) -> tuple[int, str, bytes]:
-        return 200, "application/json", json.dumps(build_status(self.sup), indent=1).encode() + b"\n"
+        return 200, "application/json", json.dumps(build_status(self.commands.snapshot()), indent=1).encode() + b"\n"
 
     def get_dashboard(self, query: str, peer: Any) -> tuple[int, str, bytes]:
         return 200, "text/html; charset=utf-8", self.page
@@ -107,18 +119,16 @@ class HttpServer:
         values = parse_qs(query).get("after", ["0"])
         if len(values) != 1 or not (values[0].isascii() and values[0].isdigit()):
             return 400, "text/plain", b"expected /history or /history?after=SEQ with SEQ a sample number >= 0\n"
-        mon = self.sup.monitor
-        if mon is None:
+        body = self.commands.history(int(values[0]))
+        if body is None:
             return 503, "text/plain", b"not monitoring yet\n"
-        body = mon.history.as_dict(time.monotonic(), time.time(), self.sup.arbiter.ledger.deaths, int(values[0]))
-        body["pid"] = os.getpid()           # a restarted supervisor numbers its samples anew
         return 200, "application/json", json.dumps(body, separators=(",", ":")).encode() + b"\n"
 
     def get_metrics(self, query: str, peer: Any) -> tuple[int, str, bytes]:
-        return 200, "text/plain; version=0.0.4; charset=utf-8", metrics.render(self.sup)
+        return 200, "text/plain; version=0.0.4; charset=utf-8", metrics.render(self.commands.snapshot())
 
     def get_healthz(self, query: str, peer: Any) -> tuple[int, str, bytes]:
-        ok, reason = health(self.sup)
+        ok, reason = health(self.commands.snapshot())
         return (200 if ok else 503), "text/plain", (reason + "\n").encode()
 
     def post_scale(self, query: str, peer: Any) -> tuple[int, str, bytes]:
@@ -127,10 +137,9 @@ class HttpServer:
         values = parse_qs(query).get("workers", [])
         if len(values) != 1 or not values[0].isdigit() or int(values[0]) > MAX_WORKERS:
             return 400, "text/plain", f"expected /scale?workers=N with 0 <= N <= {MAX_WORKERS}\n".encode()
-        if self.sup.arbiter.stopping:
-            return 503, "text/plain", b"supervisor is stopping\n"
-        n = int(values[0])
-        self.sup.arbiter.post(lambda: self.sup.arbiter.scale(n, source="POST /scale"))   # the loop applies it
+        refused = self.commands.scale(int(values[0]), source="POST /scale")
+        if refused:
+            return 503, "text/plain", f"{refused}\n".encode()
         return 202, "application/json", json.dumps({"target": int(values[0])}).encode() + b"\n"
 
 

@@ -1,15 +1,14 @@
-"""/metrics: Prometheus text built at scrape time from the same state /status shows.
+"""/metrics: Prometheus text built at scrape time from the Snapshot /status shows.
 prometheus-client is used for exposition only: no registry-wide globals, no HTTP thread."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from supervisor.observe.snapshot import PoolView, Snapshot
 from workers.protocol import slots
 
 P = "jetstream_supervisor_"
@@ -20,69 +19,67 @@ LAG_STATES = ("unknown", "ok", "growing", "stuck")
 
 
 class Collector:
-    def __init__(self, sup: Any):
-        self.sup = sup
+    def __init__(self, snap: Snapshot):
+        self.snap = snap
 
     def collect(self) -> Iterator[Metric]:
-        arb, mon = self.sup.arbiter, self.sup.monitor
-        yield from self.workers(arb)
+        pool = self.snap.pool
+        yield from self.workers(self.snap)
         jobs = CounterMetricFamily(P + "jobs", "Jobs settled by workers, by outcome", labels=["outcome"])
-        for outcome, n in arb.stats.worker_counters().items():
+        for outcome, n in pool.jobs.as_dict().items():
             jobs.add_metric([outcome], n)
         yield jobs
-        yield self.durations(arb)
-        yield from self.consumer(mon)
-        yield from self.crosscheck(arb)
+        yield self.durations(pool)
+        yield from self.consumer(self.snap)
+        yield from self.crosscheck(self.snap)
 
-    def workers(self, arb: Any) -> Iterator[Metric]:
+    def workers(self, snap: Snapshot) -> Iterator[Metric]:
+        pool = snap.pool
         g = GaugeMetricFamily(P + "workers", "Worker processes by state", labels=["state"])
-        states = [w.state for w in arb.pool.living()]
+        states = [w.state for w in pool.workers]
         for state in ("starting", "ready", "draining"):
             g.add_metric([state], states.count(state))
         yield g
-        yield GaugeMetricFamily(P + "workers_target", "Worker count asked for", value=arb.pool.target)
-        autoscale = arb.autoscale.status(time.monotonic())
+        yield GaugeMetricFamily(P + "workers_target", "Worker count asked for", value=pool.target)
+        autoscale = snap.autoscale
         yield GaugeMetricFamily(P + "autoscale_target", "Worker count autoscaling runs (workers_target when off)",
                                 value=autoscale["target"])
         yield GaugeMetricFamily(P + "autoscale_enabled", "1 when autoscale.enabled", value=int(autoscale["enabled"]))
         yield GaugeMetricFamily(P + "autoscale_paused", "1 while a manual scale pauses autoscaling",
                                 value=int(autoscale["resumes_in_s"] is not None))
-        yield CounterMetricFamily(P + "worker_restarts", "Workers restarted after dying", value=arb.stats.totals.restarts)
-        yield CounterMetricFamily(P + "worker_deaths", "Workers that died unexpectedly",
-                                  value=arb.stats.totals.worker_deaths)
-        yield CounterMetricFamily(P + "in_progress_pings", "+WPI sent for long jobs", value=arb.stats.totals.pings)
+        yield CounterMetricFamily(P + "worker_restarts", "Workers restarted after dying", value=pool.restarts)
+        yield CounterMetricFamily(P + "worker_deaths", "Workers that died unexpectedly", value=pool.worker_deaths)
+        yield CounterMetricFamily(P + "in_progress_pings", "+WPI sent for long jobs", value=pool.pings)
 
-    def durations(self, arb: Any) -> Metric:
-        counts, total = arb.stats.duration_histogram()
+    def durations(self, pool: PoolView) -> Metric:
         buckets, running = [], 0
-        for bound, n in zip([*map(str, slots.DURATION_BUCKETS), "+Inf"], counts):
+        for bound, n in zip([*map(str, slots.DURATION_BUCKETS), "+Inf"], pool.duration_buckets):
             running += n
             buckets.append((bound, running))
         h = HistogramMetricFamily(P + "job_duration_seconds", "Handler run time per job")
-        h.add_metric([], buckets, total)
+        h.add_metric([], buckets, pool.duration_sum)
         return h
 
-    def consumer(self, mon: Any) -> Iterator[Metric]:
-        info = (mon.consumer if mon else None) or {}
+    def consumer(self, snap: Snapshot) -> Iterator[Metric]:
+        c = snap.consumer
         for name, key in CONSUMER_GAUGES.items():
-            if key in info:
-                yield GaugeMetricFamily(P + name, f"ConsumerInfo {key}", value=info[key])
-        if mon:
-            age = mon.poll_age()
-            if age is not None:
-                yield GaugeMetricFamily(P + "consumer_poll_age_seconds", "Age of the last good ConsumerInfo", value=age)
-            state = mon.analyzer.report(time.monotonic()).state
+            if c.values.get(key) is not None:
+                yield GaugeMetricFamily(P + name, f"ConsumerInfo {key}", value=c.values[key])
+        if c.poll_age_s is not None:
+            yield GaugeMetricFamily(P + "consumer_poll_age_seconds", "Age of the last good ConsumerInfo",
+                                    value=c.poll_age_s)
+        if snap.lag is not None:
             g = GaugeMetricFamily(P + "lag_state", "1 for the current lag state", labels=["state"])
             for s in LAG_STATES:
-                g.add_metric([s], 1.0 if s == state else 0.0)
+                g.add_metric([s], 1.0 if s == snap.lag.state else 0.0)
             yield g
             a = CounterMetricFamily(P + "advisories", "JetStream advisories received", labels=["kind"])
-            for kind, n in mon.advisories.items():
+            for kind, n in snap.advisories.items():
                 a.add_metric([kind], n)
             yield a
 
-    def crosscheck(self, arb: Any) -> Iterator[Metric]:
-        c = arb.ledger.counts
+    def crosscheck(self, snap: Snapshot) -> Iterator[Metric]:
+        c = snap.ledger
         for name, key, help_ in (
                 ("crash_held_jobs", "jobs_held_at_crash", "Jobs dead workers held at their death"),
                 ("crash_redelivered", "held_jobs_redelivered", "Jobs held at a death seen redelivered"),
@@ -91,10 +88,10 @@ class Collector:
                 ("quarantined", "quarantined", "Poison jobs dead-lettered after repeated worker deaths")):
             yield CounterMetricFamily(P + name, help_, value=c[key])
         yield GaugeMetricFamily(P + "crash_outstanding", "Jobs held at a death not yet seen acked",
-                                value=len(arb.ledger.outstanding(time.monotonic())))
+                                value=len(snap.outstanding))
 
 
-def render(sup: Any) -> bytes:
+def render(snap: Snapshot) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(Collector(sup))
+    registry.register(Collector(snap))
     return generate_latest(registry)

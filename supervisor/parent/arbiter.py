@@ -40,6 +40,7 @@ from supervisor.parent.pool import Pool
 from supervisor.parent.process import WorkerProcess
 from supervisor.parent.scaler import Scaler
 from supervisor.parent.stats import Stats
+from supervisor.parent.systemd import Notifier
 from supervisor.parent.watch import Watch
 from workers.protocol import slots
 from workers.protocol.exits import CHILD_EXIT_REASONS, EXIT_CONNECT_FAILED
@@ -59,7 +60,7 @@ class Arbiter:
     a few lines that hand the work to a room (pool, deaths, watch, stats)."""
 
     def __init__(self, cfg: Config, nc: Any, handler: Callable, init: Callable | None,
-                 connect_worker: Callable[[int], Any], notifier: Any = None,
+                 connect_worker: Callable[[int], Any], notifier: Notifier | None = None,
                  reload_config: Callable[[], Any] | None = None):
         self.cfg = cfg
         self.nc = nc

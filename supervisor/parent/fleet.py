@@ -52,9 +52,10 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
-from supervisor import __version__
+from supervisor.config import Config
 from supervisor.core.fleetview import (
     BEAT_PREFIX,
     LOST_AFTER,
@@ -69,6 +70,8 @@ from supervisor.core.fleetview import (
     unlisted_window,
 )
 from supervisor.core.policy import ack_wait_for
+from supervisor.observe.snapshot import Snapshot
+from supervisor.parent.arbiter import Arbiter
 
 log = logging.getLogger("supervisor.fleet")
 
@@ -82,31 +85,21 @@ def sample_subject(stream: str, consumer: str) -> str:
 
 # ================================================================ one heartbeat
 
-def held_jobs(arbiter: Any, now: float) -> list[list]:
+def held_jobs(snap: Snapshot) -> list[list]:
     """[seq, delivery, seconds its AckWait timer has run, reply, state] for every job a worker
     holds (state: held = pulled, running, acked = ack sent, not yet confirmed)."""
-    from workers.protocol import slots
-
-    out = []
-    for w in arbiter.living():
-        for e in w.table.snapshot():
-            if e.state in (slots.HELD, slots.RUNNING, slots.ACKED):
-                timer = arbiter.deaths.timer_started(w.pid, e)
-                out.append([e.stream_seq, e.delivery, round(now - timer, 3), e.reply, slots.ENTRY_STATES[e.state]])
-    return out
+    return [[j.stream_seq, j.delivery, round(j.timer_age_s, 3), j.reply, j.state]
+            for w in snap.pool.workers for j in w.jobs]
 
 
-def build_beat(arbiter: Any, cfg: Any, name: str, started: float, jobs_per_s: float, now: float) -> dict:
-    counts = arbiter.ledger.counts
-    return {"name": name, "host": socket.gethostname(), "pid": os.getpid(), "version": __version__,
-            "state": arbiter.state, "workers": {"ready": arbiter.pool.ready_count(), "target": arbiter.pool.target},
+def build_beat(snap: Snapshot, name: str, started: float, jobs_per_s: float) -> dict:
+    counts, pool = snap.ledger, snap.pool
+    return {"name": name, "host": socket.gethostname(), "pid": snap.pid, "version": snap.version,
+            "state": snap.state, "workers": {"ready": pool.ready, "target": pool.target},
             "jobs_per_s": round(jobs_per_s, 2), "crashes": counts["crashes"],
             "unexplained": counts["unexplained_redeliveries"], "started": started, "t": time.time(),
-            "heartbeat": cfg.fleet.heartbeat,
-            "capacity": len(arbiter.pool.slots) * arbiter.pool.table_entries() // 2,
-            "acked": arbiter.stats.worker_counters()["ack"],
-            "busy": arbiter.stats.progress_beat(cfg.workers.job_timeout) is not None,
-            "held": held_jobs(arbiter, now)}
+            "heartbeat": snap.cfg.fleet.heartbeat, "capacity": pool.capacity, "acked": pool.jobs.ack,
+            "busy": pool.busy, "held": held_jobs(snap)}
 
 
 # ================================================================ the parent's fleet task
@@ -120,8 +113,9 @@ class Fleet:
     around one piece of state (whether we hold the lease, at which revision); the decisions are
     already outside it (FleetView, Fallback, plan_release, unlisted_window), each pure."""
 
-    def __init__(self, cfg: Any, nc: Any, arbiter: Any):
+    def __init__(self, cfg: Config, nc: Any, arbiter: Arbiter, snapshot: Callable[[], Snapshot]):
         self.cfg, self.nc, self.arbiter = cfg, nc, arbiter
+        self.snapshot = snapshot              # what the heartbeat says (and our own held jobs)
         self.name = cfg.fleet.name or socket.gethostname()
         self.key = beat_key(self.name, os.getpid(), secrets.token_hex(3))
         self.started = time.time()
@@ -198,13 +192,13 @@ class Fleet:
     async def beat(self) -> None:
         from nats.js.errors import KeyWrongLastSequenceError
 
-        now = time.monotonic()
-        acked = self.arbiter.stats.worker_counters()["ack"]
+        now, snap = time.monotonic(), self.snapshot()
+        acked = snap.pool.jobs.ack
         rate = 0.0
         if self.acked_at and now > self.acked_at[0]:
             rate = (acked - self.acked_at[1]) / (now - self.acked_at[0])
         self.acked_at = (now, acked)
-        body = json.dumps(build_beat(self.arbiter, self.cfg, self.name, self.started, rate, now),
+        body = json.dumps(build_beat(snap, self.name, self.started, rate),
                           separators=(",", ":")).encode()
         try:
             self.rev = await (self.kv.update(self.key, body, last=self.rev) if self.rev
@@ -362,7 +356,7 @@ class Fleet:
             return Release(skipped=[(s, d, "fleet.release_lost is false") for s, d, *_ in held])
         now = time.monotonic()
         live = self.view.held_by_live(now) if self.view else {}
-        own = {e[0]: e[1] for e in held_jobs(self.arbiter, now)}
+        own = {e[0]: e[1] for e in held_jobs(self.snapshot())}
         peers = self.arbiter.peers
         c = self.cfg.consumer
         return plan_release(held, since, lambda d: ack_wait_for(c.ack_wait, c.backoff, d),
@@ -374,10 +368,10 @@ class Fleet:
         now = time.monotonic()
         counts = self.view.counts(now) if self.view else {}
         acked, busy = self.view.progress(now) if self.view else (0, False)
+        pool = self.snapshot().pool
         return {"poller": self.name, "poller_key": self.key, "ok": counts.get("ok", 0) + counts.get("silent", 0),
                 "silent": counts.get("silent", 0), "lost": counts.get("lost", 0),
-                "acked": acked + self.arbiter.stats.worker_counters()["ack"],
-                "busy": busy or self.arbiter.stats.progress_beat(self.cfg.workers.job_timeout) is not None}
+                "acked": acked + pool.jobs.ack, "busy": busy or pool.busy}
 
     def progress(self) -> tuple[int, bool]:
         """Fleet-wide progress for the lag analysis: a sum of every supervisor's acks (it moves

@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from nats.js.errors import NotFoundError
@@ -30,6 +31,8 @@ from supervisor.core.fleetview import ack_wait_range
 from supervisor.core.lag import LagAnalyzer, Sample
 from supervisor.nats.consumer import consumer_dict
 from supervisor.observe.history import History
+from supervisor.parent.arbiter import Arbiter
+from supervisor.parent.fleet import Fleet
 from workers import Job
 from workers.runtime.deadletter import dead_letter
 
@@ -92,7 +95,7 @@ class SampleGuard:
 
 
 class Monitor:
-    def __init__(self, cfg: Config, nc: Any, arbiter: Any):
+    def __init__(self, cfg: Config, nc: Any, arbiter: Arbiter):
         self.cfg = cfg
         self.nc = nc
         self.arbiter = arbiter
@@ -103,7 +106,7 @@ class Monitor:
         self.error = ""
         self.advisories = {"max_deliveries": 0, "terminated": 0}
         self.guard = SampleGuard()
-        self.fleet: Any = None              # supervisor/parent/fleet.py, set by the app when the fleet runs
+        self.fleet: Fleet | None = None     # set by parent/supervisor.py when the fleet runs
         self.shared_seq = 0                 # the poller's last sample taken
         self.source = "self"                # who the newest sample came from: "self" or the poller's name
 
@@ -125,11 +128,12 @@ class Monitor:
     async def poll(self) -> None:
         js = self.nc.jetstream()
         now = time.monotonic()
-        shared = self.fleet.shared_sample(now) if self.fleet else None
-        if shared is not None:
+        fleet = self.fleet
+        shared = fleet.shared_sample(now) if fleet else None
+        if fleet and shared is not None:
             consumer, seq = shared
             if seq != self.shared_seq:          # a sample we have not taken yet
-                self.shared_seq, self.source = seq, self.fleet.summary.get("poller") or "poller"
+                self.shared_seq, self.source = seq, fleet.summary.get("poller") or "poller"
                 await self.accept(js, consumer)
             return
         if self.fleet and not self.fleet.may_poll(now):
@@ -175,8 +179,11 @@ class Monitor:
                                  progress_alive=beat is not None or fleet_busy, progress_at=beat))
         self.history.add(self.polled_at, consumer, self.analyzer.report(self.polled_at).state)
         ledger, c, t = self.arbiter.ledger, consumer, self.polled_at
-        self.arbiter.post(lambda: (ledger.ack_floor(c["ack_floor_stream_seq"]),
-                                   ledger.delivered_seen(t, c["delivered_stream_seq"])))
+
+        def record() -> None:
+            ledger.ack_floor(c["ack_floor_stream_seq"])
+            ledger.delivered_seen(t, c["delivered_stream_seq"])
+        self.arbiter.post(record)
         await self.resolve_acks_in_doubt(js)
         return True
 
@@ -197,7 +204,8 @@ class Monitor:
             try:
                 await js.get_msg(self.cfg.stream.name, seq)
             except NotFoundError:
-                self.arbiter.post(lambda seq=seq: self.arbiter.ledger.resolve(seq, "acked before the death (message gone)"))
+                ledger = self.arbiter.ledger
+                self.arbiter.post(partial(ledger.resolve, seq, "acked before the death (message gone)"))
             except Exception:
                 return              # try again next poll
 

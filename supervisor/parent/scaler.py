@@ -27,14 +27,35 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
+from supervisor.config import Config
 from supervisor.core.autoscale import MANUAL_PAUSE_S, Autoscaler, Decision, Inputs, Params
+from supervisor.core.lag import LagAnalyzer
+from supervisor.parent.pool import Pool
+from supervisor.parent.stats import Stats
 from workers.protocol import slots
 
 log = logging.getLogger("supervisor.autoscale")
+
+
+class Host(Protocol):
+    """What the autoscaler reads of the arbiter, and the one thing it asks of it."""
+    cfg: Config
+    pool: Pool
+    stats: Stats
+    stopping: str | None
+
+    def scale(self, n: int, source: str) -> None: ...
+
+
+class LagSource(Protocol):
+    """What it reads of the monitor (parent/monitor.py): the consumer's numbers and lag state."""
+    consumer: dict[str, Any] | None
+    polled_at: float | None
+    analyzer: LagAnalyzer
 
 
 @dataclass(frozen=True)
@@ -57,7 +78,7 @@ class Meter:
         self.cpu = box_cpu()
         self.sched: dict[int, int] = {}
 
-    def read(self, now: float, arb: Any) -> Reading | None:
+    def read(self, now: float, arb: Host) -> Reading | None:
         acked = arb.stats.worker_counters()["ack"]
         counts, handler_s = arb.stats.duration_histogram()
         finished = sum(counts)
@@ -106,9 +127,9 @@ def sched_ns(pid: int) -> int | None:
 
 
 class Scaler:
-    def __init__(self, arb: Any):
+    def __init__(self, arb: Host):
         self.arb = arb
-        self.monitor: Any = None                 # set once the monitor exists (app.py)
+        self.monitor: LagSource | None = None    # set once the monitor exists (parent/supervisor.py)
         self.policy = Autoscaler(Params.from_config(arb.cfg))
         self.meter = Meter()
         self.cores = psutil.cpu_count() or os.cpu_count() or 1
@@ -179,7 +200,7 @@ class Scaler:
         self.pause_reason = ""
         log.info("autoscale: resumes (%s)", why, extra={"event": "autoscale_resumed", "why": why})
 
-    def reload(self, cfg: Any) -> None:
+    def reload(self, cfg: Config) -> None:
         """SIGHUP: new bounds and interval; a pause ends; turning autoscaling off returns the
         count to workers.count (the arbiter's config is already the new one)."""
         was = self.policy.params

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import sysconfig
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,6 +27,9 @@ from supervisor.nats import connect as natsconn
 from supervisor.nats import provision
 from supervisor.nats.embedded import EmbeddedServer
 from supervisor.observe.http import HttpServer
+from supervisor.observe.snapshot import Snapshot
+from supervisor.observe.status import title
+from supervisor.parent import snapshots
 from supervisor.parent.arbiter import Arbiter
 from supervisor.parent.fleet import Fleet
 from supervisor.parent.monitor import Monitor
@@ -166,7 +170,7 @@ class Supervisor:
             await self.inherit_pending(self.arbiter)
             self.monitor = Monitor(cfg, self.nc, self.arbiter)
             self.arbiter.autoscale.monitor = self.monitor      # its lag analysis and consumer numbers
-            self.fleet = self.monitor.fleet = Fleet(cfg, self.nc, self.arbiter)
+            self.fleet = self.monitor.fleet = Fleet(cfg, self.nc, self.arbiter, self.snapshot)
             if cfg.monitor.http:
                 host, port = parse_hostport(cfg.monitor.http, "monitor.http")
                 self.http = HttpServer(self, host, port)
@@ -263,16 +267,35 @@ class Supervisor:
         setproctitle.setproctitle(f"supervisor: parent [{self.cfg.stream.name}/{self.cfg.consumer.name}] {state}")
 
     async def keep_title(self) -> None:
-        """`supervisor: parent [JOBS/workers] 4/4 ready` in ps/top, kept current (a read of the
-        arbiter's state every TITLE_INTERVAL; the arbiter is not disturbed)."""
+        """`supervisor: parent [JOBS/workers] 4/4 ready` in ps/top, kept current (a snapshot every
+        TITLE_INTERVAL; the arbiter is not disturbed)."""
         shown = ""
-        a = self.parts()[0]
         while True:
-            state = f"{a.pool.ready_count()}/{a.pool.target} ready" + (f", {a.state}" if a.state != "running" else "")
+            state = title(self.snapshot())
             if state != shown:
                 self.set_title(state)
                 shown = state
             await asyncio.sleep(TITLE_INTERVAL)
+
+    # ------------------------------------------------------------ what the HTTP endpoint may ask (http.Commands)
+
+    def snapshot(self) -> Snapshot:
+        arbiter, monitor, fleet = self.parts()
+        return snapshots.take(arbiter, monitor, fleet, self.nc, self.embedded is not None)
+
+    def history(self, after: int) -> dict[str, Any] | None:
+        if self.monitor is None or self.arbiter is None:
+            return None
+        body = self.monitor.history.as_dict(time.monotonic(), time.time(), self.arbiter.ledger.deaths, after)
+        body["pid"] = os.getpid()           # a restarted supervisor numbers its samples anew
+        return body
+
+    def scale(self, n: int, source: str) -> str | None:
+        arbiter = self.parts()[0]
+        if arbiter.stopping:
+            return "supervisor is stopping"
+        arbiter.post(lambda: arbiter.scale(n, source=source))       # the loop applies it
+        return None
 
     async def connect_worker(self, slot: int) -> Any:
         # The worker's own liveness PINGs tell the parent sooner (slot table SERVER_SEEN).

@@ -238,11 +238,11 @@ def test_status_consumer_keys_are_there_and_null_before_the_first_poll():
     moment between start and the first ConsumerInfo answer: every polled key is there, null."""
     from types import SimpleNamespace
 
-    from supervisor.config import Config
     from supervisor.nats.consumer import POLLED_KEYS, consumer_dict
     from supervisor.observe.status import consumer_block
+    from supervisor.parent.snapshots import consumer_view
 
-    block = consumer_block(None, Config())
+    block = consumer_block(consumer_view(None, "JOBS", "workers"))
     assert set(STATUS_SHAPE["consumer"]) - {"poll_age_s"} <= {"stream", "name", *POLLED_KEYS}
     assert {k: block[k] for k in (*POLLED_KEYS, "poll_age_s")} == dict.fromkeys((*POLLED_KEYS, "poll_age_s"))
     assert (block["stream"], block["name"]) == ("JOBS", "workers")

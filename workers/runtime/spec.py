@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from supervisor.config import Config
 from workers import Job
 from workers.protocol.slots import SlotTable
 
@@ -17,7 +18,7 @@ class ChildSpec:
     parent_pid: int
     table: SlotTable
     events_fd: int
-    cfg: Any                                   # supervisor.config.Config (servers resolved)
+    cfg: Config                                # servers resolved
     handler: Callable[[Job], Any]
     init: Callable[[], Any] | None
     connect: Callable[[], Awaitable[Any]]      # returns a connected nats client

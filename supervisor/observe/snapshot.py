@@ -1,0 +1,125 @@
+"""A frozen picture of a running supervisor: the one door between the parent and its views.
+
+The parent builds it on its own loop (`Supervisor.snapshot`, from the arbiter, the monitor, the
+fleet task and the slot tables), and every view reads it and nothing else: `/status`, `/metrics`,
+`/healthz`, the dashboard (which draws `/status`), the fleet heartbeat and the process title. So
+each view is a function of a value, unit-tested with a literal Snapshot, and no view can change
+or even reach the arbiter. The mappings inside are copies: read them, never write them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from supervisor.config import Config
+from supervisor.core.lag import LagReport
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Jobs settled by outcome (a duplicate: acked without running, [idempotency])."""
+    ack: int = 0
+    nak: int = 0
+    term: int = 0
+    duplicate: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"ack": self.ack, "nak": self.nak, "term": self.term, "duplicate": self.duplicate}
+
+
+@dataclass(frozen=True)
+class JobView:
+    """One job a worker holds."""
+    stream_seq: int
+    delivery: int
+    state: str              # held (pulled, not started) | running | acked (ack sent, not yet fenced)
+    age_s: float            # since it was held; a running job: since it started
+    timer_age_s: float      # how long its AckWait timer has run (since it was held or last pinged)
+    reply: str              # its $JS.ACK reply subject
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    slot: int
+    pid: int
+    state: str              # starting | ready | draining
+    retiring: bool
+    counters: Counters      # this worker's own, from its table
+    started: int            # jobs it started
+    restarts: int           # of its slot
+    rss_bytes: int
+    heartbeat_age_s: float | None
+    uptime_s: float
+    jobs: tuple[JobView, ...] = ()
+
+
+@dataclass(frozen=True)
+class PoolView:
+    target: int
+    ready: int
+    retiring: int
+    workers: tuple[WorkerView, ...]
+    capacity: int                          # jobs the pool can hold at once (half its table entries)
+    jobs: Counters                         # since start: exited workers' and the living's
+    duration_buckets: tuple[int, ...]      # per slots.DURATION_BUCKETS bound, then +Inf (not cumulative)
+    duration_sum: float
+    slowest_job_s: float
+    restarts: int
+    worker_deaths: int
+    pings: int                             # +WPI sent for long jobs
+    busy: bool                             # a live, beating worker runs a job within its job_timeout
+
+    @property
+    def alive(self) -> int:
+        return len(self.workers)
+
+
+@dataclass(frozen=True)
+class NatsView:
+    connected: bool
+    server: str | None                     # HOST:PORT of the server the parent is connected to
+    embedded: bool
+    servers: tuple[str, ...]               # configured, credentials redacted
+
+
+@dataclass(frozen=True)
+class ConsumerView:
+    stream: str
+    name: str
+    values: Mapping[str, Any]              # every polled ConsumerInfo key; None until the first poll
+    poll_age_s: float | None
+    source: str                            # "self", or the fleet poller whose sample this is
+    samples_skipped: int                   # answers the leader-move guard kept out
+    error: str
+
+
+@dataclass(frozen=True)
+class Alert:
+    kind: str
+    message: str
+    t: float = 0.0                         # wall clock when raised
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    at: float                              # monotonic time it was taken
+    version: str
+    pid: int
+    uptime_s: float
+    state: str                             # starting | running | draining | stopping
+    stopping: bool
+    cfg: Config
+    nats: NatsView
+    pool: PoolView
+    consumer: ConsumerView
+    lag: LagReport | None
+    autoscale: Mapping[str, Any]
+    crosscheck: Mapping[str, Any]
+    ledger: Mapping[str, int]              # the crash ledger's counts
+    outstanding: tuple[Mapping[str, Any], ...]   # jobs held at a death not yet seen acked
+    peers: Mapping[str, Any]
+    advisories: Mapping[str, int]
+    fleet: Mapping[str, Any]
+    raised: tuple[Alert, ...] = field(default=())  # alerts the loop raised (deaths, halts, ...)
