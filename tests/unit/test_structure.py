@@ -1,8 +1,9 @@
-"""The shape of the code (issue 16), read from the source with ast: no import circle among the
-project's modules (imports inside functions count: a lazy import hides a circle, it does not
-break it), no module loaded by a name in a string, and no class over MAX_CLASS_LINES lines
-without a reason in its docstring. And ruff and mypy, as pyproject.toml configures them, find
-nothing (the README's test command runs them through this file)."""
+"""The shape of the code, read from the source with ast: the layers import only downwards (LAYERS,
+docs/ARCHITECTURE.md draws them), no import circle among the project's modules (imports inside
+functions count: a lazy import hides a circle, it does not break it), no module loaded by a name
+in a string, no package folder over MAX_FOLDER_MODULES modules, and no class over
+MAX_CLASS_LINES lines without a reason in its docstring. And ruff and mypy, as pyproject.toml
+configures them, find nothing (the README's test command runs them through this file)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("supervisor", "workers", "chaos", "bench")
 MAX_CLASS_LINES = 300
+MAX_FOLDER_MODULES = 15
+
+# Each layer and the layers it may import (its own modules always). What crosses fork() is in
+# workers.protocol, which imports nothing of ours; the worker side never imports the parent's
+# side (only the config tree both read); the views (observe) read a Snapshot and never the parent.
+BASE = {"supervisor", "supervisor.errors", "supervisor.logs"}
+LAYERS: dict[str, set[str]] = {
+    "workers.protocol": set(),
+    "workers": {"workers.protocol"},
+    "workers.runtime": {"workers", "workers.protocol", "supervisor.config", "supervisor.errors"},
+    "supervisor": set(), "supervisor.errors": set(), "supervisor.logs": set(), "supervisor.__main__": {"supervisor.cli"},
+    "supervisor.config": {"supervisor.errors"},
+    "supervisor.core": {"supervisor.config", "supervisor.errors", "workers.protocol"},
+    "supervisor.nats": {"supervisor.config", "workers.protocol", *BASE},
+    "supervisor.observe": {"supervisor.config", "supervisor.core", "workers.protocol", *BASE},
+    "supervisor.parent": {"supervisor.config", "supervisor.core", "supervisor.nats", "supervisor.observe", "workers",
+                          "workers.protocol", "workers.runtime", *BASE},
+    "supervisor.demo": {"supervisor.cli", "supervisor.config", "supervisor.nats", "workers.protocol", *BASE},
+    "supervisor.cli": {"supervisor.config", "supervisor.core", "supervisor.demo", "supervisor.nats", "supervisor.parent",
+                       "workers.runtime", *BASE},
+}
 LONG_CLASS_REASON = "Long because"          # the docstring phrase that explains a longer class
 
 
@@ -92,6 +114,51 @@ def project_graph() -> dict[str, set[str]]:
         if name in PACKAGES:
             graph[name] = {t for t in graph[name] if not t.startswith(name + ".")}
     return graph
+
+
+def layer_of(module: str) -> str:
+    """`supervisor.parent.arbiter` -> `supervisor.parent`; chaos and bench are tools, not layers."""
+    parts = module.split(".")
+    for depth in (2, 1):
+        name = ".".join(parts[:depth])
+        if name in LAYERS or name in ("chaos", "bench"):
+            return name
+    return module
+
+
+def broken_rules(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for module, targets in sorted(graph.items()):
+        here = layer_of(module)
+        if here not in LAYERS:
+            continue
+        for t in sorted(targets):
+            there = layer_of(t)
+            if there != here and there not in LAYERS[here]:
+                out.append(f"{module} imports {t} ({here} may not import {there})")
+    return out
+
+
+def test_the_layer_rule_sees_an_import_upwards():
+    assert broken_rules({"workers.runtime.worker": {"supervisor.parent.arbiter"}}) == [
+        "workers.runtime.worker imports supervisor.parent.arbiter (workers.runtime may not import supervisor.parent)"]
+    assert broken_rules({"supervisor.observe.status": {"supervisor.parent.pool"}})
+    assert broken_rules({"workers.protocol.slots": {"supervisor.config"}})
+    assert broken_rules({"supervisor.parent.arbiter": {"workers.protocol.slots", "supervisor.core.ledger"}}) == []
+
+
+def test_every_module_is_in_a_layer_and_the_layers_import_downwards():
+    graph = project_graph()
+    strays = [m for m in graph if layer_of(m) not in LAYERS and layer_of(m) not in ("chaos", "bench")]
+    assert not strays, f"modules outside every layer (add them to LAYERS): {strays}"
+    assert broken_rules(graph) == []
+
+
+def test_no_package_folder_is_a_flat_heap():
+    for pkg in PACKAGES:
+        for folder in [ROOT / pkg, *(p for p in (ROOT / pkg).rglob("*") if p.is_dir() and p.name != "__pycache__")]:
+            n = len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
+            assert n <= MAX_FOLDER_MODULES, f"{folder.relative_to(ROOT)} has {n} modules: give it sub-packages"
 
 
 def test_the_import_walker_sees_a_circle():
