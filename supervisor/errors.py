@@ -1,4 +1,4 @@
-"""One root for every error the supervisor reports to a user, each with its SPEC.md exit code.
+"""One root for every error the supervisor reports to a user, each with its docs/CONTRACT.md exit code.
 
 The CLI catches `SupervisorError` and prints `error: <message>` on one line; anything else
 that escapes is a bug (exit 1) and keeps its traceback.

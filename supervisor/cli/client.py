@@ -22,7 +22,7 @@ _ANY_HOST = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 class SupervisorUnreachable(SupervisorError):
     """Nothing answers at the supervisor's HTTP address, or it answers with an error.
 
-    Exit 1: SPEC.md has no dedicated code for "the supervisor is not running"; 1 is the generic
+    Exit 1: docs/CONTRACT.md has no dedicated code for "the supervisor is not running"; 1 is the generic
     failure (2 stays "you typed something wrong", 4 stays "NATS")."""
 
     exit_code = EXIT_BUG

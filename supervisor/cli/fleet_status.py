@@ -76,7 +76,7 @@ async def read_beats(js: Any, bucket: str) -> tuple[list[tuple[dict, float]], st
 
 
 def fleet_rows(beats: list[tuple[dict, float]], now: float) -> list[dict]:
-    """SPEC's rows: `lost` after 3 missed heartbeats (by the server's clock), or once a poller
+    """the contract's rows: `lost` after 3 missed heartbeats (by the server's clock), or once a poller
     marked it so."""
     rows = []
     for beat, server_t in beats:

@@ -15,7 +15,7 @@ from supervisor.config import Config
 from supervisor.core.policy import ack_wait_for
 
 BEAT_PREFIX = "sup."
-LOST_AFTER = 3              # missed heartbeats before a peer is lost (SPEC)
+LOST_AFTER = 3              # missed heartbeats before a peer is lost (docs/CONTRACT.md)
 RELEASE_MARGIN = 2.0        # seconds of AckWait that must be left to release a job (and 20 % of it)
 WINDOW_SLACK = 2.0          # seconds around the AckWait window of a lost peer's unlisted jobs
 FALLBACK_POLLS = 10         # ConsumerInfo requests per interval a whole fleet makes while it has no poller

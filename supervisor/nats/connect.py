@@ -1,6 +1,6 @@
 """Connect to NATS with whatever auth `[nats]` configures, and never leak a secret doing it.
 
-Every auth mode of SPEC.md maps onto nats-py 2.16 keyword arguments here:
+Every auth mode of docs/CONTRACT.md maps onto nats-py 2.16 keyword arguments here:
 
 | `[nats]` keys                   | nats-py                                   |
 |---------------------------------|-------------------------------------------|

@@ -6,7 +6,7 @@ clients are made, so every connection of ours (parent, workers, one-shot command
 - `fence()`: returns once the server has read everything published before the call. nats-py's
   `flush()` writes its PING straight to the socket while `publish()` queues its bytes for the
   flusher task, so `publish(); flush()` can put `PING, PUB` on the wire and the PONG proves
-  nothing about the PUB (DESIGN.md). `fence()` makes the flusher write the queue first.
+  nothing about the PUB (docs/DESIGN.md). `fence()` makes the flusher write the queue first.
 - `_process_pong`: a `flush()` that times out, or whose task is cancelled, leaves its future in
   the client's PONG queue. When that PING's PONG arrives, nats-py calls set_result() on the
   cancelled future, raises InvalidStateError inside the protocol parser, drops the rest of the

@@ -2,7 +2,7 @@
 
     GET /         the dashboard: one self-contained page (dashboard.html) drawing /status and /history
     GET /healthz  200 ok | 503 <reason>
-    GET /status   JSON (SPEC.md)
+    GET /status   JSON (docs/CONTRACT.md)
     GET /history  JSON: the last monitor.lag_window of ConsumerInfo samples and crash moments
     GET /metrics  Prometheus text
     POST /scale?workers=N   loopback clients only

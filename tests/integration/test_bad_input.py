@@ -1,4 +1,4 @@
-"""Bad input gets its SPEC.md exit code and one line that names the culprit, never a traceback."""
+"""Bad input gets its docs/CONTRACT.md exit code and one line that names the culprit, never a traceback."""
 
 import socket
 

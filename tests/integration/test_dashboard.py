@@ -371,7 +371,7 @@ def test_the_page_formatters(crashed, browser):
     got = {expr: page.evaluate(f"(({{{names}}}) => {expr})(window.dashboard)") for expr in cases}
     assert got == cases
 
-    # The wave-2 blocks (SPEC: /status "autoscale" and "fleet"): drawn when present, hidden when
+    # The wave-2 blocks (docs/CONTRACT.md: /status "autoscale" and "fleet"): drawn when present, hidden when
     # absent. Drawn and read in one synchronous call, so no refresh comes in between.
     shown = page.evaluate("""(() => { const d = window.dashboard, text = (id) => document.getElementById(id);
         d.drawBlock("autoscale", {enabled: true, target: 5, min: 1, max: 8, reason: "pending rising",

@@ -1,4 +1,4 @@
-"""Promises of SPEC.md and the README that no other test would notice breaking (issue 17): the
+"""Promises of docs/CONTRACT.md and the README that no other test would notice breaking (issue 17): the
 `/status` JSON shape, the crash counters and the `worker_deaths` alert, and the consumer's
 `filter_subject` and `backoff` reaching the server and doing what they say. Real nats-server,
 real supervisor, real workers; every expectation below is written from the SPEC/README text,
@@ -14,7 +14,7 @@ from test_observability import metric_families, value
 NUMBER = (int, float)
 NONE = type(None)
 
-# The /status tree SPEC.md promises, key by key ("## HTTP", the `/status` JSON block, and "Wave 2
+# The /status tree docs/CONTRACT.md promises, key by key ("## HTTP", the `/status` JSON block, and "Wave 2
 # additions"). A tuple of types is a leaf; a dict is an object whose keys must all be present
 # (more are welcome, says SPEC); a one-element list is a list whose every entry has that shape.
 STATUS_SHAPE: dict[str, Any] = {
@@ -110,7 +110,7 @@ def shape_errors(value: Any, shape: Any, path: str = "status") -> list[str]:
 
 def test_status_json_has_every_key_spec_lists(supervisor_factory, tmp_path):
     """One live supervisor on the embedded server, one job held in flight by the test: every key
-    of SPEC's /status block is there with its type, at every level, the enums within their sets."""
+    of the contract's /status block is there with its type, at every level, the enums within their sets."""
     gate = tmp_path / "gate"
     sup = supervisor_factory(None, workers={"count": 2})
     sup.wait_ready(2)
@@ -125,7 +125,7 @@ def test_status_json_has_every_key_spec_lists(supervisor_factory, tmp_path):
         wait_until(settled, what="a job in flight, polled and analysed")
         # The fleet counts its peers after its first heartbeat round; until then peers is null.
         wait_until(lambda: isinstance(sup.status()["fleet"].get("peers"), int), timeout=30,
-                   what="fleet.peers (SPEC: a number n)")
+                   what="fleet.peers (docs/CONTRACT.md: a number n)")
         status = settled()
         assert status, "the job left flight while the test held it"
         assert shape_errors(status, STATUS_SHAPE) == []
@@ -146,7 +146,7 @@ def test_status_json_has_every_key_spec_lists(supervisor_factory, tmp_path):
 
 def test_worker_deaths_alert_and_crash_metrics_match_the_crosscheck(nats_server, supervisor_factory):
     """README "Restarts": at least 5 deaths in 60 s (policy.DeathRate: STORM_MIN_DEATHS, or one per
-    worker if more) raise a `worker_deaths` alert naming the causes. SPEC /metrics: restarts,
+    worker if more) raise a `worker_deaths` alert naming the causes. docs/CONTRACT.md /metrics: restarts,
     crash-held and crash-redelivered counters, which must agree with /status's crosscheck and
     with the job journal (each death is one crash-once job's first delivery, never finished)."""
     deaths = 5

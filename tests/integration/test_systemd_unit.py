@@ -22,7 +22,7 @@ from harness import publish, wait_until
 
 UNIT = Path(__file__).resolve().parents[2] / "systemd" / "jetstream-supervisor.service"
 README = UNIT.parent.parent / "README.md"
-DEFAULT_GRACEFUL_TIMEOUT = 30.0  # SPEC.md: workers.graceful_timeout
+DEFAULT_GRACEFUL_TIMEOUT = 30.0  # docs/CONTRACT.md: workers.graceful_timeout
 
 
 def readme_exposure() -> float:

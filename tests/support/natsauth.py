@@ -1,4 +1,4 @@
-"""Test support: real nats-servers (JetStream on) behind every auth mode of SPEC.md `[nats]`.
+"""Test support: real nats-servers (JetStream on) behind every auth mode of docs/CONTRACT.md `[nats]`.
 
 Everything is generated in pure Python, once per process: a private CA with a server
 certificate (127.0.0.1 / localhost) and a client certificate, a second CA for "wrong" client
@@ -284,7 +284,7 @@ class AuthCase:
         return dict(self.wrong_nats if wrong else self.nats)
 
     def config(self, wrong: bool = False, **overrides) -> types.SimpleNamespace:
-        """A duck-typed [nats] config object, every key present (SPEC defaults for the rest)."""
+        """A duck-typed [nats] config object, every key present (the contract's defaults for the rest)."""
         values = {"name": "jetstream-supervisor", "startup_timeout": 5.0, **self.section(wrong), **overrides}
         values["servers"] = tuple(values["servers"])
         return types.SimpleNamespace(**values)

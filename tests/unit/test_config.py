@@ -16,7 +16,7 @@ from supervisor import config
 from supervisor.config import Config, ConfigError, as_dict, load, parse_text, render
 from supervisor.errors import EXIT_USAGE, SupervisorError
 
-# The [section] key = default block of SPEC.md (the contract), verbatim: more keys are allowed,
+# The [section] key = default block of docs/CONTRACT.md (the contract), verbatim: more keys are allowed,
 # these must exist with exactly these defaults, except the DEVIATIONS below.
 SPEC_DEFAULTS = tomllib.loads("""
 [nats]
@@ -97,8 +97,8 @@ interval = 5.0
 """.replace("[nats]\nconnect_timeout", "[nats_wave2]\nconnect_timeout"))
 # Wave 2 added keys to [nats]; TOML forbids a table twice, so they are merged here.
 SPEC_DEFAULTS["nats"].update(SPEC_DEFAULTS.pop("nats_wave2"))
-# Defaults the second wave changed on purpose, each documented in the README: what SPEC says, what
-# ships, and why. Anything else that differs from SPEC fails the test.
+# Defaults the second wave changed on purpose, each documented in the README: what docs/CONTRACT.md says, what
+# ships, and why. Anything else that differs from the contract fails the test.
 DEVIATIONS = {
     ("consumer", "max_deliver"): (-1, 10, "issue 15: a job that keeps failing ends in the dead letters"),
     ("workers", "handler"): ("workers.examples:sleep_job", "", "issue 15: `start` without a handler says so"),
@@ -130,7 +130,7 @@ def test_defaults_match_the_spec():
         for name, default in keys.items():
             assert name in actual[section], f"{section}.{name} missing"
             spec, shipped, _why = DEVIATIONS.get((section, name), (default, default, ""))
-            assert spec == default, f"DEVIATIONS says SPEC has {section}.{name} = {spec!r}; it has {default!r}"
+            assert spec == default, f"DEVIATIONS says the contract has {section}.{name} = {spec!r}; it has {default!r}"
             assert actual[section][name] == shipped, f"{section}.{name}"
             assert type(actual[section][name]) is type(default), f"{section}.{name} type"
 

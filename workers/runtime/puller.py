@@ -1,6 +1,6 @@
 """Asking for work: a worker's pull requests and the credits they carry.
 
-The puller issues raw pull requests to $JS.API.CONSUMER.MSG.NEXT (not js.fetch, see DESIGN.md)
+The puller issues raw pull requests to $JS.API.CONSUMER.MSG.NEXT (not js.fetch, see docs/DESIGN.md)
 and counts credits (messages asked for and not yet received or expired), so the worker never has
 more messages on the way than it can start now plus a prefetch sized from the measured job time
 and pull round trip (workers/runtime/pulls.py, the pure policy; this is its mechanism).

@@ -1,7 +1,7 @@
 """Settling a worker's jobs: publish the ack, NAK or TERM, and keep each entry until a fence proves
 the server has it.
 
-nats-py's publish only queues bytes and flush() does not fence earlier publishes (DESIGN.md), so
+nats-py's publish only queues bytes and flush() does not fence earlier publishes (docs/DESIGN.md), so
 an acked entry stays ACKED in the slot table (the parent NAKs it if we die: a NAK after an ack is
 a no-op) until `confirm` has fenced the connection it was sent on. Fences are coalesced: at most
 one per SETTLE_MIN_INTERVAL, whatever the job rate.
