@@ -368,10 +368,12 @@ class Fleet:
         now = time.monotonic()
         counts = self.view.counts(now) if self.view else {}
         acked, busy = self.view.progress(now) if self.view else (0, False)
-        pool = self.snapshot().pool
+        # Our own share straight from the pool's counters: the Snapshot reads status(), which reads this.
+        stats = self.arbiter.stats
         return {"poller": self.name, "poller_key": self.key, "ok": counts.get("ok", 0) + counts.get("silent", 0),
                 "silent": counts.get("silent", 0), "lost": counts.get("lost", 0),
-                "acked": acked + pool.jobs.ack, "busy": busy or pool.busy}
+                "acked": acked + stats.worker_counters()["ack"],
+                "busy": busy or stats.progress_beat(self.cfg.workers.job_timeout) is not None}
 
     def progress(self) -> tuple[int, bool]:
         """Fleet-wide progress for the lag analysis: a sum of every supervisor's acks (it moves
