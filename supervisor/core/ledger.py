@@ -324,6 +324,7 @@ class CrashLedger:
                 if all(j.state == "acked" and j.redelivered_at is None for _, j in jobs)]
 
     def quarantine(self, seq: int) -> list[Death]:
+        """The job was dead-lettered and TERMed (not before: a failed quarantine keeps its evidence)."""
         deaths = self._fatal.pop(seq, [])
         self.quarantined[seq] = deaths
         self.counts["quarantined"] += 1

@@ -51,6 +51,11 @@ class Collector:
         yield CounterMetricFamily(P + "worker_deaths", "Workers that died unexpectedly",
                                   value=arb.stats.totals.worker_deaths)
         yield CounterMetricFamily(P + "in_progress_pings", "+WPI sent for long jobs", value=arb.stats.totals.pings)
+        failures = CounterMetricFamily(P + "loop_step_failures", "Exceptions a step of the parent's loop raised "
+                                       "(logged and survived)", labels=["step"])
+        for step, n in arb.steps.failures.items():
+            failures.add_metric([step], n)
+        yield failures
 
     def durations(self, arb: Any) -> Metric:
         counts, total = arb.stats.duration_histogram()

@@ -34,6 +34,7 @@ def build_status(sup: Any) -> dict[str, Any]:
         "lag": lag,
         "autoscale": arb.autoscale.status(now),
         "crosscheck": arb.ledger.crosscheck(now),
+        "loop": arb.steps.status(),
         "peers": {"alone": bool(arb.peers.alone(now)), "heard": sorted(arb.peers.heard),
                   "in_transit_checks": dict(arb.in_transit.stats)},
         "jobs": arb.stats.worker_counters(),
