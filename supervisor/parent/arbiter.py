@@ -45,6 +45,7 @@ from supervisor.parent.stats import Stats
 from supervisor.parent.watch import Watch
 from workers.protocol import slots
 from workers.protocol.exits import CHILD_EXIT_REASONS, EXIT_CONNECT_FAILED
+from workers.runtime.solo import SuspectBoard
 from workers.runtime.spec import ChildSpec
 
 log = logging.getLogger("supervisor")
@@ -78,7 +79,8 @@ class Arbiter:
         self.in_transit = InTransit(cfg, nc, self.ledger)
         self.alerts: collections.deque = collections.deque(maxlen=50)
         self.steps = LoopSteps(self.alert)
-        self.deaths = Deaths(cfg, nc, self.ledger, self.peers, self.alert)
+        self.suspects = SuspectBoard()      # jobs on poison probation, run alone by every worker (workers/runtime/solo.py)
+        self.deaths = Deaths(cfg, nc, self.ledger, self.peers, self.alert, self.suspects)
         self.stats = Stats(self.living)
         self.pool = Pool(cfg, self.fork, self.restarts, self.stats, self.alert)
         self.watch = Watch(cfg, nc, self.ledger, self.deaths, self.stats, self.alert)
@@ -313,7 +315,7 @@ class Arbiter:
     def child_spec(self, w: WorkerProcess, events_fd: int) -> ChildSpec:
         return ChildSpec(slot=w.slot, parent_pid=os.getpid(), table=w.table, events_fd=events_fd, cfg=self.cfg,
                          handler=self.handler, init=self.init, connect=lambda: self.connect_worker(w.slot),
-                         job_limit=w.job_limit)
+                         job_limit=w.job_limit, suspects=self.suspects)
 
     # ================================================================ events from workers
 
@@ -459,6 +461,8 @@ class Arbiter:
                             extra={"event": "unexplained_redelivery", "seq": r.seq, "delivery": r.delivery})
         with step("audit"):
             self.watch_deaths()
+        with step("audit"):
+            self.suspects.show(self.ledger.on_probation())     # settled suspects leave the board
 
     def held_anywhere(self) -> set[int]:
         """Stream sequences in any worker's table, the dead not yet reaped included."""

@@ -27,6 +27,7 @@ from supervisor.parent.process import WorkerProcess
 from workers import Job
 from workers.protocol import slots
 from workers.runtime.deadletter import dead_letter
+from workers.runtime.solo import SuspectBoard
 
 log = logging.getLogger("supervisor")
 
@@ -52,8 +53,9 @@ class HeldBack:
 
 class Deaths:
     def __init__(self, cfg: Config, nc: Any, ledger: CrashLedger, peers: Peers,
-                 alert: Callable[[str, str], None]):
+                 alert: Callable[[str, str], None], suspects: SuspectBoard | None = None):
         self.cfg, self.nc, self.ledger, self.peers, self.alert = cfg, nc, ledger, peers, alert
+        self.suspects = suspects
         self.pinged: dict[tuple[int, int], float] = {}     # (pid, seq) -> our last +WPI for it
         self.renak: dict[int, SentNak] = {}                # a dead worker's job NAKed, by stream seq
         self.held_back: list[HeldBack] = []
@@ -89,7 +91,10 @@ class Deaths:
         if not clean:
             held = [(e.stream_seq, e.delivery, slots.ENTRY_STATES[e.state], n) for e, n in zip(entries, nak)]
             self.ledger.record_death(now, w.slot, w.pid, cause, held, in_transit=w.table.header(slots.CREDITS),
-                                     job_to_blame=not w.kill_reason.startswith(("SIGQUIT", "killed: still draining")))
+                                     job_to_blame=not w.kill_reason.startswith(("SIGQUIT", "killed: still draining")),
+                                     blame=w.blame)
+            if self.suspects is not None:     # on the board before the NAKs bring the suspects back
+                self.suspects.show(self.ledger.on_probation())
         for e, n in zip(entries, nak):
             if clean:         # no death in the ledger: what it left (NAKed now, or after AckWait) explains its rerun
                 self.ledger.expect(e.stream_seq, f"left {slots.ENTRY_STATES[e.state]} by worker {w.slot} "

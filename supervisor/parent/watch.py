@@ -50,6 +50,8 @@ class Watch:
                 continue
             reason = liveness.why_kill(now, lim, w.table.heartbeat(), w.started_at, entries, w.drain_deadline)
             if reason:
+                overdue = liveness.overdue_job(now, lim, entries)
+                w.blame = overdue.stream_seq if overdue is not None and "job_timeout" in reason else None
                 self.kill(w, reason)
                 continue
             pings += self.due_pings(w, entries, now)

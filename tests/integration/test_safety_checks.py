@@ -13,7 +13,7 @@ import time
 import psutil
 from harness import publish_now, wait_until
 
-from supervisor.liveness import RENAK_AFTER
+from supervisor.core.liveness import RENAK_AFTER
 
 JSON_LOGS = ("--log-format", "json")
 

@@ -1,0 +1,154 @@
+"""Issue 22, R7: poison is decided by evidence. A worker death while several jobs ran blames none
+of them: each is put on probation and run alone (workers/runtime/solo.py) until one kills a worker by
+itself, so only that one is dead-lettered. A quarantine that fails keeps the job's evidence, and
+its next fatal run tries again. Real nats-server, real supervisor, real SIGKILLs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+from harness import publish_now, wait_until
+
+ACK_WAIT = 60.0
+JSON_LOGS = ("--log-format", "json")
+
+
+async def _letters(url: str, stream: str = "JOBS_DLQ") -> list:
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(stream)
+        return [await js.get_msg(stream, seq) for seq in range(info.state.first_seq, info.state.last_seq + 1)
+                if info.state.messages]
+    finally:
+        await nc.close()
+
+
+def dead_letters(url: str) -> list:
+    return asyncio.run(_letters(url))
+
+
+@pytest.mark.parametrize("handler", ["poisonhandlers:killer_async", "poisonhandlers:killer"])
+def test_only_the_job_that_kills_is_quarantined_not_those_running_beside_it(nats_server, supervisor_factory,
+                                                                            handler):
+    """Review sketch A: one worker, concurrency 4; three 2 s jobs and one that SIGKILLs its worker
+    0.3 s in start together. The first death blames none of the four; run alone, the killer
+    kills by itself three times and is dead-lettered; the three others run alone and finish."""
+    sup = supervisor_factory(nats_server, workers={"count": 1, "concurrency": 4, "handler": handler},
+                             restart={"poison_after_crashes": 3}, consumer={"ack_wait": ACK_WAIT}, args=JSON_LOGS)
+    sup.wait_ready(1)
+    innocent = publish_now(nats_server.url, count=3, data="2")
+    killer = publish_now(nats_server.url, count=1, data="kill-after:0.3")[0]
+    wait_until(lambda: nats_server.stream_msgs() == 0, timeout=ACK_WAIT / 2,
+               what="the three done and the killer quarantined, long before AckWait")
+    letters = dead_letters(nats_server.url)
+    assert [int(m.headers["Supervisor-Dead-Letter-Sequence"]) for m in letters] == [killer]
+    assert letters[0].headers["Supervisor-Dead-Letter-Deaths"].count("SIGKILL") == 3
+    assert sup.jobs.done_seqs() == set(innocent)
+    died = sup.events("worker_died")
+    first = died[0]
+    assert set(first["held"]) == {*innocent, killer}, "all four ran at the first death"
+    assert len(died) == 4, "one ambiguous death, then three with the killer alone"
+    # The evidence: every death after the first had the killer alone running.
+    for d in died[1:]:
+        running = [r for r in sup.jobs.running() if r.pid == d["worker_pid"]]
+        assert [r.seq for r in running] == [killer], d
+    status = sup.status()
+    assert status["crosscheck"]["quarantined"] == 1
+    assert sup.stop() == 0
+
+
+def test_a_quarantine_that_fails_is_tried_again_at_the_next_fatal_run(nats_server, supervisor_factory):
+    """Review sketch B: the dead-letter stream is gone when a job reaches poison_after_crashes
+    deaths (max_deliver -1: the server would retry it for ever). The quarantine fails and the job
+    is NAKed; the stream is back; the job's next fatal run quarantines it."""
+    sup = supervisor_factory(nats_server, workers={"count": 1}, restart={"poison_after_crashes": 3},
+                             consumer={"ack_wait": ACK_WAIT, "max_deliver": -1}, args=JSON_LOGS)
+    sup.wait_ready(1)
+    saved = asyncio.run(_drop_stream(nats_server.url, "JOBS_DLQ"))
+    seq = publish_now(nats_server.url, count=1, data="crash")[0]
+    sup.wait_log(rf"cannot quarantine poison job seq={seq}", timeout=ACK_WAIT / 2)
+    asyncio.run(_make_stream(nats_server.url, saved))
+    wait_until(lambda: nats_server.stream_msgs() == 0, timeout=ACK_WAIT / 2,
+               what="the job quarantined at its next fatal run")
+    letters = dead_letters(nats_server.url)
+    assert [int(m.headers["Supervisor-Dead-Letter-Sequence"]) for m in letters] == [seq]
+    assert sup.status()["crosscheck"]["quarantined"] == 1
+    assert sup.stop() == 0
+
+
+async def _drop_stream(url: str, name: str):
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        config = (await js.stream_info(name)).config
+        await js.delete_stream(name)
+        return config
+    finally:
+        await nc.close()
+
+
+async def _make_stream(url: str, config) -> None:
+    nc = await nats.connect(url)
+    try:
+        await nc.jetstream().add_stream(config)
+    finally:
+        await nc.close()
+
+
+# ---------------------------------------------------------------- the rules, without a server
+
+def test_a_death_beside_others_puts_them_on_probation_and_blames_none():
+    from supervisor.core.ledger import CrashLedger
+
+    led = CrashLedger(ack_wait=30.0, poison_after=1)
+    led.record_death(1.0, 0, 1, "SIGKILL", [(5, 1, "running", True), (6, 1, "running", True), (7, 1, "held", True)])
+    assert not led.is_poison(5) and not led.is_poison(6)
+    assert sorted(led.on_probation()) == [5, 6]
+    led.record_death(2.0, 0, 2, "SIGKILL", [(5, 2, "running", True), (6, 2, "held", True)])   # 5 ran alone
+    assert led.is_poison(5) and not led.is_poison(6)
+    led.settled(3.0, 6, 3, "ack")                    # 6 ran to an outcome: off probation
+    assert led.on_probation() == []
+
+
+def test_a_job_timeout_kill_blames_the_job_it_names_whatever_ran_beside_it():
+    from supervisor.core.ledger import CrashLedger
+
+    led = CrashLedger(ack_wait=30.0, poison_after=1)
+    led.record_death(1.0, 0, 1, "killed: job seq=6 ran 31s", [(5, 1, "running", True), (6, 1, "running", True)],
+                     blame=6)
+    assert led.is_poison(6) and not led.is_poison(5) and led.on_probation() == []
+
+
+def test_the_supervisors_own_kills_are_no_evidence_at_all():
+    from supervisor.core.ledger import CrashLedger
+
+    led = CrashLedger(ack_wait=30.0, poison_after=1)
+    led.record_death(1.0, 0, 1, "SIGQUIT", [(5, 1, "running", True), (6, 1, "running", True)], job_to_blame=False)
+    assert led.on_probation() == [] and not led.is_poison(5)
+
+
+def test_a_suspect_waits_for_the_running_and_nothing_starts_beside_it():
+    from workers.runtime.solo import Gate, SuspectBoard
+
+    board = SuspectBoard(capacity=4)
+    board.show([9])
+    gate = Gate(board)
+    assert gate.try_start(1) and gate.try_start(2)          # ordinary jobs run side by side
+    assert not gate.try_start(9)                            # the suspect claims the worker, waits
+    assert not gate.try_start(3)                            # nothing new starts meanwhile
+    assert not gate.finished(1) and gate.finished(2)        # the last one out lets it go
+    assert gate.try_start(9) and not gate.try_start(3)      # alone
+    assert gate.finished(9) and gate.try_start(3)
+    board.show([])
+    assert not board.suspect(9) and gate.try_start(9)
+
+
+def test_the_board_keeps_the_lowest_when_more_suspects_than_it_holds():
+    from workers.runtime.solo import SuspectBoard
+
+    board = SuspectBoard(capacity=2)
+    board.show([30, 10, 20])
+    assert board.suspect(10) and board.suspect(20) and not board.suspect(30)
