@@ -9,25 +9,15 @@ import asyncio
 
 import nats
 import pytest
+import test_crash_safety
 from harness import publish_now, wait_until
 
 ACK_WAIT = 60.0
 JSON_LOGS = ("--log-format", "json")
 
 
-async def _letters(url: str, stream: str = "JOBS_DLQ") -> list:
-    nc = await nats.connect(url)
-    try:
-        js = nc.jetstream()
-        info = await js.stream_info(stream)
-        return [await js.get_msg(stream, seq) for seq in range(info.state.first_seq, info.state.last_seq + 1)
-                if info.state.messages]
-    finally:
-        await nc.close()
-
-
 def dead_letters(url: str) -> list:
-    return asyncio.run(_letters(url))
+    return asyncio.run(test_crash_safety.dead_letters(url))
 
 
 @pytest.mark.parametrize("handler", ["poisonhandlers:killer_async", "poisonhandlers:killer"])
