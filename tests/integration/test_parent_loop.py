@@ -5,6 +5,7 @@ wherever a test must tell the supervisor's NAK from the server's timer."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 import urllib.request
@@ -218,3 +219,39 @@ def test_a_stop_during_an_outage_sends_the_nak_it_held_back_once_nats_is_back(na
     (tmp_path / "gate").touch()
     wait_until(lambda: seq in b.jobs.done_seqs(), what="the job done")
     assert b.stop() == 0
+
+
+# ---------------------------------------------------------------- R11a: a missed MAX_DELIVERIES advisory
+
+def test_a_job_given_up_while_the_parent_was_away_is_still_dead_lettered(nats_server, supervisor_factory):
+    """consumer.max_deliver 2, a handler that always fails. The parent's link is refused while the
+    job fails its second delivery, so the MAX_DELIVERIES advisory (core NATS) is lost. Once the
+    parent is back, it finds the job in the stream below what the consumer will ever deliver
+    again and dead-letters it; the work queue is empty."""
+    import test_crash_safety
+    from linkfaults import Refuse
+
+    proxy = Refuse(nats_server.port).start()
+    try:
+        sup = supervisor_factory(nats_server, workers={"count": 1, "retry_backoff": [2.0]},
+                                 consumer={"ack_wait": ACK_WAIT, "max_deliver": 2}, nats={"servers": [proxy.url]},
+                                 args=JSON_LOGS)
+        sup.wait_ready(1)
+        seq = publish_now(nats_server.url, count=1, data="fail")[0]
+        wait_until(lambda: [r for r in sup.jobs.started() if r.seq == seq], what="the first delivery")
+        proxy.refuse("jetstream-supervisor")
+        wait_until(lambda: not sup.status()["nats"]["connected"], what="the parent disconnected")
+        wait_until(lambda: [r for r in sup.jobs.started() if r.seq == seq and r.delivery == 2], what="delivery 2")
+        c = wait_until(lambda: (c := nats_server.consumer())["num_ack_pending"] == 0 and c, what="the server giving up")
+        assert c["num_pending"] == 0 and nats_server.stream_msgs() == 1, "given up, still stored, never delivered"
+        proxy.allow()
+        letters = wait_until(lambda: asyncio.run(test_crash_safety.dead_letters(nats_server.url)), timeout=30,
+                             what="the dead-letter copy, though its advisory was missed")
+        assert sup.events("given_up_found", seq=seq)
+        wait_until(lambda: nats_server.stream_msgs() == 0, what="the original gone once its copy is confirmed")
+        assert [int(m.headers["Supervisor-Dead-Letter-Sequence"]) for m in letters] == [seq]
+        assert "max deliveries reached (2)" in letters[0].headers["Supervisor-Dead-Letter-Reason"]
+        assert sup.status()["advisories"]["max_deliveries"] == 0, "the advisory was missed for real"
+        assert sup.stop() == 0
+    finally:
+        proxy.stop()
