@@ -118,7 +118,8 @@ class CrashLedger:
         self._ids = itertools.count(1)
         self._open: dict[int, list[tuple[Death, HeldJob]]] = {}      # seq -> held jobs not yet resolved
         self._expected: OrderedDict[int, str] = OrderedDict()        # seq -> why it will come back
-        self._fatal: dict[int, list[Death]] = {}                     # seq -> deaths while it ran
+        self._fatal: dict[int, list[Death]] = {}                     # seq -> deaths it caused (ran alone, or named)
+        self._probation: dict[int, list[Death]] = {}                 # seq -> deaths it ran at beside others
         self._suspects: dict[tuple[int, int], float] = {}            # (seq, delivery) -> seen, unexplained so far
         self.quarantined: dict[int, list[Death]] = {}
         self._windows: deque[Window] = deque(maxlen=HISTORY)
@@ -128,10 +129,11 @@ class CrashLedger:
     # ------------------------------------------------------------ inputs
 
     def record_death(self, t: float, slot: int, pid: int, cause: str, held: list[tuple[int, int, str, bool]],
-                     in_transit: int = 0, job_to_blame: bool = True) -> Death:
+                     in_transit: int = 0, job_to_blame: bool = True, blame: int | None = None) -> Death:
         """`held`: (stream seq, delivery, entry state, NAKed by the parent) per slot-table entry.
         `job_to_blame` is False when the supervisor itself ended the worker (SIGQUIT, a drain
-        past its deadline): the jobs it was running did not kill it, so it is no poison evidence."""
+        past its deadline): the jobs it was running did not kill it, so it is no poison evidence.
+        `blame`: the one job the cause names (a job_timeout kill)."""
         death = Death(next(self._ids), t, slot, pid, cause,
                       [HeldJob(seq, delivery, state, naked) for seq, delivery, state, naked in held], in_transit)
         self.deaths.append(death)
@@ -141,10 +143,24 @@ class CrashLedger:
         for job in death.held:
             self.counts["jobs_held_at_crash"] += 1
             self.counts["held_jobs_naked"] += job.naked
-            if job.state == "running" and job_to_blame:
-                self._fatal.setdefault(job.seq, []).append(death)
             self._open.setdefault(job.seq, []).append((death, job))
+        if job_to_blame:
+            self._weigh(death, blame)
         return death
+
+    def _weigh(self, death: Death, blame: int | None) -> None:
+        """Poison evidence (R7): a death is evidence against a job only when it names that job (a
+        job_timeout kill) or that job ran alone; with several running, each of them is put on
+        probation instead (workers/runtime/solo.py runs it alone next time), and none is blamed."""
+        running = sorted({job.seq for job in death.held if job.state == "running"})
+        if blame is None and len(running) == 1:
+            blame = running[0]
+        if blame is not None:
+            self._fatal.setdefault(blame, []).append(death)
+            self._probation.pop(blame, None)
+            return
+        for seq in running:
+            self._probation.setdefault(seq, []).append(death)
 
     def expect(self, seq: int, why: str, delivery: int = 0, retroactive: bool = True) -> bool:
         """A NAK (handler failure, Retry, drain, a peer's dead worker): the next delivery of
@@ -284,6 +300,7 @@ class CrashLedger:
 
     def settled(self, t: float, seq: int, delivery: int, outcome: str) -> None:
         """A worker acked, NAKed or terminated `seq` at `delivery`."""
+        self._probation.pop(seq, None)      # it ran to an outcome: it did not kill its worker
         if outcome == "nak":
             self.expect(seq, f"NAKed at delivery {delivery}", delivery)
             return
@@ -303,6 +320,8 @@ class CrashLedger:
                 job.resolved = job.resolved or "below ack floor"
         for seq in [s for s in self._fatal if s <= stream_seq]:
             del self._fatal[seq]
+        for seq in [s for s in self._probation if s <= stream_seq]:
+            del self._probation[seq]
 
     def in_transit_naked(self, seq: int, why: str) -> None:
         """The supervisor found and NAKed a message in transit to a dead worker (reconciliation)."""
@@ -324,7 +343,9 @@ class CrashLedger:
                 if all(j.state == "acked" and j.redelivered_at is None for _, j in jobs)]
 
     def quarantine(self, seq: int) -> list[Death]:
+        """The job was dead-lettered and TERMed (not before: a failed quarantine keeps its evidence)."""
         deaths = self._fatal.pop(seq, [])
+        self._probation.pop(seq, None)
         self.quarantined[seq] = deaths
         self.counts["quarantined"] += 1
         for _, job in self._open.pop(seq, ()):
@@ -338,6 +359,10 @@ class CrashLedger:
 
     def deaths_of(self, seq: int) -> list[Death]:
         return list(self._fatal.get(seq, ()))
+
+    def on_probation(self) -> list[int]:
+        """Jobs running at a death beside others, not yet run alone: to run alone (workers/runtime/solo.py)."""
+        return [seq for seq in self._probation if seq not in self.quarantined]
 
     def outstanding(self, now: float) -> list[dict]:
         return [job.as_dict(death, now) for jobs in self._open.values() for death, job in jobs]

@@ -53,13 +53,21 @@ def why_kill(now: float, lim: Limits, last_beat: float, started_at: float,
     silent = now - (last_beat if last_beat > 0 else started_at)
     if silent > lim.heartbeat_timeout:
         return f"no heartbeat for {silent:.1f}s (workers.heartbeat_timeout={lim.heartbeat_timeout:g}s)"
-    if lim.job_timeout:
-        for e in entries:
-            if e.state == slots.RUNNING and now - e.t_started > lim.job_timeout:
-                return f"job seq={e.stream_seq} ran {now - e.t_started:.1f}s (workers.job_timeout={lim.job_timeout:g}s)"
+    e = overdue_job(now, lim, entries)
+    if e is not None:
+        return f"job seq={e.stream_seq} ran {now - e.t_started:.1f}s (workers.job_timeout={lim.job_timeout:g}s)"
     if drain_deadline is not None and now > drain_deadline:
         return f"still draining {now - drain_deadline + DRAIN_MARGIN:.1f}s past graceful_timeout"
     return ""
+
+
+def overdue_job(now: float, lim: Limits, entries: Iterable[slots.Entry]) -> slots.Entry | None:
+    """The first job running past job_timeout, if any: a kill for it blames that job alone."""
+    if lim.job_timeout:
+        for e in entries:
+            if e.state == slots.RUNNING and now - e.t_started > lim.job_timeout:
+                return e
+    return None
 
 
 def drain_deadline(now: float, graceful_timeout: float) -> float:

@@ -32,7 +32,12 @@ def ack_wait_for(ack_wait: float, backoff: tuple[float, ...], delivery: int) -> 
 def nak_is_safe(now: float, timer_started: float, ack_wait: float) -> bool:
     """A NAK (or TERM) sent for a delivery whose AckWait has (nearly) run out may hit the job's
     next delivery, held by someone else: NAKs match by stream sequence. Keep a margin."""
-    return now - timer_started < ack_wait - min(1.0, 0.1 * ack_wait)
+    return now < nak_safe_until(timer_started, ack_wait)
+
+
+def nak_safe_until(timer_started: float, ack_wait: float) -> float:
+    """The moment a NAK for this delivery stops being safe (nak_is_safe)."""
+    return timer_started + ack_wait - min(1.0, 0.1 * ack_wait)
 
 
 def did_useful_work(ready_for: float | None, jobs_finished: int) -> bool:

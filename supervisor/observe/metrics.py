@@ -50,6 +50,11 @@ class Collector:
         yield CounterMetricFamily(P + "worker_restarts", "Workers restarted after dying", value=pool.restarts)
         yield CounterMetricFamily(P + "worker_deaths", "Workers that died unexpectedly", value=pool.worker_deaths)
         yield CounterMetricFamily(P + "in_progress_pings", "+WPI sent for long jobs", value=pool.pings)
+        failures = CounterMetricFamily(P + "loop_step_failures", "Exceptions a step of the parent's loop raised "
+                                       "(logged and survived)", labels=["step"])
+        for step, n in snap.loop.get("step_failures", {}).items():
+            failures.add_metric([step], n)
+        yield failures
 
     def durations(self, pool: PoolView) -> Metric:
         buckets, running = [], 0

@@ -117,6 +117,7 @@ class Snapshot:
     lag: LagReport | None
     autoscale: Mapping[str, Any]
     crosscheck: Mapping[str, Any]
+    loop: Mapping[str, Any]                # failures of the loop's steps (parent/loopsteps.py)
     ledger: Mapping[str, int]              # the crash ledger's counts
     outstanding: tuple[Mapping[str, Any], ...]   # jobs held at a death not yet seen acked
     peers: Mapping[str, Any]

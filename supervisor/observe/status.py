@@ -27,6 +27,7 @@ def build_status(snap: Snapshot) -> dict[str, Any]:
         "lag": lag,
         "autoscale": dict(snap.autoscale),
         "crosscheck": dict(snap.crosscheck),
+        "loop": dict(snap.loop),
         "peers": dict(snap.peers),
         "jobs": pool.jobs.as_dict(),
         "idempotency": idempotency_block(snap.cfg),

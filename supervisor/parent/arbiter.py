@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import signal
@@ -35,6 +36,7 @@ from supervisor.core.policy import RestartPolicy
 from supervisor.errors import EXIT_HALTED, EXIT_OK
 from supervisor.parent.deaths import Deaths
 from supervisor.parent.in_transit import InTransit
+from supervisor.parent.loopsteps import PAUSE, LoopSteps
 from supervisor.parent.peers import SUSPECT_GRACE, Peers
 from supervisor.parent.pool import Pool
 from supervisor.parent.process import WorkerProcess
@@ -44,6 +46,7 @@ from supervisor.parent.systemd import Notifier
 from supervisor.parent.watch import Watch
 from workers.protocol import slots
 from workers.protocol.exits import CHILD_EXIT_REASONS, EXIT_CONNECT_FAILED
+from workers.runtime.solo import SuspectBoard
 from workers.runtime.spec import ChildSpec
 
 log = logging.getLogger("supervisor")
@@ -52,6 +55,8 @@ SIGNALS = {signal.SIGTERM: "stop", signal.SIGINT: "interrupt", signal.SIGQUIT: "
            signal.SIGTTIN: "increment", signal.SIGTTOU: "decrement"}
 REAP_RETRY = 0.05           # a pidfd said "exited" but waitpid did not agree yet: look again this soon
 STORM_LOG_EVERY = 60.0      # while workers keep dying fast, say so this often
+EXIT_NAK_WAIT = 10.0        # at exit, wait this long at most for NATS to send NAKs held back for the last deaths
+EXIT_POLL = 0.05            # ... looking this often whether it is back
 
 
 class Arbiter:
@@ -74,7 +79,9 @@ class Arbiter:
         self.peers = Peers(nc, cfg.stream.name, cfg.consumer.name, self.ledger, self.post)
         self.in_transit = InTransit(cfg, nc, self.ledger)
         self.alerts: collections.deque = collections.deque(maxlen=50)
-        self.deaths = Deaths(cfg, nc, self.ledger, self.peers, self.alert)
+        self.steps = LoopSteps(self.alert)
+        self.suspects = SuspectBoard()      # jobs on poison probation, run alone by every worker (workers/runtime/solo.py)
+        self.deaths = Deaths(cfg, nc, self.ledger, self.peers, self.alert, self.suspects)
         self.stats = Stats(self.living)
         self.pool = Pool(cfg, self.fork, self.restarts, self.stats, self.alert)
         self.watch = Watch(cfg, nc, self.ledger, self.deaths, self.stats, self.alert)
@@ -102,25 +109,10 @@ class Arbiter:
         log.info("supervising %d worker(s) on %s/%s, handler %s", self.pool.target, self.cfg.stream.name,
                  self.cfg.consumer.name, self.cfg.workers.handler)
         self.check_all_ready()                 # workers.count = 0 is ready at once
-        while True:
-            if not self.stopping:
-                self.pool.restore_count(time.monotonic())
-            await self.sleep()
-            self.dispatch_signals()
-            self.apply_posted()
-            await self.reap()
-            if self.stopping and not self.living():
-                break
-            await self.deaths.send_held_back()
-            if self.nc and self.nc.is_connected:
-                self.pool.nats_back(time.monotonic())
-            await self.watch.inspect(self.living())
-            if self.ever_all_ready and self.notifier and self.pool.ready_count() > 0:
-                self.notifier.watchdog()     # only while a worker serves: systemd restarts a pool that cannot
-            self.pool.recycle(bool(self.stopping))
-            self.autoscale.tick(time.monotonic())
-            self.check_boot_failures()
-            await self.audit()
+        while not await self.tick():
+            pass
+        with self.steps.guard("held_back_naks"):
+            await self.send_last_naks()
         for sig in SIGNALS:
             self.loop.remove_signal_handler(sig)
         for task in self.tasks:
@@ -128,19 +120,84 @@ class Arbiter:
         self.state = "stopping"
         return self.exit_code
 
+    async def tick(self) -> bool:
+        """One pass of the loop, each step isolated (loopsteps.py): a step that raises is logged,
+        counted and alerted, and the others still run. True once a stop has no worker left."""
+        step = self.steps.guard
+        if not self.stopping:
+            with step("restore_count"):
+                self.pool.restore_count(time.monotonic())
+        await self.sleep()
+        with step("signals"):
+            self.dispatch_signals()
+        with step("posted"):
+            self.apply_posted()
+        with step("reap"):
+            await self.reap()
+        if self.stopping and not self.living():
+            return True
+        with step("held_back_naks"):
+            await self.deaths.send_held_back()
+        with step("nats_back"):
+            if self.nc and self.nc.is_connected:
+                self.pool.nats_back(time.monotonic())
+        with step("inspect"):
+            await self.watch.inspect(self.living())
+        with step("watchdog"):
+            if self.ever_all_ready and self.notifier and self.pool.ready_count() > 0:
+                self.notifier.watchdog()     # only while a worker serves: systemd restarts a pool that cannot
+        with step("recycle"):
+            self.pool.recycle(bool(self.stopping))
+        with step("autoscale"):
+            self.autoscale.tick(time.monotonic())
+        with step("boot_halt"):
+            self.check_boot_failures()
+        await self.audit()
+        return False
+
+    async def send_last_naks(self) -> None:
+        """A stop ends when the last worker is reaped, but NAKs held back for workers that died
+        while NATS was away must not die with the process (their jobs would wait for AckWait):
+        wait for NATS, at most EXIT_NAK_WAIT and only while one of them is still safe to send,
+        then send them. Any signal (a second Ctrl-C, SIGQUIT) ends the wait."""
+        deaths = self.deaths
+        until = min(time.monotonic() + EXIT_NAK_WAIT, deaths.held_back_useful_until())
+        if deaths.held_back and not self.nc.is_connected and time.monotonic() < until:
+            log.warning("stopping: waiting up to %.0fs for NATS to send %d NAK(s) held back for dead workers",
+                        until - time.monotonic(), len(deaths.held_back),
+                        extra={"event": "exit_waiting_for_nats", "count": len(deaths.held_back)})
+            if self.notifier:
+                self.notifier.extend_timeout(EXIT_NAK_WAIT + DRAIN_MARGIN)
+            while not self.nc.is_connected and not self.nc.is_closed and not self.signals \
+                    and time.monotonic() < until:
+                self.wakeup.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wakeup.wait(), EXIT_POLL)
+        await deaths.send_held_back()
+        if deaths.held_back:
+            log.warning("stopping with %d NAK(s) unsent (NATS away): seq %s come back after AckWait",
+                        len(deaths.held_back), ", ".join(str(o.seq) for o in deaths.held_back),
+                        extra={"event": "held_back_dropped", "seqs": [o.seq for o in deaths.held_back]})
+
     async def sleep(self) -> None:
         timeout = liveness.inspect_every(Limits.of(self.cfg))
-        due = self.pool.next_restart()
-        if due is not None and not self.stopping:
-            timeout = min(timeout, due - time.monotonic())
-        if self.dead:
-            timeout = min(timeout, REAP_RETRY)
-        timeout = min(timeout, self.autoscale.due_in(time.monotonic()))
+        with self.steps.guard("sleep"):
+            timeout = self.sleep_timeout(timeout)
+        if self.steps.new_tick():          # a step failed: whatever wants us back at once may be its doing
+            timeout = max(timeout, PAUSE)
         try:
             await asyncio.wait_for(self.wakeup.wait(), max(0.0, timeout))
         except TimeoutError:
             pass
         self.wakeup.clear()
+
+    def sleep_timeout(self, timeout: float) -> float:
+        due = self.pool.next_restart()
+        if due is not None and not self.stopping:
+            timeout = min(timeout, due - time.monotonic())
+        if self.dead:
+            timeout = min(timeout, REAP_RETRY)
+        return min(timeout, self.autoscale.due_in(time.monotonic()))
 
     def living(self) -> list[WorkerProcess]:
         return self.pool.living()
@@ -152,7 +209,9 @@ class Arbiter:
 
     def apply_posted(self) -> None:
         while self.posted:
-            self.posted.popleft()()
+            work = self.posted.popleft()
+            with self.steps.guard("posted"):   # one bad closure neither stops the rest nor comes back
+                work()
 
     def spawn_task(self, coro: Any) -> None:
         """A background task the loop keeps a reference to (and cancels at the end)."""
@@ -170,7 +229,8 @@ class Arbiter:
         while self.signals:
             sig = self.signals.popleft()
             log.info("received %s", signal.Signals(sig).name, extra={"event": "signal", "signal": signal.Signals(sig).name})
-            getattr(self, "on_" + SIGNALS[signal.Signals(sig)])()
+            with self.steps.guard("signals"):  # the next signal is still handled
+                getattr(self, "on_" + SIGNALS[signal.Signals(sig)])()
 
     def on_stop(self) -> None:
         if not self.stopping:
@@ -256,7 +316,7 @@ class Arbiter:
     def child_spec(self, w: WorkerProcess, events_fd: int) -> ChildSpec:
         return ChildSpec(slot=w.slot, parent_pid=os.getpid(), table=w.table, events_fd=events_fd, cfg=self.cfg,
                          handler=self.handler, init=self.init, connect=lambda: self.connect_worker(w.slot),
-                         job_limit=w.job_limit)
+                         job_limit=w.job_limit, suspects=self.suspects)
 
     # ================================================================ events from workers
 
@@ -317,22 +377,37 @@ class Arbiter:
             return       # SIGQUIT: NAK once every worker is dead, or a NAK may hand a job to a dying one
         for _ in range(len(self.dead)):
             w = self.dead.popleft()
-            if not w.reap():
+            reaped = False
+            with self.steps.guard("reap"):
+                reaped = w.reap()
+            if not reaped:
                 self.dead.append(w)             # exited but not waitable yet: next tick (sleep() hurries)
                 continue
+            await self.reap_one(w)
+
+    async def reap_one(self, w: WorkerProcess) -> None:
+        """Settle a dead worker's jobs and free its slot. Each part is isolated: whatever fails
+        (a NATS error in the NAKs above all), the worker is still forgotten and its slot restarted,
+        or the pool would shrink by one for good."""
+        step = self.steps.guard
+        with step("reap"):
             self.apply_events(w, w.read_events())      # whatever it said before dying
-            clean = self.exited_cleanly(w)
-            cause = w.kill_reason or w.describe_exit()
-            code = w.exit_code()
-            if not clean and code in CHILD_EXIT_REASONS:
-                cause += f": {CHILD_EXIT_REASONS[code]}"
+        clean = self.exited_cleanly(w)
+        cause = w.kill_reason or w.describe_exit()
+        code = w.exit_code()
+        if not clean and code in CHILD_EXIT_REASONS:
+            cause += f": {CHILD_EXIT_REASONS[code]}"
+        with step("reap"):
             if not clean:
                 self.in_transit.death(time.monotonic(), w.table.header(slots.CREDITS), f"worker {w.slot} (pid {w.pid})")
             await self.deaths.settle(w, cause, clean)
+        with step("reap"):
             self.stats.carry(w)
-            finished = w.jobs_finished          # read before forget() unmaps its table
+        finished = w.jobs_finished          # read before forget() unmaps its table
+        with step("reap"):
             self.forget(w)
-            if not clean:
+        if not clean:
+            with step("reap"):
                 # Reconnecting, not closed: a connection closed for good (credentials revoked) is
                 # no outage to wait out, and its crash loop must still halt.
                 nats_down = code == EXIT_CONNECT_FAILED and bool(self.nc and self.nc.is_reconnecting)
@@ -372,16 +447,23 @@ class Arbiter:
         """Share our NAKs with peer supervisors; count redeliveries nobody explained; NAK once more
         a dead worker's job nobody has seen again; find what was in transit to a dead worker;
         say so while workers keep dying fast."""
-        await self.peers.flush()
-        await self.deaths.renak_unseen(self.held_anywhere)
-        await self.in_transit.step(time.monotonic(), self.held_anywhere, self.links_all_fresh_since,
-                                   self.peers.alone(time.monotonic()))
-        for r in self.ledger.confirm_suspects(time.monotonic(), SUSPECT_GRACE):
-            log.warning("job seq=%d redelivered (delivery %d) and nothing explains it: AckWait (%gs) shorter than "
-                        "the job, or held by a process outside any supervisor's ledger", r.seq, r.delivery,
-                        self.deaths.ack_wait(r.delivery - 1),
-                        extra={"event": "unexplained_redelivery", "seq": r.seq, "delivery": r.delivery})
-        self.watch_deaths()
+        step, now = self.steps.guard, time.monotonic
+        with step("audit"):
+            await self.peers.flush()
+        with step("audit"):
+            await self.deaths.renak_unseen(self.held_anywhere)
+        with step("audit"):
+            await self.in_transit.step(now(), self.held_anywhere, self.links_all_fresh_since, self.peers.alone(now()))
+        with step("audit"):
+            for r in self.ledger.confirm_suspects(now(), SUSPECT_GRACE):
+                log.warning("job seq=%d redelivered (delivery %d) and nothing explains it: AckWait (%gs) shorter "
+                            "than the job, or held by a process outside any supervisor's ledger", r.seq, r.delivery,
+                            self.deaths.ack_wait(r.delivery - 1),
+                            extra={"event": "unexplained_redelivery", "seq": r.seq, "delivery": r.delivery})
+        with step("audit"):
+            self.watch_deaths()
+        with step("audit"):
+            self.suspects.show(self.ledger.on_probation())     # settled suspects leave the board
 
     def held_anywhere(self) -> set[int]:
         """Stream sequences in any worker's table, the dead not yet reaped included."""

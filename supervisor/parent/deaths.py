@@ -21,12 +21,13 @@ from typing import Any
 from supervisor.config import Config
 from supervisor.core import liveness
 from supervisor.core.ledger import CrashLedger
-from supervisor.core.policy import ack_wait_for, nak_is_safe
+from supervisor.core.policy import ack_wait_for, nak_is_safe, nak_safe_until
 from supervisor.parent.peers import Peers
 from supervisor.parent.process import WorkerProcess
 from workers import Job
 from workers.protocol import slots
 from workers.runtime.deadletter import dead_letter
+from workers.runtime.solo import SuspectBoard
 
 log = logging.getLogger("supervisor")
 
@@ -52,8 +53,9 @@ class HeldBack:
 
 class Deaths:
     def __init__(self, cfg: Config, nc: Any, ledger: CrashLedger, peers: Peers,
-                 alert: Callable[[str, str], None]):
+                 alert: Callable[[str, str], None], suspects: SuspectBoard | None = None):
         self.cfg, self.nc, self.ledger, self.peers, self.alert = cfg, nc, ledger, peers, alert
+        self.suspects = suspects
         self.pinged: dict[tuple[int, int], float] = {}     # (pid, seq) -> our last +WPI for it
         self.renak: dict[int, SentNak] = {}                # a dead worker's job NAKed, by stream seq
         self.held_back: list[HeldBack] = []
@@ -89,7 +91,10 @@ class Deaths:
         if not clean:
             held = [(e.stream_seq, e.delivery, slots.ENTRY_STATES[e.state], n) for e, n in zip(entries, nak)]
             self.ledger.record_death(now, w.slot, w.pid, cause, held, in_transit=w.table.header(slots.CREDITS),
-                                     job_to_blame=not w.kill_reason.startswith(("SIGQUIT", "killed: still draining")))
+                                     job_to_blame=not w.kill_reason.startswith(("SIGQUIT", "killed: still draining")),
+                                     blame=w.blame)
+            if self.suspects is not None:     # on the board before the NAKs bring the suspects back
+                self.suspects.show(self.ledger.on_probation())
         for e, n in zip(entries, nak):
             if clean:         # no death in the ledger: what it left (NAKed now, or after AckWait) explains its rerun
                 self.ledger.expect(e.stream_seq, f"left {slots.ENTRY_STATES[e.state]} by worker {w.slot} "
@@ -101,7 +106,7 @@ class Deaths:
             if not n:
                 continue
             if not clean and e.state == slots.RUNNING and self.ledger.is_poison(e.stream_seq):
-                await self.quarantine(e)
+                await self.quarantine(e, self.timer_started(w.pid, e))
             else:
                 await self.nak(HeldBack(e.stream_seq, e.delivery, e.reply, self.timer_started(w.pid, e)))
         if any(nak):
@@ -128,6 +133,8 @@ class Deaths:
         """NAK now, or, while NATS is disconnected, as soon as it is back (if still safe then)."""
         if not self.nc.is_connected:
             self.held_back.append(order)
+            log.info("NATS is away: the NAK of seq=%d (delivery %d) waits for it", order.seq, order.delivery,
+                     extra={"event": "nak_held_back", "seq": order.seq, "delivery": order.delivery})
             return
         log.debug("NAK seq=%d (delivery %d) via %s", order.seq, order.delivery, order.reply)
         await self.nc.publish(order.reply, b"-NAK")
@@ -150,22 +157,34 @@ class Deaths:
                      extra={"event": "held_back_sent", "count": sent})
             await self.flush()
 
-    async def quarantine(self, e: slots.Entry) -> None:
-        """A job held at poison_after_crashes worker deaths: dead-letter it with the evidence, TERM it."""
-        deaths = self.ledger.quarantine(e.stream_seq)
+    def held_back_useful_until(self) -> float:
+        """The last moment any held-back NAK is still safe to send (monotonic); 0 when none is held."""
+        return max((nak_safe_until(o.timer_started, self.ack_wait(o.delivery)) for o in self.held_back), default=0.0)
+
+    async def quarantine(self, e: slots.Entry, timer_started: float) -> None:
+        """A job held at poison_after_crashes worker deaths: dead-letter it with the evidence, TERM it.
+        The ledger marks it quarantined only once the TERM went out: a quarantine that fails (the
+        dead-letter stream away, the parent disconnected) NAKs the job, or holds the NAK back while
+        NATS is away, and the job's next fatal run tries again (R7, interleaving B)."""
+        deaths = self.ledger.deaths_of(e.stream_seq)
         evidence = "; ".join(f"pid {d.pid} {d.cause}" for d in deaths)
         reason = f"poison: held at {len(deaths)} worker deaths ({evidence})"
         try:
+            if not self.nc.is_connected:
+                raise ConnectionError("not connected to NATS")
             raw = await self.nc.jetstream().get_msg(self.cfg.stream.name, e.stream_seq)
             headers = dict(raw.headers or {})
             job = Job(data=raw.data or b"", subject=raw.subject or "", headers=headers, stream_seq=e.stream_seq,
                       delivery=e.delivery, msg_id=headers.get("Nats-Msg-Id"))
             await dead_letter(self.nc, self.cfg, job, reason, {"Supervisor-Dead-Letter-Deaths": evidence})
             await self.nc.publish(e.reply, b"+TERM " + reason.encode()[:300])
-        except Exception as exc:    # any failure: the job must not be left to AckWait
-            log.error("cannot quarantine poison job seq=%d (%s); NAKing it instead", e.stream_seq, exc)
-            await self.nc.publish(e.reply, b"-NAK")
+        except Exception as exc:    # any failure: the job must not be left to AckWait, nor escape poison detection
+            log.error("cannot quarantine poison job seq=%d (%s); NAKing it instead: its next fatal run tries again",
+                      e.stream_seq, exc or type(exc).__name__,
+                      extra={"event": "quarantine_failed", "seq": e.stream_seq, "error": f"{type(exc).__name__}: {exc}"})
+            await self.nak(HeldBack(e.stream_seq, e.delivery, e.reply, timer_started))
             return
+        self.ledger.quarantine(e.stream_seq)
         self.alert("poison", f"job seq={e.stream_seq} quarantined to {self.cfg.restart.dead_letter_subject}: {reason}")
 
     # ---------------------------------------------------------------- afterwards

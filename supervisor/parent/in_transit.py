@@ -121,6 +121,9 @@ class InTransit:
                 msg = await js.get_msg(self.cfg.stream.name, seq)
             except NotFoundError:
                 continue                    # acked (a work queue deletes it) or never stored
+            except Exception as exc:        # timeout, no responders, a leader election: AckWait, not a dead parent
+                log.info("in-transit check: cannot read seq %d: %s", seq, exc or type(exc).__name__)
+                return None
             if not wanted or subject_matches(wanted, msg.subject) or wanted == msg.subject:
                 lost.append(seq)
         return lost

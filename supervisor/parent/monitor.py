@@ -40,6 +40,8 @@ log = logging.getLogger("supervisor.monitor")
 
 ACCEPT_AFTER = 5        # consecutive backward samples from one consumer taken as the truth after all
 MOVE_SLACK = 2.0        # seconds around the window in which acks lost to a leader move come back
+GIVEN_UP_EVERY = 60.0   # the stream is searched for jobs the consumer gave up on this often (and at a reconnect)
+GIVEN_UP_BATCH = 100    # messages looked at, at most, per search
 
 
 def lost_ack_window(before: dict, after: dict, t_before: float, t_after: float,
@@ -109,6 +111,9 @@ class Monitor:
         self.fleet: Fleet | None = None     # set by parent/supervisor.py when the fleet runs
         self.shared_seq = 0                 # the poller's last sample taken
         self.source = "self"                # who the newest sample came from: "self" or the poller's name
+        self.copied: set[int] = set()       # stream seqs given up on and dead-lettered by us
+        self.given_up_due = 0.0             # next search for jobs the consumer gave up on (find_given_up) ...
+        self.reconnects_seen = -1           # ... and at once after a reconnect
 
     def apply_config(self, cfg: Config) -> None:
         old, self.cfg = self.cfg, cfg
@@ -148,8 +153,10 @@ class Monitor:
             self.failed(time.monotonic(), f"ConsumerInfo failed: {type(exc).__name__}: {exc}"[:200])
             return
         consumer, self.source = consumer_dict(info), "self"
-        if await self.accept(js, consumer) and self.fleet:
-            await self.fleet.share(consumer)
+        if await self.accept(js, consumer):
+            if self.fleet:
+                await self.fleet.share(consumer)
+            await self.find_given_up(js, consumer)
 
     async def accept(self, js: Any, consumer: dict[str, Any]) -> bool:
         """Take one ConsumerInfo answer (ours or the poller's) unless the guard rejects it."""
@@ -257,15 +264,71 @@ class Monitor:
         try:
             raw = await self.nc.jetstream().get_msg(self.cfg.stream.name, seq)
         except Exception as exc:
-            log.error("job seq=%d: cannot read it back for the dead-letter copy: %s", seq, exc)
+            log.error("job seq=%d: cannot read it back for the dead-letter copy: %s (the stream check will find it)",
+                      seq, exc)
             return
+        await self.give_up(raw, deliveries, f"max deliveries reached ({deliveries})")
+
+    async def give_up(self, raw: Any, deliveries: int, reason: str) -> bool:
+        """Copy a job the consumer gave up on to the dead letters. Once a dead-letter stream
+        confirmed the copy, the original is deleted from the work queue: it would never be
+        delivered again, and the stream check (find_given_up) must not copy it twice."""
+        seq = raw.seq
         headers = dict(raw.headers or {})
         job = Job(data=raw.data or b"", subject=raw.subject or "", headers=headers, stream_seq=seq,
                   delivery=deliveries, msg_id=headers.get("Nats-Msg-Id"))
         try:
-            await dead_letter(self.nc, self.cfg, job, f"max deliveries reached ({deliveries})")
+            await dead_letter(self.nc, self.cfg, job, reason)
+            if self.cfg.restart.dead_letter_subject and self.cfg.restart.dead_letter_stream \
+                    and self.cfg.stream.retention == "workqueue":
+                await self.nc.jetstream().delete_msg(self.cfg.stream.name, seq)
+        except NotFoundError:
+            pass                    # deleted meanwhile (another supervisor copied it: one copy, by its Msg-Id)
         except Exception as exc:
-            log.error("job seq=%d: dead-letter copy failed: %s", seq, exc)
-            return
+            log.error("job seq=%d: dead-letter copy failed: %s (the stream check tries again)", seq, exc)
+            return False
+        self.copied.add(seq)
         message = f"job seq={seq} gave up after {deliveries} deliveries; copied to {self.cfg.restart.dead_letter_subject}"
         self.arbiter.post(lambda: self.arbiter.alert("max_deliveries", message))
+        return True
+
+    # ------------------------------------------------------------ jobs the consumer gave up on (R11a)
+
+    async def find_given_up(self, js: Any, consumer: dict[str, Any]) -> None:
+        """The MAX_DELIVERIES advisory is core NATS: a parent disconnected or restarting when it
+        is sent never sees it, and the job would stay in the work queue for ever, never delivered,
+        never copied. So after a start, after each reconnect and every GIVEN_UP_EVERY, look in the
+        stream: in a work queue a stored message at or below the consumer's ack floor (or below
+        what it delivered, when nothing awaits an ack) is one the consumer will never deliver
+        again. One get_msg per such message, plus one: the first stored one past the bound ends it.
+        (A job whose ack the server counted but whose removal it lost, a full disk, looks the
+        same; the copy's reason says both.)"""
+        c = self.cfg
+        if c.stream.retention != "workqueue" or c.consumer.max_deliver == -1:
+            return
+        now, reconnects = time.monotonic(), self.nc.stats["reconnects"]
+        if now < self.given_up_due and reconnects == self.reconnects_seen:
+            return
+        self.given_up_due, self.reconnects_seen = now + GIVEN_UP_EVERY, reconnects
+        bound = consumer["delivered_stream_seq"] if consumer["num_ack_pending"] == 0 else consumer["ack_floor_stream_seq"]
+        seq = 1
+        for _ in range(GIVEN_UP_BATCH):
+            try:
+                raw = await js.get_msg(c.stream.name, seq=seq, subject=c.consumer.filter_subject or ">", next=True)
+            except NotFoundError:
+                return              # nothing stored from seq on
+            except Exception as exc:
+                log.info("looking for jobs the consumer gave up on: %s; again at the next poll", exc)
+                self.given_up_due = 0.0
+                return
+            if raw.seq > bound:
+                return
+            if raw.seq not in self.copied:
+                log.warning("job seq=%d is in the stream below the consumer's ack floor: it reached max_deliver "
+                            "while no supervisor saw the advisory; copying it to %s", raw.seq,
+                            c.restart.dead_letter_subject or "(no dead-letter subject)",
+                            extra={"event": "given_up_found", "seq": raw.seq})
+                await self.give_up(raw, c.consumer.max_deliver,
+                                   f"max deliveries reached ({c.consumer.max_deliver}); found in the stream below the "
+                                   "consumer's ack floor (its advisory was missed, or the server lost an ack's removal)")
+            seq = raw.seq + 1

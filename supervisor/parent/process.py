@@ -44,6 +44,7 @@ class WorkerProcess:
         self.ready_at: float | None = None
         self.retiring = False            # asked to drain for good (scale down, recycle, stop)
         self.kill_reason = ""            # set when the arbiter kills it (heartbeat, job_timeout)
+        self.blame: int | None = None    # the job a kill names (job_timeout): poison evidence against it alone
         self.drain_deadline: float | None = None
         self.job_limit = 0               # recycle after this many jobs (0 = never)
         self.recycle_reason = ""         # why it is due for replacement (max_jobs, RSS, a config roll)

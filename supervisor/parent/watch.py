@@ -32,6 +32,7 @@ class Watch:
                  alert: Callable[[str, str], None]):
         self.cfg, self.nc, self.ledger, self.deaths, self.stats, self.alert = cfg, nc, ledger, deaths, stats, alert
         self.stale_links: set[int] = set()                  # pids whose NATS connection looks dead
+        self.pings_waiting = False                          # +WPI due while the parent is disconnected (said once)
 
     def forget(self, pid: int) -> None:
         self.stale_links.discard(pid)
@@ -49,14 +50,38 @@ class Watch:
                 continue
             reason = liveness.why_kill(now, lim, w.table.heartbeat(), w.started_at, entries, w.drain_deadline)
             if reason:
+                overdue = liveness.overdue_job(now, lim, entries)
+                w.blame = overdue.stream_seq if overdue is not None and "job_timeout" in reason else None
                 self.kill(w, reason)
                 continue
             pings += self.due_pings(w, entries, now)
         self.deaths.keep_pings(held)
+        await self.send_pings(pings, now)
+
+    async def send_pings(self, pings: list[tuple[WorkerProcess, slots.Entry]], now: float) -> None:
+        """+WPI only while the parent is connected (R9): nats-py would buffer it during a reconnect
+        (and refuse it, raising, once its buffer is full), and a buffered +WPI reaches the server
+        only after the reconnect while its timer would count from now. Unsent, the job's timer keeps
+        counting from the last +WPI that went out, so the next tick connected sends it at once."""
+        if not pings:
+            return
+        if not self.nc.is_connected:
+            if not self.pings_waiting:
+                log.warning("NATS is away: no +WPI for %d long job(s) until it is back (their AckWait runs on)",
+                            len(pings), extra={"event": "pings_waiting", "count": len(pings)})
+            self.pings_waiting = True
+            return
+        self.pings_waiting = False
+        sent = 0
         for w, e in pings:
-            await self.nc.publish(e.reply, b"+WPI")
+            try:
+                await self.nc.publish(e.reply, b"+WPI")
+            except Exception as exc:     # the connection went in the meantime: the rest wait for the next tick
+                log.warning("+WPI not sent: %s", exc or type(exc).__name__)
+                break
             self.deaths.pinged_now(w.pid, e.stream_seq, now)
-        self.stats.totals.pings += len(pings)
+            sent += 1
+        self.stats.totals.pings += sent
 
     def kill(self, w: WorkerProcess, reason: str) -> None:
         log.warning("killing worker %d (pid %d): %s", w.slot, w.pid, reason,

@@ -52,7 +52,8 @@ def snapshot(**changes) -> Snapshot:
         pool=pool, consumer=ConsumerView("JOBS", "workers", values, 0.4, "self", 0, ""),
         lag=LagReport("ok", 0.0, 4.0, 9.5, "draining"),
         autoscale={"enabled": False, "target": 2, "min": 1, "max": 8, "resumes_in_s": None},
-        crosscheck={**LEDGER, "outstanding": []}, ledger=LEDGER, outstanding=(), peers={"alone": True},
+        crosscheck={**LEDGER, "outstanding": []}, loop={"step_failures": {"reap": 2}}, ledger=LEDGER,
+        outstanding=(), peers={"alone": True},
         advisories={"max_deliveries": 0, "terminated": 1}, fleet={"name": "h1", "peers": 0},
         raised=(Alert("worker_deaths", "one died", 1.0),))
     return dataclasses.replace(base, **changes)
@@ -106,6 +107,9 @@ def test_metrics_from_a_snapshot():
     assert count == 10                            # the buckets summed, +Inf included
     pending = families[P + "consumer_num_pending"].samples[0].value
     assert pending == 38
+    failures = {s.labels["step"]: s.value for s in families[P + "loop_step_failures"].samples
+                if s.name.endswith("_total")}
+    assert failures == {"reap": 2}
     lag = {s.labels["state"]: s.value for s in families[P + "lag_state"].samples}
     assert lag["ok"] == 1.0 and sum(lag.values()) == 1.0
 

@@ -9,6 +9,7 @@ from typing import Any
 from supervisor.config import Config
 from workers import Job
 from workers.protocol.slots import SlotTable
+from workers.runtime.solo import SuspectBoard
 
 
 @dataclass
@@ -23,4 +24,5 @@ class ChildSpec:
     init: Callable[[], Any] | None
     connect: Callable[[], Awaitable[Any]]      # returns a connected nats client
     job_limit: int = 0                         # tell the parent once this many jobs started (max_jobs)
+    suspects: SuspectBoard | None = None       # jobs to run alone (workers/runtime/solo.py), written by the parent
     keep_fds: tuple[int, ...] = ()

@@ -24,6 +24,7 @@ from workers.protocol import slots
 from workers.protocol.modes import SERVING, STOPPING
 from workers.protocol.slots import SlotTable
 from workers.runtime.guard import Guard
+from workers.runtime.solo import Gate
 
 CONFIRM_AFTER = 0.1         # after a job this long a thread also waits for its ack's fence (a few ms at most) ...
 CONFIRM_WAIT = 1.0          # ... but never longer than this (a fence that fails leaves the ack for the next one)
@@ -42,6 +43,9 @@ class Owner(Protocol):
     table: SlotTable
     changed: asyncio.Event
     wake_pull: asyncio.Event
+
+    @property
+    def gate(self) -> Gate: ...            # suspects run alone (workers/runtime/solo.py); used under start_lock
 
     def count_start(self) -> None: ...
     async def admit(self, chunk: Chunk) -> Chunk: ...
@@ -156,7 +160,8 @@ class HandlerThreads:
         Nothing starts in STOPPING: the loop NAKs what is left."""
         with self.handed:
             while not self.threads_stop:
-                if self.ready and self.owner.mode != STOPPING:
+                # First come first served; a suspect at the front waits for the rest to finish.
+                if self.ready and self.owner.mode != STOPPING and self.owner.gate.try_start(self.ready[0][2].stream_seq):
                     _, i, job = self.ready.popleft()
                     self.owner.table.start(i)  # several handler threads share the table's counters
                     return i, job
@@ -172,6 +177,8 @@ class HandlerThreads:
         behind an unexpectedly long job is collected by the worker's liveness() (collect())."""
         now = time.monotonic()
         with self.handed:
+            if self.owner.gate.finished(job.stream_seq):
+                self.handed.notify_all()     # a suspect's turn, or the end of one
             if not self.outcomes:
                 self.outcomes_since = now
             self.outcomes.append((i, job, exc, elapsed))

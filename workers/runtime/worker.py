@@ -41,6 +41,7 @@ from workers.runtime.puller import Puller
 from workers.runtime.pulls import PullSizer, fair_share
 from workers.runtime.settle import Settler, nak_payload, retry_delay
 from workers.runtime.shutdown import Shutdown
+from workers.runtime.solo import AsyncGate
 from workers.runtime.spec import ChildSpec
 from workers.runtime.threads import OUTCOME_EVERY, HandlerThreads
 
@@ -142,6 +143,7 @@ class Worker:
         # shutdown has NAKed what runs, no handler thread can start another job behind its back.
         self.start_lock = threading.Lock()
         self.guard: Guard | None = None   # [idempotency] (workers/runtime/guard.py)
+        self.gate = AsyncGate(spec.suspects)   # suspects run alone (workers/runtime/solo.py)
         self.threads = HandlerThreads(self, self.start_lock, spec.handler, self.wcfg.concurrency, spec.job_limit)
         self.shutdown = Shutdown(self, spec.slot)
 
@@ -222,6 +224,7 @@ class Worker:
         self.stop.set()
         for event in (self.wake_pull, self.wake_run, self.changed):
             event.set()
+        self.gate.wake()
 
     async def heartbeat(self) -> None:
         every = min(0.5, self.wcfg.heartbeat_timeout / 4)   # the parent calls a beat older than 1.5 s stale
@@ -348,7 +351,7 @@ class Worker:
 
     async def run_async(self, i: int, job: Job) -> None:
         """An async handler, on the loop."""
-        if self.mode == STOPPING:
+        if self.mode == STOPPING or not await self.gate.start(job.stream_seq, lambda: self.mode == STOPPING):
             await self.shutdown.nak_unstarted_job(i, job)
             return
         self.table.start(i)
@@ -359,8 +362,10 @@ class Worker:
         except asyncio.CancelledError:
             raise                        # graceful_timeout ran out; abandon() NAKs the job
         except BaseException as exc:
+            self.gate.done(job.stream_seq)
             await self.finish(i, job, exc, time.monotonic() - started)
         else:
+            self.gate.done(job.stream_seq)
             await self.finish(i, job, None, time.monotonic() - started)
 
     async def finish(self, i: int, job: Job, exc: BaseException | None, elapsed: float) -> None:

@@ -1,0 +1,96 @@
+"""The AckWait checks on the parent's delayed NAKs (issue 22, "tests that stayed green with their
+promise broken"): a NAK sent late may hit the job's next delivery, held by someone else (NAKs
+match by stream sequence: nats-server processNak), so a held-back NAK and a re-NAK are sent only
+while the delivery they were built for is surely still the pending one. Each test reaches the
+branch where the check says no, and goes red when the check is removed (the mutations are
+named in each docstring). Real nats-server, real supervisor, real signals."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import psutil
+from harness import publish_now, wait_until
+
+from supervisor.core.liveness import RENAK_AFTER
+
+JSON_LOGS = ("--log-format", "json")
+
+
+def test_a_nak_held_back_past_its_ack_wait_is_not_sent(nats_server, supervisor_factory, tmp_path):
+    """Worker A dies holding job J while the parent is disconnected: its NAK is held back. The
+    outage outlasts J's AckWait, so the server hands J (delivery 2) to worker B, alive. When the
+    parent is back, the held-back NAK (built for delivery 1) would NAK B's delivery: it must be
+    dropped (event held_back_expired), and J runs at deliveries 1 and 2 only.
+    Mutation: deaths.py send_held_back, `if nak_is_safe(...)` -> `if True`: red (held_back_sent,
+    and J's third delivery runs beside the second)."""
+    from linkfaults import Refuse
+
+    ack_wait = 6.0
+    gate = tmp_path / "gate"
+    proxy = Refuse(nats_server.port).start()
+    try:
+        sup = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": ack_wait},
+                                 nats={"servers": [proxy.url]}, args=JSON_LOGS)
+        sup.wait_ready(2)
+        seq = publish_now(nats_server.url, count=1, data=f"until:{gate}")[0]
+        first = wait_until(lambda: [r for r in sup.jobs.running() if r.seq == seq], what="J running")[0]
+        proxy.refuse("jetstream-supervisor")
+        wait_until(lambda: not sup.status()["nats"]["connected"], what="the parent disconnected")
+        psutil.Process(first.pid).send_signal(signal.SIGKILL)
+        sup.wait_event("nak_held_back", seq=seq)
+        second = wait_until(lambda: [r for r in sup.jobs.started() if r.seq == seq and r.delivery == 2],
+                            timeout=4 * ack_wait, what="J's AckWait over: delivery 2 to a live worker")[0]
+        assert second.pid != first.pid
+        proxy.allow()
+        wait_until(lambda: sup.status()["nats"]["connected"], what="the parent reconnected")
+        sup.wait_event("held_back_expired", seq=seq)
+        assert not sup.events("held_back_sent"), "a NAK built for delivery 1 went out after its AckWait"
+        # The same tick that dropped it would have sent it: had it, delivery 3 would start at once.
+        # Proof it did not: J finishes at delivery 2, and nothing else ever started it.
+        gate.touch()
+        wait_until(lambda: seq in sup.jobs.done_seqs(), what="J done")
+        wait_until(lambda: nats_server.stream_msgs() == 0, what="J acked")
+        assert [r.delivery for r in sup.jobs.started() if r.seq == seq] == [1, 2]
+        assert sup.stop() == 0
+    finally:
+        proxy.stop()
+
+
+def test_a_renak_after_the_ack_wait_of_the_nak_it_repeats_is_not_sent(nats_server, supervisor_factory, tmp_path):
+    """Worker A dies holding job J; the parent NAKs it. Worker B, the only other one, is SIGSTOPped
+    (a loop that does not read: whatever the server sends it, nobody sees). Nobody reports J
+    again, so RENAK_AFTER (4 s) after the NAK was fenced a re-NAK is due; but AckWait (3 s) since
+    the NAK has run out: the delivery it caused may be redelivered to a live holder by now, and a
+    NAK by stream sequence would take the job from it. No re-NAK may go out.
+    Mutation: deaths.py renak_unseen, drop `or not nak_is_safe(now, n.sent_at, ...)`: red (event renak).
+    When the re-NAK was due is known without a clock: two SIGHUPs, each logged by a later tick of
+    the loop than the last, sent after the re-NAK was due; the audit of the first one's tick ran
+    after that moment, and every tick audits."""
+    ack_wait = 3.0
+    gate = tmp_path / "gate"
+    sup = supervisor_factory(nats_server, workers={"count": 2, "heartbeat_timeout": 120.0},
+                             consumer={"ack_wait": ack_wait}, restart={"backoff_initial": 60.0, "backoff_max": 60.0},
+                             args=JSON_LOGS)
+    sup.wait_ready(2)
+    seq = publish_now(nats_server.url, count=1, data=f"until:{gate}")[0]
+    first = wait_until(lambda: [r for r in sup.jobs.running() if r.seq == seq], what="J running")[0]
+    other = next(iter(sup.worker_pids() - {first.pid}))
+    psutil.Process(other).send_signal(signal.SIGSTOP)
+    try:
+        psutil.Process(first.pid).send_signal(signal.SIGKILL)
+        died = sup.wait_event("worker_died", worker_pid=first.pid)
+        assert died["naked"] == [seq]
+        due = time.monotonic() + RENAK_AFTER   # the NAK's fence ended before worker_died was logged
+        wait_until(lambda: time.monotonic() > due, timeout=RENAK_AFTER + 1, what="the re-NAK due")
+        for n in (1, 2):
+            sup.signal(signal.SIGHUP)
+            wait_until(lambda n=n: len(sup.events("signal", signal="SIGHUP")) == n, what=f"SIGHUP {n} handled")
+        assert not [r for r in sup.jobs.started() if r.seq == seq and r.delivery > 1], "nobody saw J again"
+        assert not sup.events("renak"), "a re-NAK went out after the AckWait of the NAK it repeats"
+    finally:
+        psutil.Process(other).send_signal(signal.SIGCONT)
+    gate.touch()
+    wait_until(lambda: seq in sup.jobs.done_seqs(), what="J done")
+    sup.stop()
