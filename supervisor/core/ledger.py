@@ -296,7 +296,7 @@ class CrashLedger:
                 self.counts["held_jobs_acked_after_crash"] += 1
 
     def acks_resent(self, resent: int, confirmed: int, unconfirmed: list[int], why: str) -> None:
-        """A worker sent `resent` recent acks again after a consumer leader change (workers/reack.py)
+        """A worker sent `resent` recent acks again after a consumer leader change (workers/runtime/reack.py)
         and the leader confirmed `confirmed` of them: those cannot come back. The jobs of
         `unconfirmed` may run again, and that is why."""
         self.counts["acks_resent"] += resent

@@ -1,5 +1,5 @@
 """workers/runtime/reack.py's window of recent acks, and what the parent's ledger makes of a worker's
-report (pure, a fake clock). The failover itself: tests/test_cluster_acks.py."""
+report (pure, a fake clock). The failover itself: tests/integration/test_cluster_acks.py."""
 
 from __future__ import annotations
 
