@@ -1,11 +1,12 @@
 """The ack fence (workers/runtime/settle.py `confirm`): an acked entry leaves the slot table only
-once a fence proved the server read the ack. Until then the parent NAKs it if the worker dies, so an ack
-that never arrived costs a prompt redelivery, not AckWait.
+once a fence proved the server read the ack. Until then the parent NAKs it if the worker dies,
+so an ack that never arrived costs a prompt redelivery, not AckWait.
 
 tests/integration/test_crash_safety.py kills the worker before its settler runs at all, so it
 cannot tell a fence from none. Here the settler runs while the worker's connection goes nowhere:
-its ack is written and dropped (tests/support/cutproxy.py), and its fence can get no PONG. A settler that released
-the entry without a fence would leave nothing for the parent to NAK at the death.
+its ack is written and dropped (tests/support/cutproxy.py), and its fence can get no PONG. A
+settler that released the entry without a fence would leave nothing for the parent to NAK at
+the death.
 """
 
 from __future__ import annotations

@@ -93,10 +93,12 @@ class Owner(Protocol):
 
 
 class Reacker:
-    def __init__(self, owner: Owner, slot: int, stream: str, consumer: str, keep: float):
+    def __init__(self, owner: Owner, slot: int, stream: str, consumer: Any):
+        """`consumer`: the [consumer] config (its name; AckWait and backoff size the window)."""
         self.owner, self.slot = owner, slot
-        self.stream, self.consumer = stream, consumer
-        self.window = RecentAcks(keep)
+        self.stream, self.consumer = stream, consumer.name
+        # The longest AckWait: after it a job whose ack was lost has been handed out again.
+        self.window = RecentAcks(keep=max((consumer.ack_wait, *consumer.backoff)))
         self.round: Round | None = None
         self.wake = asyncio.Event()
         self.inbox = ""

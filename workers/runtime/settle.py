@@ -56,7 +56,7 @@ class Settler:
     def __init__(self, owner: Owner, slot: int, double_ack: bool, entries: int,
                  acked: Callable[[int, str], None] = lambda seq, reply: None):
         self.owner = owner
-        self.acked = acked                         # (seq, reply) of each plain ack sent: workers/reack.py
+        self.acked = acked                         # (seq, reply) of each plain ack sent: reack.py
         self.slot = slot
         self.double_ack = double_ack
         self.replies: list[str] = [""] * entries   # reply subject by entry index

@@ -129,9 +129,7 @@ class Worker:
                           threads=not self.is_async, batching=OUTCOME_EVERY)
         self.pulls = Puller(self, spec.slot, sizer, spec.job_limit,
                             f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.consumer}")
-        # Kept for the longest AckWait: after it a job whose ack was lost has been handed out again.
-        self.reacker = Reacker(self, spec.slot, self.stream, self.consumer,
-                               keep=max((cfg.consumer.ack_wait, *cfg.consumer.backoff)))
+        self.reacker = Reacker(self, spec.slot, self.stream, cfg.consumer)
         self.settler = Settler(self, spec.slot, self.wcfg.double_ack, self.table.entries, acked=self.reacker.sent)
         self.started_jobs = 0
         self.generation = 0              # reconnects seen: what was sent on a dead connection may be lost
