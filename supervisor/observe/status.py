@@ -120,6 +120,8 @@ def alerts(sup: Any, lag: dict[str, Any], now: float) -> list[dict[str, str]]:
         out.append({"kind": "consumer_unavailable", "message": mon.error})
     if sup.nc is not None and not sup.nc.is_connected:
         out.append({"kind": "nats_disconnected", "message": "the supervisor's NATS connection is down"})
+    if getattr(sup, "fleet", None):
+        out += sup.fleet.alerts()
     return out
 
 
