@@ -90,7 +90,8 @@ def fleet_rows(beats: list[tuple[dict, float]], now: float) -> list[dict]:
                      "workers": {"ready": workers.get("ready"), "target": workers.get("target")},
                      "jobs_per_s": beat.get("jobs_per_s"), "crashes": beat.get("crashes"),
                      "last_seen_s": round(age, 1), "unexplained": beat.get("unexplained"),
-                     "held": len(beat.get("held") or ()), "version": beat.get("version")})
+                     "held": int(beat.get("held_total", len(beat.get("held") or ()))),
+                     "held_listed": len(beat.get("held") or ()), "version": beat.get("version")})
     return sorted(rows, key=lambda r: (r["state"] != "ok", str(r["name"]), r["pid"] or 0))
 
 

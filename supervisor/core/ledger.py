@@ -110,7 +110,7 @@ class CrashLedger:
         ("crashes", "crashes_holding_jobs", "jobs_held_at_crash", "held_jobs_naked", "held_jobs_redelivered",
          "held_jobs_acked_after_crash", "unexplained_redeliveries", "explained_redeliveries",
          "in_transit_redeliveries", "in_transit_naked", "quarantined", "lost_peer_redeliveries",
-         "leader_move_redeliveries"), 0))
+         "leader_move_redeliveries", "acks_resent", "acks_resent_confirmed", "acks_resent_unconfirmed"), 0))
 
     def __post_init__(self) -> None:
         self._inherited_up_to = 0       # stream seqs pending (delivered, unacked) when we started ...
@@ -312,6 +312,16 @@ class CrashLedger:
             if outcome == "ack":
                 self.counts["held_jobs_acked_after_crash"] += 1
 
+    def acks_resent(self, resent: int, confirmed: int, unconfirmed: list[int], why: str) -> None:
+        """A worker sent `resent` recent acks again after a consumer leader change (workers/runtime/reack.py)
+        and the leader confirmed `confirmed` of them: those cannot come back. The jobs of
+        `unconfirmed` may run again, and that is why."""
+        self.counts["acks_resent"] += resent
+        self.counts["acks_resent_confirmed"] += confirmed
+        self.counts["acks_resent_unconfirmed"] += len(unconfirmed)
+        for seq in unconfirmed:
+            self.expect(seq, f"its ack may have been lost in a consumer leader change ({why}): sent again, never confirmed")
+
     def ack_floor(self, stream_seq: int) -> None:
         """Everything at or below the consumer's ack floor is settled, by whoever settled it
         (an ack that was in doubt at a death, another host's worker, a TERM)."""
@@ -376,6 +386,8 @@ class CrashLedger:
         out["in_transit_naked"] = self.counts["in_transit_naked"]
         out["lost_peer_redeliveries"] = self.counts["lost_peer_redeliveries"]
         out["leader_move_redeliveries"] = self.counts["leader_move_redeliveries"]
+        for key in ("acks_resent", "acks_resent_confirmed", "acks_resent_unconfirmed"):
+            out[key] = self.counts[key]
         out["outstanding"] = self.outstanding(now)
         out["recent_deaths"] = [d.summary(now) for d in list(self.deaths)[-10:]]
         out["recent_cluster_explained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "why": r.why,

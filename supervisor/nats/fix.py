@@ -18,7 +18,16 @@ clients are made, so every connection of ours (parent, workers, one-shot command
   write does nothing. So mid-reconnect `flush()`, and `fence()` with it, "proved" the server had
   read acks it never saw (a settle entry released on no evidence; a worker's liveness PING taken
   for an answer), and the settler spun re-sending a refused ack every 2 ms. Here it raises
-  ConnectionReconnectingError instead, as a publish does when it cannot be taken.
+  ConnectionReconnectingError instead, as a publish does when it cannot be taken. The same
+  fallback runs while nats-py calls itself CONNECTED with its read task dead: `_read_loop` ends
+  on any unexpected exception from the parser ("nats: encountered error"), and nothing reads
+  the socket until the ping timer calls the link stale (PING_INTERVAL x 3, 15 s). No PONG can
+  be read then, so ours raises StaleConnectionError and starts nats-py's own reconnect at once
+  (what the ping timer would do later); the settler sends its acks again on the new link.
+- `fence()` bounds both phases. nats-py's `_flush_pending` swallows the CancelledError of a
+  timeout, so `asyncio.wait_for` around it returns normally at the deadline (Python 3.11), and
+  the PING went out with 1 ms left, overtaking bytes still queued. Now the deadline raises
+  FlushTimeoutError and no PING is written after it.
 
 The other private attributes we read (server INFO, the transport, the current server) are
 wrapped below too, and tests/integration/test_natsfix.py checks each premise against the installed nats-py.
@@ -28,13 +37,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from importlib.metadata import version
-from typing import Any
+from typing import Any, NoReturn
 
 import nats.errors
 from nats.aio.client import Client as _NatsClient
 
 from supervisor.errors import SupervisorError
+
+log = logging.getLogger("supervisor.nats")
 
 PINNED_NATS_PY = "2.16.0"      # pyproject pins it; the premises below were read in this version
 
@@ -57,7 +69,21 @@ class Client(_NatsClient):
         """A PING and its PONG, or an error: never nats-py's no-op fallback (see above)."""
         if self.is_reconnecting:     # no PONG can come back on the old socket, and nats-py drops the PING's future
             raise nats.errors.ConnectionReconnectingError
+        if self.is_connected and not self.tasks_alive():
+            await self.reconnect_deaf()
         await super().flush(timeout)  # type: ignore[arg-type]
+
+    def tasks_alive(self) -> bool:
+        """The read and flusher tasks both run: what a PONG needs (nats-py falls back without it)."""
+        return all(task is not None and not task.done() for task in (self._reading_task, self._flusher_task))
+
+    async def reconnect_deaf(self) -> NoReturn:
+        """CONNECTED, yet the read (or flusher) task has ended: nothing can prove anything on this
+        link. Reconnect now, as nats-py's ping timer would in PING_INTERVAL x 3, and refuse."""
+        log.warning("NATS connection no longer reads (its read or flusher task ended); reconnecting",
+                    extra={"event": "nats_deaf"})
+        await self._process_op_err(nats.errors.StaleConnectionError())
+        raise nats.errors.StaleConnectionError
 
     async def fence(self, timeout: float = 5.0) -> None:
         """The server has read every command this client published before the call; `timeout`
@@ -65,7 +91,12 @@ class Client(_NatsClient):
         loop = asyncio.get_running_loop()
         until = loop.time() + timeout
         # The queued PUBs reach the socket first (bounded: nats-py's flush_timeout is None) ...
-        await asyncio.wait_for(self._flush_pending(force_flush=True), timeout)
+        pending = asyncio.ensure_future(self._flush_pending(force_flush=True))
+        done, _ = await asyncio.wait({pending}, timeout=timeout)    # it swallows a cancel: never wait_for it
+        if not done:
+            pending.cancel()
+            raise nats.errors.FlushTimeoutError
+        pending.result()
         await self.flush(max(0.001, until - loop.time()))  # ... then PING, PONG
 
     async def _process_pong(self) -> None:

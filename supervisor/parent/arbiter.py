@@ -358,6 +358,9 @@ class Arbiter:
             why = f"its {event['outcome']} by worker {w.slot} (pid {w.pid}) was not sent ({event['error']})"
             self.ledger.expect(seq, why, delivery, retroactive=False)
             self.peers.announce(seq, why)
+        elif kind == "acks_resent":        # after a consumer leader change (workers/runtime/reack.py)
+            self.ledger.acks_resent(int(event["resent"]), int(event["confirmed"]),
+                                    [int(seq) for seq in event["unconfirmed"]], str(event["why"]))
         elif kind == "recycle_due":        # its last job has started: start its replacement
             w.recycle_reason = f"ran {event['jobs']} jobs (workers.max_jobs)"
             w.last_job_started = True

@@ -28,12 +28,26 @@ server's timestamps, so no two hosts' clocks are compared. Then, in this order:
      matches by stream sequence: it would hit the current holder's delivery), that no live
      peer and no redelivery anyone reported has at a later delivery, and whose ack had not been
      sent already.
+  0. Before all that it asks the peer's parent directly, over core NATS (`alive_subject`): a
+     parent that answers is alive, its heartbeats only fail to land (the bucket refuses them, a
+     KV leader election, clock skew across one), and nothing of its is marked or released. Only
+     a peer that does not answer within PROBE_TIMEOUT (or has no subscriber: it is gone) is
+     lost. Its workers die with it (PDEATHSIG), so a parent that is gone is a host that is gone.
 A poller elected after the old one died counts its own heartbeat puts that have been getting
 through as the proof that the bucket worked, so the old poller is declared lost as soon as the
 new one sees it, not 3 more heartbeats later.
 
+A heartbeat lists at most HELD_SHARE of the server's max_payload worth of held jobs (those with
+the most AckWait left, the ones worth releasing) and says how many it held in all: over
+max_payload nats-py refuses the put before sending it (MaxPayloadError), and a host holding some
+12 000 jobs then went silent and had them released while they ran. A heartbeat that fails on
+our side, or fails for LOST_AFTER - 1 beats, is an alert on /status: the poller is about to
+declare this host lost.
+
 A partitioned peer is not a dead one: its workers may still run the jobs it held. A release
-then makes those jobs run twice at once. Without it, they would run twice anyway once AckWait
+then makes those jobs run twice at once. The probe cannot tell it from a dead one (it does not
+answer either), nor a parent SIGSTOPped or starved for longer than PROBE_TIMEOUT while its
+workers run on: those are the risk /status names (`fleet.release_risk`). Without it, they would run twice anyway once AckWait
 ran out, because a partitioned parent cannot send the +WPI pings that keep them held, unless
 the partition heals first. We release by default because a host lost for 3 heartbeats is far
 more often dead than cut off for exactly between 3 heartbeats and AckWait, and handlers must
@@ -48,6 +62,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -70,6 +85,7 @@ from supervisor.core.fleetview import (
     unlisted_window,
 )
 from supervisor.core.policy import ack_wait_for
+from supervisor.nats.fix import server_info
 from supervisor.observe.snapshot import Snapshot
 from supervisor.parent.arbiter import Arbiter
 
@@ -77,10 +93,22 @@ log = logging.getLogger("supervisor.fleet")
 
 LEASE_KEY = "poller"
 SAMPLE_FRESH = 2.5          # poll intervals a broadcast ConsumerInfo sample stays usable
+PROBE_TIMEOUT = 2.0         # a silent peer's parent must answer its probe this fast to count as alive
+HELD_SHARE = 0.5            # of the server's max_payload a heartbeat's held list may take
+DEFAULT_MAX_PAYLOAD = 1024 * 1024
+# Heartbeat failures raised by nats-py before anything was sent: ours to fix, not the server's.
+LOCAL_FAILURES = ("MaxPayloadError", "OutboundBufferLimitError")
+RELEASE_RISK = ("a host declared lost while it is alive (cut off from NATS, or its parent paused past the probe) "
+                "runs the released jobs twice, beside its own workers")
 
 
 def sample_subject(stream: str, consumer: str) -> str:
     return f"supervisor.fleet.{stream}.{consumer}"
+
+
+def alive_subject(stream: str, consumer: str, key: str) -> str:
+    """Where a supervisor's parent answers "are you alive?" (its heartbeat key names it)."""
+    return f"supervisor.fleet.{stream}.{consumer}.alive.{key}"
 
 
 # ================================================================ one heartbeat
@@ -92,14 +120,28 @@ def held_jobs(snap: Snapshot) -> list[list]:
             for w in snap.pool.workers for j in w.jobs]
 
 
-def build_beat(snap: Snapshot, name: str, started: float, jobs_per_s: float) -> dict:
+def cap_held(held: list[list], budget: int) -> list[list]:
+    """The held jobs a heartbeat lists: as many as fit in `budget` bytes of JSON, those with the
+    most AckWait left first (the youngest timers: a release would skip the oldest anyway)."""
+    out, used = [], 0
+    for job in sorted(held, key=lambda j: j[2]):
+        used += len(json.dumps(job, separators=(",", ":"))) + 1
+        if used > budget:
+            break
+        out.append(job)
+    return out
+
+
+def build_beat(snap: Snapshot, name: str, started: float, jobs_per_s: float,
+               held_budget: int = int(HELD_SHARE * DEFAULT_MAX_PAYLOAD)) -> dict:
     counts, pool = snap.ledger, snap.pool
+    held = held_jobs(snap)
     return {"name": name, "host": socket.gethostname(), "pid": snap.pid, "version": snap.version,
             "state": snap.state, "workers": {"ready": pool.ready, "target": pool.target},
             "jobs_per_s": round(jobs_per_s, 2), "crashes": counts["crashes"],
             "unexplained": counts["unexplained_redeliveries"], "started": started, "t": time.time(),
             "heartbeat": snap.cfg.fleet.heartbeat, "capacity": pool.capacity, "acked": pool.jobs.ack,
-            "busy": pool.busy, "held": held_jobs(snap)}
+            "busy": pool.busy, "held": cap_held(held, held_budget), "held_total": len(held)}
 
 
 # ================================================================ the parent's fleet task
@@ -134,6 +176,10 @@ class Fleet:
         self.problem = ""
         self.fallback = Fallback()
         self.puts_ok_since: float | None = None      # since when every heartbeat put has succeeded
+        self.failing: tuple[float, str] | None = None   # (since when, why) our heartbeats fail
+        self.released = 0                     # lost peers' jobs we NAKed (as the poller)
+        self.beats = 0                        # heartbeats that got through
+        self.probed: dict[str, float] = {}    # peer key -> when it last answered our probe
 
     @property
     def heartbeat(self) -> float:
@@ -150,6 +196,7 @@ class Fleet:
 
     async def run(self) -> None:
         await self.nc.subscribe(sample_subject(self.cfg.stream.name, self.cfg.consumer.name), cb=self.on_sample)
+        await self.nc.subscribe(alive_subject(self.cfg.stream.name, self.cfg.consumer.name, self.key), cb=self.on_probe)
         while True:
             started = time.monotonic()
             try:
@@ -198,7 +245,8 @@ class Fleet:
         if self.acked_at and now > self.acked_at[0]:
             rate = (acked - self.acked_at[1]) / (now - self.acked_at[0])
         self.acked_at = (now, acked)
-        body = json.dumps(build_beat(snap, self.name, self.started, rate),
+        max_payload = int(server_info(self.nc).get("max_payload") or DEFAULT_MAX_PAYLOAD)
+        body = json.dumps(build_beat(snap, self.name, self.started, rate, held_budget=int(HELD_SHARE * max_payload)),
                           separators=(",", ":")).encode()
         try:
             self.rev = await (self.kv.update(self.key, body, last=self.rev) if self.rev
@@ -206,14 +254,50 @@ class Fleet:
         except KeyWrongLastSequenceError:
             await self.overwritten()
             self.rev = await self.kv.put(self.key, body)
-        except BaseException:
+        except BaseException as exc:
             self.puts_ok_since = None
+            self.beat_failed(now, exc)
             raise
         if self.puts_ok_since is None:
             self.puts_ok_since = now
+        self.failing = None
+        self.beats += 1
         if self.problem:
             log.info("heartbeats get through again")
             self.problem = ""
+
+    def beat_failed(self, now: float, exc: BaseException) -> None:
+        """A failure on our side (nats-py refused the put) is a bug to fix, said loudly at once."""
+        why = f"{type(exc).__name__}: {exc}"[:200]
+        if self.failing is None:
+            self.failing = (now, why)
+        if type(exc).__name__ in LOCAL_FAILURES:
+            log.error("fleet heartbeat not sent (%s): after %d missed beats the poller declares this supervisor "
+                      "lost%s", why, LOST_AFTER, " and NAKs the jobs its workers are running" if self.cfg.fleet.release_lost
+                      else "", extra={"event": "fleet_heartbeat_failed", "error": why})
+
+    def alerts(self) -> list[dict[str, str]]:
+        """/status alerts: our heartbeats failing (locally, or for long enough that we are about
+        to be declared lost)."""
+        if self.failing is None:
+            return []
+        since, why = self.failing
+        failed_for = time.monotonic() - since
+        local = why.split(":", 1)[0] in LOCAL_FAILURES
+        if not local and failed_for < (LOST_AFTER - 1) * self.heartbeat:
+            return []
+        then = " and, with fleet.release_lost, NAKs the jobs its workers run: they run twice" \
+            if self.cfg.fleet.release_lost else ""
+        return [{"kind": "fleet_heartbeat_failing", "message": (
+            f"fleet heartbeats have failed for {failed_for:.0f}s ({why}); after {LOST_AFTER * self.heartbeat:g}s "
+            f"the poller declares this supervisor lost{then}, unless this parent answers its probe")}]
+
+    async def on_probe(self, msg: Any) -> None:
+        """A poller asks whether we are alive (our heartbeats have not reached it): we are."""
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(msg.reply, json.dumps({"key": self.key, "failing": (self.failing or (0, ""))[1]})
+                                      .encode())
 
     async def overwritten(self) -> None:
         """Our entry changed under us: a poller marked us lost while we could not beat."""
@@ -223,9 +307,10 @@ class Fleet:
         except Exception:
             mark = {}
         if mark:
-            log.warning("%s declared this supervisor lost (no heartbeat for %d beats) and released the jobs "
-                        "its workers held then: any of them still running here may run twice",
-                        mark.get("by", "the poller"), LOST_AFTER, extra={"event": "fleet_declared_lost"})
+            text = (f"{mark.get('by', 'the poller')} declared this supervisor lost (no heartbeat for {LOST_AFTER} "
+                    "beats) and released the jobs its workers held then: any of them still running here may run twice")
+            log.warning("%s", text, extra={"event": "fleet_declared_lost"})
+            self.arbiter.alert("fleet_declared_lost", text)
 
     # ------------------------------------------------------------ the poller lease
 
@@ -314,8 +399,34 @@ class Fleet:
             return                  # not the poller
         for peer in view.due_lost(now):
             since = view.age(peer, now)
-            if since is not None and await self.mark(peer, since):
+            if since is None or await self.answers(peer, since, now):
+                continue
+            if await self.mark(peer, since):
                 await self.lost(peer, since)
+
+    async def answers(self, peer: Peer, since: float, now: float) -> bool:
+        """Evidence before a loss: does the silent peer's parent answer over core NATS? One that
+        does is alive and keeps its jobs (asked again after LOST_AFTER beats); no answer within
+        PROBE_TIMEOUT, or nobody subscribed (it is gone), and it is lost."""
+        if now - self.probed.get(peer.key, -math.inf) < LOST_AFTER * self.heartbeat:
+            return True
+        try:
+            reply = await self.nc.request(alive_subject(self.cfg.stream.name, self.cfg.consumer.name, peer.key),
+                                          b"", timeout=PROBE_TIMEOUT)
+        except Exception:
+            self.probed.pop(peer.key, None)
+            return False
+        try:
+            failing = str(json.loads(reply.data).get("failing") or "")
+        except (ValueError, AttributeError):
+            failing = ""
+        if peer.key not in self.probed:
+            log.warning("supervisor %s (pid %s on %s) sent no heartbeat for %.1fs but answers over NATS: not "
+                        "declared lost, its jobs left alone%s", peer.name, peer.beat.get("pid"), peer.beat.get("host"),
+                        since, f" (its heartbeats fail: {failing})" if failing else "",
+                        extra={"event": "fleet_peer_silent_alive", "peer": peer.name, "failing": failing})
+        self.probed[peer.key] = now
+        return True
 
     async def mark(self, peer: Peer, since: float) -> bool:
         """Write the lost mark into the peer's entry, checked against the revision we saw. Only
@@ -334,11 +445,13 @@ class Fleet:
         held = peer.beat.get("held") or []
         plan = self.plan(held, since)
         window = unlisted_window(since, ack_wait_range(self.cfg))
-        budget = max(0, int(peer.beat.get("capacity") or 0) - len(held))
+        # Jobs the beat could not list (held_total) come back after AckWait, explained by the window.
+        budget = max(0, int(peer.beat.get("capacity") or 0) - len(held), int(peer.beat.get("held_total") or 0) - len(held))
         self.arbiter.peers.lost_peer(peer.name, [(s, d) for s, d, *_ in held], window, budget)
         await self.arbiter.peers.flush()    # the word first: our NAKs' redeliveries may land anywhere
         for _seq, _delivery, reply in plan.nak:
             await self.nc.publish(reply, b"-NAK")
+        self.released += len(plan.nak)
         if plan.nak:
             with contextlib.suppress(Exception):    # NATS away: the NAKs wait in nats-py's buffer; say what we did
                 await self.nc.flush(timeout=2)
@@ -454,7 +567,10 @@ class Fleet:
                 "peers": summary.get("ok") if summary else None,
                 "lost": summary.get("lost") if summary else None,
                 "poller": summary.get("poller") if summary else None, "is_poller": self.poller,
-                "error": self.problem or None}
+                "error": self.problem or None, "beats": self.beats, "release_lost": self.cfg.fleet.release_lost,
+                "released_jobs": self.released,
+                "release_risk": RELEASE_RISK if self.cfg.fleet.release_lost else
+                "none: a lost host's jobs wait for AckWait (fleet.release_lost = false)"}
 
     async def close(self) -> None:
         """A clean stop leaves the fleet: our entry goes (not `lost`), and the lease is freed."""

@@ -46,7 +46,8 @@ def take(arbiter: Arbiter, monitor: Monitor | None, fleet: Fleet | None, nc: Any
                "in_transit_checks": dict(arbiter.in_transit.stats)},
         advisories=dict(monitor.advisories) if monitor else {},
         fleet=fleet.status() if fleet else {"name": cfg.fleet.name, "peers": None},
-        raised=tuple(Alert(a["kind"], a["message"], a["t"]) for a in arbiter.alerts))
+        raised=(*(Alert(a["kind"], a["message"], a["t"]) for a in arbiter.alerts),
+                *(Alert(a["kind"], a["message"]) for a in (fleet.alerts() if fleet else ()))))
 
 
 def nats_view(nc: Any, servers: tuple[str, ...], embedded: bool) -> NatsView:

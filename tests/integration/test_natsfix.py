@@ -33,6 +33,8 @@ class Tap:
 
     def __init__(self, port: int):
         self.port, self.sent = port, bytearray()
+        self.flowing = asyncio.Event()      # cleared: the relay stops reading what the client writes
+        self.flowing.set()
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self.relay, "127.0.0.1", 0)
@@ -42,7 +44,7 @@ class Tap:
         up_r, up_w = await asyncio.open_connection("127.0.0.1", self.port)
 
         async def pump(src, dst, record):
-            while data := await src.read(65536):
+            while (not record or await self.flowing.wait()) and (data := await src.read(65536)):
                 if record:
                     self.sent += data
                 dst.write(data)
@@ -135,3 +137,141 @@ def test_a_flush_while_reconnecting_needs_a_pong(nats_server, ours):
             await nc.close()
 
     assert asyncio.run(run()) == ("ConnectionReconnectingError" if ours else "returned")
+
+
+# ---------------------------------------------------------------- R13: flush and fence on a link that cannot prove
+
+async def deaf_read_loop(nc) -> None:
+    """Kill the client's read task the way nats-py's own `_read_loop` ends on an unexpected
+    exception: the next PONG's processing raises (for plain nats-py, the InvalidStateError of a
+    cancelled flush's future, which is real; for ours, an exception put there on purpose)."""
+    task = asyncio.ensure_future(nc.flush(timeout=5))
+    await asyncio.sleep(0)
+    task.cancel()                          # its future stays queued; its PONG is on its way
+    await asyncio.gather(task, return_exceptions=True)
+    for _ in range(200):
+        if nc._reading_task.done():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the read task survived")
+
+
+class Brittle(Client):
+    """Ours, with one unexpected parser exception to come (any bug in a parse path would do)."""
+    broken = True
+
+    async def _process_pong(self) -> None:
+        if self.broken:
+            self.broken = False
+            raise RuntimeError("an unexpected exception in the parser, on purpose")
+        await super()._process_pong()
+
+
+def test_premise_nats_py_flush_returns_without_a_pong_once_its_read_task_died(nats_server):
+    """R13 (a), nats-py's side: after an unexpected exception in `_read_loop` the client stays
+    CONNECTED, nothing reads the socket, and flush() falls back to a plain write and returns."""
+    async def run():
+        nc = NatsClient()
+        await nc.connect(nats_server.url)
+        try:
+            await deaf_read_loop(nc)
+            assert nc.is_connected, "nats-py no longer stays CONNECTED with a dead read task"
+            await nc.flush(timeout=2)      # returns: no PONG could have been read
+            return nc._reading_task.done()
+        finally:
+            await nc.close()
+
+    assert asyncio.run(run()), "flush() restarted the read task?"
+
+
+def test_a_flush_on_a_link_whose_read_task_died_raises_and_reconnects(nats_server):
+    """R13 (a), ours: no fence or liveness PING "succeeds" on a link nobody reads; the client
+    reconnects at once (nats-py's ping timer would take PING_INTERVAL x 3), and fences again."""
+    async def run():
+        nc = Brittle()
+        reconnected = asyncio.Event()
+
+        async def on_reconnect():
+            reconnected.set()
+
+        await nc.connect(nats_server.url, reconnected_cb=on_reconnect, reconnect_time_wait=0.1,
+                         ping_interval=3600)          # so only our check can notice
+        try:
+            await deaf_read_loop(nc)
+            assert nc.is_connected and nc._reading_task.done()
+            outcomes = []
+            for attempt in (nc.flush(timeout=2), nc.fence(timeout=2)):
+                try:
+                    await attempt
+                    outcomes.append("returned")
+                except Exception as exc:
+                    outcomes.append(type(exc).__name__)
+            if outcomes[0] != "StaleConnectionError":
+                return outcomes, None            # "proved" on a link nobody reads
+            await asyncio.wait_for(reconnected.wait(), 20)
+            sub = await nc.subscribe("after.deaf")
+            await nc.publish("after.deaf", b"x")
+            await nc.fence(timeout=5)
+            return outcomes, (await sub.next_msg(timeout=2)).data
+        finally:
+            await nc.close()
+
+    outcomes, data = asyncio.run(run())
+    assert outcomes[0] == "StaleConnectionError", outcomes
+    assert outcomes[1] in ("StaleConnectionError", "ConnectionReconnectingError"), outcomes
+    assert data == b"x"
+
+
+def stuck_writes(nc) -> int:
+    return nc._transport._io_writer.transport.get_write_buffer_size()
+
+
+async def congested(nats_port: int, probe):
+    """A client whose relay stops reading what it writes, fed until the kernel's buffers are full
+    and its flusher task is stuck in `drain()`, with one more publish queued behind; then
+    `probe(nc)`. Returns (probe's outcome, the PINGs the server got from the client once the
+    relay reads again)."""
+    tap = Tap(nats_port)
+    port = await tap.start()
+    nc = Client()
+    await nc.connect(f"nats://127.0.0.1:{port}", ping_interval=3600)
+    try:
+        tap.flowing.clear()
+        sent_before = len(tap.sent)
+        for _ in range(400):                 # at most 200 MB; loopback buffers take a few
+            if stuck_writes(nc) > 0:
+                break
+            await nc.publish("fence.congested", b"x" * 500_000)    # under nats-py's 2 MB pending cap
+            await asyncio.sleep(0.01)
+        assert stuck_writes(nc) > 0, "the relay's socket never filled"
+        await nc.publish("fence.congested", b"queued behind")
+        await asyncio.sleep(0.05)
+        assert nc._pending_data_size > 0, "the flusher took the last publish: it is not stuck"
+        try:
+            outcome = repr(await probe(nc))
+        except Exception as exc:
+            outcome = type(exc).__name__
+        tap.flowing.set()
+        await nc.flush(timeout=30)           # everything queued reaches the server, then one PING of ours
+        return outcome, bytes(tap.sent[sent_before:]).count(b"PING\r\n") - 1
+    finally:
+        await nc.close()
+        tap.server.close()
+
+
+def test_premise_nats_py_flush_pending_swallows_the_timeout_of_a_wait_for(nats_server):
+    """R13 (b), the premise: `_flush_pending` catches CancelledError, so Python 3.11's wait_for
+    around it returns normally at its deadline instead of raising TimeoutError."""
+    outcome, _ = asyncio.run(asyncio.wait_for(congested(
+        nats_server.port, lambda nc: asyncio.wait_for(nc._flush_pending(force_flush=True), 0.3)), 60))
+    assert outcome == "None", outcome
+
+
+def test_a_fence_past_its_deadline_raises_and_writes_no_ping(nats_server):
+    """R13 (b), ours: a fence whose queued bytes cannot reach the socket before its deadline
+    raises FlushTimeoutError then and sends nothing more. It used to go on and write its PING
+    with 1 ms left, ahead of bytes still queued (a PONG within that 1 ms would have "proved" them)."""
+    outcome, late_pings = asyncio.run(asyncio.wait_for(congested(nats_server.port,
+                                                                 lambda nc: nc.fence(timeout=0.5)), 60))
+    assert outcome == "FlushTimeoutError", outcome
+    assert late_pings == 0, "the fence wrote a PING after its deadline"

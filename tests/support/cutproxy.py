@@ -43,11 +43,20 @@ class CutProxy(StallAfterPing):
 
     def cut(self, name_part: str, seconds: float) -> list[str]:
         """Blocks for `seconds`; returns the names of the connections it cut."""
+        names = self.hold(name_part)
+        time.sleep(seconds)          # how long the clients talk into the void: the point of the tool
+        self.release(name_part)
+        return names
+
+    def hold(self, name_part: str) -> list[str]:
+        """From now on drop what the matching connections write (until `release`); their names."""
         names = asyncio.run_coroutine_threadsafe(self._mark(name_part, True), self.loop).result(10)
         assert names, f"no connection named *{name_part}* to cut"
-        time.sleep(seconds)          # how long the clients talk into the void: the point of the tool
-        asyncio.run_coroutine_threadsafe(self._mark(name_part, False), self.loop).result(10)
         return names
+
+    def release(self, name_part: str) -> None:
+        """Close the held connections (their clients reconnect through the relay)."""
+        asyncio.run_coroutine_threadsafe(self._mark(name_part, False), self.loop).result(10)
 
     async def _mark(self, name_part: str, cut: bool) -> list[str]:
         hit = [link for link in self.links if name_part in link.name and link.cut != cut]

@@ -125,8 +125,11 @@ def test_fleet_heartbeat_from_a_snapshot():
     beat = build_beat(snapshot(), "h1", started=5.0, jobs_per_s=3.456)
     assert beat["workers"] == {"ready": 2, "target": 2} and beat["jobs_per_s"] == 3.46
     assert (beat["capacity"], beat["acked"], beat["busy"], beat["crashes"]) == (64, 10, True, 1)
-    assert beat["held"] == [[42, 2, 0.5, "$JS.ACK.JOBS.workers.2.42.7.0.0", "running"],
-                            [41, 1, 0.1, "$JS.ACK.JOBS.workers.1.41.6.0.0", "acked"]]
+    assert beat["held"] == [[41, 1, 0.1, "$JS.ACK.JOBS.workers.1.41.6.0.0", "acked"],      # youngest timer first
+                            [42, 2, 0.5, "$JS.ACK.JOBS.workers.2.42.7.0.0", "running"]]
+    assert beat["held_total"] == 2
+    short = build_beat(snapshot(), "h1", started=5.0, jobs_per_s=0.0, held_budget=60)
+    assert len(short["held"]) == 1 and short["held_total"] == 2   # the youngest timer kept
 
 
 def test_process_title_from_a_snapshot():

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import nats.errors
@@ -52,8 +53,10 @@ class Owner(Protocol):
 
 
 class Settler:
-    def __init__(self, owner: Owner, slot: int, double_ack: bool, entries: int):
+    def __init__(self, owner: Owner, slot: int, double_ack: bool, entries: int,
+                 acked: Callable[[int, str], None] = lambda seq, reply: None):
         self.owner = owner
+        self.acked = acked                         # (seq, reply) of each plain ack sent: reack.py
         self.slot = slot
         self.double_ack = double_ack
         self.replies: list[str] = [""] * entries   # reply subject by entry index
@@ -82,6 +85,8 @@ class Settler:
         """Publish the ack/nak/term and keep the entry until a flush confirms it."""
         w = self.owner
         generation, refused = await self.publish(i, payload)
+        if outcome in ACKS:
+            self.acked(job.stream_seq, self.replies[i])    # a leader change may lose it after the fence
         w.table.mark(i, slots.ACKED if outcome in ACKS else slots.SETTLED)
         w.table.count(OUTCOME_COUNTERS[outcome])
         self.report(job, outcome, reason)

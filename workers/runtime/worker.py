@@ -6,6 +6,7 @@ consumer every other worker shares. `Worker` is the loop that wires the worker's
     puller.py    raw pull requests and their credits, sized by pulls.py
     threads.py   sync handlers' threads, which take their next job themselves
     settle.py    ack, NAK or TERM, and the fence that proves the server has it
+    reack.py     acks sent again, until confirmed, when the consumer's leader changes
     shutdown.py  the way out: give back what will not run, wait for what runs
 
 and keeps the mode (workers/protocol/modes.py), the queue of pulled jobs, and running them. Every
@@ -39,6 +40,7 @@ from workers.runtime.deadletter import dead_letter
 from workers.runtime.guard import DUPLICATE, RUN, Guard
 from workers.runtime.puller import Puller
 from workers.runtime.pulls import PullSizer, fair_share
+from workers.runtime.reack import Reacker
 from workers.runtime.settle import Settler, nak_payload, retry_delay
 from workers.runtime.shutdown import Shutdown
 from workers.runtime.solo import AsyncGate
@@ -128,7 +130,8 @@ class Worker:
                           threads=not self.is_async, batching=OUTCOME_EVERY)
         self.pulls = Puller(self, spec.slot, sizer, spec.job_limit,
                             f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.consumer}")
-        self.settler = Settler(self, spec.slot, self.wcfg.double_ack, self.table.entries)
+        self.reacker = Reacker(self, spec.slot, self.stream, cfg.consumer)
+        self.settler = Settler(self, spec.slot, self.wcfg.double_ack, self.table.entries, acked=self.reacker.sent)
         self.started_jobs = 0
         self.generation = 0              # reconnects seen: what was sent on a dead connection may be lost
         self.mode = SERVING
@@ -165,12 +168,13 @@ class Worker:
         self.pulls.inbox = self.nc.new_inbox()
         self.sub = await self.nc.subscribe(self.pulls.inbox, cb=self.on_message, pending_msgs_limit=0,
                                            pending_bytes_limit=0)
+        await self.reacker.start()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
         loop.add_signal_handler(signal.SIGUSR1, self.on_sigusr1)
         settling = self.essential(self.settler.run())
         beating = self.essential(self.heartbeat())
-        tasks = [self.essential(c) for c in (self.liveness(), self.pulls.run())]
+        tasks = [self.essential(c) for c in (self.liveness(), self.pulls.run(), self.reacker.run())]
         if self.is_async:
             self.runners = [self.essential(self.runner()) for _ in range(self.wcfg.concurrency)]
         else:
@@ -185,6 +189,7 @@ class Worker:
             task.cancel()
         self.threads.stop_threads()
         await settling                 # never cancel a task inside a flush: see supervisor/nats/fix.py
+        self.reacker.close()
         beating.cancel()               # only now: waiting for NATS to take our acks is no hang
         if self.guard:
             await self.guard.close()   # leases of jobs we did not finish: free for their redelivery
@@ -260,6 +265,7 @@ class Worker:
         self.generation = self.nc.stats["reconnects"]
         log.info("worker %d: reconnected to NATS; pulling afresh", self.spec.slot)
         self.pulls.forget()
+        self.reacker.trigger("reconnected to NATS")   # acks the old server took may not have reached a quorum
         self.wake_pull.set()
         self.settler.wake_settle.set()
         self.changed.set()
@@ -278,6 +284,7 @@ class Worker:
 
     async def on_message(self, msg: Any) -> None:
         if not msg.reply:
+            self.reacker.on_pull_status(msg)   # a leader change, or no leader, may have lost acks
             self.pulls.on_status(msg)
             return
         job = make_job(msg)
