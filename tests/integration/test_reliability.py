@@ -363,4 +363,9 @@ def test_a_message_in_transit_to_a_dead_worker_is_back_in_seconds(nats_server, s
     assert time.monotonic() - t_kill < 10, "found and NAKed, not left for AckWait"
     cc = sup.status()["crosscheck"]
     assert cc["in_transit_naked"] == 1 and cc["unexplained_redeliveries"] == 0
+    # Issue 22 item 7: every crash redelivery the journal shows is counted, this one included
+    # (it was explained, but counted neither as held nor as in transit).
+    crash_redeliveries = [r for r in sup.jobs.started() if r.delivery > 1]
+    assert [r.seq for r in crash_redeliveries] == [seq]
+    assert cc["held_jobs_redelivered"] + cc["in_transit_redeliveries"] == len(crash_redeliveries), cc
     assert sup.stop() == 0
