@@ -156,12 +156,13 @@ class Worker:
         self.table.beat()
         try:
             self.nc = await self.spec.connect()
+            asked = time.monotonic()
             await self.nc.jetstream().consumer_info(self.stream, self.consumer)
         except Exception as exc:
             log.error("worker %d: cannot connect or bind %s/%s: %s", self.spec.slot, self.stream,
                       self.consumer, exc or type(exc).__name__)
             return EXIT_CONNECT_FAILED
-        self.table.server_answered(time.monotonic())
+        self.table.server_answered(asked)
         if self.spec.cfg.idempotency.enabled:          # issue 10: done-markers and leases
             self.guard = Guard(self.nc, self.spec.cfg.idempotency.bucket, f"worker {self.spec.slot}",
                                lambda delivery: retry_delay(self.wcfg.retry_backoff, delivery)).start()
@@ -245,7 +246,14 @@ class Worker:
         """Prove the connection works, not just the process: a PING/PONG every LIVENESS_EVERY,
         its time in the table. A worker whose connection went half-open keeps beating, but the
         parent stops keeping its jobs alive with +WPI once this goes stale. Its round trip, loop
-        and GIL latency included, is one of the samples pull sizing hides (workers/runtime/pulls.py)."""
+        and GIL latency included, is one of the samples pull sizing hides (workers/runtime/pulls.py).
+        The table gets the PING's *send* time, not the PONG's arrival: the PONG proves the server
+        had read the PING, so everything it sent us before reading it has been read and recorded
+        here (supervisor/parent/in_transit.py relies on that). A loop stalled between the PONG and this
+        line would make an arrival time claim messages the server wrote after the PING. (nats-py
+        queues each MSG for the subscription's task before it reads the PONG behind it, and that
+        task, woken first, runs on_message for all of them, each recording its message before its
+        first await, before flush() returns here.)"""
         while True:
             sent = time.monotonic()
             try:
@@ -253,9 +261,8 @@ class Worker:
             except Exception:
                 pass                     # stale: the parent sees the time stop moving
             else:
-                now = time.monotonic()
-                self.table.server_answered(now)
-                self.pulls.sizer.round_trip(now - sent)
+                self.table.server_answered(sent)
+                self.pulls.sizer.round_trip(time.monotonic() - sent)
             self.threads.collect()       # outcomes kept back by a handler thread busy with a long job
             await asyncio.sleep(LIVENESS_EVERY)
 
@@ -297,8 +304,10 @@ class Worker:
         if job.delivery > 1:
             self.emit(ev="redelivered", seq=job.stream_seq, delivery=job.delivery)
         if i < 0:                        # more arrived than we asked for and the table is full
-            await self.nc.publish(msg.reply, b"-NAK")
+            # Told before the NAK: in no table, the job must be in the parent's ledger before its
+            # redelivery can exist, or an in-transit check could take it for a dead worker's.
             self.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome="nak", reason="table full")
+            await self.nc.publish(msg.reply, b"-NAK")
             return
         self.queue.append((msg, i, job))
         self.wake_run.set()
