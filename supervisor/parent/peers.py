@@ -13,7 +13,7 @@ A whole host lost (supervisor/parent/fleet.py) is announced by the fleet's polle
 the heartbeats: the jobs the lost supervisor's last heartbeat listed, and a window of time with a
 count for the jobs it took after that heartbeat (they come back when their AckWait runs out).
 
-`alone()` decides whether the NAKs built from a sequence alone (supervisor/reconcile.py, the
+`alone()` decides whether the NAKs built from a sequence alone (supervisor/parent/in_transit.py, the
 re-NAK in deaths.py) are safe: they NAK whoever holds the job, a peer's live worker included. A
 peer's jobs are held by its workers, on their own connections, while only its parent speaks
 here; a parent that is paused, starved, disconnected or half-open goes quiet while its workers
