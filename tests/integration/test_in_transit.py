@@ -13,6 +13,7 @@ AckWait is 60 s throughout: a job back within the test's seconds was someone's N
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import nats
@@ -180,10 +181,17 @@ class Rig:
             await self.it.step(time.monotonic(), self.fresh_view, lambda t: True, True)
 
 
-async def rig(url: str) -> Rig:
+async def rig(url: str | list[str], replicas: int = 1) -> Rig:
+    """The stream and consumer as the supervisor makes them; `replicas` > 1 on a cluster, made
+    here so that the config still says 1 (only ConsumerInfo tells)."""
     cfg = Config().replace(consumer={"ack_wait": ACK_WAIT})
     nc = Client()
-    await nc.connect(servers=[url])
+    await nc.connect(servers=[url] if isinstance(url, str) else url)
+    if replicas > 1:
+        js = nc.jetstream()
+        await js.add_stream(dataclasses.replace(provision.stream_config(cfg), num_replicas=replicas))
+        await js.add_consumer(cfg.stream.name, dataclasses.replace(provision.consumer_config(cfg),
+                                                                   num_replicas=replicas))
     await provision.ensure(nc, cfg)
     return Rig(nc, cfg)
 
@@ -293,6 +301,34 @@ def test_a_death_after_the_consumer_info_is_not_dropped(nats_server):
     stats, again, seq = asyncio.run(scenario())
     assert again == [(seq, 2)], f"the message on the wire to the second dead worker waits for AckWait: {again}"
     assert stats["naked"] == 1, stats
+
+
+def test_a_replicated_consumer_gets_no_in_transit_nak(nats_cluster):
+    """R4c. On an R3 consumer, ConsumerInfo counts a delivery before its raft commit; the
+    message reaches its worker only after the commit, however long a slow follower makes that.
+    No SLACK proves it was read, so the check skips, although the dead worker's message would
+    have been found (the config says one replica: ConsumerInfo tells)."""
+    async def scenario() -> tuple[dict, list]:
+        r = await rig(nats_cluster.urls, replicas=3)
+        try:
+            await r.observe()
+            start = time.monotonic() + SLACK + 0.05
+            while time.monotonic() < start:
+                await asyncio.sleep(0.01)
+            dead, got = await pull(nats_cluster.urls[0])
+            await store(nats_cluster.urls[0])
+            deadline = time.monotonic() + 10
+            while not got and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            r.it.death(time.monotonic(), 1, "worker 1 (pid 1)", start)
+            await dead.close()
+            await r.rounds()
+            return dict(r.it.stats), await delivered_again(nats_cluster.urls[0], within=1.0)
+        finally:
+            await r.nc.close()
+    stats, again = asyncio.run(scenario())
+    assert stats["skipped"] == 1 and "replicated" in stats["last_skipped"] and stats["naked"] == 0, stats
+    assert again == []
 
 
 # ---------------------------------------------------------------- R4c: the proof is a PING's send time
