@@ -247,13 +247,9 @@ class Worker:
         its time in the table. A worker whose connection went half-open keeps beating, but the
         parent stops keeping its jobs alive with +WPI once this goes stale. Its round trip, loop
         and GIL latency included, is one of the samples pull sizing hides (workers/runtime/pulls.py).
-        The table gets the PING's *send* time, not the PONG's arrival: the PONG proves the server
-        had read the PING, so everything it sent us before reading it has been read and recorded
-        here (supervisor/parent/in_transit.py relies on that). A loop stalled between the PONG and this
-        line would make an arrival time claim messages the server wrote after the PING. (nats-py
-        queues each MSG for the subscription's task before it reads the PONG behind it, and that
-        task, woken first, runs on_message for all of them, each recording its message before its
-        first await, before flush() returns here.)"""
+        The table gets the PING's send time: by the PONG, all the server sent before reading the
+        PING is recorded (nats-py wakes on_message first), which supervisor/parent/in_transit.py
+        relies on; a PONG read late by a stalled loop must not vouch for what came after it."""
         while True:
             sent = time.monotonic()
             try:
@@ -304,8 +300,7 @@ class Worker:
         if job.delivery > 1:
             self.emit(ev="redelivered", seq=job.stream_seq, delivery=job.delivery)
         if i < 0:                        # more arrived than we asked for and the table is full
-            # Told before the NAK: in no table, the job must be in the parent's ledger before its
-            # redelivery can exist, or an in-transit check could take it for a dead worker's.
+            # Told before the NAK: in no table, it must be in the parent's ledger before it comes back.
             self.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome="nak", reason="table full")
             await self.nc.publish(msg.reply, b"-NAK")
             return
