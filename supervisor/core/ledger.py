@@ -174,7 +174,7 @@ class CrashLedger:
             self.counts["explained_redeliveries"] += 1
             if why.startswith(LOST_PEER):
                 self._by_the_cluster(t, seq, late[0], why, "lost_peer_redeliveries")
-            self._count_in_transit(why)
+            self.counts["in_transit_redeliveries"] += why.startswith(FOUND_IN_TRANSIT)
             return True
         self._expected[seq] = why
         self._expected.move_to_end(seq)
@@ -263,7 +263,8 @@ class CrashLedger:
             why = self._expected.pop(seq)
             if why.startswith(LOST_PEER):
                 self._by_the_cluster(t, seq, delivery, why, "lost_peer_redeliveries")
-            self._count_in_transit(why)
+            # Found and NAKed in transit: a crash redelivery, so held + in transit counts every one (item 7).
+            self.counts["in_transit_redeliveries"] += why.startswith(FOUND_IN_TRANSIT)
             return why
         # A lost supervisor's unlisted jobs all come back; acks a leader move swallowed only may
         # have: where both windows cover a redelivery, the lost supervisor is the better bet.
@@ -337,18 +338,10 @@ class CrashLedger:
             del self._probation[seq]
 
     def in_transit_naked(self, seq: int, why: str) -> None:
-        """The supervisor found and NAKed a message in transit to a dead worker (reconciliation).
-        `why` starts with FOUND_IN_TRANSIT: its redelivery counts as an in-transit one."""
+        """The supervisor found and NAKed a message in transit to a dead worker (reconciliation);
+        `why` starts with FOUND_IN_TRANSIT, so its redelivery counts in in_transit_redeliveries."""
         self.counts["in_transit_naked"] += 1
         self.expect(seq, why)
-
-    def _count_in_transit(self, why: str) -> None:
-        """A redelivery explained by the in-transit check's NAK is as much a crash redelivery as one
-        that waited for AckWait: both count in `in_transit_redeliveries`, so held_jobs_redelivered +
-        in_transit_redeliveries is every redelivery a death caused (it read one short whenever a
-        job on the wire to a victim was found and NAKed: issue 22 item 7)."""
-        if why.startswith(FOUND_IN_TRANSIT):
-            self.counts["in_transit_redeliveries"] += 1
 
     def expecting(self, seq: int) -> bool:
         """A redelivery of `seq` is already explained in advance (a NAK we know of)."""

@@ -156,13 +156,12 @@ class Worker:
         self.table.beat()
         try:
             self.nc = await self.spec.connect()
-            asked = time.monotonic()
             await self.nc.jetstream().consumer_info(self.stream, self.consumer)
         except Exception as exc:
             log.error("worker %d: cannot connect or bind %s/%s: %s", self.spec.slot, self.stream,
                       self.consumer, exc or type(exc).__name__)
             return EXIT_CONNECT_FAILED
-        self.table.server_answered(asked)
+        self.table.server_answered(time.monotonic())
         if self.spec.cfg.idempotency.enabled:          # issue 10: done-markers and leases
             self.guard = Guard(self.nc, self.spec.cfg.idempotency.bucket, f"worker {self.spec.slot}",
                                lambda delivery: retry_delay(self.wcfg.retry_backoff, delivery)).start()
@@ -246,10 +245,7 @@ class Worker:
         """Prove the connection works, not just the process: a PING/PONG every LIVENESS_EVERY,
         its time in the table. A worker whose connection went half-open keeps beating, but the
         parent stops keeping its jobs alive with +WPI once this goes stale. Its round trip, loop
-        and GIL latency included, is one of the samples pull sizing hides (workers/runtime/pulls.py).
-        The table gets the PING's send time: by the PONG, all the server sent before reading the
-        PING is recorded (nats-py wakes on_message first), which supervisor/parent/in_transit.py
-        relies on; a PONG read late by a stalled loop must not vouch for what came after it."""
+        and GIL latency included, is one of the samples pull sizing hides (workers/runtime/pulls.py)."""
         while True:
             sent = time.monotonic()
             try:
@@ -257,7 +253,7 @@ class Worker:
             except Exception:
                 pass                     # stale: the parent sees the time stop moving
             else:
-                self.table.server_answered(sent)
+                self.table.server_answered(sent)     # the PING's send time: slots.py SERVER_SEEN
                 self.pulls.sizer.round_trip(time.monotonic() - sent)
             self.threads.collect()       # outcomes kept back by a handler thread busy with a long job
             await asyncio.sleep(LIVENESS_EVERY)
@@ -299,8 +295,7 @@ class Worker:
             self.settler.replies[i] = msg.reply
         if job.delivery > 1:
             self.emit(ev="redelivered", seq=job.stream_seq, delivery=job.delivery)
-        if i < 0:                        # more arrived than we asked for and the table is full
-            # Told before the NAK: in no table, it must be in the parent's ledger before it comes back.
+        if i < 0:                        # table full (more came than asked): told first, the NAK after
             self.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome="nak", reason="table full")
             await self.nc.publish(msg.reply, b"-NAK")
             return
