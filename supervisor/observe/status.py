@@ -36,6 +36,7 @@ def build_status(sup: Any) -> dict[str, Any]:
         "crosscheck": arb.ledger.crosscheck(now),
         "loop": arb.steps.status(),
         "peers": {"alone": bool(arb.peers.alone(now)), "heard": sorted(arb.peers.heard),
+                  "gone": sorted(arb.peers.gone),
                   "in_transit_checks": dict(arb.in_transit.stats)},
         "jobs": arb.stats.worker_counters(),
         "idempotency": idempotency_block(cfg),
