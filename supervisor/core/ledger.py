@@ -23,6 +23,7 @@ from supervisor.core.policy import ack_wait_for
 EXPECT_LIMIT = 100_000      # remembered NAKs (a bound, not a window: they are few)
 HISTORY = 200               # deaths and unexplained redeliveries kept for /status
 LOST_PEER = "held by lost supervisor "      # how a lost fleet peer's held jobs are explained
+FOUND_IN_TRANSIT = "in transit to "         # how the in-transit check's NAKs are explained (in_transit_naked)
 HOLD_MAX = 30.0             # a suspect is held back for a silent fleet peer at most this long past its grace
 
 
@@ -173,6 +174,7 @@ class CrashLedger:
             self.counts["explained_redeliveries"] += 1
             if why.startswith(LOST_PEER):
                 self._by_the_cluster(t, seq, late[0], why, "lost_peer_redeliveries")
+            self.counts["in_transit_redeliveries"] += why.startswith(FOUND_IN_TRANSIT)
             return True
         self._expected[seq] = why
         self._expected.move_to_end(seq)
@@ -261,6 +263,8 @@ class CrashLedger:
             why = self._expected.pop(seq)
             if why.startswith(LOST_PEER):
                 self._by_the_cluster(t, seq, delivery, why, "lost_peer_redeliveries")
+            # Found and NAKed in transit: a crash redelivery, so held + in transit counts every one (item 7).
+            self.counts["in_transit_redeliveries"] += why.startswith(FOUND_IN_TRANSIT)
             return why
         # A lost supervisor's unlisted jobs all come back; acks a leader move swallowed only may
         # have: where both windows cover a redelivery, the lost supervisor is the better bet.
@@ -334,7 +338,8 @@ class CrashLedger:
             del self._probation[seq]
 
     def in_transit_naked(self, seq: int, why: str) -> None:
-        """The supervisor found and NAKed a message in transit to a dead worker (reconciliation)."""
+        """The supervisor found and NAKed a message in transit to a dead worker (reconciliation);
+        `why` starts with FOUND_IN_TRANSIT, so its redelivery counts in in_transit_redeliveries."""
         self.counts["in_transit_naked"] += 1
         self.expect(seq, why)
 

@@ -35,7 +35,7 @@ from supervisor.core.liveness import DRAIN_MARGIN, Limits
 from supervisor.core.policy import RestartPolicy
 from supervisor.errors import EXIT_HALTED, EXIT_OK
 from supervisor.parent.deaths import Deaths
-from supervisor.parent.in_transit import InTransit
+from supervisor.parent.in_transit import SLACK, InTransit
 from supervisor.parent.loopsteps import PAUSE, LoopSteps
 from supervisor.parent.peers import SUSPECT_GRACE, Peers
 from supervisor.parent.pool import Pool
@@ -118,6 +118,7 @@ class Arbiter:
         for task in self.tasks:
             task.cancel()
         self.state = "stopping"
+        await self.peers.goodbye()             # every worker has exited: we hold nothing now
         return self.exit_code
 
     async def tick(self) -> bool:
@@ -336,6 +337,8 @@ class Arbiter:
 
     def apply_event(self, w: WorkerProcess, event: dict) -> None:
         kind, now = event.get("ev"), time.monotonic()
+        if "seq" in event:               # a live delivery of it, or its settling: no in-transit NAK for it
+            self.in_transit.named_by_worker(int(event["seq"]), now)
         if kind == "ready":
             self.pool.worker_ready(w, now)
             self.check_all_ready()
@@ -402,7 +405,8 @@ class Arbiter:
             cause += f": {CHILD_EXIT_REASONS[code]}"
         with step("reap"):
             if not clean:
-                self.in_transit.death(time.monotonic(), w.table.header(slots.CREDITS), f"worker {w.slot} (pid {w.pid})")
+                self.in_transit.death(time.monotonic(), w.table.header(slots.CREDITS), f"worker {w.slot} (pid {w.pid})",
+                                      w.table.server_seen())
             await self.deaths.settle(w, cause, clean)
         with step("reap"):
             self.stats.carry(w)
@@ -454,9 +458,9 @@ class Arbiter:
         with step("audit"):
             await self.peers.flush()
         with step("audit"):
-            await self.deaths.renak_unseen(self.held_anywhere)
+            await self.deaths.renak_unseen(self.fresh_view, self.renak_unproven)
         with step("audit"):
-            await self.in_transit.step(now(), self.held_anywhere, self.links_all_fresh_since, self.peers.alone(now()))
+            await self.in_transit.step(now(), self.fresh_view, self.links_all_fresh_since, self.peers.alone(now()))
         with step("audit"):
             for r in self.ledger.confirm_suspects(now(), SUSPECT_GRACE):
                 log.warning("job seq=%d redelivered (delivery %d) and nothing explains it: AckWait (%gs) shorter "
@@ -472,10 +476,36 @@ class Arbiter:
         """Stream sequences in any worker's table, the dead not yet reaped included."""
         return {e.stream_seq for w in [*self.living(), *self.dead] for e in w.table.snapshot()}
 
+    def fresh_view(self) -> set[int]:
+        """What every worker holds, as of now: the tables read, then every event the workers have
+        written applied (queued or still in the pipes). A worker announces a NAK before it frees
+        the table entry, so a job in no table here is in the ledger by the time this returns."""
+        held = self.held_anywhere()
+        self.apply_posted()
+        for w in [*self.living(), *self.dead]:
+            self.apply_events(w, w.read_events())
+        return held
+
+    def renak_unproven(self, nak_confirmed: float) -> str:
+        """What is missing to prove no live process holds the redelivery of a job whose NAK the
+        server had read by `nak_confirmed` ("" when nothing is): Deaths.renak_unseen."""
+        if self.peers.alone(time.monotonic()) is not True:
+            return "another supervisor may hold it"
+        if self.in_transit.replicated():
+            return "the consumer is replicated: a redelivery may wait for its raft commit"
+        reading = self.in_transit.waiting_since(nak_confirmed)
+        if reading is None:
+            return "no ConsumerInfo since shows a pull request waiting: it may not be redelivered yet"
+        if not self.links_all_fresh_since(reading.answered + SLACK):
+            return "a worker has not shown what it holds since (a stalled loop or link may hold it unread)"
+        return ""
+
     def links_all_fresh_since(self, t: float) -> bool:
-        """Every live worker had a PONG from NATS for a PING it sent after `t`: each has read and
-        recorded every message the server sent it before then."""
-        return all(w.table.server_seen() > t for w in self.living() if w.status is None)
+        """Every live worker that can hold a delivery had a PONG from NATS for a PING it sent after
+        `t`: each has read and recorded every message the server sent it before then. A worker
+        still STARTING has no subscription yet, so nothing can reach it (its init may take long)."""
+        return all(w.table.server_seen() > t for w in self.living()
+                   if w.status is None and w.table.header(slots.STATE) != slots.STARTING)
 
     def watch_deaths(self) -> None:
         now = time.monotonic()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from supervisor.config import Config
@@ -39,6 +39,7 @@ class SentNak:
     delivery: int
     sent_at: float
     confirmed_at: float | None = None     # when a fence proved the server had read it
+    blocked: str = ""                     # why a re-NAK could not be proven safe yet
 
 
 @dataclasses.dataclass
@@ -189,33 +190,55 @@ class Deaths:
 
     # ---------------------------------------------------------------- afterwards
 
-    async def renak_unseen(self, held_anywhere: Callable[[], Iterable[int]]) -> None:
+    async def renak_unseen(self, fresh_view: Callable[[], set[int]], unproven: Callable[[float], str]) -> None:
         """A NAKed job can be handed straight to another dead worker's pull request when something
         else keeps that inbox alive (a `nats sub '>'` or '_INBOX.>' tap does): it would then wait
         for AckWait. One more NAK, RENAK_AFTER after a fence proved the first one arrived (two
         NAKs stuck in one stalled socket would arrive together and run the job twice), but only
-        when that is safe: no supervisor has seen the job again, no worker of ours holds it, and
-        its AckWait is far from over. A NAK matches by stream sequence, so a job redelivered to a
-        consumer outside any supervisor would be NAKed too: every process bound to the consumer
-        must be a supervisor's worker."""
+        with proof that no live process holds the redelivery, since the server NAKs whoever holds
+        the sequence: `unproven(confirmed_at)` says what is missing (a peer that may hold it; a
+        live worker whose loop or link is stalled, with the job perhaps unread in its socket; no
+        sign yet that the job has left the redelivery queue at all). Then no supervisor has seen
+        it again, no worker of ours holds it as of now, and its AckWait is far from over. While
+        the proof is missing it waits, up to that AckWait bound: a job that then comes back
+        after AckWait is explained by the death that held it. A NAK matches by stream sequence,
+        so a job redelivered to a consumer outside any supervisor would be NAKed too: every
+        process bound to the consumer must be a supervisor's worker."""
         if not self.renak:
             return
         if any(n.confirmed_at is None for n in self.renak.values()) and self.nc.is_connected:
             await self.flush()                  # a NAK counts from when the server surely read it
-        now, held = time.monotonic(), None
+        now, due = time.monotonic(), []
         for seq, n in list(self.renak.items()):
             if not self.ledger.awaiting_redelivery(seq, n.delivery):
                 del self.renak[seq]
-            elif liveness.renak_due(now, n.confirmed_at):
+            elif not liveness.renak_due(now, n.confirmed_at):
+                continue
+            elif not nak_is_safe(now, n.sent_at, self.ack_wait(n.delivery)):
                 del self.renak[seq]
-                held = set(held_anywhere()) if held is None else held
-                if seq in held or not nak_is_safe(now, n.sent_at, self.ack_wait(n.delivery)) \
-                        or not self.nc.is_connected:
-                    continue
-                log.warning("job seq=%d not seen again %.0fs after its NAK: NAKing it once more (is something "
-                            "subscribed to '>' or '_INBOX.>'? it keeps dead pull requests alive)", seq,
-                            now - n.sent_at, extra={"event": "renak", "seq": seq, "delivery": n.delivery})
-                await self.nc.publish(n.reply, b"-NAK")
+                if n.blocked:
+                    log.info("job seq=%d not seen again since its NAK, and not NAKed once more (%s): if it is "
+                             "lost in transit it comes back after AckWait", seq, n.blocked,
+                             extra={"event": "renak_skipped", "seq": seq, "why": n.blocked})
+            else:
+                was, n.blocked = n.blocked, unproven(n.confirmed_at or now) or ("" if self.nc.is_connected
+                                                                                 else "NATS is away")
+                if not n.blocked:
+                    due.append(seq)
+                elif n.blocked != was:
+                    log.info("job seq=%d not seen again since its NAK; not NAKing it once more yet: %s", seq,
+                             n.blocked, extra={"event": "renak_waiting", "seq": seq, "why": n.blocked})
+        if not due:
+            return
+        held = fresh_view()                     # nothing awaits from here to the NAKs
+        for seq in due:
+            n = self.renak.pop(seq)
+            if seq in held or not self.ledger.awaiting_redelivery(seq, n.delivery):
+                continue
+            log.warning("job seq=%d not seen again %.0fs after its NAK: NAKing it once more (is something "
+                        "subscribed to '>' or '_INBOX.>'? it keeps dead pull requests alive)", seq,
+                        now - n.sent_at, extra={"event": "renak", "seq": seq, "delivery": n.delivery})
+            await self.nc.publish(n.reply, b"-NAK")
 
     async def flush(self) -> None:
         """Fence what we published (NAKs): on success, every NAK sent so far has arrived."""

@@ -3,22 +3,35 @@
 A worker that dies with pull credits outstanding may have been sent messages it never read:
 they are in no slot table, and the server would redeliver them only after AckWait. In a
 work-queue stream every message still stored is unacked, so after such a death the parent can
-list the lost ones: a stored message the consumer has delivered (stream seq <= delivered), that
-no worker of ours holds and that the ledger does not already expect back (a NAK we know of: a
-dead worker's held job, a handler's Retry with its delay), went to a process that is gone.
-A NAK brings it back at once. NAKs match by stream sequence, so the NAK's reply subject can be
-built from the sequence alone (the server checks the stream sequence is pending and the consumer
-sequence in range; supervisor/nats/fix.py has nothing to do with it: it is the wire protocol).
+list the lost ones: a stored message the consumer has delivered, that no worker of ours holds
+and that the ledger does not already expect back (a NAK we know of: a dead worker's held job, a
+handler's Retry with its delay), went to a process that is gone. A NAK brings it back at once.
+NAKs match by stream sequence, so the NAK's reply subject can be built from the sequence alone.
 
-That is safe only when nothing else can hold a delivery of this consumer, so it runs only when:
- - the stream is a work queue (elsewhere an acked message stays stored: no way to tell);
- - no other supervisor spoke on the ledger subject lately (Peers.alone(); a supervisor that just
-   started waits until it can tell, a few seconds, far less than AckWait);
- - every live worker proved, with a PING/PONG it sent after the ConsumerInfo was read (plus
-   SLACK for the server's internal delivery queue), that it has read and recorded every message
-   the server sent it before (TCP keeps the server's writes in order: the MSG before the PONG);
+That same fact makes a wrong NAK the one thing this check must never send: the server NAKs
+whoever holds the sequence now (nats-server processNak checks only that it is pending), so a NAK
+of a live holder's delivery runs the job twice. Every NAK here is sent only with proof that no
+live process can hold that delivery; without the proof the job comes back after AckWait, and the
+ledger explains it as in transit (`in_transit_redeliveries`). The proof, piece by piece:
+ - the stream is a work queue (elsewhere an acked message stays stored: no way to tell) and the
+   consumer has one replica (R>1: a delivery counted in ConsumerInfo may wait for its raft commit
+   for as long as a slow follower takes, so no wait proves it reached its worker);
+ - no other supervisor can hold a delivery (Peers.alone(): one heard in this run counts until it
+   says goodbye, and our own hellos must come back to us, or we could not hear one);
+ - a ConsumerInfo read after every death of the round bounds the scan from above; every live
+   worker (STARTING ones hold nothing: they have no subscription yet) proved, with a PING it SENT
+   after that read (plus SLACK for the server's internal delivery queue), that it has read and
+   recorded every message the server sent it before (TCP keeps the server's writes in order);
+ - a ConsumerInfo read before each dead worker's own last such proof bounds the scan from below:
+   every first delivery up to it reached the dead worker before the proof, so it was read; what
+   is older (a previous run's Retry with a delay, a delivery pending since before we started, a
+   lost ack, a silent peer's job) is never a candidate (R12);
+ - that lower reading's time starts every candidate's AckWait: the NAK goes out well before any
+   of them can expire and be redelivered to a live worker (policy.nak_is_safe);
+ - right before the NAKs, with no await between: the tables are read again and every event the
+   workers wrote is applied (a worker's NAK is announced before its table entry is freed), and a
+   sequence any worker named since that lower reading is left alone;
  - the candidates are no more than the credits the dead workers had outstanding.
-Anything else is left to AckWait, where the ledger's in-transit attribution explains it.
 A consumer outside any supervisor bound to the same durable would have its jobs NAKed by
 this; the README says the consumer belongs to the supervisors.
 """
@@ -27,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,12 +48,34 @@ from typing import Any
 from nats.js.errors import NotFoundError
 
 from supervisor.config import Config, subject_matches
+from supervisor.core.ledger import FOUND_IN_TRANSIT
+from supervisor.core.policy import ack_wait_for, nak_is_safe
 
 log = logging.getLogger("supervisor")
 
-SLACK = 0.25            # after the ConsumerInfo, before a worker's PING counts as proof
+SLACK = 0.25            # after a ConsumerInfo, before a worker's PING counts as proof
 GIVE_UP = 5.0           # workers that cannot prove it within this long: leave it to AckWait
 MAX_SCAN = 2000         # stream sequences looked at, at most, per reconciliation
+SAMPLES = 64            # ConsumerInfo readings kept for the lower bound
+NAMED_LIMIT = 10_000    # sequences recently named by a worker's event, remembered
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A ConsumerInfo answer: it describes a moment between `asked` and `answered`."""
+    asked: float
+    answered: float
+    delivered: int              # delivered stream sequence
+    waiting: int = 0            # pull requests waiting
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A death with pull credits outstanding: what may have been on the wire to it."""
+    t: float
+    credits: int
+    who: str
+    read_before: float          # the dead worker's last proof: it read everything sent before this
 
 
 @dataclass
@@ -47,56 +83,137 @@ class InTransit:
     cfg: Config
     nc: Any
     ledger: Any
-    credits: int = 0                        # outstanding at the deaths since the last reconciliation
-    deaths: list[str] = field(default_factory=list)
+    losses: list[Loss] = field(default_factory=list)    # deaths since the last reconciliation
     info: Any = None                        # the ConsumerInfo the scan is bounded by ...
-    info_at: float = 0.0                    # ... and when we had it
-    stats: dict = field(default_factory=lambda: {"runs": 0, "naked": 0, "skipped": 0})
+    info_at: Reading | None = None          # ... and when we had it
+    readings: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    named: dict[int, float] = field(default_factory=dict)   # seq -> last time a worker's event named it
+    stats: dict = field(default_factory=lambda: {"runs": 0, "naked": 0, "skipped": 0, "last_skipped": ""})
+    is_replicated: bool = False             # the last ConsumerInfo listed replicas
 
-    def death(self, t: float, credits: int, who: str) -> None:
+    # ------------------------------------------------------------ inputs
+
+    def death(self, t: float, credits: int, who: str, read_before: float) -> None:
         if credits > 0:
-            self.credits += credits
-            self.deaths.append(who)
+            self.losses.append(Loss(t, credits, who, read_before))
 
-    async def step(self, now: float, held_anywhere: Callable[[], set[int]],
+    def observed(self, asked: float, answered: float, delivered_stream_seq: int, waiting: int = 0) -> None:
+        """A ConsumerInfo reading (the monitor's polls, ours): lower bounds for later deaths."""
+        self.readings.append(Reading(asked, answered, delivered_stream_seq, waiting))
+
+    def waiting_since(self, t: float) -> Reading | None:
+        """The first reading asked after `t` with a pull request waiting: a job NAKed before `t`
+        cannot still sit in the redelivery queue then (the server hands it to a waiting request
+        first), so it had been delivered by that reading's moment."""
+        return next((r for r in self.readings if r.asked >= t and r.waiting > 0), None)
+
+    def named_by_worker(self, seq: int, now: float) -> None:
+        """A live worker received, settled or could not settle `seq`: its delivery may be a live one."""
+        self.named.pop(seq, None)
+        self.named[seq] = now
+        while len(self.named) > NAMED_LIMIT:
+            del self.named[next(iter(self.named))]
+
+    # ------------------------------------------------------------ the round
+
+    @property
+    def credits(self) -> int:
+        return sum(loss.credits for loss in self.losses)
+
+    async def step(self, now: float, fresh_view: Callable[[], set[int]],
                    links_fresh_since: Callable[[float], bool], alone: bool | None) -> None:
-        if not self.credits or alone is None:
+        """`fresh_view` applies every event the workers wrote and returns the sequences in any
+        table, read before those events were applied."""
+        if not self.losses or alone is None:
             return                          # nothing to look for, or wait: peers may still say hello
-        if self.cfg.stream.retention != "workqueue" or not alone or not self.nc.is_connected:
-            self.done("skipped")            # not provably safe here: AckWait it is
+        why = self.unsafe_here(alone)
+        if why:
+            self.done("skipped", why)       # not provably safe here: AckWait it is
             return
-        if self.info is None:
-            await self.read_consumer()
+        if self.info_at is None or any(loss.t >= self.info_at.asked for loss in self.losses):
+            await self.read_consumer()      # a death after the reading: what it had is beyond it (R5)
             return
-        if not links_fresh_since(self.info_at + SLACK):
-            if now - self.info_at > GIVE_UP:
-                log.info("in-transit check skipped: a worker could not prove within %gs what it holds", GIVE_UP)
-                self.done("skipped")
+        if self.replicated():
+            self.done("skipped", "the consumer is replicated (a delivery may wait for its raft commit)")
             return
-        await self.nak_lost(held_anywhere())
+        if not links_fresh_since(self.info_at.answered + SLACK):
+            if now - self.info_at.answered > GIVE_UP:
+                self.done("skipped", f"a worker could not prove within {GIVE_UP:g}s what it holds")
+            return
+        await self.nak_lost(fresh_view)
+
+    def unsafe_here(self, alone: bool) -> str:
+        if self.cfg.stream.retention != "workqueue":
+            return "the stream is not a work queue"
+        if not alone:
+            return "another supervisor may hold deliveries of this consumer"
+        if not self.nc.is_connected:
+            return "not connected to NATS"
+        return ""
+
+    def replicated(self) -> bool:
+        """The last ConsumerInfo named replicas (also asked by Deaths.renak_unseen), or the config asks for them."""
+        return self.is_replicated or self.cfg.stream.replicas > 1
 
     async def read_consumer(self) -> None:
+        asked = time.monotonic()
         try:
             self.info = await self.nc.jetstream().consumer_info(self.cfg.stream.name, self.cfg.consumer.name,
                                                                  timeout=2.0)
-            self.info_at = time.monotonic()
         except Exception as exc:
-            log.info("in-transit check skipped: ConsumerInfo failed: %s", exc or type(exc).__name__)
-            self.done("skipped")
-
-    async def nak_lost(self, held: set[int]) -> None:
-        lost = await self.candidates(held)
-        if lost is None or len(lost) > self.credits:
-            log.info("in-transit check: %s; left to AckWait", "too many messages to scan" if lost is None else
-                     f"{len(lost)} unaccounted message(s), more than the {self.credits} the dead worker(s) asked for")
-            self.done("skipped")
+            self.done("skipped", f"ConsumerInfo failed: {exc or type(exc).__name__}")
             return
+        self.info_at = Reading(asked, time.monotonic(), self.info.delivered.stream_seq, self.info.num_waiting or 0)
+        self.readings.append(self.info_at)
+        cluster = getattr(self.info, "cluster", None)
+        self.is_replicated = bool(cluster and getattr(cluster, "replicas", None))
+
+    def floor(self, losses: list[Loss]) -> Reading | None:
+        """The newest reading every dead worker surely read past (its proof came SLACK after it)."""
+        bounds = []
+        for loss in losses:
+            before = [r for r in self.readings if r.answered + SLACK < loss.read_before]
+            if not before:
+                return None
+            bounds.append(max(before, key=lambda r: r.delivered))
+        return min(bounds, key=lambda r: r.delivered)
+
+    def min_ack_wait(self) -> float:
+        """The shortest AckWait any delivery gets (consumer.backoff replaces AckWait when set)."""
+        c = self.cfg.consumer
+        return min(ack_wait_for(c.ack_wait, c.backoff, d) for d in range(1, len(c.backoff) + 2))
+
+    async def nak_lost(self, fresh_view: Callable[[], set[int]]) -> None:
+        losses, credits = list(self.losses), self.credits
+        low = self.floor(losses)
+        if low is None:
+            self.done("skipped", "no ConsumerInfo from before the dead worker's last answer from NATS", losses)
+            return
+        stored = await self.stored_in(low.delivered + 1, self.info.delivered.stream_seq)
+        if stored is None:
+            self.done("skipped", "too many messages to scan", losses)
+            return
+        # From here to the last NAK nothing awaits: what we read is what the NAKs act on.
+        held = fresh_view()
+        if not nak_is_safe(time.monotonic(), low.asked, self.min_ack_wait()):
+            self.done("skipped", "too late: a candidate's AckWait may be running out", losses)
+            return
+        lost = [seq for seq in stored if seq not in held and not self.ledger.expecting(seq)
+                and self.named.get(seq, float("-inf")) < low.asked]
+        if len(lost) > credits:
+            self.done("skipped", f"{len(lost)} unaccounted message(s), more than the {credits} the dead "
+                                 "worker(s) asked for", losses)
+            return
+        await self.send_naks(lost, losses)
+        self.done("runs", "", losses)
+
+    async def send_naks(self, lost: list[int], losses: list[Loss]) -> None:
         delivered = self.info.delivered.consumer_seq     # any consumer seq in range will do
-        who = ", ".join(self.deaths)
+        who = ", ".join(loss.who for loss in losses)
         for seq in lost:
             # $JS.ACK.<stream>.<consumer>.<deliveries>.<stream seq>.<consumer seq>.<time>.<pending>
             reply = f"$JS.ACK.{self.cfg.stream.name}.{self.cfg.consumer.name}.1.{seq}.{delivered}.0.0"
-            self.ledger.in_transit_naked(seq, f"in transit to {who} at its death (found and NAKed)")
+            self.ledger.in_transit_naked(seq, f"{FOUND_IN_TRANSIT}{who} at its death (found and NAKed)")
             await self.nc.publish(reply, b"-NAK")
         if lost:
             try:
@@ -106,16 +223,15 @@ class InTransit:
             log.warning("NAKed %d message(s) that were on their way to %s when it died: seq %s", len(lost), who,
                         ", ".join(map(str, lost)))
         self.stats["naked"] += len(lost)
-        self.done("runs")
 
-    async def candidates(self, held: set[int]) -> list[int] | None:
-        first, last = self.info.ack_floor.stream_seq + 1, self.info.delivered.stream_seq
+    async def stored_in(self, first: int, last: int) -> list[int] | None:
+        """The stream sequences in [first, last] still stored, on the consumer's subject."""
         if last - first + 1 > MAX_SCAN:
             return None
-        js, lost = self.nc.jetstream(), []
+        js, found = self.nc.jetstream(), []
         wanted = self.cfg.consumer.filter_subject
         for seq in range(first, last + 1):
-            if seq in held or self.ledger.expecting(seq):
+            if self.ledger.expecting(seq):
                 continue
             try:
                 msg = await js.get_msg(self.cfg.stream.name, seq)
@@ -125,9 +241,17 @@ class InTransit:
                 log.info("in-transit check: cannot read seq %d: %s", seq, exc or type(exc).__name__)
                 return None
             if not wanted or subject_matches(wanted, msg.subject) or wanted == msg.subject:
-                lost.append(seq)
-        return lost
+                found.append(seq)
+        return found
 
-    def done(self, outcome: str) -> None:
+    def done(self, outcome: str, why: str, losses: list[Loss] | None = None) -> None:
+        """End the round for `losses` (all of them when None); a death that came meanwhile waits for the next."""
         self.stats[outcome] += 1
-        self.credits, self.deaths, self.info = 0, [], None
+        ended = self.losses if losses is None else losses
+        if why:
+            self.stats["last_skipped"] = why
+            log.info("in-transit check skipped: %s; what was on the wire to %s comes back after AckWait "
+                     "(explained as in transit)", why, ", ".join(loss.who for loss in ended),
+                     extra={"event": "in_transit_skipped", "why": why})
+        self.losses = [loss for loss in self.losses if loss not in ended]
+        self.info, self.info_at = None, None

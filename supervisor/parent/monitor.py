@@ -153,13 +153,14 @@ class Monitor:
             self.failed(time.monotonic(), f"ConsumerInfo failed: {type(exc).__name__}: {exc}"[:200])
             return
         consumer, self.source = consumer_dict(info), "self"
-        if await self.accept(js, consumer):
+        if await self.accept(js, consumer, asked=now):
             if self.fleet:
                 await self.fleet.share(consumer)
             await self.find_given_up(js, consumer)
 
-    async def accept(self, js: Any, consumer: dict[str, Any]) -> bool:
-        """Take one ConsumerInfo answer (ours or the poller's) unless the guard rejects it."""
+    async def accept(self, js: Any, consumer: dict[str, Any], asked: float | None = None) -> bool:
+        """Take one ConsumerInfo answer (ours or the poller's) unless the guard rejects it. `asked`:
+        when we sent the request (ours only: a shared sample's moment is the poller's)."""
         if self.error:
             log.info("ConsumerInfo answers again")
         self.error = ""
@@ -191,6 +192,9 @@ class Monitor:
             ledger.ack_floor(c["ack_floor_stream_seq"])
             ledger.delivered_seen(t, c["delivered_stream_seq"])
         self.arbiter.post(record)
+        if asked is not None:            # bounds what a later death can have had in transit (in_transit.py)
+            in_transit = self.arbiter.in_transit
+            self.arbiter.post(lambda: in_transit.observed(asked, t, c["delivered_stream_seq"], c["num_waiting"]))
         await self.resolve_acks_in_doubt(js)
         return True
 

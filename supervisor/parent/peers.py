@@ -12,6 +12,16 @@ worker and redone on host B shows as redelivered and acked in A's cross-check to
 A whole host lost (supervisor/parent/fleet.py) is announced by the fleet's poller, which alone watches
 the heartbeats: the jobs the lost supervisor's last heartbeat listed, and a window of time with a
 count for the jobs it took after that heartbeat (they come back when their AckWait runs out).
+
+`alone()` decides whether the NAKs built from a sequence alone (supervisor/parent/in_transit.py, the
+re-NAK in deaths.py) are safe: they NAK whoever holds the job, a peer's live worker included. A
+peer's jobs are held by its workers, on their own connections, while only its parent speaks
+here; a parent that is paused, starved, disconnected or half-open goes quiet while its workers
+run and even take new jobs. So a peer heard once in this run counts until it says goodbye (after
+its workers have exited), however long it has been quiet; our own hellos must come back to us
+(a subject we may not publish or subscribe to, a broken link: we could not hear a peer either);
+and each supervisor's origin carries a random token (two containers with one hostname, each its
+own PID 1, are two peers, not one).
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 from collections import OrderedDict
@@ -43,7 +54,7 @@ class Peers:
         self.ledger = ledger
         self.post = post                         # the arbiter applies what we hear, in its loop
         self.subject = f"supervisor.ledger.{stream}.{consumer}"
-        self.origin = f"{socket.gethostname()}/{os.getpid()}"
+        self.origin = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
         # naks: [seq, why] explain a redelivery to come; seen: [seq, delivery] a redelivery one of
         # our workers received; settled: [seq, delivery, outcome] how a redelivered job ended;
         # lost: a lost supervisor's jobs, {"name", "held": [[seq, delivery]], "window": [start, end]
@@ -54,6 +65,8 @@ class Peers:
         self.listening_since: float | None = None
         self.last_hello = 0.0
         self.heard: dict[str, float] = {}        # origin -> when we last heard from it
+        self.gone: set[str] = set()              # peers that said goodbye: they hold nothing
+        self.echo_at: float | None = None        # our own last hello, heard back
 
     async def start(self) -> None:
         try:
@@ -104,12 +117,24 @@ class Peers:
 
     def alone(self, now: float) -> bool | None:
         """No other supervisor on this consumer? None while we cannot tell yet (a peer says
-        hello every HELLO_EVERY, and answers a newcomer's question at once)."""
+        hello every HELLO_EVERY, and answers a newcomer's question at once). A peer once heard
+        counts until its goodbye; and we must hear our own hellos, or we could not hear theirs."""
         if self.listening_since is None:
             return False                         # deaf to peers: never assume we are alone
-        if any(now - t <= PEER_QUIET for t in self.heard.values()):
+        if any(origin not in self.gone for origin in self.heard):
             return False
+        if self.echo_at is None or now - self.echo_at > PEER_QUIET:
+            return None if now - self.listening_since < LISTEN_FIRST else False
         return None if now - self.listening_since < LISTEN_FIRST else True
+
+    async def goodbye(self) -> None:
+        """Our workers have all exited: peers may count us gone."""
+        if self.listening_since is not None and self.nc.is_connected:
+            await self._publish({"origin": self.origin, "bye": 1})
+            try:
+                await self.nc.flush(timeout=1)
+            except Exception as exc:
+                log.debug("goodbye not confirmed: %s", exc)
 
     async def flush(self) -> None:
         now = time.monotonic()
@@ -145,13 +170,21 @@ class Peers:
         except (ValueError, KeyError, TypeError, AttributeError):
             log.warning("ignoring a malformed ledger message on %s: %r", self.subject, msg.data[:100])
             return
-        if origin != self.origin:
+        if origin == self.origin:
+            self.post(self.echoed)
+        elif body.get("bye"):
+            self.post(lambda: self.gone.add(origin))
+        else:
             self.post(lambda: self.apply(origin, naks, seen, settled, lost, asked=bool(body.get("ask"))))
+
+    def echoed(self) -> None:
+        self.echo_at = time.monotonic()
 
     def apply(self, origin: str, naks: list, seen: list, settled: list, lost: Sequence[dict] = (),
               asked: bool = False) -> None:
         now = time.monotonic()
         self.heard[origin] = now
+        self.gone.discard(origin)
         if asked:
             self.last_hello = 0.0                # a newcomer asks who is there: hello at the next flush
         for seq, why in naks:

@@ -43,7 +43,7 @@ def take(arbiter: Arbiter, monitor: Monitor | None, fleet: Fleet | None, nc: Any
         ledger=dict(ledger.counts),
         outstanding=tuple(ledger.outstanding(now)),
         peers={"alone": bool(arbiter.peers.alone(now)), "heard": sorted(arbiter.peers.heard),
-               "in_transit_checks": dict(arbiter.in_transit.stats)},
+               "gone": sorted(arbiter.peers.gone), "in_transit_checks": dict(arbiter.in_transit.stats)},
         advisories=dict(monitor.advisories) if monitor else {},
         fleet=fleet.status() if fleet else {"name": cfg.fleet.name, "peers": None},
         raised=(*(Alert(a["kind"], a["message"], a["t"]) for a in arbiter.alerts),

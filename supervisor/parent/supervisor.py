@@ -203,12 +203,16 @@ class Supervisor:
     async def inherit_pending(self, arbiter: Arbiter) -> None:
         """Deliveries pending before we started (a previous run NAKed them while draining) come
         back to our workers: the ledger must not call them unexplained."""
+        asked = time.monotonic()
         try:
             info = await self.nc.jetstream().consumer_info(self.cfg.stream.name, self.cfg.consumer.name)
         except Exception as exc:
             log.debug("ConsumerInfo at start failed (%s): inherited redeliveries may read as unexplained", exc)
             return
         arbiter.ledger.inherit(info.num_ack_pending or 0, info.delivered.stream_seq or 0)
+        # Whatever was delivered before now is no in-transit candidate later (in_transit.py): a
+        # previous run's Retry(delay) NAKs stay pending, unheld, and must keep their delay (R12).
+        arbiter.in_transit.observed(asked, time.monotonic(), info.delivered.stream_seq or 0, info.num_waiting or 0)
 
     async def reload(self) -> None:
         """SIGHUP: re-read the config; apply what can change live; keep running on the old

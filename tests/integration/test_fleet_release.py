@@ -145,7 +145,7 @@ def test_a_silent_host_that_answers_over_nats_is_not_declared_lost(nats_server, 
 
 def test_a_heartbeat_nats_py_refuses_is_an_alert_at_once_any_other_failure_after_two_beats():
     cfg = Config().replace(fleet={"heartbeat": 0.5})
-    ours, theirs = Fleet(cfg, None, None), Fleet(cfg, None, None)
+    ours, theirs = Fleet(cfg, None, None, None), Fleet(cfg, None, None, None)   # no NATS, no arbiter: only the alerts
     ours.beat_failed(0.0, nats.errors.MaxPayloadError())
     [alert] = ours.alerts()
     assert alert["kind"] == "fleet_heartbeat_failing" and "MaxPayloadError" in alert["message"]

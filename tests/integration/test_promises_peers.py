@@ -52,6 +52,20 @@ def kill_with_credits(sup: SupervisorProc, server) -> None:
 
 # ---------------------------------------------------------------- in transit, with a peer
 
+def beta_runs_alpha_listens(server, supervisor_factory, gate, **sections: dict) -> tuple:
+    """Supervisor beta's only worker runs a job until `gate` exists; supervisor alpha, on the same
+    consumer, has heard beta: (alpha, beta, the job's start record)."""
+    same = {"consumer": {"ack_wait": ACK_WAIT}, "workers": {"count": 1}, **sections}
+    beta = supervisor_factory(server, args=JSON, **same)
+    beta.wait_ready(1)
+    publish(server.url, count=1, data=f"until:{gate}")
+    job = wait_until(lambda: beta.jobs.running(), what="beta's worker running the job")[0]
+    alpha = supervisor_factory(server, args=JSON, **same)
+    alpha.wait_ready(1)
+    wait_until(lambda: alpha.status()["peers"]["heard"], what="alpha has heard from beta")
+    return alpha, beta, job
+
+
 def test_a_supervisor_with_a_peer_never_naks_the_peers_running_job(nats_server, supervisor_factory, tmp_path):
     """Beta's only worker runs a job; alpha, on the same consumer, knows beta is there. Alpha's
     idle worker dies with a pull request outstanding: alpha has a death with credits, and a
@@ -59,15 +73,7 @@ def test_a_supervisor_with_a_peer_never_naks_the_peers_running_job(nats_server, 
     that message as lost in transit; with a peer it must leave it to AckWait, because the
     message is a peer's running job."""
     gate = tmp_path / "release"
-    same = {"consumer": {"ack_wait": ACK_WAIT}, "workers": {"count": 1}}
-    beta = supervisor_factory(nats_server, args=JSON, **same)
-    beta.wait_ready(1)
-    publish(nats_server.url, count=1, data=f"until:{gate}")
-    job = wait_until(lambda: beta.jobs.running(), what="beta's worker running the job")[0]
-
-    alpha = supervisor_factory(nats_server, args=JSON, **same)
-    alpha.wait_ready(1)
-    wait_until(lambda: alpha.status()["peers"]["heard"], what="alpha has heard from beta")
+    alpha, beta, job = beta_runs_alpha_listens(nats_server, supervisor_factory, gate)
     kill_with_credits(alpha, nats_server)
 
     # The in-transit check counts a decision only for a death with credits outstanding: once

@@ -646,3 +646,19 @@ def test_in_transit_naked_explains_its_redelivery_and_is_counted():
     assert led.expecting(33)
     assert "found and NAKed" in led.redelivered(FAR, 33, 2)
     assert led.crosscheck(FAR)["in_transit_naked"] == 1 and not led.expecting(33)
+
+
+def test_a_found_in_transit_redelivery_counts_as_an_in_transit_redelivery():
+    """Issue 22 item 7: held_jobs_redelivered + in_transit_redeliveries read one short of the
+    journal's crash redeliveries whenever a job on the wire to a victim was found and NAKed: its
+    redelivery was explained but counted in neither. Also when the redelivery came first."""
+    led = make()
+    led.record_death(1.0, 0, 5, "SIGKILL", [(10, 1, "running", True)], in_transit=2)
+    led.in_transit_naked(33, "in transit to worker 0 (pid 5) at its death (found and NAKed)")
+    led.redelivered(2.0, 10, 2)
+    led.redelivered(2.0, 33, 2)
+    assert led.redelivered(2.5, 34, 2) == ""                # a suspect, explained by the NAK below
+    led.in_transit_naked(34, "in transit to worker 0 (pid 5) at its death (found and NAKed)")
+    c = led.crosscheck(FAR)
+    assert c["held_jobs_redelivered"] + c["in_transit_redeliveries"] == 3, c
+    assert c["in_transit_naked"] == 2 and c["unexplained_redeliveries"] == 0

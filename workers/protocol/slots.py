@@ -32,8 +32,12 @@ FREE, HELD, RUNNING, ACKED, SETTLED = 0, 1, 2, 3, 4
 ENTRY_STATES = {HELD: "held", RUNNING: "running", ACKED: "acked", SETTLED: "settled"}
 
 # Header words (8 bytes each; doubles and int64s share the buffer through two casts).
-# SERVER_SEEN: when the worker last had a reply from the NATS server (a PING/PONG of its own), so
-# the parent can tell a beating worker whose connection has gone half-open from a healthy one.
+# SERVER_SEEN: when the worker sent the last PING the NATS server answered (the send time, not the
+# PONG's: everything the server sent before reading that PING had been read and recorded by the
+# time the PONG came, since nats-py runs on_message for the MSGs ahead of a PONG before flush()
+# returns, and a PONG read late by a stalled loop must not vouch for what came after it), so the
+# parent can tell a beating worker whose connection has gone half-open from a healthy one, and
+# which deliveries a worker has surely read (supervisor/parent/in_transit.py).
 # DUPLICATE_N: jobs acked without running because their key was already done ([idempotency]).
 (PID, STATE, HEARTBEAT, ACKED_N, NAKED_N, TERMED_N, STARTED_N, CREDITS, HIGH_WATER,
  MAX_DURATION, DURATION_SUM, SERVER_SEEN, DUPLICATE_N) = range(13)

@@ -253,9 +253,8 @@ class Worker:
             except Exception:
                 pass                     # stale: the parent sees the time stop moving
             else:
-                now = time.monotonic()
-                self.table.server_answered(now)
-                self.pulls.sizer.round_trip(now - sent)
+                self.table.server_answered(sent)     # the PING's send time: slots.py SERVER_SEEN
+                self.pulls.sizer.round_trip(time.monotonic() - sent)
             self.threads.collect()       # outcomes kept back by a handler thread busy with a long job
             await asyncio.sleep(LIVENESS_EVERY)
 
@@ -296,9 +295,9 @@ class Worker:
             self.settler.replies[i] = msg.reply
         if job.delivery > 1:
             self.emit(ev="redelivered", seq=job.stream_seq, delivery=job.delivery)
-        if i < 0:                        # more arrived than we asked for and the table is full
-            await self.nc.publish(msg.reply, b"-NAK")
+        if i < 0:                        # table full (more came than asked): told first, the NAK after
             self.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome="nak", reason="table full")
+            await self.nc.publish(msg.reply, b"-NAK")
             return
         self.queue.append((msg, i, job))
         self.wake_run.set()
