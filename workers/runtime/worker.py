@@ -31,13 +31,13 @@ from typing import Any, NoReturn
 
 import setproctitle
 
-from workers import Job, Reject, Retry
+from workers import Job
 from workers.protocol import slots
 from workers.protocol.exits import EXIT_CONNECT_FAILED, EXIT_CRASHED, EXIT_DRAINED, EXIT_INIT_FAILED
 from workers.protocol.fork import neutralise_inherited_fds, scrub_child_env, set_parent_death_signal
 from workers.protocol.modes import RETIRING, SERVING, STOPPING
-from workers.runtime.deadletter import dead_letter
 from workers.runtime.guard import DUPLICATE, RUN, Guard
+from workers.runtime.outcome import Outcomes
 from workers.runtime.puller import Puller
 from workers.runtime.pulls import PullSizer, fair_share
 from workers.runtime.reack import Reacker
@@ -132,6 +132,7 @@ class Worker:
                             f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.consumer}")
         self.reacker = Reacker(self, spec.slot, self.stream, cfg.consumer)
         self.settler = Settler(self, spec.slot, self.wcfg.double_ack, self.table.entries, acked=self.reacker.sent)
+        self.outcomes = Outcomes(self.settler, spec.slot, cfg, lambda: self.nc)
         self.started_jobs = 0
         self.generation = 0              # reconnects seen: what was sent on a dead connection may be lost
         self.mode = SERVING
@@ -380,35 +381,7 @@ class Worker:
         self.pulls.sizer.job_done(elapsed)
         if self.guard:                   # the done-marker before the ack; a failed job's lease released
             await self.guard.after(job, exc is None)
-        if exc is None:
-            await self.settler.ack(i, job)
-        elif isinstance(exc, Retry):
-            await self.settler.settle(i, job, nak_payload(exc.delay), "nak", str(exc))
-        elif isinstance(exc, Reject):
-            await self.reject(i, job, exc.reason)
-        elif isinstance(exc, Exception):
-            log.error("worker %d: handler failed on seq=%d delivery=%d", self.spec.slot, job.stream_seq,
-                      job.delivery, exc_info=exc,
-                      extra={"event": "handler_failed", "seq": job.stream_seq, "delivery": job.delivery})
-            delay = retry_delay(self.wcfg.retry_backoff, job.delivery)
-            await self.settler.settle(i, job, nak_payload(delay), "nak", f"{type(exc).__name__}: {exc}"[:200])
-        else:                            # SystemExit from a handler: a crash, not an outcome
-            log.error("worker %d: handler raised %s on seq=%d; exiting without ack",
-                      self.spec.slot, type(exc).__name__, job.stream_seq)
-            os._exit(EXIT_CRASHED)
-
-    async def reject(self, i: int, job: Job, reason: str) -> None:
-        try:
-            await dead_letter(self.nc, self.spec.cfg, job, reason)
-        except Exception as exc:
-            log.error("worker %d: cannot dead-letter seq=%d (%s); NAKing it instead", self.spec.slot, job.stream_seq, exc)
-            await self.settler.settle(i, job, nak_payload(retry_delay(self.wcfg.retry_backoff, job.delivery)), "nak",
-                                      f"dead-letter failed: {exc}")
-            return
-        await self.settler.settle(i, job, b"+TERM " + reason.encode()[:200], "term", reason)
-        log.warning("worker %d: job seq=%d subject=%s rejected by the handler (TERM): %s", self.spec.slot,
-                    job.stream_seq, job.subject, reason,
-                    extra={"event": "rejected", "seq": job.stream_seq, "subject": job.subject, "reason": reason})
+        await self.outcomes.settle(i, job, exc)
 
     # -- reporting rare events to the parent
 
