@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,6 +165,33 @@ class LogConfig:
     format: str = key("text", "text or json", reload=RESTART, choices=("text", "json"))
 
 
+# ---------------------------------------------------------------- named sections: [schedules.NAME], ...
+# A named section holds any number of entries, each a table of the same keys ([limits.db],
+# [limits.mail]); every entry is checked against its dataclass like a fixed section, its keys
+# named `section.NAME.key` in errors. They are set in the config file only (no environment
+# override: a name may hold underscores), and `config init` shows each as a commented example.
+
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    every: float = key(0.0, "seconds between firings (this or cron)", reload=LIVE, lo=0.0)
+    cron: str = key("", "5 fields, UTC, as crontab (6: seconds first)", reload=LIVE)
+    subject: str = key("", "where each firing publishes a job", reload=LIVE)
+    data: str = key("", "the job's payload", reload=LIVE)
+
+
+@dataclass(frozen=True)
+class LimitConfig:
+    concurrency: int = key(0, "jobs holding it at once across the fleet (0 = no cap)", reload=LIVE, lo=0)
+    rate: float = key(0.0, "acquisitions per second across the fleet (0 = none)", reload=LIVE, lo=0.0)
+    subjects: tuple[str, ...] = key((), "jobs on these subjects hold it for their whole run", reload=LIVE)
+
+
+NAMED: dict[str, type] = {"schedules": ScheduleConfig, "limits": LimitConfig}
+
+
 @dataclass(frozen=True)
 class Config:
     nats: NatsConfig = NatsConfig()
@@ -178,35 +205,73 @@ class Config:
     autoscale: AutoscaleConfig = AutoscaleConfig()
     monitor: MonitorConfig = MonitorConfig()
     log: LogConfig = LogConfig()
+    schedules: Mapping[str, ScheduleConfig] = field(default_factory=lambda: Entries())
+    limits: Mapping[str, LimitConfig] = field(default_factory=lambda: Entries())
 
     def replace(self, **sections: dict[str, Any]) -> Config:
-        """A copy with some keys changed, validated like a loaded config."""
+        """A copy with some keys changed (a named section: whole entries), validated like a
+        loaded config."""
         raw = as_dict(self)
         for section, values in sections.items():
-            raw[section].update(values)
+            raw.setdefault(section, {}).update(values)
         return build(raw, {f"{s}.{k}": "override" for s, v in sections.items() for k in v})
 
 
-SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+SECTIONS: dict[str, type] = {s: t for s, t in typing.get_type_hints(Config).items() if s not in NAMED}
+
+
+def section_class(section: str) -> type:
+    """The dataclass a section's keys are declared in (a named section's: its entries')."""
+    return SECTIONS.get(section) or NAMED[section]
 
 
 def section_keys(section: str) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+    return {f.name: f for f in dataclasses.fields(section_class(section))}
 
 
 def key_type(section: str, name: str) -> Any:
-    return typing.get_type_hints(SECTIONS[section])[name]
+    return typing.get_type_hints(section_class(section))[name]
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
 
 
 def as_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    return {s: {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(getattr(cfg, s)).items()}
-            for s in SECTIONS}
+    """The tree as plain TOML-shaped data; a named section only when it has entries (as in a file)."""
+    out = {s: _plain(dataclasses.asdict(getattr(cfg, s))) for s in SECTIONS}
+    for s in NAMED:
+        if getattr(cfg, s):
+            out[s] = {name: _plain(dataclasses.asdict(entry)) for name, entry in getattr(cfg, s).items()}
+    return out
+
+
+class Entries(Mapping[str, Any]):
+    """A named section's entries, read-only and hashable like the rest of the frozen tree."""
+
+    def __init__(self, entries: Mapping[str, Any] | None = None):
+        self._entries = dict(entries or {})
+
+    def __getitem__(self, name: str) -> Any:
+        return self._entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._entries.items())))
+
+    def __repr__(self) -> str:
+        return f"Entries({self._entries!r})"
 
 
 # ---------------------------------------------------------------- building and checking
 
 def build(raw: Mapping[str, Mapping[str, Any]], sources: Mapping[str, str]) -> Config:
-    sections = {}
+    sections: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
         values = {}
         for name in section_keys(section):
@@ -214,9 +279,23 @@ def build(raw: Mapping[str, Mapping[str, Any]], sources: Mapping[str, str]) -> C
             values[name] = _check_value(dotted, raw[section][name], key_type(section, name),
                                         section_keys(section)[name].metadata, sources.get(dotted, ""))
         sections[section] = cls(**values)
+    for section in NAMED:
+        sections[section] = Entries({name: _entry(section, name, values, sources)
+                                     for name, values in raw.get(section, {}).items()})
     cfg = Config(**sections)
     _check_together(cfg, sources)
     return cfg
+
+
+def _entry(section: str, name: str, values: Mapping[str, Any], sources: Mapping[str, str]) -> Any:
+    """One entry of a named section: each key checked like any other, absent keys at their default."""
+    cls, out = NAMED[section], {}
+    for key_name, f in section_keys(section).items():
+        dotted = f"{section}.{name}.{key_name}"
+        default = f.default if f.default is not dataclasses.MISSING else None
+        out[key_name] = _check_value(dotted, values.get(key_name, default), key_type(section, key_name),
+                                     f.metadata, sources.get(dotted, ""))
+    return cls(**out)
 
 
 def _check_value(dotted: str, value: Any, typ: Any, meta: Mapping[str, Any], source: str) -> Any:

@@ -16,6 +16,8 @@ from typing import Any
 from supervisor.config.keys import (
     ENV_CONFIG_PATH,
     ENV_PREFIX,
+    NAME_CHARS,
+    NAMED,
     SECTIONS,
     Config,
     as_dict,
@@ -107,16 +109,32 @@ def read_file(path: Path) -> dict[str, Any]:
 
 def _overlay(raw: dict, sources: dict, data: Mapping[str, Any], source: str) -> None:
     for section, values in data.items():
-        if section not in SECTIONS:
-            raise ConfigError(f"[{section}]", "unknown section" + _suggest(section, SECTIONS), source)
+        if section not in SECTIONS and section not in NAMED:
+            raise ConfigError(f"[{section}]", "unknown section" + _suggest(section, [*SECTIONS, *NAMED]), source)
         if not isinstance(values, dict):
             raise ConfigError(f"[{section}]", "must be a table of keys", source)
-        known = section_keys(section)
-        for name, value in values.items():
-            if name not in known:
-                raise ConfigError(f"{section}.{name}", "unknown key" + _suggest(name, known, section), source)
-            raw[section][name] = value
-            sources[f"{section}.{name}"] = source
+        if section in NAMED:
+            for name, entry in values.items():
+                _overlay_entry(raw.setdefault(section, {}), sources, section, name, entry, source)
+            continue
+        _overlay_keys(raw[section], sources, section, section, values, source)
+
+
+def _overlay_entry(raw: dict, sources: dict, section: str, name: str, entry: Any, source: str) -> None:
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{section}.{name}", f"must be a table: [{section}.{name}] with its keys", source)
+    if not name or not set(name) <= NAME_CHARS:
+        raise ConfigError(f"[{section}.{name}]", "a name takes letters, digits, _ and - only", source)
+    _overlay_keys(raw.setdefault(name, {}), sources, section, f"{section}.{name}", entry, source)
+
+
+def _overlay_keys(raw: dict, sources: dict, section: str, prefix: str, values: Mapping[str, Any], source: str) -> None:
+    known = section_keys(section)
+    for name, value in values.items():
+        if name not in known:
+            raise ConfigError(f"{prefix}.{name}", "unknown key" + _suggest(name, known, prefix), source)
+        raw[name] = value
+        sources[f"{prefix}.{name}"] = source
 
 
 def _suggest(word: str, choices: typing.Iterable[str], section: str = "") -> str:
@@ -137,6 +155,9 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
         if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_PATH:
             continue
         rest = var[len(ENV_PREFIX):].lower()
+        if any(rest.startswith(s + "_") for s in NAMED):
+            raise ConfigError(var, "named sections ([schedules.NAME], [limits.NAME]) are set in the config file only",
+                              "environment")
         section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
         if section is None:
             continue

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor.config import REPLACE, RESTART, Config, as_dict, section_keys
+from supervisor.config.keys import LIVE, NAMED, REPLACE, RESTART, Config, as_dict, section_keys
 
 
 @dataclass
@@ -26,19 +26,42 @@ class Plan:
     replace_workers: bool = False
 
 
+ORDER = (LIVE, REPLACE, RESTART)      # how much a change asks, least first
+
+
 def how(dotted: str) -> str:
-    """LIVE, REPLACE or RESTART, as the key declares it."""
-    section, name = dotted.split(".")
-    return section_keys(section)[name].metadata["reload"]
+    """LIVE, REPLACE or RESTART, as the key declares it. A whole entry of a named section
+    (`limits.db`, added or removed) asks as much as its most demanding key."""
+    parts = dotted.split(".")
+    keys = section_keys(parts[0])
+    if parts[0] in NAMED and len(parts) == 2:
+        return max((f.metadata["reload"] for f in keys.values()), key=ORDER.index)
+    return keys[parts[-1]].metadata["reload"]
+
+
+def changes(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old, new) for every key that differs; a named section's entry added or
+    removed as a whole (`limits.db`)."""
+    out = [(f"{s}.{k}", a[s][k], b[s][k]) for s in a if s not in NAMED for k in a[s] if a[s][k] != b[s][k]]
+    for s in NAMED:
+        olds, news = a.get(s, {}), b.get(s, {})
+        for name in sorted({*olds, *news}):
+            old, new = olds.get(name), news.get(name)
+            if old is None or new is None:
+                out.append((f"{s}.{name}", old, new))
+            else:
+                out += [(f"{s}.{name}.{k}", old[k], new[k]) for k in old if old[k] != new[k]]
+    return out
 
 
 def plan(old: Config, new: Config) -> Plan:
     p = Plan(effective=new)
-    a, b = as_dict(old), as_dict(new)
-    p.changed = [(f"{s}.{k}", a[s][k], b[s][k]) for s in a for k in a[s] if a[s][k] != b[s][k]]
+    p.changed = changes(as_dict(old), as_dict(new))
     keep: dict[str, dict[str, Any]] = {}
     for dotted, _, _ in p.changed:
-        section, name = dotted.split(".")
+        section, name = dotted.split(".")[:2]
+        if section in NAMED:          # applied live as a whole (none of their keys is RESTART yet)
+            continue
         if how(dotted) == RESTART:
             p.needs_restart.append(dotted)
             keep.setdefault(section, {})[name] = getattr(getattr(old, section), name)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import tomli_w
 
-from supervisor.config.keys import SECTIONS, Config, as_dict, section_keys
+from supervisor.config.keys import NAMED, SECTIONS, Config, as_dict, section_keys
 from supervisor.config.secrets import redact_url
 
 HEADER = """\
@@ -25,18 +26,30 @@ def render(cfg: Config, *, redact: bool = True, comments: bool = True) -> str:
     lines: list[str] = [HEADER] if comments else []
     raw = as_dict(cfg)
     for section in SECTIONS:
-        lines.append(f"[{section}]")
-        fields = section_keys(section)
-        for name, value in raw[section].items():
-            if redact and fields[name].metadata["secret"]:
-                value = [redact_url(v) for v in value] if isinstance(value, list) else redact_url(value)
-            text = f"{name} = {_toml_value(value)}"
-            doc = fields[name].metadata["doc"]
-            if comments and doc:
-                text = f"{text.ljust(COMMENT_COLUMN - 1)} # {doc}"
-            lines.append(text)
-        lines.append("")
+        lines += [f"[{section}]", *_keys(section, raw[section], redact, comments), ""]
+    for section, entries in ((s, raw.get(s, {})) for s in NAMED):
+        for name, values in entries.items():
+            lines += [f"[{section}.{name}]", *_keys(section, values, redact, comments), ""]
+        if comments and not entries:       # an example to copy, every key at its default
+            lines += [f"# [{section}.NAME]", *_keys(section, as_dict_entry(section), redact, comments, "# "), ""]
     return "\n".join(lines)
+
+
+def as_dict_entry(section: str) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(NAMED[section]()).items()}
+
+
+def _keys(section: str, values: dict[str, Any], redact: bool, comments: bool, lead: str = "") -> list[str]:
+    fields, out = section_keys(section), []
+    for name, value in values.items():
+        if redact and fields[name].metadata["secret"]:
+            value = [redact_url(v) for v in value] if isinstance(value, list) else redact_url(value)
+        text = f"{lead}{name} = {_toml_value(value)}"
+        doc = fields[name].metadata["doc"]
+        if comments and doc:
+            text = f"{text.ljust(COMMENT_COLUMN - 1)} # {doc}"
+        out.append(text)
+    return out
 
 
 def _toml_value(value: Any) -> str:

@@ -89,8 +89,9 @@ class LedgerMachine(RuleBasedStateMachine):
         for seq, delivery, state, naked in held:
             self.held.append(Held(death.id, seq, delivery, state, naked))
             self.live.discard(seq)
-            if state == "running":
-                self.fatal[seq] += 1
+        running = {seq for seq, _, state, _ in held if state == "running"}
+        if len(running) == 1:             # evidence against a job: it ran alone (several: none is blamed)
+            self.fatal[running.pop()] += 1
 
     @precondition(lambda self: self.delivery)
     @rule(data=st.data())
