@@ -190,8 +190,8 @@ class InTransit:
             self.done("skipped", "no ConsumerInfo from before the dead worker's last answer from NATS", losses)
             return
         stored = await self.stored_in(low.delivered + 1, self.info.delivered.stream_seq)
-        if stored is None:
-            self.done("skipped", "too many messages to scan", losses)
+        if isinstance(stored, str):
+            self.done("skipped", stored, losses)
             return
         # From here to the last NAK nothing awaits: what we read is what the NAKs act on.
         held = fresh_view()
@@ -224,10 +224,11 @@ class InTransit:
                         ", ".join(map(str, lost)))
         self.stats["naked"] += len(lost)
 
-    async def stored_in(self, first: int, last: int) -> list[int] | None:
-        """The stream sequences in [first, last] still stored, on the consumer's subject."""
+    async def stored_in(self, first: int, last: int) -> list[int] | str:
+        """The stream sequences in [first, last] still stored, on the consumer's subject; or why
+        they cannot be listed."""
         if last - first + 1 > MAX_SCAN:
-            return None
+            return f"too many messages to scan ({last - first + 1}, at most {MAX_SCAN})"
         js, found = self.nc.jetstream(), []
         wanted = self.cfg.consumer.filter_subject
         for seq in range(first, last + 1):
@@ -238,8 +239,7 @@ class InTransit:
             except NotFoundError:
                 continue                    # acked (a work queue deletes it) or never stored
             except Exception as exc:        # timeout, no responders, a leader election: AckWait, not a dead parent
-                log.info("in-transit check: cannot read seq %d: %s", seq, exc or type(exc).__name__)
-                return None
+                return f"cannot read seq {seq} from the stream: {exc or type(exc).__name__}"
             if not wanted or subject_matches(wanted, msg.subject) or wanted == msg.subject:
                 found.append(seq)
         return found
