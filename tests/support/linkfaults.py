@@ -20,16 +20,16 @@ from stallproxy import StallAfterPing
 
 
 class StallOnWrite(StallAfterPing):
-    def __init__(self, upstream_port: int, trigger: bytes, stall: float):
+    def __init__(self, upstream_port: int, trigger: bytes, stall: float, unless: bytes = b"\0"):
         super().__init__(upstream_port, stall)
-        self.trigger = trigger
+        self.trigger, self.unless = trigger, unless    # fire on a write holding `trigger` and not `unless`
         self.fired_at: float | None = None
         self.stalled_until: dict[int, float] = {}      # client port -> when its link flows again
 
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, stall: bool, port: int) -> None:
         try:
             while data := await src.read(65536):
-                if stall and self.armed and self.trigger in data:
+                if stall and self.armed and self.trigger in data and self.unless not in data:
                     self.armed = False
                     self.fired_at = time.monotonic()
                     self.stalled_until[port] = self.fired_at + self.stall
