@@ -51,7 +51,8 @@ class Puller:
         self.pull_deadline = 0.0         # when the last outstanding pull request expires
         self.pull_sent = 0.0             # when a request left alone towards a backlog (its round trip)
         self.backlog = False             # the last message said more were pending
-        self.received = 0                # messages received, ever (max_jobs caps what we ask for)
+        self.received = 0                # messages received, ever (max_jobs caps what we ask for) ...
+        self.given_back = 0              # ... less those settled without running (see not_started)
         self.last_refusal = ("", 0.0)
         self.unsent = False              # nats-py refused our last pull request
 
@@ -111,9 +112,18 @@ class Puller:
 
     def pull_size(self) -> int:
         outstanding = self.owner.outstanding() + self.credits
-        # A worker due for recycling takes no job it will not run.
-        jobs_left = self.job_limit - self.received - self.credits if self.job_limit else None
+        # A worker due for recycling takes no job it will not run: what it may still start is the
+        # limit less what it started or still may (received, not given back) and what is on its way.
+        jobs_left = self.job_limit - (self.received - self.given_back) - self.credits if self.job_limit else None
         return self.sizer.size(time.monotonic(), outstanding, self.credits, self.owner.table.free_entries(), jobs_left)
+
+    def not_started(self) -> None:
+        """A message received and settled without running: a duplicate acked by the [idempotency]
+        guard, a job it NAKed (busy, unavailable), a NAK because the table was full. It must not
+        count towards max_jobs: the worker would stop pulling short of its limit, never start
+        its last job, so never be recycled, and hold its slot doing nothing for good (R1)."""
+        self.given_back += 1
+        self.owner.wake_pull.set()
 
     def arrived(self, reply: str) -> None:
         """A message came for a request (already held in the table: see Worker.on_message)."""

@@ -297,6 +297,7 @@ class Worker:
         if job.delivery > 1:
             self.emit(ev="redelivered", seq=job.stream_seq, delivery=job.delivery)
         if i < 0:                        # table full (more came than asked): told first, the NAK after
+            self.pulls.not_started()
             self.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome="nak", reason="table full")
             await self.nc.publish(msg.reply, b"-NAK")
             return
@@ -338,7 +339,9 @@ class Worker:
         for (msg, i, job), verdict in zip(chunk, verdicts):
             if verdict.action == RUN:
                 runnable.append((msg, i, job))
-            elif verdict.action == DUPLICATE:
+                continue
+            self.pulls.not_started()     # settled unrun: not one of max_jobs
+            if verdict.action == DUPLICATE:
                 await self.settler.ack(i, job, "duplicate")
             else:
                 await self.settler.settle(i, job, nak_payload(verdict.delay), "nak", verdict.reason)
