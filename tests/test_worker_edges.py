@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import signal
+import time
 
 import nats
+import psutil
 import pytest
+import tomli_w
 from harness import publish_now, wait_until
+
+from supervisor.liveness import DRAIN_MARGIN
 
 JSON_LOGS = ("--log-format", "json")
 
@@ -57,3 +63,39 @@ def test_a_job_acked_as_a_duplicate_does_not_eat_the_max_jobs_budget(nats_server
     assert max(runs.values()) <= 3 and sum(runs.values()) == 9      # X once, the copy never, the 8 once each
     wait_until(lambda: nats_server.stream_msgs() == 0, what="every job acked")
     assert sup.stop() == 0
+
+
+# ---------------------------------------------------------------- issue 22 item 8: graceful_timeout at fork
+
+def test_a_sighup_lowering_graceful_timeout_does_not_cut_a_draining_workers_grace(nats_server, supervisor_factory,
+                                                                                 tmp_path):
+    """graceful_timeout is read by a worker at fork (reload=REPLACE). A SIGHUP lowering it from
+    30 s to 1 s replaces the worker: the old one retires, running its job under the 30 s it was
+    forked with, and the parent must give it that long too, not the new 1 s (+ DRAIN_MARGIN)."""
+    gate = tmp_path / "gate"
+    sup = supervisor_factory(nats_server, args=JSON_LOGS, workers={"count": 1, "graceful_timeout": 30.0})
+    sup.wait_ready(1)
+    [old] = sup.workers()
+    publish_now(nats_server.url, count=1, data=f"until:{gate}")
+    wait_until(lambda: sup.jobs.running(), what="the job running")
+    rewrite_config(sup, workers={"graceful_timeout": 1.0})
+    sup.signal(signal.SIGHUP)
+
+    def draining():
+        return [w for w in sup.status()["workers"]["list"] if w["pid"] == old.pid and w["state"] == "draining"]
+    wait_until(draining, what="the old worker retiring (its replacement ready)")
+    cut_at = time.monotonic() + 1.0 + DRAIN_MARGIN + 1.0      # past the deadline a live read of the new value gives
+    wait_until(lambda: time.monotonic() > cut_at or not old.is_running(), timeout=30, what="the new value's deadline")
+    assert old.is_running() and old.status() != psutil.STATUS_ZOMBIE, \
+        f"the parent cut the old worker's grace: {sup.events('worker_died')}"
+    gate.touch()
+    sup.wait_event("worker_exited", worker_pid=old.pid)
+    assert [(r.pid, r.delivery) for r in sup.jobs.done()] == [(old.pid, 1)] and len(sup.jobs.started()) == 1
+    assert sup.events("worker_died") == []
+    assert sup.stop() == 0
+
+
+def rewrite_config(sup, **sections):
+    for name, values in sections.items():
+        sup.config.setdefault(name, {}).update(values)
+    sup.config_path.write_text(tomli_w.dumps(sup.config))

@@ -278,7 +278,8 @@ class Arbiter:
     def begin_stop(self, mode: str) -> None:
         self.stopping = mode
         self.state = "draining" if mode == "drain" else "stopping"
-        grace = self.cfg.workers.graceful_timeout
+        # Each worker drains under the graceful_timeout it was forked with (a SIGHUP may have changed the key).
+        grace = max([w.graceful_timeout for w in self.living()], default=self.cfg.workers.graceful_timeout)
         if self.notifier:
             self.notifier.stopping()
             if mode == "drain":    # ask systemd for the drain's worth of time, whatever TimeoutStopSec says
@@ -317,7 +318,8 @@ class Arbiter:
     def child_spec(self, w: WorkerProcess, events_fd: int) -> ChildSpec:
         return ChildSpec(slot=w.slot, parent_pid=os.getpid(), table=w.table, events_fd=events_fd, cfg=self.cfg,
                          handler=self.handler, init=self.init, connect=lambda: self.connect_worker(w.slot),
-                         job_limit=w.job_limit, suspects=self.suspects)
+                         job_limit=w.job_limit, suspects=self.suspects,
+                         graceful_timeout=w.graceful_timeout)
 
     # ================================================================ events from workers
 

@@ -83,6 +83,7 @@ class Pool:
         table.set_state(slots.STARTING)        # before the fork: the child may be READY before we return
         w = WorkerProcess(slot, table)
         w.job_limit = job_limit(self.cfg.workers.max_jobs, self.cfg.workers.max_jobs_jitter)
+        w.graceful_timeout = self.cfg.workers.graceful_timeout
         try:
             self.fork(w)
         except OSError as exc:                 # EAGAIN (TasksMax, RLIMIT_NPROC), EMFILE, ENOMEM
@@ -122,8 +123,10 @@ class Pool:
         self.drain(w, signal.SIGUSR1)
 
     def drain(self, w: WorkerProcess, sig: int) -> None:
-        """SIGUSR1: retire (finish what it holds). SIGTERM: stop (NAK what has not started)."""
-        deadline = liveness.drain_deadline(time.monotonic(), self.cfg.workers.graceful_timeout)
+        """SIGUSR1: retire (finish what it holds). SIGTERM: stop (NAK what has not started). The
+        worker's own graceful_timeout, not today's: a SIGHUP that lowered it must not cut the
+        grace of a worker forked before it (it is replaced, and drains, under the old one)."""
+        deadline = liveness.drain_deadline(time.monotonic(), w.graceful_timeout)
         w.drain_deadline = min(w.drain_deadline or deadline, deadline)
         w.state = WorkerState.DRAINING
         w.send(sig)

@@ -47,6 +47,7 @@ class WorkerProcess:
         self.blame: int | None = None    # the job a kill names (job_timeout): poison evidence against it alone
         self.drain_deadline: float | None = None
         self.job_limit = 0               # recycle after this many jobs (0 = never)
+        self.graceful_timeout = 0.0      # the one it was forked with (it reads the key at fork)
         self.recycle_reason = ""         # why it is due for replacement (max_jobs, RSS, a config roll)
         self.last_job_started = False    # it started its max_jobs-th job and will take no other
         self.status: int | None = None   # wait status once reaped

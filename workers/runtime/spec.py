@@ -25,4 +25,5 @@ class ChildSpec:
     connect: Callable[[], Awaitable[Any]]      # returns a connected nats client
     job_limit: int = 0                         # tell the parent once this many jobs started (max_jobs)
     suspects: SuspectBoard | None = None       # jobs to run alone (workers/runtime/solo.py), written by the parent
+    graceful_timeout: float = 30.0             # workers.graceful_timeout as it was at fork: the parent's too
     keep_fds: tuple[int, ...] = ()

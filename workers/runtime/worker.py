@@ -140,7 +140,7 @@ class Worker:
         self.wake_run = asyncio.Event()
         self.changed = asyncio.Event()
         self.stop = asyncio.Event()
-        self.grace = self.wcfg.graceful_timeout
+        self.grace = spec.graceful_timeout
         self.nc: Any = None
         self.runners: list[asyncio.Task] = []
         # Handler threads start jobs under this lock, and the switch to STOPPING takes it: once a
