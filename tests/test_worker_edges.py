@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
+import os
 import signal
 import time
 
@@ -17,6 +19,8 @@ import tomli_w
 from harness import publish_now, wait_until
 
 from supervisor.liveness import DRAIN_MARGIN
+from workers.events import EventPipe
+from workers.runtime import ORPHAN_GRACE
 
 JSON_LOGS = ("--log-format", "json")
 
@@ -99,3 +103,146 @@ def rewrite_config(sup, **sections):
     for name, values in sections.items():
         sup.config.setdefault(name, {}).update(values)
     sup.config_path.write_text(tomli_w.dumps(sup.config))
+
+
+# ---------------------------------------------------------------- R3, issue 22 item 3: orphans
+
+def gone(procs: list[psutil.Process]) -> bool:
+    return not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def in_flight(sup, state: str) -> list[dict]:
+    return [e for w in sup.status()["workers"]["list"] for e in w["in_flight"] if e["state"] == state]
+
+
+def test_orphans_give_back_what_they_did_not_start_and_finish_what_runs(nats_server, supervisor_factory):
+    """The supervisor SIGKILLed under load, external server: its workers, orphans now, finish the
+    jobs they run (1 s, within ORPHAN_GRACE), NAK the ones they pulled and had not started, fence,
+    and exit. Nobody is left to NAK at their exit, so without their own NAK the unstarted jobs
+    would wait for AckWait (60 s): a next supervisor runs them within AckWait / 2 of the kill,
+    and nothing runs twice."""
+    ack_wait = 60.0
+    sup = supervisor_factory(nats_server, args=JSON_LOGS, consumer={"ack_wait": ack_wait},
+                             workers={"count": 2, "batch": 8, "graceful_timeout": 30.0,
+                                      "handler": "testhandlers:record_async"})
+    sup.wait_ready(2)
+    warm = 40               # teaches the workers their jobs are fast, so they buffer (as in test_core's drain test)
+    publish_now(nats_server.url, count=warm, data="0")
+    wait_until(lambda: len(sup.jobs.done()) == warm, what="warm-up jobs done")
+    seqs = publish_now(nats_server.url, count=16, data="1.0")
+    wait_until(lambda: len(sup.jobs.running()) == 2 and in_flight(sup, "held"), what="jobs running and jobs held")
+    family = sup.workers()
+    sup.signal(signal.SIGKILL)
+    killed = time.time()
+    sup.wait()
+    wait_until(lambda: gone(family), timeout=ORPHAN_GRACE + 5, what="the orphans gone within their grace + 5 s")
+    log = sup.log()
+    assert len(sup.events("worker_orphaned")) == 2 and "BrokenPipeError" not in log and "crashed" not in log, log[-3000:]
+    finished = {r.seq for r in sup.jobs.done()} & set(seqs)
+    assert finished and {r.seq for r in sup.jobs.started()} & set(seqs) == finished, "what ran finished, once"
+
+    again = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": ack_wait})
+    rest = set(seqs) - finished
+    wait_until(lambda: again.jobs.done_seqs() >= rest, timeout=ack_wait, what="the unstarted jobs run by the next one")
+    late = [r for r in again.jobs.started() if r.t - killed >= ack_wait / 2]
+    assert not late, f"back only after AckWait: the orphans did not NAK them: {late}"
+    assert not again.jobs.done_seqs() & finished, "a job the orphan finished ran again: its ack was lost"
+    assert sorted(r.seq for r in [*sup.jobs.done(), *again.jobs.done()] if r.seq in seqs) == sorted(seqs)
+    wait_until(lambda: nats_server.stream_msgs() == 0, what="every job acked")
+    assert again.stop() == 0
+
+
+def test_orphans_of_an_embedded_server_exit_at_once(tmp_path, supervisor_factory):
+    """The embedded nats-server dies with the supervisor: its orphans can settle nothing, so they
+    exit at once (event worker_gave_up) instead of running their 40 s jobs under a 60 s
+    graceful_timeout for acks nobody can take. Nothing of ours is left a few seconds later."""
+    sup = supervisor_factory(None, args=JSON_LOGS, embedded={"store_dir": str(tmp_path / "store")},
+                             workers={"count": 2, "graceful_timeout": 60.0})
+    url = sup.wait_ready(2)["nats"]["servers"][0]
+    publish_now(url, count=4, data="40")
+    wait_until(lambda: len(sup.jobs.running()) == 2, what="two jobs running")
+    family = psutil.Process(sup.proc.pid).children(recursive=True)
+    assert len(family) == 3                          # 2 workers + the embedded nats-server
+    sup.signal(signal.SIGKILL)
+    sup.wait()
+    wait_until(lambda: gone(family), timeout=ORPHAN_GRACE + 5, what="every worker and the nats-server gone")
+    assert len(sup.events("worker_gave_up")) == 2, sup.log()[-3000:]
+    assert not [r for r in sup.jobs.done()]
+
+
+# ---------------------------------------------------------------- each way a worker learns its parent died
+
+def test_a_worker_still_in_its_init_hook_dies_with_its_parent(nats_server, supervisor_factory, tmp_path):
+    """The parent-death signal alone: a worker still in workers.init runs no loop, so it cannot
+    look at its parent; only the signal (SIGTERM, default action) ends it. Without it the worker
+    would wait in its init hook for good."""
+    sup = supervisor_factory(nats_server, workers={"count": 1, "init": "testhandlers:gate_init"},
+                             env={"GATE_DIR": str(tmp_path)})
+    # Its title is set at the end of become_child, after prctl(PR_SET_PDEATHSIG).
+    [worker] = wait_until(lambda: [p for p in sup.workers() if "supervisor: worker" in " ".join(p.cmdline())],
+                          what="the worker in its init hook")
+    sup.signal(signal.SIGKILL)
+    sup.wait()
+    wait_until(lambda: gone([worker]), timeout=10, what="the worker gone with its parent, its init still waiting")
+    assert not (tmp_path / "open").exists()
+
+
+def test_a_worker_that_lost_its_parent_death_signal_still_sees_its_parent_gone(nats_server, supervisor_factory,
+                                                                              tmp_path):
+    """The ppid check alone: an init hook that changes the worker's credentials (drops privileges)
+    makes the kernel clear the parent-death signal. The heartbeat's check of the parent pid still
+    finds the supervisor gone: the worker gives its running job ORPHAN_GRACE, NAKs it and exits."""
+    gate = tmp_path / "gate"
+    sup = supervisor_factory(nats_server, args=JSON_LOGS,
+                             workers={"count": 1, "init": "testhandlers:lose_parent_death_signal_init"})
+    sup.wait_ready(1)
+    [worker] = sup.workers()
+    publish_now(nats_server.url, count=1, data=f"until:{gate}")
+    wait_until(lambda: sup.jobs.running(), what="the job running")
+    sup.signal(signal.SIGKILL)
+    sup.wait()
+    wait_until(lambda: gone([worker]), timeout=ORPHAN_GRACE + 10, what="the orphan gone")
+    assert sup.events("worker_orphaned") and sup.events("graceful_timeout_nak"), sup.log()[-3000:]
+    assert not gate.exists()
+
+
+# ---------------------------------------------------------------- the event pipe (workers/events.py)
+
+def test_events_to_a_parent_that_is_gone_are_dropped_not_raised():
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)                    # the parent is gone
+    pipe = EventPipe(write_fd, slot=0)
+    try:
+        pipe.send(ev="settled", seq=1)   # BrokenPipeError before: the orphan's drain died of it
+        pipe.send(ev="settled", seq=2)
+        assert pipe.closed and not pipe.backlog
+    finally:
+        os.close(write_fd)
+
+
+def test_events_to_a_parent_that_does_not_read_wait_without_blocking_and_arrive_whole():
+    read_fd, write_fd = os.pipe()
+    pipe = EventPipe(write_fd, slot=0)
+    try:
+        sent = 0
+        while not pipe.backlog:          # fill the pipe: the next event no longer fits
+            pipe.send(ev="redelivered", seq=sent, pad="x" * 200)
+            sent += 1
+        for seq in range(sent, sent + 10):
+            pipe.send(ev="redelivered", seq=seq, pad="x" * 200)    # kept, returns at once
+        sent += 10
+        os.set_blocking(read_fd, False)
+        data = b""
+        while True:
+            try:
+                chunk = os.read(read_fd, 1 << 16)
+            except BlockingIOError:
+                if not pipe.backlog:
+                    break
+                pipe.flush()             # the heartbeat's turn
+                continue
+            data += chunk
+        assert [json.loads(line)["seq"] for line in data.splitlines()] == list(range(sent))
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)

@@ -66,8 +66,9 @@ class Arbiter:
 
     def __init__(self, cfg: Config, nc: Any, handler: Callable, init: Callable | None,
                  connect_worker: Callable[[int], Any], notifier: Notifier | None = None,
-                 reload_config: Callable[[], Any] | None = None):
+                 reload_config: Callable[[], Any] | None = None, server_dies_with_parent: bool = False):
         self.cfg = cfg
+        self.server_dies_with_parent = server_dies_with_parent   # the embedded server: workers' orphan rule
         self.nc = nc
         self.handler, self.init = handler, init
         self.connect_worker = connect_worker
@@ -318,8 +319,8 @@ class Arbiter:
     def child_spec(self, w: WorkerProcess, events_fd: int) -> ChildSpec:
         return ChildSpec(slot=w.slot, parent_pid=os.getpid(), table=w.table, events_fd=events_fd, cfg=self.cfg,
                          handler=self.handler, init=self.init, connect=lambda: self.connect_worker(w.slot),
-                         job_limit=w.job_limit, suspects=self.suspects,
-                         graceful_timeout=w.graceful_timeout)
+                         job_limit=w.job_limit, suspects=self.suspects, graceful_timeout=w.graceful_timeout,
+                         server_dies_with_parent=self.server_dies_with_parent)
 
     # ================================================================ events from workers
 

@@ -166,7 +166,8 @@ class Supervisor:
         try:
             await provision.ensure(self.nc, cfg)
             self.arbiter = Arbiter(cfg, self.nc, handler, init, self.connect_worker, self.notifier,
-                                   reload_config=self.reload if self.reload_source else None)
+                                   reload_config=self.reload if self.reload_source else None,
+                                   server_dies_with_parent=self.embedded is not None)
             await self.inherit_pending(self.arbiter)
             self.monitor = Monitor(cfg, self.nc, self.arbiter)
             self.arbiter.autoscale.monitor = self.monitor      # its lag analysis and consumer numbers

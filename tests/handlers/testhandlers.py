@@ -151,6 +151,24 @@ def finish_fails_init() -> None:
     runtime.Worker.finish = finish
 
 
+def lose_parent_death_signal_init() -> None:
+    """Fault hook (workers.init): change the worker's credentials, as an init that drops its
+    privileges does; the kernel then clears PR_SET_PDEATHSIG (commit_creds), so the worker is no
+    longer signalled when its supervisor dies. As root, the effective group changes and back;
+    otherwise the signal is cleared directly. Fails the init unless the signal is gone."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if os.geteuid() == 0:
+        os.setegid(65534)
+        os.setegid(0)
+    else:
+        libc.prctl(1, 0, 0, 0, 0)                # PR_SET_PDEATHSIG
+    current = ctypes.c_int(-1)
+    libc.prctl(2, ctypes.byref(current), 0, 0, 0)  # PR_GET_PDEATHSIG
+    assert current.value == 0, f"the parent-death signal is still {current.value}"
+
+
 NOT_CALLABLE = 42
 
 

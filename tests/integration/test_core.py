@@ -108,11 +108,14 @@ def test_sigterm_drains_in_flight_jobs(tmp_path, supervisor_factory):
 
 
 def test_drain_naks_pulled_but_not_started(nats_server, supervisor_factory):
-    """Jobs a draining worker pulled but never started are NAKed, not left to AckWait."""
+    """Jobs a draining worker pulled but never started are NAKed by the worker itself, at once:
+    not left to AckWait, not to graceful_timeout (which the stop would then wait out, the
+    queue never emptying), not to the parent's backstop NAK at the worker's exit."""
+    grace = 60.0
     # An async handler: no thread hand-off in its timings, so the worker surely sees fast jobs.
-    sup = supervisor_factory(nats_server, workers={"count": 1, "concurrency": 1, "batch": 4, "graceful_timeout": 10.0,
+    sup = supervisor_factory(nats_server, workers={"count": 1, "concurrency": 1, "batch": 4, "graceful_timeout": grace,
                                                    "handler": "testhandlers:record_async"},
-                             consumer={"ack_wait": 300.0})
+                             consumer={"ack_wait": 300.0}, args=("--log-format", "json"))
     sup.wait_ready(1)
     # Teaches the worker its jobs are fast, so it prefetches. Forty, since the average forgets a
     # slow first job (start-up, a loaded box) slowly, and until it has the worker buffers less.
@@ -124,13 +127,19 @@ def test_drain_naks_pulled_but_not_started(nats_server, supervisor_factory):
     def held():
         return [e for w in sup.status()["workers"]["list"] for e in w["in_flight"] if e["state"] == "held"]
     # Up to 3 (batch 4); how many depends on the measured job time, at least one is the case to force.
-    wait_until(lambda: len(held()) >= 1, what="jobs pulled but not started")
+    pulled = {e["stream_seq"] for e in wait_until(held, what="jobs pulled but not started")}
     sup.signal(signal.SIGTERM)
-    assert sup.wait() == 0
+    # The drain waits only for the running 3 s job and its last pull request: long before grace.
+    assert sup.wait(timeout=grace / 2) == 0
     assert [r.seq for r in sup.jobs.done()] == [*range(1, warm + 1), first.seq]
+    [exited] = sup.events("worker_exited")
+    assert exited["naked"] == [], "the worker left jobs for the parent's backstop NAK"
+    assert sup.events("graceful_timeout_nak") == []
     assert nats_server.stream_msgs() == 3
     again = supervisor_factory(nats_server, workers={"count": 3}, consumer={"ack_wait": 300.0})
     wait_until(lambda: len(again.jobs.done()) == 3, timeout=60, what="the 3 others processed long before AckWait")
+    redelivered = {r.seq for r in again.jobs.started() if r.delivery == 2}
+    assert redelivered >= pulled and max(r.delivery for r in again.jobs.started()) == 2, "NAKed once, by the drain"
     assert again.stop() == 0
 
 

@@ -136,6 +136,12 @@ class Settler:
         self.close_by = until
         self.wake_settle.set()
 
+    def hurry(self, until: float) -> None:
+        """Fence what is left by `until` at the latest (the supervisor is gone: workers/shutdown.py)."""
+        if self.closing:
+            self.close_by = min(self.close_by, until)
+            self.wake_settle.set()
+
     async def fence_the_rest(self) -> None:
         """The way out. An entry left unconfirmed is NAKed by the parent when we exit, and if its
         ack never reached the server (the connection died, or nats-py refused it) the job runs

@@ -66,11 +66,11 @@ class Shutdown:
         then fences every ack, waiting for NATS until `deadline` (Settler.fence_the_rest)."""
         w = self.owner
         w.table.set_state(slots.DRAINING)
-        deadline = self.deadline = time.monotonic() + w.grace
+        self.deadline = time.monotonic() + w.grace
         while True:
             if w.mode == STOPPING:
                 await self.nak_queued()
-            now = time.monotonic()
+            now, deadline = time.monotonic(), self.deadline     # hurry() may bring it forward
             busy = bool(w.running or w.queue)
             if busy and now >= deadline:
                 await self.abandon()
@@ -89,6 +89,15 @@ class Shutdown:
             await w.sub.unsubscribe()
         except Exception as exc:         # closed: nothing more can reach us anyway
             log.debug("worker %d: unsubscribe: %s", self.slot, exc)
+
+    def hurry(self, until: float) -> None:
+        """The supervisor is gone: a wind-down under way ends by `until` (running jobs, then the
+        fence of what was settled), however much of graceful_timeout it had left."""
+        if not self.deadline:
+            return                       # not under way: it starts from the orphan's grace
+        self.deadline = min(self.deadline, until)
+        self.owner.settler.hurry(until)
+        self.owner.changed.set()
 
     async def nak_queued(self) -> None:
         """NAK what was pulled and not started: the queue, and what the handler threads have not

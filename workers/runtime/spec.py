@@ -26,4 +26,5 @@ class ChildSpec:
     job_limit: int = 0                         # tell the parent once this many jobs started (max_jobs)
     suspects: SuspectBoard | None = None       # jobs to run alone (workers/runtime/solo.py), written by the parent
     graceful_timeout: float = 30.0             # workers.graceful_timeout as it was at fork: the parent's too
+    server_dies_with_parent: bool = False      # the embedded nats-server: an orphan has nobody to settle with
     keep_fds: tuple[int, ...] = ()

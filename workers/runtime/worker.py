@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import os
 import random
@@ -33,9 +32,10 @@ import setproctitle
 
 from workers import Job
 from workers.protocol import slots
-from workers.protocol.exits import EXIT_CONNECT_FAILED, EXIT_CRASHED, EXIT_DRAINED, EXIT_INIT_FAILED
+from workers.protocol.exits import EXIT_CONNECT_FAILED, EXIT_CRASHED, EXIT_DRAINED, EXIT_INIT_FAILED, EXIT_ORPHANED
 from workers.protocol.fork import neutralise_inherited_fds, scrub_child_env, set_parent_death_signal
 from workers.protocol.modes import RETIRING, SERVING, STOPPING
+from workers.runtime.events import EventPipe
 from workers.runtime.guard import DUPLICATE, RUN, Guard
 from workers.runtime.outcome import Outcomes
 from workers.runtime.puller import Puller
@@ -51,7 +51,7 @@ log = logging.getLogger("worker")
 
 LIVENESS_EVERY = 0.25       # a worker proves its NATS connection with a PING/PONG this often ...
 LIVENESS_TIMEOUT = 2.0      # ... and gives up waiting for the PONG after this
-ORPHAN_GRACE = 2.0          # running jobs get this long when the parent has died
+ORPHAN_GRACE = 2.0          # running jobs (and their acks' fence) get this long when the parent has died
 
 
 # ---------------------------------------------------------------- process hygiene after fork
@@ -141,6 +141,8 @@ class Worker:
         self.changed = asyncio.Event()
         self.stop = asyncio.Event()
         self.grace = spec.graceful_timeout
+        self.events = EventPipe(spec.events_fd, spec.slot)
+        self.orphaned = False            # the supervisor is gone (check_parent)
         self.nc: Any = None
         self.runners: list[asyncio.Task] = []
         # Handler threads start jobs under this lock, and the switch to STOPPING takes it: once a
@@ -215,10 +217,46 @@ class Worker:
         os._exit(EXIT_CRASHED)
 
     def on_sigterm(self) -> None:
-        if os.getppid() != self.spec.parent_pid:
-            self.grace = min(self.grace, ORPHAN_GRACE)
-            log.warning("worker %d: supervisor is gone; stopping", self.spec.slot)
+        """The supervisor's stop, or its death (PR_SET_PDEATHSIG). A death can look like a stop
+        here: the kernel signals us when the *thread* that forked us exits, and while the
+        parent's other threads (uvloop's resolver pool) are still dying, getppid() still names
+        it. The heartbeat's check_parent() sees the truth a moment later, and hurries the stop."""
+        if not self.check_parent():
+            self.set_mode(STOPPING)
+
+    def check_parent(self) -> bool:
+        """True once the supervisor is gone. Then nobody will NAK what we hold when we exit, nor
+        read our events: an orphan stops pulling, NAKs what it has not started, gives running
+        jobs and the fence of their acks ORPHAN_GRACE (however long a stop under way had left),
+        and exits; at once if the server went with the supervisor (embedded). Called by
+        on_sigterm (the parent-death signal) and by the heartbeat (the signal is lost when the
+        worker's credentials change, and a stop that came first takes it for a second SIGTERM)."""
+        if self.orphaned:
+            return True
+        if os.getppid() == self.spec.parent_pid:
+            return False
+        self.orphaned = True
+        self.events.close()
+        log.warning("worker %d: supervisor is gone; stopping within %gs", self.spec.slot, ORPHAN_GRACE,
+                    extra={"event": "worker_orphaned", "slot": self.spec.slot})
+        self.grace = min(self.grace, ORPHAN_GRACE)
+        self.shutdown.hurry(time.monotonic() + ORPHAN_GRACE)
         self.set_mode(STOPPING)
+        self.give_up_if_server_gone()
+        return True
+
+    def give_up_if_server_gone(self) -> None:
+        """An orphan whose server died with the supervisor (embedded) can settle nothing: what it
+        holds waits for the server's next start and AckWait whatever it does, so it exits now
+        instead of waiting out its grace for acks nobody can take."""
+        if not (self.orphaned and self.spec.server_dies_with_parent) or (self.nc and self.nc.is_connected):
+            return
+        held = sum(1 for e in self.table.snapshot() if e.state != slots.FREE)
+        log.warning("worker %d: the supervisor and its embedded NATS server are gone; exiting, %d job(s) left "
+                    "to the server's AckWait", self.spec.slot, held,
+                    extra={"event": "worker_gave_up", "slot": self.spec.slot, "held": held})
+        logging.shutdown()
+        os._exit(EXIT_ORPHANED)
 
     def on_sigusr1(self) -> None:
         if self.mode == SERVING:
@@ -236,10 +274,11 @@ class Worker:
         every = min(0.5, self.wcfg.heartbeat_timeout / 4)   # the parent calls a beat older than 1.5 s stale
         while True:
             self.table.beat()
+            self.events.flush()          # what a busy parent did not take yet
             if self.nc.stats["reconnects"] != self.generation:
                 self.reconnected()
-            if os.getppid() != self.spec.parent_pid and self.mode != STOPPING:
-                self.on_sigterm()
+            if self.check_parent():      # in any mode: a stop under way is hurried too
+                self.give_up_if_server_gone()
             await asyncio.sleep(every)
 
     async def liveness(self) -> None:
@@ -389,7 +428,7 @@ class Worker:
     # -- reporting rare events to the parent
 
     def emit(self, **event: Any) -> None:
-        os.write(self.spec.events_fd, json.dumps(event, separators=(",", ":")).encode() + b"\n")
+        self.events.send(**event)        # best effort, never blocks, never raises (workers/events.py)
 
 
 # ---------------------------------------------------------------- small pure helpers
