@@ -20,6 +20,7 @@ from harness import publish_now, wait_until
 
 from supervisor.liveness import DRAIN_MARGIN
 from workers.events import EventPipe
+from workers.puller import PULL_EXPIRES, PULL_MARGIN
 from workers.runtime import ORPHAN_GRACE
 
 JSON_LOGS = ("--log-format", "json")
@@ -246,3 +247,38 @@ def test_events_to_a_parent_that_does_not_read_wait_without_blocking_and_arrive_
     finally:
         os.close(read_fd)
         os.close(write_fd)
+
+
+# ---------------------------------------------------------------- R8: pull requests and reconnects
+
+def test_no_pull_request_is_kept_for_after_a_reconnect(nats_server, supervisor_factory):
+    """While a worker reconnects, nats-py buffers what it publishes and sends it once connected.
+    A pull request buffered so is live on the new connection, yet the worker had given up its
+    credits: every ~2 s of outage one more. With 1 job per request and a 4-entry slot table
+    (concurrency 1, batch 1), 10 s away meant 5 requests plus a fresh one: more messages than the
+    table holds, the rest NAKed at once ("table full"), each spending a delivery. Now no request
+    is published while not connected: no message comes that the worker's credits do not account
+    for (event pull_unasked), and every job runs at its first delivery."""
+    from cutproxy import CutProxy
+
+    proxy = CutProxy(nats_server.port).start()
+    try:
+        sup = supervisor_factory(nats_server, args=JSON_LOGS, nats={"servers": [proxy.url]},
+                                 consumer={"ack_wait": 60.0}, workers={"count": 1, "concurrency": 1, "batch": 1})
+        sup.wait_ready(1)
+        [worker] = sup.worker_pids()
+        assert proxy.refuse("worker")
+        sup.wait_event("nats_disconnected", pid=worker)
+        away = time.monotonic() + 5 * (PULL_EXPIRES + PULL_MARGIN)     # the outage: 5 of the puller's rounds
+        wait_until(lambda: time.monotonic() > away, what="the outage")
+        seqs = publish_now(nats_server.url, count=12, data="0.3")    # a backlog waits for the reconnect
+        proxy.admit()
+        sup.wait_event("nats_reconnected", pid=worker)
+        wait_until(lambda: sup.jobs.done_seqs() >= set(seqs), what="the backlog done")
+        assert sup.events("pull_unasked") == [], "messages came that no request of the worker's accounted for"
+        bounced = [(r.seq, r.delivery) for r in sup.jobs.started() if r.delivery > 1]
+        assert bounced == [], f"deliveries spent on messages nobody asked for: {bounced}"
+        assert nats_server.consumer()["num_redelivered"] == 0
+        assert sup.stop() == 0
+    finally:
+        proxy.stop()

@@ -2,7 +2,9 @@
 `cut(name_part, seconds)` drops everything the matching clients (by the `name` in their CONNECT)
 write for `seconds` (what the server sends them still arrives), then closes their connections,
 so they reconnect through the relay. Acks a client sends meanwhile are lost for sure, and the
-client cannot know: the way an ack dies with a connection, made deterministic."""
+client cannot know: the way an ack dies with a connection, made deterministic.
+`refuse(name_part)` ... `admit()` keeps the matching clients disconnected (reconnecting) instead:
+what they publish meanwhile waits in nats-py's reconnect buffer."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class CutProxy(StallAfterPing):
         super().__init__(upstream_port, stall=0.0)
         self.links: list[Link] = []
         self.dropped = b""           # what the cut clients wrote, for the test to inspect
+        self.refusing = ""           # clients named *this* are hung up on, reconnects included (refuse)
 
     def cut(self, name_part: str, seconds: float) -> list[str]:
         """Blocks for `seconds`; returns the names of the connections it cut."""
@@ -57,6 +60,23 @@ class CutProxy(StallAfterPing):
     def release(self, name_part: str) -> None:
         """Close the held connections (their clients reconnect through the relay)."""
         asyncio.run_coroutine_threadsafe(self._mark(name_part, False), self.loop).result(10)
+
+    def refuse(self, name_part: str) -> list[str]:
+        """Hang up on the matching clients now, and on each of their reconnects (once its CONNECT
+        names it) until `admit()`: they stay disconnected, reconnecting, for as long as the test
+        needs. Returns the names of the connections it closed."""
+        return asyncio.run_coroutine_threadsafe(self._refuse(name_part), self.loop).result(10)
+
+    def admit(self) -> None:
+        self.refusing = ""
+
+    async def _refuse(self, name_part: str) -> list[str]:
+        self.refusing = name_part
+        hit = [link for link in self.links if name_part in link.name]
+        for link in hit:
+            link.close()
+            self.links.remove(link)
+        return [link.name for link in hit]
 
     async def _mark(self, name_part: str, cut: bool) -> list[str]:
         hit = [link for link in self.links if name_part in link.name and link.cut != cut]
@@ -81,6 +101,9 @@ class CutProxy(StallAfterPing):
     async def _from_client(self, link: Link, src: asyncio.StreamReader) -> None:
         while data := await src.read(65536):
             link.learn_name(data)
+            if self.refusing and self.refusing in link.name:
+                link.close()
+                return
             if link.cut:
                 self.dropped += data
                 continue

@@ -54,6 +54,8 @@ class Puller:
         self.received = 0                # messages received, ever (max_jobs caps what we ask for) ...
         self.given_back = 0              # ... less those settled without running (see not_started)
         self.last_refusal = ("", 0.0)
+        self.unasked = 0                 # messages that came with no credit to account for them ...
+        self.unasked_said = 0.0          # ... and when we last said so
         self.unsent = False              # nats-py refused our last pull request
 
     async def run(self) -> None:
@@ -71,9 +73,15 @@ class Puller:
                 pass
 
     async def request(self, n: int) -> bool:
-        """Ask for `n` messages; False when nats-py refused the request (REFUSED: reconnecting with
-        its buffer full): nothing is on its way, and the next try waits for a wake-up."""
+        """Ask for `n` messages; False when not connected, or when nats-py refused the request
+        (REFUSED: reconnecting with its buffer full): nothing is on its way, and the next try
+        waits for a wake-up (a reconnect is one)."""
         w = self.owner
+        if not w.nc.is_connected:
+            # nats-py would buffer it and send it after the reconnect, one more live request every
+            # round of the outage while its credits had expired: more messages than we asked for,
+            # NAKed as "table full" (a delivery spent each), credits too low at a death (R8).
+            return False
         now = time.monotonic()
         # Nothing else on its way and a backlog to serve it at once: its first message
         # times a round trip (a request the server holds until a publish times nothing).
@@ -95,6 +103,15 @@ class Puller:
             return False
         self.unsent = False
         return True
+
+    def reconnected(self, now: float) -> None:
+        """A new connection. A request of the old one may still deliver on it: one nats-py had
+        not written yet goes out now, and one the server still holds finds our inbox subscribed
+        again. So its credits stay, live for PULL_EXPIRES from now at most (the server's clock
+        starts when it reads the request); expire_lost_pull frees them after, if nothing came.
+        Forgetting them let both the old request and a fresh one deliver (R8)."""
+        if self.credits > 0:
+            self.pull_deadline = max(self.pull_deadline, now + PULL_EXPIRES)
 
     def forget(self) -> None:
         """No request of ours is live any more (a new connection, or the worker is done pulling)."""
@@ -131,7 +148,20 @@ class Puller:
         if self.credits > 0:
             self.credits -= 1
             self.owner.table.set_credits(self.credits)
+        else:
+            self.came_unasked()
         self.timed(reply)
+
+    def came_unasked(self) -> None:
+        """A message no credit accounts for: a request we gave up for lost was live after all (a
+        round trip longer than PULL_MARGIN, a request replayed after a reconnect). The parent
+        then under-counts what may be on the wire to us at a death. Said once a minute."""
+        self.unasked += 1
+        now = time.monotonic()
+        if now - self.unasked_said > 60:
+            self.unasked_said = now
+            log.info("worker %d: a message came that none of its pull requests accounted for (%d so far)",
+                     self.slot, self.unasked, extra={"event": "pull_unasked", "slot": self.slot, "count": self.unasked})
 
     def timed(self, reply: str) -> None:
         """Feed pull sizing: a message arrived (idleness); whether more are pending; the round

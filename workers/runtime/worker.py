@@ -299,11 +299,11 @@ class Worker:
             await asyncio.sleep(LIVENESS_EVERY)
 
     def reconnected(self) -> None:
-        """Pull requests died with the old connection; acks written to it may be lost (Settler.confirm
-        sends those again)."""
+        """Pull requests of the old connection may still deliver (Puller.reconnected); acks written
+        to it may be lost (Settler.confirm sends those again)."""
         self.generation = self.nc.stats["reconnects"]
         log.info("worker %d: reconnected to NATS; pulling afresh", self.spec.slot)
-        self.pulls.forget()
+        self.pulls.reconnected(time.monotonic())
         self.reacker.trigger("reconnected to NATS")   # acks the old server took may not have reached a quorum
         self.wake_pull.set()
         self.settler.wake_settle.set()
