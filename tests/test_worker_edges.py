@@ -19,7 +19,6 @@ import tomli_w
 from harness import publish_now, wait_until
 
 from supervisor.liveness import DRAIN_MARGIN
-from workers.events import EventPipe
 from workers.puller import PULL_EXPIRES, PULL_MARGIN
 from workers.runtime import ORPHAN_GRACE
 
@@ -116,7 +115,8 @@ def in_flight(sup, state: str) -> list[dict]:
     return [e for w in sup.status()["workers"]["list"] for e in w["in_flight"] if e["state"] == state]
 
 
-def test_orphans_give_back_what_they_did_not_start_and_finish_what_runs(nats_server, supervisor_factory):
+@pytest.mark.parametrize("handler", ["record_async", "record"], ids=["async", "sync"])
+def test_orphans_give_back_what_they_did_not_start_and_finish_what_runs(nats_server, supervisor_factory, handler):
     """The supervisor SIGKILLed under load, external server: its workers, orphans now, finish the
     jobs they run (1 s, within ORPHAN_GRACE), NAK the ones they pulled and had not started, fence,
     and exit. Nobody is left to NAK at their exit, so without their own NAK the unstarted jobs
@@ -125,7 +125,7 @@ def test_orphans_give_back_what_they_did_not_start_and_finish_what_runs(nats_ser
     ack_wait = 60.0
     sup = supervisor_factory(nats_server, args=JSON_LOGS, consumer={"ack_wait": ack_wait},
                              workers={"count": 2, "batch": 8, "graceful_timeout": 30.0,
-                                      "handler": "testhandlers:record_async"})
+                                      "handler": f"testhandlers:{handler}"})
     sup.wait_ready(2)
     warm = 40               # teaches the workers their jobs are fast, so they buffer (as in test_core's drain test)
     publish_now(nats_server.url, count=warm, data="0")
@@ -210,6 +210,8 @@ def test_a_worker_that_lost_its_parent_death_signal_still_sees_its_parent_gone(n
 # ---------------------------------------------------------------- the event pipe (workers/events.py)
 
 def test_events_to_a_parent_that_is_gone_are_dropped_not_raised():
+    from workers.events import EventPipe
+
     read_fd, write_fd = os.pipe()
     os.close(read_fd)                    # the parent is gone
     pipe = EventPipe(write_fd, slot=0)
@@ -222,6 +224,8 @@ def test_events_to_a_parent_that_is_gone_are_dropped_not_raised():
 
 
 def test_events_to_a_parent_that_does_not_read_wait_without_blocking_and_arrive_whole():
+    from workers.events import EventPipe
+
     read_fd, write_fd = os.pipe()
     pipe = EventPipe(write_fd, slot=0)
     try:
@@ -232,18 +236,17 @@ def test_events_to_a_parent_that_does_not_read_wait_without_blocking_and_arrive_
         for seq in range(sent, sent + 10):
             pipe.send(ev="redelivered", seq=seq, pad="x" * 200)    # kept, returns at once
         sent += 10
+        assert pipe.backlog
         os.set_blocking(read_fd, False)
-        data = b""
+        data = os.read(read_fd, 1 << 16)     # the parent takes what the pipe held: room again
+        pipe.drain(timeout=5.0)              # the worker's exit: the rest goes in
+        assert not pipe.backlog
         while True:
             try:
-                chunk = os.read(read_fd, 1 << 16)
+                data += os.read(read_fd, 1 << 16)
             except BlockingIOError:
-                if not pipe.backlog:
-                    break
-                pipe.flush()             # the heartbeat's turn
-                continue
-            data += chunk
-        assert [json.loads(line)["seq"] for line in data.splitlines()] == list(range(sent))
+                break
+        assert [json.loads(line)["seq"] for line in data.splitlines()] == list(range(sent)), "whole, in order"
     finally:
         os.close(read_fd)
         os.close(write_fd)

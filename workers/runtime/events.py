@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
+import time
 from typing import Any
 
 log = logging.getLogger("worker")
@@ -55,6 +57,14 @@ class EventPipe:
                 self.close()
                 return
             del self.backlog[:n]
+
+    def drain(self, timeout: float) -> None:
+        """At exit: what the parent has not taken yet, waiting up to `timeout` for room (it reads
+        the rest at our reap, but only what reached the pipe)."""
+        deadline = time.monotonic() + timeout
+        while self.backlog and not self.closed and (left := deadline - time.monotonic()) > 0:
+            select.select([], [self.fd], [], left)
+            self.flush()
 
     def close(self) -> None:
         self.closed = True

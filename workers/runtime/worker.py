@@ -197,6 +197,7 @@ class Worker:
         if self.guard:
             await self.guard.close()   # leases of jobs we did not finish: free for their redelivery
         await self.close_connection()
+        self.events.drain(timeout=1.0)   # the last settles' events, if a busy parent left no room
         return EXIT_DRAINED
 
     def essential(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
