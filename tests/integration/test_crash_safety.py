@@ -449,7 +449,7 @@ def test_an_ack_nats_py_refuses_while_reconnecting_is_sent_once_it_is_back(nats_
     """The interleaving: a job ends while the server is down and nats-py refuses its ack
     (reconnect buffer full: OutboundBufferLimitError, testhandlers.full_buffer_when_down_init).
     Its pull requests wait for the reconnect (they are not even tried while it is down: see
-    tests/test_worker_edges.py, R8).
+    tests/integration/test_worker_edges.py, R8).
     The error used to kill the task that settles jobs: the ack never went, the job ran again
     after AckWait with no crash to explain it, and the worker settled nothing more. Now the entry
     is kept as an ack to send again; once the server is back it is acked within seconds (AckWait

@@ -134,13 +134,14 @@ class Puller:
         jobs_left = self.job_limit - (self.received - self.given_back) - self.credits if self.job_limit else None
         return self.sizer.size(time.monotonic(), outstanding, self.credits, self.owner.table.free_entries(), jobs_left)
 
-    def not_started(self) -> None:
+    def not_started(self, n: int = 1) -> None:
         """A message received and settled without running: a duplicate acked by the [idempotency]
         guard, a job it NAKed (busy, unavailable), a NAK because the table was full. It must not
         count towards max_jobs: the worker would stop pulling short of its limit, never start
         its last job, so never be recycled, and hold its slot doing nothing for good (R1)."""
-        self.given_back += 1
-        self.owner.wake_pull.set()
+        if n > 0:
+            self.given_back += n
+            self.owner.wake_pull.set()
 
     def arrived(self, reply: str) -> None:
         """A message came for a request (already held in the table: see Worker.on_message)."""

@@ -137,7 +137,7 @@ class Settler:
         self.wake_settle.set()
 
     def hurry(self, until: float) -> None:
-        """Fence what is left by `until` at the latest (the supervisor is gone: workers/shutdown.py)."""
+        """Fence what is left by `until` at the latest (the supervisor is gone: workers/runtime/shutdown.py)."""
         if self.closing:
             self.close_by = min(self.close_by, until)
             self.wake_settle.set()

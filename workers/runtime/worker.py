@@ -8,6 +8,7 @@ consumer every other worker shares. `Worker` is the loop that wires the worker's
     settle.py    ack, NAK or TERM, and the fence that proves the server has it
     reack.py     acks sent again, until confirmed, when the consumer's leader changes
     shutdown.py  the way out: give back what will not run, wait for what runs
+    events.py    rare events to the parent, over a pipe that never blocks or raises
 
 and keeps the mode (workers/protocol/modes.py), the queue of pulled jobs, and running them. Every
 message is recorded in the shared slot table before anything else happens, so the parent
@@ -32,11 +33,12 @@ import setproctitle
 
 from workers import Job
 from workers.protocol import slots
-from workers.protocol.exits import EXIT_CONNECT_FAILED, EXIT_CRASHED, EXIT_DRAINED, EXIT_INIT_FAILED, EXIT_ORPHANED
+from workers.protocol.exits import EXIT_CONNECT_FAILED, EXIT_CRASHED, EXIT_DRAINED, EXIT_INIT_FAILED
 from workers.protocol.fork import neutralise_inherited_fds, scrub_child_env, set_parent_death_signal
 from workers.protocol.modes import RETIRING, SERVING, STOPPING
 from workers.runtime.events import EventPipe
 from workers.runtime.guard import DUPLICATE, RUN, Guard
+from workers.runtime.orphan import ParentWatch
 from workers.runtime.outcome import Outcomes
 from workers.runtime.puller import Puller
 from workers.runtime.pulls import PullSizer, fair_share
@@ -51,7 +53,6 @@ log = logging.getLogger("worker")
 
 LIVENESS_EVERY = 0.25       # a worker proves its NATS connection with a PING/PONG this often ...
 LIVENESS_TIMEOUT = 2.0      # ... and gives up waiting for the PONG after this
-ORPHAN_GRACE = 2.0          # running jobs (and their acks' fence) get this long when the parent has died
 
 
 # ---------------------------------------------------------------- process hygiene after fork
@@ -142,7 +143,6 @@ class Worker:
         self.stop = asyncio.Event()
         self.grace = spec.graceful_timeout
         self.events = EventPipe(spec.events_fd, spec.slot)
-        self.orphaned = False            # the supervisor is gone (check_parent)
         self.nc: Any = None
         self.runners: list[asyncio.Task] = []
         # Handler threads start jobs under this lock, and the switch to STOPPING takes it: once a
@@ -152,6 +152,7 @@ class Worker:
         self.gate = AsyncGate(spec.suspects)   # suspects run alone (workers/runtime/solo.py)
         self.threads = HandlerThreads(self, self.start_lock, spec.handler, self.wcfg.concurrency, spec.job_limit)
         self.shutdown = Shutdown(self, spec.slot)
+        self.parent = ParentWatch(self, spec.slot, spec.parent_pid, spec.server_dies_with_parent)
 
     # -- lifecycle
 
@@ -218,46 +219,9 @@ class Worker:
         os._exit(EXIT_CRASHED)
 
     def on_sigterm(self) -> None:
-        """The supervisor's stop, or its death (PR_SET_PDEATHSIG). A death can look like a stop
-        here: the kernel signals us when the *thread* that forked us exits, and while the
-        parent's other threads (uvloop's resolver pool) are still dying, getppid() still names
-        it. The heartbeat's check_parent() sees the truth a moment later, and hurries the stop."""
-        if not self.check_parent():
+        """The supervisor's stop, or its death (PR_SET_PDEATHSIG: workers/runtime/orphan.py)."""
+        if not self.parent.gone():
             self.set_mode(STOPPING)
-
-    def check_parent(self) -> bool:
-        """True once the supervisor is gone. Then nobody will NAK what we hold when we exit, nor
-        read our events: an orphan stops pulling, NAKs what it has not started, gives running
-        jobs and the fence of their acks ORPHAN_GRACE (however long a stop under way had left),
-        and exits; at once if the server went with the supervisor (embedded). Called by
-        on_sigterm (the parent-death signal) and by the heartbeat (the signal is lost when the
-        worker's credentials change, and a stop that came first takes it for a second SIGTERM)."""
-        if self.orphaned:
-            return True
-        if os.getppid() == self.spec.parent_pid:
-            return False
-        self.orphaned = True
-        self.events.close()
-        log.warning("worker %d: supervisor is gone; stopping within %gs", self.spec.slot, ORPHAN_GRACE,
-                    extra={"event": "worker_orphaned", "slot": self.spec.slot})
-        self.grace = min(self.grace, ORPHAN_GRACE)
-        self.shutdown.hurry(time.monotonic() + ORPHAN_GRACE)
-        self.set_mode(STOPPING)
-        self.give_up_if_server_gone()
-        return True
-
-    def give_up_if_server_gone(self) -> None:
-        """An orphan whose server died with the supervisor (embedded) can settle nothing: what it
-        holds waits for the server's next start and AckWait whatever it does, so it exits now
-        instead of waiting out its grace for acks nobody can take."""
-        if not (self.orphaned and self.spec.server_dies_with_parent) or (self.nc and self.nc.is_connected):
-            return
-        held = sum(1 for e in self.table.snapshot() if e.state != slots.FREE)
-        log.warning("worker %d: the supervisor and its embedded NATS server are gone; exiting, %d job(s) left "
-                    "to the server's AckWait", self.spec.slot, held,
-                    extra={"event": "worker_gave_up", "slot": self.spec.slot, "held": held})
-        logging.shutdown()
-        os._exit(EXIT_ORPHANED)
 
     def on_sigusr1(self) -> None:
         if self.mode == SERVING:
@@ -278,8 +242,8 @@ class Worker:
             self.events.flush()          # what a busy parent did not take yet
             if self.nc.stats["reconnects"] != self.generation:
                 self.reconnected()
-            if self.check_parent():      # in any mode: a stop under way is hurried too
-                self.give_up_if_server_gone()
+            if self.parent.gone():       # in any mode: a stop under way is hurried too
+                self.parent.give_up_if_server_gone()
             await asyncio.sleep(every)
 
     async def liveness(self) -> None:
@@ -379,12 +343,11 @@ class Worker:
         for (msg, i, job), verdict in zip(chunk, verdicts):
             if verdict.action == RUN:
                 runnable.append((msg, i, job))
-                continue
-            self.pulls.not_started()     # settled unrun: not one of max_jobs
-            if verdict.action == DUPLICATE:
+            elif verdict.action == DUPLICATE:
                 await self.settler.ack(i, job, "duplicate")
             else:
                 await self.settler.settle(i, job, nak_payload(verdict.delay), "nak", verdict.reason)
+        self.pulls.not_started(len(chunk) - len(runnable))     # settled unrun: not one of max_jobs
         return runnable
 
     def take_chunk(self) -> list[tuple[Any, int, Job]]:
@@ -429,7 +392,7 @@ class Worker:
     # -- reporting rare events to the parent
 
     def emit(self, **event: Any) -> None:
-        self.events.send(**event)        # best effort, never blocks, never raises (workers/events.py)
+        self.events.send(**event)        # best effort, never blocks, never raises (workers/runtime/events.py)
 
 
 # ---------------------------------------------------------------- small pure helpers

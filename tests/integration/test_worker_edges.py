@@ -18,9 +18,9 @@ import pytest
 import tomli_w
 from harness import publish_now, wait_until
 
-from supervisor.liveness import DRAIN_MARGIN
-from workers.puller import PULL_EXPIRES, PULL_MARGIN
-from workers.runtime import ORPHAN_GRACE
+from supervisor.core.liveness import DRAIN_MARGIN
+from workers.runtime.orphan import ORPHAN_GRACE
+from workers.runtime.puller import PULL_EXPIRES, PULL_MARGIN
 
 JSON_LOGS = ("--log-format", "json")
 
@@ -207,10 +207,10 @@ def test_a_worker_that_lost_its_parent_death_signal_still_sees_its_parent_gone(n
     assert not gate.exists()
 
 
-# ---------------------------------------------------------------- the event pipe (workers/events.py)
+# ---------------------------------------------------------------- the event pipe (workers/runtime/events.py)
 
 def test_events_to_a_parent_that_is_gone_are_dropped_not_raised():
-    from workers.events import EventPipe
+    from workers.runtime.events import EventPipe
 
     read_fd, write_fd = os.pipe()
     os.close(read_fd)                    # the parent is gone
@@ -224,7 +224,7 @@ def test_events_to_a_parent_that_is_gone_are_dropped_not_raised():
 
 
 def test_events_to_a_parent_that_does_not_read_wait_without_blocking_and_arrive_whole():
-    from workers.events import EventPipe
+    from workers.runtime.events import EventPipe
 
     read_fd, write_fd = os.pipe()
     pipe = EventPipe(write_fd, slot=0)

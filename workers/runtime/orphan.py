@@ -1,0 +1,84 @@
+"""A worker's parent: is the supervisor still there, and what an orphan does once it is not.
+
+Nobody will NAK what an orphan holds when it exits, nor read its events. So it stops pulling,
+NAKs what it has not started, gives running jobs and the fence of their acks ORPHAN_GRACE
+(however much of a stop under way was left), NAKs what still runs, and exits; at once if its
+server went with the supervisor (the embedded one), since nothing it sends could arrive.
+
+It learns of the death two ways, each covering what the other misses:
+  - the kernel's parent-death signal (SIGTERM, PR_SET_PDEATHSIG: set at fork, it also ends a
+    worker still in its init hook, where no loop runs). The kernel sends it when the *thread*
+    that forked us exits: while the parent's other threads (uvloop's resolver pool) are still
+    dying, getppid() still names it, so the signal reads as an ordinary stop. And a change of
+    credentials (an init that drops privileges) clears it;
+  - the heartbeat's look at getppid(), in any mode, which hurries a stop already under way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Protocol
+
+from workers.protocol import slots
+from workers.protocol.exits import EXIT_ORPHANED
+from workers.protocol.modes import STOPPING
+from workers.runtime.events import EventPipe
+from workers.runtime.shutdown import Shutdown
+
+log = logging.getLogger("worker")
+
+ORPHAN_GRACE = 2.0          # running jobs (and their acks' fence) get this long when the parent has died
+
+
+class Owner(Protocol):
+    """What the watch needs of the worker that owns it (workers/runtime/worker.py Worker)."""
+    nc: Any
+    table: slots.SlotTable
+    events: EventPipe
+    grace: float                           # graceful_timeout as forked; an orphan's is shorter
+    shutdown: Shutdown
+
+    def set_mode(self, mode: str) -> None: ...
+
+
+class ParentWatch:
+    def __init__(self, owner: Owner, slot: int, parent_pid: int, server_dies_with_parent: bool):
+        self.owner = owner
+        self.slot = slot
+        self.parent_pid = parent_pid
+        self.server_dies_with_parent = server_dies_with_parent
+        self.orphaned = False
+
+    def gone(self) -> bool:
+        """True once the supervisor is gone; the first time, turn the worker into an orphan
+        (see the module's docstring). Called by the SIGTERM handler and by the heartbeat."""
+        if self.orphaned:
+            return True
+        if os.getppid() == self.parent_pid:
+            return False
+        self.orphaned = True
+        w = self.owner
+        w.events.close()
+        log.warning("worker %d: supervisor is gone; stopping within %gs", self.slot, ORPHAN_GRACE,
+                    extra={"event": "worker_orphaned", "slot": self.slot})
+        w.grace = min(w.grace, ORPHAN_GRACE)
+        w.shutdown.hurry(time.monotonic() + ORPHAN_GRACE)
+        w.set_mode(STOPPING)
+        self.give_up_if_server_gone()
+        return True
+
+    def give_up_if_server_gone(self) -> None:
+        """An orphan whose server died with the supervisor can settle nothing: what it holds waits
+        for the server's next start and AckWait whatever it does, so it exits now instead of
+        waiting out its grace for acks nobody can take."""
+        nc = self.owner.nc
+        if not (self.orphaned and self.server_dies_with_parent) or (nc and nc.is_connected):
+            return
+        held = sum(1 for e in self.owner.table.snapshot() if e.state != slots.FREE)
+        log.warning("worker %d: the supervisor and its embedded NATS server are gone; exiting, %d job(s) left "
+                    "to the server's AckWait", self.slot, held,
+                    extra={"event": "worker_gave_up", "slot": self.slot, "held": held})
+        logging.shutdown()
+        os._exit(EXIT_ORPHANED)
