@@ -136,6 +136,25 @@ def full_buffer_when_down_init() -> None:
     natsfix.Client.publish = publish
 
 
+def pulls_while_down_init() -> None:
+    """Probe (workers.init): log every pull request the worker publishes while its connection is
+    down (event pull_buffered). nats-py buffers such a publish and sends it once reconnected,
+    where it is a live request the worker may no longer count."""
+    import logging
+
+    from supervisor.nats import fix as natsfix
+
+    original = natsfix.Client.publish
+
+    async def publish(self, subject, *args, **kwargs):
+        if subject.startswith("$JS.API.CONSUMER.MSG.NEXT.") and not self.is_connected:
+            logging.getLogger("worker").warning("pull request published while disconnected",
+                                                extra={"event": "pull_buffered"})
+        return await original(self, subject, *args, **kwargs)
+
+    natsfix.Client.publish = publish
+
+
 def finish_fails_init() -> None:
     """Fault hook (workers.init): settling the first delivery of a "finish-fails" job raises, as a
     bug in the settle path would: the task that settles jobs dies with it."""

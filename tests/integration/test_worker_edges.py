@@ -260,14 +260,16 @@ def test_no_pull_request_is_kept_for_after_a_reconnect(nats_server, supervisor_f
     credits: every ~2 s of outage one more. With 1 job per request and a 4-entry slot table
     (concurrency 1, batch 1), 10 s away meant 5 requests plus a fresh one: more messages than the
     table holds, the rest NAKed at once ("table full"), each spending a delivery. Now no request
-    is published while not connected: no message comes that the worker's credits do not account
-    for (event pull_unasked), and every job runs at its first delivery."""
+    is published while not connected (the probe pulls_while_down_init logs any: pull_buffered),
+    no message comes that the worker's credits do not account for (pull_unasked), and every job
+    runs at its first delivery."""
     from cutproxy import CutProxy
 
     proxy = CutProxy(nats_server.port).start()
     try:
         sup = supervisor_factory(nats_server, args=JSON_LOGS, nats={"servers": [proxy.url]},
-                                 consumer={"ack_wait": 60.0}, workers={"count": 1, "concurrency": 1, "batch": 1})
+                                 consumer={"ack_wait": 60.0}, workers={"count": 1, "concurrency": 1, "batch": 1,
+                                                                       "init": "testhandlers:pulls_while_down_init"})
         sup.wait_ready(1)
         [worker] = sup.worker_pids()
         assert proxy.refuse("worker")
@@ -278,6 +280,7 @@ def test_no_pull_request_is_kept_for_after_a_reconnect(nats_server, supervisor_f
         proxy.admit()
         sup.wait_event("nats_reconnected", pid=worker)
         wait_until(lambda: sup.jobs.done_seqs() >= set(seqs), what="the backlog done")
+        assert sup.events("pull_buffered") == [], "pull requests kept by nats-py for after the reconnect"
         assert sup.events("pull_unasked") == [], "messages came that no request of the worker's accounted for"
         bounced = [(r.seq, r.delivery) for r in sup.jobs.started() if r.delivery > 1]
         assert bounced == [], f"deliveries spent on messages nobody asked for: {bounced}"

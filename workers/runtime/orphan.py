@@ -1,4 +1,5 @@
-"""A worker's parent: is the supervisor still there, and what an orphan does once it is not.
+"""A worker's parent: the event pipe to it, whether it is still there, and what an orphan does
+once it is not.
 
 Nobody will NAK what an orphan holds when it exits, nor read its events. So it stops pulling,
 NAKs what it has not started, gives running jobs and the fence of their acks ORPHAN_GRACE
@@ -36,7 +37,6 @@ class Owner(Protocol):
     """What the watch needs of the worker that owns it (workers/runtime/worker.py Worker)."""
     nc: Any
     table: slots.SlotTable
-    events: EventPipe
     grace: float                           # graceful_timeout as forked; an orphan's is shorter
     shutdown: Shutdown
 
@@ -44,12 +44,23 @@ class Owner(Protocol):
 
 
 class ParentWatch:
-    def __init__(self, owner: Owner, slot: int, parent_pid: int, server_dies_with_parent: bool):
+    def __init__(self, owner: Owner, slot: int, parent_pid: int, events_fd: int, server_dies_with_parent: bool):
         self.owner = owner
         self.slot = slot
         self.parent_pid = parent_pid
+        self.events = EventPipe(events_fd, slot)
         self.server_dies_with_parent = server_dies_with_parent
         self.orphaned = False
+
+    def tell(self, **event: Any) -> None:
+        self.events.send(**event)        # best effort, never blocks, never raises (workers/runtime/events.py)
+
+    def beat(self) -> None:
+        """The heartbeat's turn: send what a busy parent left in the pipe's backlog, and look for
+        the parent, in any mode (a stop under way is hurried too)."""
+        self.events.flush()
+        if self.gone():
+            self.give_up_if_server_gone()
 
     def gone(self) -> bool:
         """True once the supervisor is gone; the first time, turn the worker into an orphan
@@ -60,7 +71,7 @@ class ParentWatch:
             return False
         self.orphaned = True
         w = self.owner
-        w.events.close()
+        self.events.close()
         log.warning("worker %d: supervisor is gone; stopping within %gs", self.slot, ORPHAN_GRACE,
                     extra={"event": "worker_orphaned", "slot": self.slot})
         w.grace = min(w.grace, ORPHAN_GRACE)

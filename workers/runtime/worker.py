@@ -8,7 +8,7 @@ consumer every other worker shares. `Worker` is the loop that wires the worker's
     settle.py    ack, NAK or TERM, and the fence that proves the server has it
     reack.py     acks sent again, until confirmed, when the consumer's leader changes
     shutdown.py  the way out: give back what will not run, wait for what runs
-    events.py    rare events to the parent, over a pipe that never blocks or raises
+    orphan.py    the parent: rare events to it (events.py), and what to do once it is gone
 
 and keeps the mode (workers/protocol/modes.py), the queue of pulled jobs, and running them. Every
 message is recorded in the shared slot table before anything else happens, so the parent
@@ -36,7 +36,6 @@ from workers.protocol import slots
 from workers.protocol.exits import EXIT_CONNECT_FAILED, EXIT_CRASHED, EXIT_DRAINED, EXIT_INIT_FAILED
 from workers.protocol.fork import neutralise_inherited_fds, scrub_child_env, set_parent_death_signal
 from workers.protocol.modes import RETIRING, SERVING, STOPPING
-from workers.runtime.events import EventPipe
 from workers.runtime.guard import DUPLICATE, RUN, Guard
 from workers.runtime.orphan import ParentWatch
 from workers.runtime.outcome import Outcomes
@@ -115,7 +114,10 @@ def run_worker(spec: ChildSpec) -> int:
 class Worker:
     """The worker's loop, wiring its rooms: pulling (workers/runtime/puller.py), the handler threads for
     sync handlers (workers/runtime/threads.py), settling and fencing (workers/runtime/settle.py), the shutdown
-    path (workers/runtime/shutdown.py). It owns the mode, the queue of pulled jobs, and running them."""
+    path (workers/runtime/shutdown.py), its parent (workers/runtime/orphan.py). It owns the mode, the
+    queue of pulled jobs, and running them. Long because it is the one place those rooms meet:
+    each method hands one step to a room in a few lines, and a further split would put the queue
+    and the mode it guards in two files."""
 
     def __init__(self, spec: ChildSpec):
         cfg = spec.cfg
@@ -142,7 +144,6 @@ class Worker:
         self.changed = asyncio.Event()
         self.stop = asyncio.Event()
         self.grace = spec.graceful_timeout
-        self.events = EventPipe(spec.events_fd, spec.slot)
         self.nc: Any = None
         self.runners: list[asyncio.Task] = []
         # Handler threads start jobs under this lock, and the switch to STOPPING takes it: once a
@@ -152,7 +153,7 @@ class Worker:
         self.gate = AsyncGate(spec.suspects)   # suspects run alone (workers/runtime/solo.py)
         self.threads = HandlerThreads(self, self.start_lock, spec.handler, self.wcfg.concurrency, spec.job_limit)
         self.shutdown = Shutdown(self, spec.slot)
-        self.parent = ParentWatch(self, spec.slot, spec.parent_pid, spec.server_dies_with_parent)
+        self.parent = ParentWatch(self, spec.slot, spec.parent_pid, spec.events_fd, spec.server_dies_with_parent)
 
     # -- lifecycle
 
@@ -198,7 +199,7 @@ class Worker:
         if self.guard:
             await self.guard.close()   # leases of jobs we did not finish: free for their redelivery
         await self.close_connection()
-        self.events.drain(timeout=1.0)   # the last settles' events, if a busy parent left no room
+        self.parent.events.drain(timeout=1.0)   # the last settles' events, if a busy parent left no room
         return EXIT_DRAINED
 
     def essential(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
@@ -239,11 +240,9 @@ class Worker:
         every = min(0.5, self.wcfg.heartbeat_timeout / 4)   # the parent calls a beat older than 1.5 s stale
         while True:
             self.table.beat()
-            self.events.flush()          # what a busy parent did not take yet
             if self.nc.stats["reconnects"] != self.generation:
                 self.reconnected()
-            if self.parent.gone():       # in any mode: a stop under way is hurried too
-                self.parent.give_up_if_server_gone()
+            self.parent.beat()           # the event pipe's backlog; the supervisor gone? (workers/runtime/orphan.py)
             await asyncio.sleep(every)
 
     async def liveness(self) -> None:
@@ -392,7 +391,7 @@ class Worker:
     # -- reporting rare events to the parent
 
     def emit(self, **event: Any) -> None:
-        self.events.send(**event)        # best effort, never blocks, never raises (workers/runtime/events.py)
+        self.parent.tell(**event)
 
 
 # ---------------------------------------------------------------- small pure helpers
