@@ -171,6 +171,26 @@ def test_orphans_of_an_embedded_server_exit_at_once(tmp_path, supervisor_factory
     assert not [r for r in sup.jobs.done()]
 
 
+def test_a_drain_under_way_is_cut_to_the_orphans_grace_when_the_parent_dies(nats_server, supervisor_factory,
+                                                                          tmp_path):
+    """The supervisor is stopping (SIGTERM, graceful_timeout 60 s, a job that runs on) and is
+    SIGKILLed mid-drain (systemd's stop timeout, the OOM killer). Its worker, now an orphan,
+    must not wait out the 60 s it had: it NAKs the job after ORPHAN_GRACE and exits."""
+    gate = tmp_path / "gate"
+    sup = supervisor_factory(nats_server, args=JSON_LOGS, workers={"count": 1, "graceful_timeout": 60.0})
+    sup.wait_ready(1)
+    [worker] = sup.workers()
+    publish_now(nats_server.url, count=1, data=f"until:{gate}")
+    wait_until(lambda: sup.jobs.running(), what="the job running")
+    sup.signal(signal.SIGTERM)
+    wait_until(lambda: [w for w in sup.status()["workers"]["list"] if w["state"] == "draining"], what="the drain")
+    sup.signal(signal.SIGKILL)
+    sup.wait()
+    wait_until(lambda: gone([worker]), timeout=ORPHAN_GRACE + 5, what="the orphan gone, its drain cut short")
+    assert sup.events("worker_orphaned") and sup.events("graceful_timeout_nak"), sup.log()[-3000:]
+    assert not gate.exists()
+
+
 # ---------------------------------------------------------------- each way a worker learns its parent died
 
 def test_a_worker_still_in_its_init_hook_dies_with_its_parent(nats_server, supervisor_factory, tmp_path):
