@@ -69,6 +69,18 @@ def test_a_job_acked_as_a_duplicate_does_not_eat_the_max_jobs_budget(nats_server
     assert sup.stop() == 0
 
 
+def running_a_gated_job(supervisor_factory, nats_server, tmp_path, **workers):
+    """One worker (JSON logs) running a job that lasts until the test creates the gate file:
+    (supervisor, the worker's process, the gate)."""
+    gate = tmp_path / "gate"
+    sup = supervisor_factory(nats_server, args=JSON_LOGS, workers={"count": 1, **workers})
+    sup.wait_ready(1)
+    [worker] = sup.workers()
+    publish_now(nats_server.url, count=1, data=f"until:{gate}")
+    wait_until(lambda: sup.jobs.running(), what="the job running")
+    return sup, worker, gate
+
+
 # ---------------------------------------------------------------- issue 22 item 8: graceful_timeout at fork
 
 def test_a_sighup_lowering_graceful_timeout_does_not_cut_a_draining_workers_grace(nats_server, supervisor_factory,
@@ -76,12 +88,7 @@ def test_a_sighup_lowering_graceful_timeout_does_not_cut_a_draining_workers_grac
     """graceful_timeout is read by a worker at fork (reload=REPLACE). A SIGHUP lowering it from
     30 s to 1 s replaces the worker: the old one retires, running its job under the 30 s it was
     forked with, and the parent must give it that long too, not the new 1 s (+ DRAIN_MARGIN)."""
-    gate = tmp_path / "gate"
-    sup = supervisor_factory(nats_server, args=JSON_LOGS, workers={"count": 1, "graceful_timeout": 30.0})
-    sup.wait_ready(1)
-    [old] = sup.workers()
-    publish_now(nats_server.url, count=1, data=f"until:{gate}")
-    wait_until(lambda: sup.jobs.running(), what="the job running")
+    sup, old, gate = running_a_gated_job(supervisor_factory, nats_server, tmp_path, graceful_timeout=30.0)
     rewrite_config(sup, workers={"graceful_timeout": 1.0})
     sup.signal(signal.SIGHUP)
 
@@ -176,12 +183,7 @@ def test_a_drain_under_way_is_cut_to_the_orphans_grace_when_the_parent_dies(nats
     """The supervisor is stopping (SIGTERM, graceful_timeout 60 s, a job that runs on) and is
     SIGKILLed mid-drain (systemd's stop timeout, the OOM killer). Its worker, now an orphan,
     must not wait out the 60 s it had: it NAKs the job after ORPHAN_GRACE and exits."""
-    gate = tmp_path / "gate"
-    sup = supervisor_factory(nats_server, args=JSON_LOGS, workers={"count": 1, "graceful_timeout": 60.0})
-    sup.wait_ready(1)
-    [worker] = sup.workers()
-    publish_now(nats_server.url, count=1, data=f"until:{gate}")
-    wait_until(lambda: sup.jobs.running(), what="the job running")
+    sup, worker, gate = running_a_gated_job(supervisor_factory, nats_server, tmp_path, graceful_timeout=60.0)
     sup.signal(signal.SIGTERM)
     wait_until(lambda: [w for w in sup.status()["workers"]["list"] if w["state"] == "draining"], what="the drain")
     sup.signal(signal.SIGKILL)
@@ -213,13 +215,8 @@ def test_a_worker_that_lost_its_parent_death_signal_still_sees_its_parent_gone(n
     """The ppid check alone: an init hook that changes the worker's credentials (drops privileges)
     makes the kernel clear the parent-death signal. The heartbeat's check of the parent pid still
     finds the supervisor gone: the worker gives its running job ORPHAN_GRACE, NAKs it and exits."""
-    gate = tmp_path / "gate"
-    sup = supervisor_factory(nats_server, args=JSON_LOGS,
-                             workers={"count": 1, "init": "testhandlers:lose_parent_death_signal_init"})
-    sup.wait_ready(1)
-    [worker] = sup.workers()
-    publish_now(nats_server.url, count=1, data=f"until:{gate}")
-    wait_until(lambda: sup.jobs.running(), what="the job running")
+    sup, worker, gate = running_a_gated_job(supervisor_factory, nats_server, tmp_path,
+                                            init="testhandlers:lose_parent_death_signal_init")
     sup.signal(signal.SIGKILL)
     sup.wait()
     wait_until(lambda: gone([worker]), timeout=ORPHAN_GRACE + 10, what="the orphan gone")
