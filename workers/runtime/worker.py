@@ -115,9 +115,7 @@ class Worker:
     """The worker's loop, wiring its rooms: pulling (workers/runtime/puller.py), the handler threads for
     sync handlers (workers/runtime/threads.py), settling and fencing (workers/runtime/settle.py), the shutdown
     path (workers/runtime/shutdown.py), its parent (workers/runtime/orphan.py). It owns the mode, the
-    queue of pulled jobs, and running them. Long because it is the one place those rooms meet:
-    each method hands one step to a room in a few lines, and a further split would put the queue
-    and the mode it guards in two files."""
+    queue of pulled jobs, and running them."""
 
     def __init__(self, spec: ChildSpec):
         cfg = spec.cfg
