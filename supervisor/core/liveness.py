@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from supervisor.config import Config
 from workers.protocol import slots
+from workers.protocol.exits import Kill, KillCause
 
 MB = 1024 * 1024
 DRAIN_MARGIN = 5.0          # beyond graceful_timeout before a draining worker is killed
@@ -47,18 +48,22 @@ def inspect_every(lim: Limits) -> float:
 
 
 def why_kill(now: float, lim: Limits, last_beat: float, started_at: float,
-             entries: Iterable[slots.Entry], drain_deadline: float | None) -> str:
-    """The reason a worker must be SIGKILLed now, or "": silent past heartbeat_timeout (a worker
-    that never beat counts from its fork), a job past job_timeout, or a drain past its deadline."""
+             entries: Iterable[slots.Entry], drain_deadline: float | None) -> Kill | None:
+    """Why a worker must be SIGKILLed now, or None: silent past heartbeat_timeout (a worker that
+    never beat counts from its fork), a job past job_timeout (that job is named), or a drain past
+    its deadline."""
     silent = now - (last_beat if last_beat > 0 else started_at)
     if silent > lim.heartbeat_timeout:
-        return f"no heartbeat for {silent:.1f}s (workers.heartbeat_timeout={lim.heartbeat_timeout:g}s)"
+        return Kill(KillCause.HEARTBEAT,
+                    f"no heartbeat for {silent:.1f}s (workers.heartbeat_timeout={lim.heartbeat_timeout:g}s)")
     e = overdue_job(now, lim, entries)
     if e is not None:
-        return f"job seq={e.stream_seq} ran {now - e.t_started:.1f}s (workers.job_timeout={lim.job_timeout:g}s)"
+        return Kill(KillCause.JOB_TIMEOUT, f"job seq={e.stream_seq} ran {now - e.t_started:.1f}s "
+                                           f"(workers.job_timeout={lim.job_timeout:g}s)", blame=e.stream_seq)
     if drain_deadline is not None and now > drain_deadline:
-        return f"still draining {now - drain_deadline + DRAIN_MARGIN:.1f}s past graceful_timeout"
-    return ""
+        return Kill(KillCause.DRAIN_OVERDUE,
+                    f"still draining {now - drain_deadline + DRAIN_MARGIN:.1f}s past graceful_timeout")
+    return None
 
 
 def overdue_job(now: float, lim: Limits, entries: Iterable[slots.Entry]) -> slots.Entry | None:

@@ -45,7 +45,8 @@ from supervisor.parent.stats import Stats
 from supervisor.parent.systemd import Notifier
 from supervisor.parent.watch import Watch
 from workers.protocol import slots
-from workers.protocol.exits import CHILD_EXIT_REASONS, EXIT_CONNECT_FAILED
+from workers.protocol.events import AcksResent, Event, Ready, RecycleDue, Redelivered, Settled, Unsent
+from workers.protocol.exits import CHILD_EXIT_REASONS, EXIT_CONNECT_FAILED, Kill, KillCause
 from workers.runtime.solo import SuspectBoard
 from workers.runtime.spec import ChildSpec
 
@@ -290,7 +291,7 @@ class Arbiter:
                  extra={"event": "stop_begun", "mode": mode, "workers": len(self.living())})
         for w in self.living():
             if mode == "quit":
-                w.kill_reason = "SIGQUIT: stop at once"
+                w.kill = Kill(KillCause.QUIT, "SIGQUIT: stop at once")
                 w.send(signal.SIGKILL)
             else:                  # retiring ones too: a shutdown NAKs what they have not started
                 self.pool.drain(w, signal.SIGTERM)
@@ -334,42 +335,40 @@ class Arbiter:
         if events:
             self.post(lambda: self.apply_events(w, events))
 
-    def apply_events(self, w: WorkerProcess, events: list[dict]) -> None:
+    def apply_events(self, w: WorkerProcess, events: list[Event]) -> None:
         for event in events:
             self.apply_event(w, event)
 
-    def apply_event(self, w: WorkerProcess, event: dict) -> None:
-        kind, now = event.get("ev"), time.monotonic()
-        if "seq" in event:               # a live delivery of it, or its settling: no in-transit NAK for it
-            self.in_transit.named_by_worker(int(event["seq"]), now)
-        if kind == "ready":
-            self.pool.worker_ready(w, now)
-            self.check_all_ready()
-        elif kind == "redelivered":
-            seq, delivery = int(event["seq"]), int(event["delivery"])
-            why = self.ledger.redelivered(now, seq, delivery)
-            self.peers.seen(seq, delivery)
-            log.info("job seq=%d redelivered (delivery %d) to worker %d: %s", seq, delivery, w.slot,
-                     why or "no explanation yet", extra={"event": "redelivered", "seq": seq, "delivery": delivery,
-                                                         "slot": w.slot, "worker_pid": w.pid, "why": why})
-        elif kind == "settled":
-            seq, delivery, outcome = int(event["seq"]), int(event["delivery"]), event["outcome"]
-            self.ledger.settled(now, seq, delivery, outcome)
-            if outcome == "nak":
-                self.peers.announce(seq, f"NAKed by a worker at delivery {delivery}")
-            elif delivery > 1:
-                self.peers.settled(seq, delivery, outcome)
-        elif kind == "unsent":             # nats-py refused its ack/NAK/TERM: the job may come back
-            seq, delivery = int(event["seq"]), int(event["delivery"])
-            why = f"its {event['outcome']} by worker {w.slot} (pid {w.pid}) was not sent ({event['error']})"
-            self.ledger.expect(seq, why, delivery, retroactive=False)
-            self.peers.announce(seq, why)
-        elif kind == "acks_resent":        # after a consumer leader change (workers/runtime/reack.py)
-            self.ledger.acks_resent(int(event["resent"]), int(event["confirmed"]),
-                                    [int(seq) for seq in event["unconfirmed"]], str(event["why"]))
-        elif kind == "recycle_due":        # its last job has started: start its replacement
-            w.recycle_reason = f"ran {event['jobs']} jobs (workers.max_jobs)"
-            w.last_job_started = True
+    def apply_event(self, w: WorkerProcess, event: Event) -> None:
+        now = time.monotonic()
+        seq = getattr(event, "seq", None)
+        if seq is not None:              # a live delivery of it, or its settling: no in-transit NAK for it
+            self.in_transit.named_by_worker(seq, now)
+        match event:
+            case Ready():
+                self.pool.worker_ready(w, now)
+                self.check_all_ready()
+            case Redelivered(seq, delivery):
+                why = self.ledger.redelivered(now, seq, delivery)
+                self.peers.seen(seq, delivery)
+                log.info("job seq=%d redelivered (delivery %d) to worker %d: %s", seq, delivery, w.slot,
+                         why or "no explanation yet", extra={"event": "redelivered", "seq": seq, "delivery": delivery,
+                                                             "slot": w.slot, "worker_pid": w.pid, "why": why})
+            case Settled(seq, delivery, outcome):
+                self.ledger.settled(now, seq, delivery, outcome)
+                if outcome == "nak":
+                    self.peers.announce(seq, f"NAKed by a worker at delivery {delivery}")
+                elif delivery > 1:
+                    self.peers.settled(seq, delivery, outcome)
+            case Unsent(seq, delivery, outcome, error):    # nats-py refused it: the job may come back
+                why = f"its {outcome} by worker {w.slot} (pid {w.pid}) was not sent ({error})"
+                self.ledger.expect(seq, why, delivery, retroactive=False)
+                self.peers.announce(seq, why)
+            case AcksResent(why, resent, confirmed, unconfirmed):   # after a consumer leader change
+                self.ledger.acks_resent(resent, confirmed, list(unconfirmed), why)
+            case RecycleDue(jobs):           # its last job has started: start its replacement
+                w.recycle_reason = f"ran {jobs} jobs (workers.max_jobs)"
+                w.last_job_started = True
 
     def check_all_ready(self) -> None:
         """The first time every worker is ready: state running, READY=1 to systemd."""
@@ -402,7 +401,7 @@ class Arbiter:
         with step("reap"):
             self.apply_events(w, w.read_events())      # whatever it said before dying
         clean = self.exited_cleanly(w)
-        cause = w.kill_reason or w.describe_exit()
+        cause = w.kill.text if w.kill else w.describe_exit()
         code = w.exit_code()
         if not clean and code in CHILD_EXIT_REASONS:
             cause += f": {CHILD_EXIT_REASONS[code]}"
@@ -427,7 +426,7 @@ class Arbiter:
     def exited_cleanly(w: WorkerProcess) -> bool:
         """Exit 0 after a drain; or killed by the SIGTERM/SIGUSR1 we sent before it had installed
         its handlers (a worker told to stop while still booting): neither is a crash."""
-        if w.kill_reason:
+        if w.kill:
             return False
         if w.exit_code() == 0:
             return True

@@ -92,8 +92,8 @@ class Deaths:
         if not clean:
             held = [(e.stream_seq, e.delivery, slots.ENTRY_STATES[e.state], n) for e, n in zip(entries, nak)]
             self.ledger.record_death(now, w.slot, w.pid, cause, held, in_transit=w.table.header(slots.CREDITS),
-                                     job_to_blame=not w.kill_reason.startswith(("SIGQUIT", "killed: still draining")),
-                                     blame=w.blame)
+                                     job_to_blame=w.kill is None or w.kill.cause.blames_jobs,
+                                     blame=w.kill.blame if w.kill else None)
             if self.suspects is not None:     # on the board before the NAKs bring the suspects back
                 self.suspects.show(self.ledger.on_probation())
         for e, n in zip(entries, nak):

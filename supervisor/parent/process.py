@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
 import os
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
 
 from workers.protocol import slots
+from workers.protocol.events import Event, decode
+from workers.protocol.exits import Kill
 from workers.protocol.slots import SlotTable
 from workers.runtime.spec import ChildSpec
 from workers.runtime.worker import child_main
@@ -43,8 +43,7 @@ class WorkerProcess:
         self.started_at = time.monotonic()
         self.ready_at: float | None = None
         self.retiring = False            # asked to drain for good (scale down, recycle, stop)
-        self.kill_reason = ""            # set when the arbiter kills it (heartbeat, job_timeout)
-        self.blame: int | None = None    # the job a kill names (job_timeout): poison evidence against it alone
+        self.kill: Kill | None = None    # why the arbiter killed it (a job_timeout kill names its job)
         self.drain_deadline: float | None = None
         self.job_limit = 0               # recycle after this many jobs (0 = never)
         self.graceful_timeout = 0.0      # the one it was forked with (it reads the key at fork)
@@ -107,7 +106,7 @@ class WorkerProcess:
         self.state = WorkerState.DEAD
         return True
 
-    def read_events(self) -> list[dict[str, Any]]:
+    def read_events(self) -> list[Event]:
         """Whole JSON lines the worker wrote; partial lines wait for the rest."""
         chunks = []
         while True:
@@ -123,9 +122,9 @@ class WorkerProcess:
         events = []
         for line in lines:
             try:
-                events.append(json.loads(line))
-            except ValueError:
-                log.warning("worker %d sent a malformed event: %r", self.slot, line[:100])
+                events.append(decode(line))
+            except ValueError as exc:
+                log.warning("worker %d sent a malformed event: %s", self.slot, exc)
         return events
 
     def close(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -142,7 +141,7 @@ class WorkerProcess:
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
             name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
-            hint = " (perhaps out of memory?)" if sig == signal.SIGKILL and not self.kill_reason else ""
+            hint = " (perhaps out of memory?)" if sig == signal.SIGKILL and not self.kill else ""
             return f"signal {name}{hint}"
         return f"exit code {os.WEXITSTATUS(status)}"
 

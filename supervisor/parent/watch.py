@@ -9,6 +9,7 @@ AckWait, before they do.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import time
@@ -23,6 +24,7 @@ from supervisor.parent.deaths import Deaths
 from supervisor.parent.process import WorkerProcess
 from supervisor.parent.stats import Stats
 from workers.protocol import slots
+from workers.protocol.exits import Kill
 
 log = logging.getLogger("supervisor")
 
@@ -46,13 +48,11 @@ class Watch:
         for w in living:
             entries = w.table.snapshot()
             held.update((w.pid, e.stream_seq) for e in entries)   # a dying worker's pings still date its jobs
-            if w.status is not None or w.kill_reason:
+            if w.status is not None or w.kill:
                 continue
-            reason = liveness.why_kill(now, lim, w.table.heartbeat(), w.started_at, entries, w.drain_deadline)
-            if reason:
-                overdue = liveness.overdue_job(now, lim, entries)
-                w.blame = overdue.stream_seq if overdue is not None and "job_timeout" in reason else None
-                self.kill(w, reason)
+            kill = liveness.why_kill(now, lim, w.table.heartbeat(), w.started_at, entries, w.drain_deadline)
+            if kill:
+                self.kill(w, kill)
                 continue
             pings += self.due_pings(w, entries, now)
         self.deaths.keep_pings(held)
@@ -83,10 +83,11 @@ class Watch:
             sent += 1
         self.stats.totals.pings += sent
 
-    def kill(self, w: WorkerProcess, reason: str) -> None:
-        log.warning("killing worker %d (pid %d): %s", w.slot, w.pid, reason,
-                    extra={"event": "worker_killed", "slot": w.slot, "worker_pid": w.pid, "reason": reason})
-        w.kill_reason = f"killed: {reason}"
+    def kill(self, w: WorkerProcess, kill: Kill) -> None:
+        log.warning("killing worker %d (pid %d): %s", w.slot, w.pid, kill.text,
+                    extra={"event": "worker_killed", "slot": w.slot, "worker_pid": w.pid, "reason": kill.text,
+                           "cause": str(kill.cause)})
+        w.kill = dataclasses.replace(kill, text=f"killed: {kill.text}")
         w.send(signal.SIGKILL)
 
     def due_pings(self, w: WorkerProcess, entries: list[slots.Entry], now: float) -> list:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import os
 import signal
 import time
@@ -19,6 +18,7 @@ import tomli_w
 from harness import publish_now, wait_until
 
 from supervisor.core.liveness import DRAIN_MARGIN
+from workers.protocol.events import Settled, Unsent, decode
 from workers.runtime.orphan import ORPHAN_GRACE
 from workers.runtime.puller import PULL_EXPIRES, PULL_MARGIN
 
@@ -233,8 +233,8 @@ def test_events_to_a_parent_that_is_gone_are_dropped_not_raised():
     os.close(read_fd)                    # the parent is gone
     pipe = EventPipe(write_fd, slot=0)
     try:
-        pipe.send(ev="settled", seq=1)   # BrokenPipeError before: the orphan's drain died of it
-        pipe.send(ev="settled", seq=2)
+        pipe.send(Settled(1, 1, "ack"))  # BrokenPipeError before: the orphan's drain died of it
+        pipe.send(Settled(2, 1, "ack"))
         assert pipe.closed and not pipe.backlog
     finally:
         os.close(write_fd)
@@ -248,10 +248,10 @@ def test_events_to_a_parent_that_does_not_read_wait_without_blocking_and_arrive_
     try:
         sent = 0
         while not pipe.backlog:          # fill the pipe: the next event no longer fits
-            pipe.send(ev="redelivered", seq=sent, pad="x" * 200)
+            pipe.send(Unsent(sent, 1, "ack", "x" * 200))
             sent += 1
         for seq in range(sent, sent + 10):
-            pipe.send(ev="redelivered", seq=seq, pad="x" * 200)    # kept, returns at once
+            pipe.send(Unsent(seq, 1, "ack", "x" * 200))    # kept, returns at once
         sent += 10
         assert pipe.backlog
         os.set_blocking(read_fd, False)
@@ -263,7 +263,7 @@ def test_events_to_a_parent_that_does_not_read_wait_without_blocking_and_arrive_
                 data += os.read(read_fd, 1 << 16)
             except BlockingIOError:
                 break
-        assert [json.loads(line)["seq"] for line in data.splitlines()] == list(range(sent)), "whole, in order"
+        assert [decode(line).seq for line in data.splitlines()] == list(range(sent)), "whole, in order"
     finally:
         os.close(read_fd)
         os.close(write_fd)

@@ -6,6 +6,7 @@ import pytest
 from supervisor.core import liveness
 from supervisor.core.liveness import DRAIN_MARGIN, FRESH_BEAT, RENAK_AFTER, STALE_LINK, Limits
 from workers.protocol import slots
+from workers.protocol.exits import KillCause
 
 LIM = Limits(heartbeat_timeout=10.0, job_timeout=0.0, ack_wait=30.0)
 
@@ -25,13 +26,14 @@ def test_inspection_beats_the_shortest_deadline():
 
 
 def test_a_silent_worker_is_killed_after_heartbeat_timeout_counted_from_its_last_beat():
-    assert liveness.why_kill(110.0, LIM, last_beat=100.0, started_at=0.0, entries=[], drain_deadline=None) == ""
-    reason = liveness.why_kill(110.5, LIM, last_beat=100.0, started_at=0.0, entries=[], drain_deadline=None)
-    assert reason.startswith("no heartbeat for 10.5s")
+    assert liveness.why_kill(110.0, LIM, last_beat=100.0, started_at=0.0, entries=[], drain_deadline=None) is None
+    kill = liveness.why_kill(110.5, LIM, last_beat=100.0, started_at=0.0, entries=[], drain_deadline=None)
+    assert kill.text.startswith("no heartbeat for 10.5s")
+    assert kill.cause == KillCause.HEARTBEAT and kill.cause.blames_jobs and kill.blame is None
 
 
 def test_a_worker_that_never_beat_is_timed_from_its_fork():
-    assert liveness.why_kill(59.0, LIM, last_beat=0.0, started_at=50.0, entries=[], drain_deadline=None) == ""
+    assert liveness.why_kill(59.0, LIM, last_beat=0.0, started_at=50.0, entries=[], drain_deadline=None) is None
     assert liveness.why_kill(61.0, LIM, last_beat=0.0, started_at=50.0, entries=[], drain_deadline=None)
 
 
@@ -39,16 +41,20 @@ def test_job_timeout_kills_only_for_a_running_job_past_it():
     lim = Limits(10.0, job_timeout=5.0, ack_wait=30.0)
     held_long = entry(1, state=slots.HELD, held=0.0)
     running = entry(2, started=96.0)
-    assert liveness.why_kill(100.0, lim, 100.0, 0.0, [held_long, running], None) == ""
-    assert "job seq=2 ran 5.5s" in liveness.why_kill(101.5, lim, 101.0, 0.0, [held_long, running], None)
-    assert liveness.why_kill(101.5, LIM, 101.0, 0.0, [running], None) == ""      # 0 = no limit
+    assert liveness.why_kill(100.0, lim, 100.0, 0.0, [held_long, running], None) is None
+    kill = liveness.why_kill(101.5, lim, 101.0, 0.0, [held_long, running], None)
+    assert "job seq=2 ran 5.5s" in kill.text
+    assert (kill.cause, kill.blame) == (KillCause.JOB_TIMEOUT, 2)                # that job alone is to blame
+    assert liveness.why_kill(101.5, LIM, 101.0, 0.0, [running], None) is None    # 0 = no limit
 
 
 def test_a_drain_past_its_deadline_is_killed():
     deadline = liveness.drain_deadline(100.0, graceful_timeout=30.0)
     assert deadline == 130.0 + DRAIN_MARGIN
-    assert liveness.why_kill(deadline, LIM, deadline, 0.0, [], deadline) == ""
-    assert "past graceful_timeout" in liveness.why_kill(deadline + 0.1, LIM, deadline, 0.0, [], deadline)
+    assert liveness.why_kill(deadline, LIM, deadline, 0.0, [], deadline) is None
+    kill = liveness.why_kill(deadline + 0.1, LIM, deadline, 0.0, [], deadline)
+    assert "past graceful_timeout" in kill.text
+    assert kill.cause == KillCause.DRAIN_OVERDUE and not kill.cause.blames_jobs   # the supervisor's doing
 
 
 def test_pings_go_to_unsettled_jobs_a_third_into_their_ack_wait():

@@ -1,5 +1,5 @@
-"""A worker's side of its event pipe to the parent: rare events (ready, redelivered, settled,
-recycle_due) as JSON lines. Best effort, never blocking, never raising.
+"""A worker's side of its event pipe to the parent: the rare events of workers/protocol/events.py,
+one JSON line each. Best effort, never blocking, never raising.
 
 Only the parent holds the read end. A blocking write would stall the worker's loop (its acks,
 its heartbeat) whenever the parent's loop is busy; a write once the parent is gone raises
@@ -12,12 +12,12 @@ and the worker stops emitting.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import select
 import time
-from typing import Any
+
+from workers.protocol.events import Event, encode
 
 log = logging.getLogger("worker")
 
@@ -33,10 +33,10 @@ class EventPipe:
         self.dropped = 0         # events given up because the backlog was full
         os.set_blocking(fd, False)
 
-    def send(self, **event: Any) -> None:
+    def send(self, event: Event) -> None:
         if self.closed:
             return
-        line = json.dumps(event, separators=(",", ":")).encode() + b"\n"
+        line = encode(event)
         if len(self.backlog) + len(line) > BACKLOG_MAX:
             if not self.dropped:
                 log.warning("worker %d: the supervisor reads no events; dropping them", self.slot,

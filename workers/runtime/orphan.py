@@ -23,6 +23,7 @@ import time
 from typing import Any, Protocol
 
 from workers.protocol import slots
+from workers.protocol.events import Event
 from workers.protocol.exits import EXIT_ORPHANED
 from workers.protocol.modes import STOPPING
 from workers.runtime.events import EventPipe
@@ -52,8 +53,8 @@ class ParentWatch:
         self.server_dies_with_parent = server_dies_with_parent
         self.orphaned = False
 
-    def tell(self, **event: Any) -> None:
-        self.events.send(**event)        # best effort, never blocks, never raises (workers/runtime/events.py)
+    def tell(self, event: Event) -> None:
+        self.events.send(event)        # best effort, never blocks, never raises (workers/runtime/events.py)
 
     def beat(self) -> None:
         """The heartbeat's turn: send what a busy parent left in the pipe's backlog, and look for

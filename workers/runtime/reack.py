@@ -37,6 +37,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from workers.protocol.events import AcksResent, Event
+
 log = logging.getLogger("worker")
 
 RESEND_EVERY = 1.0      # seconds between passes while acks wait for the leader's confirmation
@@ -89,7 +91,7 @@ class Owner(Protocol):
     """What re-acking needs of the worker that owns it (worker.py Worker)."""
     nc: Any
 
-    def emit(self, **event: Any) -> None: ...
+    def emit(self, event: Event) -> None: ...
 
 
 class Reacker:
@@ -204,8 +206,8 @@ class Reacker:
                 len(done.unconfirmed), extra={"event": "acks_resent", "acks": len(done.resent),
                                               "confirmed": done.confirmed,
                                               "unconfirmed": done.unconfirmed[:UNCONFIRMED_REPORTED]})
-        self.owner.emit(ev="acks_resent", why=done.why, resent=len(done.resent), confirmed=done.confirmed,
-                        unconfirmed=done.unconfirmed[:UNCONFIRMED_REPORTED])
+        self.owner.emit(AcksResent(done.why, len(done.resent), done.confirmed,
+                                   tuple(done.unconfirmed[:UNCONFIRMED_REPORTED])))
 
     def close(self) -> None:
         """The worker is leaving: what an open round has not confirmed yet may run again."""

@@ -26,6 +26,7 @@ import nats.errors
 
 from workers import Job
 from workers.protocol import slots
+from workers.protocol.events import Event, Settled, Unsent
 from workers.protocol.slots import SlotTable
 
 log = logging.getLogger("worker")
@@ -49,7 +50,7 @@ class Owner(Protocol):
     table: SlotTable
     wake_pull: asyncio.Event               # a released entry can take another message
 
-    def emit(self, **event: Any) -> None: ...
+    def emit(self, event: Event) -> None: ...
 
 
 class Settler:
@@ -111,7 +112,7 @@ class Settler:
         log.warning("worker %d: %s of seq=%d not sent (%s); %s", self.slot, outcome, job.stream_seq, error,
                     "sent again once NATS is back" if outcome in ACKS else "the job comes back after AckWait",
                     extra={"event": "settle_unsent", "seq": job.stream_seq, "outcome": outcome, "error": error})
-        self.owner.emit(ev="unsent", seq=job.stream_seq, delivery=job.delivery, outcome=outcome, error=error)
+        self.owner.emit(Unsent(job.stream_seq, job.delivery, outcome, error))
 
     def report(self, job: Job, outcome: str, reason: str) -> None:
         # Only what explains a future redelivery (or follows one) goes to the parent: acks of
@@ -119,7 +120,7 @@ class Settler:
         if outcome != "ack" or job.delivery > 1:
             if outcome == "duplicate":   # the parent's ledger knows acks, naks and terms
                 outcome, reason = "ack", "duplicate: already done"
-            self.owner.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome=outcome, reason=reason)
+            self.owner.emit(Settled(job.stream_seq, job.delivery, outcome, reason))
 
     async def run(self) -> None:
         while not self.closing:

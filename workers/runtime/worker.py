@@ -33,6 +33,7 @@ import setproctitle
 
 from workers import Job
 from workers.protocol import slots
+from workers.protocol.events import Event, Ready, RecycleDue, Redelivered, Settled
 from workers.protocol.exits import EXIT_CONNECT_FAILED, EXIT_CRASHED, EXIT_DRAINED, EXIT_INIT_FAILED
 from workers.protocol.fork import neutralise_inherited_fds, scrub_child_env, set_parent_death_signal
 from workers.protocol.modes import RETIRING, SERVING, STOPPING
@@ -184,7 +185,7 @@ class Worker:
             self.runners = [self.essential(c) for c in (self.runner(), self.threads.finisher())]
             self.threads.start_threads(loop)
         self.table.set_state(slots.READY)
-        self.emit(ev="ready")
+        self.emit(Ready())
         await self.stop.wait()
         await self.shutdown.wind_down()
         self.settler.close(until=self.shutdown.deadline)
@@ -296,10 +297,10 @@ class Worker:
         if i >= 0:
             self.settler.replies[i] = msg.reply
         if job.delivery > 1:
-            self.emit(ev="redelivered", seq=job.stream_seq, delivery=job.delivery)
+            self.emit(Redelivered(job.stream_seq, job.delivery))
         if i < 0:                        # table full (more came than asked): told first, the NAK after
             self.pulls.not_started()
-            self.emit(ev="settled", seq=job.stream_seq, delivery=job.delivery, outcome="nak", reason="table full")
+            self.emit(Settled(job.stream_seq, job.delivery, "nak", "table full"))
             await self.nc.publish(msg.reply, b"-NAK")
             return
         self.queue.append((msg, i, job))
@@ -357,7 +358,7 @@ class Worker:
         if self.started_jobs == self.spec.job_limit:
             # The parent starts our replacement now (we take no further job: pull_size) and
             # retires us once the replacement is ready and our last job is done.
-            self.emit(ev="recycle_due", jobs=self.started_jobs)
+            self.emit(RecycleDue(self.started_jobs))
 
     async def run_async(self, i: int, job: Job) -> None:
         """An async handler, on the loop."""
@@ -388,8 +389,8 @@ class Worker:
 
     # -- reporting rare events to the parent
 
-    def emit(self, **event: Any) -> None:
-        self.parent.tell(**event)
+    def emit(self, event: Event) -> None:
+        self.parent.tell(event)
 
 
 # ---------------------------------------------------------------- small pure helpers

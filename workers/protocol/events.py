@@ -1,0 +1,92 @@
+"""The event pipe's vocabulary: what a worker tells its parent, declared once for both processes.
+
+Rare events only (the hot path is the slot table): one JSON line each, `{"ev": kind, ...fields}`.
+The worker sends them with `encode` (workers/runtime/events.py), the parent reads them with
+`decode` (supervisor/parent/process.py) and dispatches on the type (parent/arbiter.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Connected, bound to the consumer, pulling."""
+    kind: ClassVar[str] = "ready"
+
+
+@dataclass(frozen=True)
+class Redelivered:
+    """A delivery after the first reached this worker: the parent's ledger explains it."""
+    kind: ClassVar[str] = "redelivered"
+    seq: int
+    delivery: int
+
+
+@dataclass(frozen=True)
+class Settled:
+    """The worker acked, NAKed or terminated a job (or NAKed one its table had no room for)."""
+    kind: ClassVar[str] = "settled"
+    seq: int
+    delivery: int
+    outcome: str             # ack | nak | term | duplicate
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Unsent:
+    """nats-py refused the worker's ack, NAK or TERM for now: the job may come back."""
+    kind: ClassVar[str] = "unsent"
+    seq: int
+    delivery: int
+    outcome: str
+    error: str
+
+
+@dataclass(frozen=True)
+class AcksResent:
+    """Recent acks sent again after a consumer leader change (workers/runtime/reack.py)."""
+    kind: ClassVar[str] = "acks_resent"
+    why: str
+    resent: int
+    confirmed: int
+    unconfirmed: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RecycleDue:
+    """Its last job under workers.max_jobs has started: the parent starts its replacement."""
+    kind: ClassVar[str] = "recycle_due"
+    jobs: int
+
+
+Event = Ready | Redelivered | Settled | Unsent | AcksResent | RecycleDue
+KINDS: dict[str, type[Event]] = {cls.kind: cls for cls in (Ready, Redelivered, Settled, Unsent, AcksResent, RecycleDue)}
+
+
+def encode(event: Event) -> bytes:
+    fields = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
+    return json.dumps({"ev": event.kind, **fields}, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes) -> Event:
+    """One line back into its event; ValueError naming what is wrong with anything else."""
+    raw: Any = json.loads(line)
+    if not isinstance(raw, dict) or raw.get("ev") not in KINDS:
+        raise ValueError(f"not an event: {line[:100]!r}")
+    cls = KINDS[raw.pop("ev")]
+    try:
+        event = cls(**raw)
+    except TypeError as exc:
+        raise ValueError(f"{cls.kind}: {exc}") from None
+    for f in dataclasses.fields(event):
+        want = int if f.type == "int" else str if f.type == "str" else None
+        if want is not None and not isinstance(getattr(event, f.name), want):
+            raise ValueError(f"{cls.kind}.{f.name}: expected {want.__name__}, got {getattr(event, f.name)!r}")
+    if isinstance(event, AcksResent):
+        event = dataclasses.replace(event, unconfirmed=tuple(int(s) for s in event.unconfirmed))
+    return event
