@@ -34,7 +34,7 @@ log = logging.getLogger("worker")
 ORPHAN_GRACE = 2.0          # running jobs (and their acks' fence) get this long when the parent has died
 
 
-class Owner(Protocol):
+class OrphanHost(Protocol):
     """What the watch needs of the worker that owns it (workers/runtime/worker.py Worker)."""
     nc: Any
     table: slots.SlotTable
@@ -45,7 +45,7 @@ class Owner(Protocol):
 
 
 class ParentWatch:
-    def __init__(self, owner: Owner, slot: int, parent_pid: int, events_fd: int, server_dies_with_parent: bool):
+    def __init__(self, owner: OrphanHost, slot: int, parent_pid: int, events_fd: int, server_dies_with_parent: bool):
         self.owner = owner
         self.slot = slot
         self.parent_pid = parent_pid

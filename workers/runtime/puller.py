@@ -28,7 +28,7 @@ PULL_MARGIN = 1.0           # past a request's local expiry, before its credits 
                             # clock starts when the request arrives; one round trip at most)
 
 
-class Owner(Protocol):
+class PullHost(Protocol):
     """What pulling needs of the worker that owns it (workers/runtime/worker.py Worker)."""
     nc: Any                                # the worker's connection, made once the worker runs
     table: SlotTable
@@ -40,7 +40,7 @@ class Owner(Protocol):
 
 
 class Puller:
-    def __init__(self, owner: Owner, slot: int, sizer: PullSizer, job_limit: int, next_subject: str):
+    def __init__(self, owner: PullHost, slot: int, sizer: PullSizer, job_limit: int, next_subject: str):
         self.owner = owner
         self.slot = slot
         self.sizer = sizer

@@ -87,7 +87,7 @@ class Round:
     leader_back: float | None = None     # when the first re-sent ack was confirmed (since the last trigger)
 
 
-class Owner(Protocol):
+class ReackHost(Protocol):
     """What re-acking needs of the worker that owns it (worker.py Worker)."""
     nc: Any
 
@@ -95,7 +95,7 @@ class Owner(Protocol):
 
 
 class Reacker:
-    def __init__(self, owner: Owner, slot: int, stream: str, consumer: Any):
+    def __init__(self, owner: ReackHost, slot: int, stream: str, consumer: Any):
         """`consumer`: the [consumer] config (its name; AckWait and backoff size the window)."""
         self.owner, self.slot = owner, slot
         self.stream, self.consumer = stream, consumer.name

@@ -44,7 +44,7 @@ UNSENT = -1                  # the generation of a settle whose publish raised: 
 REFUSED = (nats.errors.OutboundBufferLimitError,)
 
 
-class Owner(Protocol):
+class SettleHost(Protocol):
     """What settling needs of the worker that owns it (workers/runtime/worker.py Worker)."""
     nc: Any                                # the worker's connection, made once the worker runs
     table: SlotTable
@@ -54,7 +54,7 @@ class Owner(Protocol):
 
 
 class Settler:
-    def __init__(self, owner: Owner, slot: int, double_ack: bool, entries: int,
+    def __init__(self, owner: SettleHost, slot: int, double_ack: bool, entries: int,
                  acked: Callable[[int, str], None] = lambda seq, reply: None):
         self.owner = owner
         self.acked = acked                         # (seq, reply) of each plain ack sent: reack.py

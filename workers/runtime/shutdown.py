@@ -31,7 +31,7 @@ log = logging.getLogger("worker")
 SHUTDOWN_NAK_DELAY = PULL_EXPIRES + PULL_MARGIN
 
 
-class Owner(Protocol):
+class ShutdownHost(Protocol):
     """What the shutdown path needs of the worker that owns it (workers/runtime/worker.py Worker)."""
     mode: str
     grace: float                           # graceful_timeout, shorter once the parent is gone
@@ -50,7 +50,7 @@ class Owner(Protocol):
 
 
 class Shutdown:
-    def __init__(self, owner: Owner, slot: int):
+    def __init__(self, owner: ShutdownHost, slot: int):
         self.owner = owner
         self.slot = slot
         self.deadline = 0.0              # graceful_timeout from the start of wind_down

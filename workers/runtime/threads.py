@@ -35,7 +35,7 @@ OUTCOME_EVERY = 0.02        # a busy handler thread hands outcomes back at most 
 Chunk = list[tuple[Any, int, Job]]         # (message, table entry, job) as the worker pulled them
 
 
-class Owner(Protocol):
+class ThreadsHost(Protocol):
     """What the handler threads need of the worker that owns them (workers/runtime/worker.py Worker)."""
     mode: str                              # read under start_lock; the worker writes it under it too
     running: int                           # jobs taken from the worker's queue and not finished
@@ -53,7 +53,7 @@ class Owner(Protocol):
 
 
 class HandlerThreads:
-    def __init__(self, owner: Owner, start_lock: threading.Lock, handler: Callable[[Job], Any],
+    def __init__(self, owner: ThreadsHost, start_lock: threading.Lock, handler: Callable[[Job], Any],
                  concurrency: int, job_limit: int):
         self.owner = owner
         self.handler = handler
