@@ -10,6 +10,8 @@ the journal, not trusted). Per job (stream sequence):
 - dead-lettered: never completed, copied to the dead-letter stream (max_deliver or poison).
 - bounced: first ran at a delivery higher than 1 + the drains between its PubAck and that run:
   handed out and NAKed unstarted more often than drains could (each spends consumer.max_deliver).
+- retried: a run that ended in an `R` line (the handler raised on purpose) explains the next
+  delivery; its lag counts from that line.
 - completed twice: the journal has two `D` lines. Each is explained only by a named fault that
   touched the worker of the earlier completion between its start and the redelivery (it died
   before its ack got out, its connection was cut, the server restarted...); otherwise it is
@@ -24,7 +26,14 @@ the journal, not trusted). Per job (stream sequence):
   it: more than half of AckWait after the last evidence of the previous delivery. AckWait is
   long (30 s) and scenario loads keep queueing short, so only an expiry (or a NAK held up as
   long, in a stalled connection) takes that long; the lag is reported. A wait counts against
-  the supervisor unless every fault that could have caused it is outside its control.
+  the supervisor unless every fault that could have caused it is outside its control. For a
+  delivery that never started, the faults that could have caused it are those acting when it
+  was handed out: from one AckWait before the redelivery (an expiry brings it back exactly
+  then) to the redelivery. (The first start of a later job, the other evidence, comes late
+  when jobs queue: after a stalled worker link healed, the backlog went to the pull requests
+  the dead connection had carried, and the later jobs started only after the heal.) A fault
+  that is outside its control for started jobs may be inside for unstarted ones, or the other
+  way round (chaos/facts.py Fault.unstarted_in_control).
 - unacked: still in the work-queue stream at the end (an ack that never landed).
 """
 
@@ -38,6 +47,7 @@ from .facts import Fault, Life, Rec, Stored
 
 ACKWAIT_FRACTION = 0.5      # a redelivery later than this share of AckWait waited for AckWait
 SLACK = 0.05                # seconds: journal lines and fault times come from different processes
+EXPIRY_SLACK = 0.5          # seconds: an expiry's redelivery reaches a handler this much after AckWait at most
 
 # Verdicts in table order, with what each must be unless a scenario says otherwise (None: reported only).
 VERDICTS = {
@@ -86,6 +96,7 @@ class Evidence:
     # supervisor stops, SIGTERM to exit (each may NAK a job once)
     drains: list[tuple[float, float]] = field(default_factory=list)
     status: dict | None = None                  # the supervisor's /status at the end
+    statuses: list[dict] = field(default_factory=list)   # several supervisors (a fleet): each one's
     sup_died: int = 0
     bad_exits: int = 0                          # supervisors that did not exit 0 when stopped
     healthz_s: float | None = None
@@ -97,6 +108,11 @@ class RunOfJob:
     delivery: int
     start: float
     done: float | None = None
+    retried: float | None = None        # the handler raised on purpose (an `R` line)
+
+    @property
+    def ended(self) -> float | None:
+        return self.done if self.done is not None else self.retried
 
 
 def runs_by_seq(journal: list[Rec]) -> dict[int, list[RunOfJob]]:
@@ -106,6 +122,8 @@ def runs_by_seq(journal: list[Rec]) -> dict[int, list[RunOfJob]]:
         slot = runs[r.seq]
         if r.event == "S":
             slot[(r.pid, r.delivery)] = RunOfJob(r.pid, r.delivery, r.t)
+        elif (r.pid, r.delivery) in slot and r.event == "R":
+            slot[(r.pid, r.delivery)].retried = r.t
         elif (r.pid, r.delivery) in slot:
             slot[(r.pid, r.delivery)].done = r.t
     return {seq: sorted(v.values(), key=lambda x: x.start) for seq, v in runs.items()}
@@ -218,8 +236,8 @@ class Checker:
         if before:
             p = before[-1]
             faults = self.touching(p.pid, p.start, run.start)
-            t_ref = max([p.start, p.done or p.start, *(min(f.t0, run.start) for f in faults if f.t0 >= p.start)])
-            if not faults and p.done is None:
+            t_ref = max([p.start, p.ended or p.start, *(min(f.t0, run.start) for f in faults if f.t0 >= p.start)])
+            if not faults and p.ended is None:
                 c["unexplained"] += 1
                 self.find("unexplained", seq, f"delivery {run.delivery} {self.at(run.start)} after pid {p.pid} "
                                               f"started delivery {p.delivery} {self.at(p.start)} and never finished "
@@ -227,15 +245,19 @@ class Checker:
             culprits = faults
         else:
             t_ref = self.sent_by(seq)
-            culprits = self.overlapping(t_ref, run.start)
+            # What touched it is what acted when it was handed out. `sent_by` is only an upper
+            # bound of that moment (a later job's first start: late when jobs queue); a delivery
+            # that came back by expiry was handed out one AckWait before it came back.
+            culprits = self.overlapping(min(t_ref, run.start - self.ev.ack_wait) - EXPIRY_SLACK, run.start)
         lag = run.start - t_ref
         cause = culprits[0].name(self.ev.origin) if culprits else (
-            "an earlier delivery never started" if not before else "no fault")
+            "an earlier delivery never started" if not before else
+            "the handler asked for it (retry)" if before[-1].retried is not None else "no fault")
         self.find("redelivered", seq, f"delivery {run.delivery} by pid {run.pid} {self.at(run.start)}, {max(lag, 0):.2f}s "
                                       f"after the previous delivery was last seen; {cause}")
         if lag < ACKWAIT_FRACTION * self.ev.ack_wait:
             return
-        outside = culprits and all(not f.in_control for f in culprits)
+        outside = culprits and all(not f.controls(started=bool(before)) for f in culprits)
         verdict = "ackwait_outside" if outside else "ackwait"
         c[verdict] += 1
         why = self.wait_context(run.start, culprits)
@@ -255,10 +277,12 @@ class Checker:
         """What happened about one AckWait before the redelivery: what the wait started with."""
         due = t - self.ev.ack_wait
         deaths = sorted((lf for lf in self.ev.lives.values() if lf.died is not None and abs(lf.died - due) <= 3.0),
-                        key=lambda lf: abs(lf.died - due))
-        faults = sorted((f for f in self.ev.faults if abs(f.t0 - due) <= 3.0), key=lambda f: abs(f.t0 - due)) or culprits
+                        key=lambda lf: abs((lf.died or 0.0) - due))
+        def far(f: Fault) -> float:
+            return max(f.t0 - due, due - f.t1, 0.0)
+        faults = sorted((f for f in self.ev.faults if far(f) <= 3.0), key=far) or culprits
         parts = [f.name(self.ev.origin) for f in faults[:2]]
-        parts += [f"worker pid {lf.pid} exited {self.at(lf.died)}" for lf in deaths[:3]]
+        parts += [f"worker pid {lf.pid} exited {self.at(lf.died or 0.0)}" for lf in deaths[:3]]
         return "about AckWait after: " + "; ".join(parts) if parts else "no fault or worker exit one AckWait before"
 
     # ------------------------------------------------------------ the supervisor's own word
@@ -267,20 +291,20 @@ class Checker:
         c["sup_died"] = self.ev.sup_died
         c["exit"] = self.ev.bad_exits
         c["healthz_s"] = self.ev.healthz_s
-        status = self.ev.status
-        if status is None:
+        statuses = self.ev.statuses or ([self.ev.status] if self.ev.status is not None else [])
+        if not statuses:
             c["sup_unexplained"] = c["sup_open"] = None
             return
-        cc = status["crosscheck"]
-        c["sup_unexplained"] = cc["unexplained_redeliveries"]
-        c["sup_open"] = len(cc["outstanding"])
-        for o in cc["outstanding"]:
+        ccs = [s["crosscheck"] for s in statuses]
+        c["sup_unexplained"] = sum(cc["unexplained_redeliveries"] for cc in ccs)
+        c["sup_open"] = sum(len(cc["outstanding"]) for cc in ccs)
+        for o in (o for cc in ccs for o in cc["outstanding"]):
             self.find("sup_open", o["stream_seq"], f"the supervisor's ledger still lists it as held at a death: {o}")
         journal_unexplained = c["dup_unexplained"] + c["unexplained"]
-        if journal_unexplained > cc["unexplained_redeliveries"]:
+        if journal_unexplained > c["sup_unexplained"]:
             self.findings.append(Finding("crosscheck", 0, "", (
                 f"the journal shows {journal_unexplained} unexplained redelivery(ies) or duplicate(s), the "
-                f"supervisor's cross-check counts {cc['unexplained_redeliveries']}: it explained away what it "
+                f"supervisors' cross-check counts {c['sup_unexplained']}: it explained away what it "
                 "should have flagged")))
 
     def queueing_note(self) -> list[str]:

@@ -23,7 +23,7 @@ class Stored:
 
 @dataclass(frozen=True)
 class Rec:
-    event: str                  # S (started) | D (done)
+    event: str                  # S (started) | D (done) | R (the handler raised on purpose: retry)
     pid: int
     seq: int
     delivery: int
@@ -40,6 +40,16 @@ class Fault:
     pids: frozenset[int] | None = None    # the workers it touched; None = every connection
     in_control: bool = True     # AckWait waits and unexplained duplicates it causes are defects
     note: str = ""
+    # For deliveries that never started (on the wire, or buffered unstarted): None = as
+    # in_control. False where the README says they wait for AckWait (a worker killed while a
+    # peer supervisor shares the consumer: the in-transit check needs a lone supervisor).
+    unstarted_in_control: bool | None = None
+
+    def controls(self, started: bool) -> bool:
+        """Is a wait this fault causes the supervisor's to prevent?"""
+        if started or self.unstarted_in_control is None:
+            return self.in_control
+        return self.unstarted_in_control
 
     def touches(self, pid: int, lo: float, hi: float) -> bool:
         """Did this fault act on `pid` at some moment in [lo, hi]?"""

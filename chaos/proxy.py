@@ -107,6 +107,10 @@ class Proxy:
             if self.rule_for(conn.name) is None:
                 conn.flowing.set()
 
+    async def count(self, pattern: str) -> int:
+        """Connections of that name still open (a heal lets stale ones read their EOF and close)."""
+        return len(self.matching(pattern))
+
     def rule_for(self, name: str | None) -> str | None:
         for pattern, mode in self.rules.items():
             if name is not None and re.search(pattern, name):

@@ -374,6 +374,9 @@ def net_stall_worker(run: Run) -> None:
     assert run.bg.call(run.proxy.stall(r" worker 0$")) == 1
     time.sleep(run.ack_wait + 8)                      # the half-open connection outlives AckWait
     run.bg.call(run.proxy.heal(r" worker 0$"))
+    # The worker gave up on the stalled connection long ago; what it carried (pull requests)
+    # reaches the server now, which may hand that dead connection jobs until it is closed.
+    wait_until(lambda: run.bg.call(run.proxy.count(r" worker 0$")) <= 1, 10, "the stale connections closed")
     run.fault(f"network: worker 0's connection stalled {run.ack_wait + 8:g}s", t0, time.monotonic(), pids={pid},
               in_control=False)
 

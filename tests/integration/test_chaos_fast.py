@@ -164,3 +164,52 @@ def test_every_scenario_has_a_doc_and_known_verdicts():
     for sc in SCENARIOS.values():
         assert sc.doc, sc.name
         assert set(sc.expect) <= set(check(evidence([])).counts), sc.name
+
+
+def test_checker_blames_a_dead_links_heal_for_what_the_server_handed_it_then():
+    """Issue 22 item 10: a worker link stalled past AckWait; at the heal the pull requests the
+    dead connection had carried reached the server, which handed them the backlog (a loaded
+    box queued one) before the proxy closed it. Those jobs came back after AckWait; the later
+    jobs' first starts (the checker's only evidence of when they were handed out) came after
+    the fault's end, so the wait was charged to the supervisor. An expiry hands a job out one
+    AckWait before its redelivery: that is when the fault must have acted."""
+    later = [("S", 2, 2, 1, 39.3), ("D", 2, 2, 1, 39.5)]
+    back = [("S", 2, 1, 2, 69.1), ("D", 2, 1, 2, 69.3)]
+    stall = Fault("worker link stalled", T0 + 1.0, T0 + 39.0, frozenset({1}), in_control=False)
+    c = check(evidence(later + back, [stall], stored=2)).counts
+    assert (c["ackwait"], c["ackwait_outside"]) == (0, 1)
+    inside = Fault("parent link stalled", T0 + 1.0, T0 + 39.0, frozenset(), in_control=True)
+    assert check(evidence(later + back, [inside], stored=2)).counts["ackwait"] == 1
+    assert check(evidence(later + back, [], stored=2)).counts["ackwait"] == 1
+    long_before = Fault("worker link stalled", T0 + 1.0, T0 + 30.0, frozenset({1}), in_control=False)
+    assert check(evidence(later + back, [long_before], stored=2)).counts["ackwait"] == 1
+
+
+def test_checker_takes_a_handler_retry_as_the_reason_for_the_next_delivery():
+    retried = [("S", 1, 1, 1, 0.1), ("R", 1, 1, 1, 0.2), ("S", 1, 1, 2, 1.2), ("D", 1, 1, 2, 1.3)]
+    c = check(evidence(retried)).counts
+    assert (c["unexplained"], c["redelivered"], c["dup"], c["lost"]) == (0, 1, 0, 0)
+    silent = [("S", 1, 1, 1, 0.1), ("S", 1, 1, 2, 1.2), ("D", 1, 1, 2, 1.3)]
+    assert check(evidence(silent)).counts["unexplained"] == 1
+    late = [("S", 1, 1, 1, 0.1), ("R", 1, 1, 1, 0.2), ("S", 1, 1, 2, 30.2), ("D", 1, 1, 2, 30.3)]
+    assert check(evidence(late)).counts["ackwait"] == 1          # a retry delay is not an AckWait
+
+
+def test_checker_judges_unstarted_deliveries_by_the_faults_own_rule():
+    """With a peer on the consumer, what was on the wire to a killed worker comes back after
+    AckWait (README): the kill is in control for the jobs it held, not for those."""
+    never_started = [("S", 2, 1, 2, 30.3), ("D", 2, 1, 2, 30.4)]
+    held = [("S", 1, 1, 1, 0.1), ("S", 2, 1, 2, 30.3), ("D", 2, 1, 2, 30.4)]
+    kill = Fault("worker SIGKILL", T0 + 0.2, T0 + 0.3, frozenset({1}), unstarted_in_control=False)
+    assert check(evidence(never_started, [kill])).counts["ackwait"] == 0
+    assert check(evidence(held, [kill])).counts["ackwait"] == 1
+    plain = Fault("worker SIGKILL", T0 + 0.2, T0 + 0.3, frozenset({1}))
+    assert check(evidence(never_started, [plain])).counts["ackwait"] == 1
+
+
+def test_checker_adds_up_the_cross_checks_of_a_fleet():
+    runs = [("S", 1, 1, 1, 0.1), ("D", 1, 1, 1, 0.2)]
+    one = {"crosscheck": {"unexplained_redeliveries": 1, "outstanding": []}}
+    two = {"crosscheck": {"unexplained_redeliveries": 2, "outstanding": [{"stream_seq": 1}]}}
+    c = check(evidence(runs, statuses=[one, two])).counts
+    assert (c["sup_unexplained"], c["sup_open"]) == (3, 1)
