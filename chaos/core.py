@@ -54,14 +54,16 @@ class Result:
     notes: list[str] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    plan: str = ""                  # a randomized run's draw (chaos/randomized.py Plan.describe)
 
     def summary(self) -> str:
         """A few lines a person (or a failing test) can act on."""
         if self.skipped:
             return f"{self.name}: skipped ({self.skipped})"
         head = f"{self.name} (seed {self.seed}): {'PASS' if self.passed else 'FAIL'} in {self.seconds:.0f}s"
-        lines = [head, "  " + " ".join(f"{k}={round(v, 2) if isinstance(v, float) else v}"
-                                       for k, v in self.counts.items() if v is not None)]
+        lines = [head, *([f"  drew {self.plan}"] if self.plan and not self.passed else []),
+                 "  " + " ".join(f"{k}={round(v, 2) if isinstance(v, float) else v}"
+                                 for k, v in self.counts.items() if v is not None)]
         lines += [f"  FAIL {f}" for f in self.failures]
         if self.error:
             lines.append(f"  error: {self.error}")
@@ -76,7 +78,7 @@ class Result:
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "seed": self.seed, "passed": self.passed, "skipped": self.skipped,
                 "error": self.error, "counts": self.counts, "failures": self.failures, "notes": self.notes,
-                "faults": self.faults, "seconds": round(self.seconds, 1),
+                "faults": self.faults, "seconds": round(self.seconds, 1), "plan": self.plan,
                 "findings": [f.__dict__ for f in self.findings]}
 
 
@@ -86,24 +88,29 @@ def run_scenario(name: str, workdir: Path, quick: bool = True, seed: int | None 
     supervisor logs are copied there."""
     sc = SCENARIOS[name]
     seed = random.randrange(1 << 30) if seed is None else seed
-    result = Result(name, seed)
     reason = sc.skip() if sc.skip else ""
     if reason:
-        result.skipped, result.passed = reason, True
-        return result
+        return Result(name, seed, passed=True, skipped=reason)
+    return run_with(name, seed, sc.fn, sc.expect, workdir, quick, logs_to)
+
+
+def run_with(name: str, seed: int, fn: Callable[[Run], None], expect: dict[str, Any], workdir: Path,
+             quick: bool = True, logs_to: Path | None = None, plan: str = "") -> Result:
+    """Run `fn` (a scenario, or a randomized plan) in `workdir`, settle, check against `expect`."""
+    result = Result(name, seed, plan=plan)
     started = time.monotonic()
     run = Run(name, workdir, quick)
     run.rng = random.Random(seed)
     try:
         try:
-            sc.fn(run)
+            fn(run)
         except Exception as exc:      # the scenario could not finish its schedule: still check what happened
             result.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             result.notes.append("".join(traceback.format_exception(exc)[-3:]).strip()[-600:])
         report = run.finish()
         result.counts, result.findings = report.counts, report.findings
         result.notes += run.notes + report.notes
-        result.failures = report.failures(sc.expect)
+        result.failures = report.failures(expect)
         result.passed = not result.failures and not result.error
     except Exception as exc:
         result.error = result.error or f"{type(exc).__name__}: {exc}".splitlines()[0][:300]

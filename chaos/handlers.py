@@ -1,25 +1,31 @@
 """The handler the chaos runs put inside real workers, and the init hooks that constrain them.
 
-Every job's payload is `KEY:FIRST[:LATER]`: what the first delivery does and what later ones do
-(default: the same), each either seconds to sleep, seconds of CPU to burn (`0.01cpu`) or `oom`.
+Every job's payload is `KEY:A1[:A2...]`: what delivery 1, 2, ... does (the last one repeats for
+later deliveries), each either seconds to sleep, seconds of CPU to burn (`0.01cpu`), `oom`,
+`grow8` (keep 8 MB more of this worker's memory, as a leaking handler does), `fail` (raise: the
+worker NAKs with workers.retry_backoff) or `retry0.5` (raise Retry(0.5)).
 The handler journals each run to $CHAOS_JOURNAL before and after the work, one line per event written with a single
 O_APPEND write (line-atomic between processes, no fsync: a SIGKILLed worker loses nothing it
 wrote, and nothing it did not write can appear):
 
-    S|D  pid  stream_seq  delivery  monotonic  wall  key
+    S|D|R  pid  stream_seq  delivery  monotonic  wall  key
 
 `S` is written right before the work starts, `D` right after it returned, before the worker
-acks: a `D` without an ack behind it is exactly the duplicate a crash can cause. CLOCK_MONOTONIC
-is system-wide, so the runner compares these times with the moments it injected faults.
+acks: a `D` without an ack behind it is exactly the duplicate a crash can cause. `R` is written
+right before the handler raises on purpose (`fail`, `retry`): the next delivery is the one it
+asked for. CLOCK_MONOTONIC is system-wide, so the runner compares these times with the moments
+it injected faults. `journal` is a sync handler (run in a worker thread), `journal_async` the
+same work as an async one (on the worker's event loop).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import resource
 import time
 
-from workers import Job
+from workers import Job, Retry
 
 _fd: int | None = None
 _hoard: list[bytearray] = []     # memory an `oom` job keeps on purpose
@@ -34,22 +40,54 @@ def _journal(event: str, job: Job, key: str) -> None:
 
 
 def parse_payload(data: bytes, delivery: int) -> tuple[str, str]:
-    """(key, what this delivery does): seconds to sleep, or `oom`."""
+    """(key, what this delivery does): the delivery's own action, or the last one given."""
     key, _, rest = data.decode(errors="replace").partition(":")
-    first, _, later = rest.partition(":")
-    return key, (first if delivery == 1 else later or first) or "0"
+    actions = rest.split(":")
+    return key, actions[min(max(delivery, 1), len(actions)) - 1] or "0"
 
 
-def journal(job: Job) -> None:
+class Failed(RuntimeError):
+    """What a `fail` action raises: any exception but Retry/Reject NAKs with retry_backoff."""
+
+
+def begin(job: Job) -> tuple[str, str, float]:
+    """Journal the start; (key, action, seconds to sleep after the synchronous part)."""
     key, what = parse_payload(job.data, job.delivery)
     _journal("S", job, key)
+    if what == "fail":
+        _journal("R", job, key)
+        raise Failed(f"chaos: delivery {job.delivery} fails on purpose")
+    if what.startswith("retry"):
+        _journal("R", job, key)
+        raise Retry(float(what[5:]))
     if what == "oom":
         exhaust_memory()
+    elif what.startswith("grow"):
+        _hoard.append(touched(int(what[4:])))
     elif what.endswith("cpu"):
         spin(float(what[:-3]))
     else:
-        time.sleep(float(what))
+        return key, what, float(what)
+    return key, what, 0.0
+
+
+def journal(job: Job) -> None:
+    key, _, sleep = begin(job)
+    time.sleep(sleep)
     _journal("D", job, key)
+
+
+async def journal_async(job: Job) -> None:
+    """The same work on the worker's loop (a CPU action blocks the loop, as such a handler would)."""
+    key, _, sleep = begin(job)
+    await asyncio.sleep(sleep)
+    _journal("D", job, key)
+
+
+def touched(megabytes: int) -> bytearray:
+    chunk = bytearray(megabytes * 1024 * 1024)
+    chunk[::4096] = b"x" * len(chunk[::4096])
+    return chunk
 
 
 def spin(seconds: float) -> None:
@@ -65,9 +103,7 @@ def exhaust_memory() -> None:
     SIGKILLs us, or RLIMIT_AS makes the allocation raise MemoryError (which we let escape with
     the hoard kept, as a leaking handler would)."""
     while True:
-        chunk = bytearray(8 * 1024 * 1024)
-        chunk[::4096] = b"x" * len(chunk[::4096])
-        _hoard.append(chunk)
+        _hoard.append(touched(8))
 
 
 # ---------------------------------------------------------------- workers.init hooks

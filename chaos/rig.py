@@ -106,7 +106,8 @@ class JournalTail:
                 self.open[(rec.pid, rec.seq, rec.delivery)] = rec
             else:
                 self.open.pop((rec.pid, rec.seq, rec.delivery), None)
-                self.done.add(rec.seq)
+                if event == "D":
+                    self.done.add(rec.seq)
         return self.recs
 
 
@@ -223,6 +224,7 @@ class Run:
         self.drains: list[tuple[float, float]] = []  # each stop: from its SIGTERM to its exit
         self.sup_died = 0
         self.undo: list[Callable[[], None]] = []            # cleanups beyond processes, run last-first
+        self.after_settle: list[Callable[[], None]] = []    # faults only known after the fact
         self.status: dict | None = None
         self.notes: list[str] = []                   # what the run saw that the verdicts do not say
 
@@ -321,8 +323,9 @@ class Run:
     # ------------------------------------------------------------ faults
 
     def fault(self, kind: str, t0: float, t1: float | None = None, pids: set[int] | None = None,
-              in_control: bool = True, note: str = "") -> Fault:
-        f = Fault(kind, t0, t0 if t1 is None else t1, None if pids is None else frozenset(pids), in_control, note)
+              in_control: bool = True, note: str = "", unstarted_in_control: bool | None = None) -> Fault:
+        f = Fault(kind, t0, t0 if t1 is None else t1, None if pids is None else frozenset(pids), in_control, note,
+                  unstarted_in_control)
         self.faults.append(f)
         return f
 
@@ -395,9 +398,10 @@ class Run:
 
     def finish(self) -> Report:
         self.settle()
-        sup = self.sup
-        if sup.proc.poll() is None:
-            self.status = self.ledger_status(sup)
+        for hook in self.after_settle:
+            hook()
+        statuses = [self.ledger_status(s) for s in self.sups if s.proc.poll() is None]
+        self.status = statuses[-1] if statuses else None
         for i, s in enumerate(self.sups):
             if i not in self.stopped:
                 self.stop_supervisor(s)
@@ -406,7 +410,7 @@ class Run:
         stored = dict(self.publisher.stored)
         ev = Evidence(stored=stored, journal=self.tail.poll(), faults=self.faults, ack_wait=self.ack_wait,
                       origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead,
-                      status=self.status,
+                      status=self.status, statuses=[s for s in statuses if s],
                       sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), drains=self.drains,
                       healthz_s=max(self.healthz) if self.healthz else None)
         return check(ev)

@@ -1,0 +1,594 @@
+"""Randomized runs: a configuration and a fault schedule drawn from one seed.
+
+    python -m chaos --random --seed N [--minutes M]        one run; replays exactly that draw
+    python -m chaos --random --seeds A-B [--minutes M]     runs A, A+1, ... B one after the other
+
+The fixed scenarios (chaos/scenarios.py) test one feature at a time; this mode tests the
+combinations (the `max_jobs` + idempotency wedge needed two). `draw(seed, minutes)` is a pure
+function of its arguments: it returns the supervisor configuration, the job mix and rate, and
+a schedule of faults with every parameter already decided (which worker a fault hits is a
+drawn fraction into the list of candidates at that moment: the draw is the same on every
+replay, the pid it lands on is not). Only timing varies between replays.
+
+The space is two tables, so a new feature adds a row, not a code path:
+
+- SETTINGS: one row per config key (or runner knob, `chaos.*`), drawn in table order; each
+  says what it needs from the rows before it (`needs`), how it is drawn, and whether a SIGHUP
+  may change it later (`hup`).
+- FAULTS: one row per fault; each says what configuration it needs, its weight, how its
+  parameters are drawn, whether it needs the connections to go through chaos/proxy.py, and
+  how it acts. A fault records what it touched (chaos/facts.py Fault) and whether a wait it
+  causes is the supervisor's to prevent, which is what the one checker (chaos/checker.py)
+  judges the run by.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import signal
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import tomli_w
+from harness import SupervisorProc, wait_until
+
+from .checker import VERDICTS
+from .core import Result, run_with
+from .rig import ChaosNats, Run
+
+Cfg = dict[str, Any]             # "section.key" (a supervisor key) or "chaos.knob" -> value
+
+
+def always(_: Cfg) -> bool:
+    return True
+
+
+def weighted(rng: random.Random, choices: list[tuple[Any, float]]) -> Any:
+    return rng.choices([c for c, _ in choices], [w for _, w in choices])[0]
+
+
+# ================================================================ the settings
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    draw: Callable[[random.Random, Cfg], Any]
+    needs: Callable[[Cfg], bool] = always
+    hup: bool = False            # a SIGHUP fault may redraw it (a LIVE or REPLACE key)
+
+
+def fleet(c: Cfg) -> bool:
+    return c["chaos.supervisors"] > 1
+
+
+SETTINGS: list[Setting] = [
+    Setting("chaos.supervisors", lambda r, c: weighted(r, [(1, 3), (2, 1)])),    # 2: a fleet on one consumer
+    Setting("chaos.handler", lambda r, c: r.choice(["sync", "async"])),
+    Setting("consumer.ack_wait", lambda r, c: weighted(r, [(30.0, 3), (15.0, 1)])),
+    Setting("workers.count", lambda r, c: r.randint(1, 4)),
+    Setting("workers.concurrency", lambda r, c: weighted(r, [(1, 3), (2, 1), (3, 1), (4, 1)]), hup=True),
+    Setting("workers.batch", lambda r, c: r.choice([4, 16, 64, 256]), hup=True),
+    Setting("workers.max_jobs", lambda r, c: weighted(r, [(0, 1), (r.randint(3, 40), 1)]), hup=True),
+    Setting("workers.max_jobs_jitter", lambda r, c: r.randint(0, 5), needs=lambda c: c["workers.max_jobs"] > 0,
+            hup=True),
+    Setting("workers.max_rss_mb", lambda r, c: weighted(r, [(0, 3), (r.randint(90, 160), 1)]), hup=True),
+    Setting("workers.graceful_timeout", lambda r, c: r.choice([1.0, 5.0, 10.0]), hup=True),
+    Setting("workers.heartbeat_timeout", lambda r, c: round(r.uniform(2.0, 5.0), 1), hup=True),
+    Setting("workers.double_ack", lambda r, c: r.random() < 0.3, hup=True),
+    Setting("workers.retry_backoff", lambda r, c: sorted(round(r.uniform(0.05, 1.0), 2) for _ in range(3)), hup=True),
+    Setting("idempotency.enabled", lambda r, c: r.random() < 0.3),
+    Setting("autoscale.enabled", lambda r, c: r.random() < 0.25),
+    Setting("autoscale.min", lambda r, c: max(1, c["workers.count"] - 1), needs=lambda c: c["autoscale.enabled"]),
+    Setting("autoscale.max", lambda r, c: c["workers.count"] + r.randint(1, 2), needs=lambda c: c["autoscale.enabled"]),
+    Setting("autoscale.interval", lambda r, c: 1.0, needs=lambda c: c["autoscale.enabled"]),
+    Setting("fleet.heartbeat", lambda r, c: r.choice([0.5, 1.0, 2.0]), needs=fleet),
+    Setting("fleet.release_lost", lambda r, c: r.random() < 0.7, needs=fleet),
+    # The job mix: shares of each kind of job (the rest are short sleeps).
+    Setting("chaos.long", lambda r, c: weighted(r, [(0.0, 1), (round(r.uniform(0.01, 0.08), 3), 2)])),
+    Setting("chaos.beyond_ackwait", lambda r, c: r.random() < 0.3,          # a few jobs outlive AckWait (+WPI)
+            needs=lambda c: c["chaos.long"] > 0 and c["consumer.ack_wait"] <= 15),
+    Setting("chaos.fail", lambda r, c: weighted(r, [(0.0, 1), (round(r.uniform(0.01, 0.1), 3), 1)])),
+    Setting("chaos.retry", lambda r, c: weighted(r, [(0.0, 1), (round(r.uniform(0.01, 0.1), 3), 1)])),
+    Setting("chaos.cpu", lambda r, c: weighted(r, [(0.0, 1), (round(r.uniform(0.05, 0.3), 3), 1)])),
+    Setting("chaos.grow", lambda r, c: round(r.uniform(0.02, 0.1), 3), needs=lambda c: c["workers.max_rss_mb"] > 0),
+    Setting("chaos.utilization", lambda r, c: round(r.uniform(0.15, 0.4), 2)),
+    Setting("chaos.fault_every", lambda r, c: round(r.uniform(3.0, 9.0), 1)),     # mean seconds between faults
+]
+
+# Runner knobs that are not drawn, and what a key not drawn falls back to.
+DEFAULTS: Cfg = {"workers.max_jobs_jitter": 0, "autoscale.enabled": False, "chaos.beyond_ackwait": False,
+                 "chaos.grow": 0.0, "fleet.heartbeat": 2.0, "fleet.release_lost": True}
+
+
+def draw_config(rng: random.Random) -> Cfg:
+    c: Cfg = dict(DEFAULTS)
+    for s in SETTINGS:
+        if s.needs(c):
+            c[s.key] = s.draw(rng, c)
+    return c
+
+
+def sections(c: Cfg) -> dict[str, dict[str, Any]]:
+    """The supervisor's config sections from the drawn keys (chaos.* knobs left out)."""
+    out: dict[str, dict[str, Any]] = {}
+    for dotted, value in c.items():
+        section, name = dotted.split(".")
+        if section != "chaos":
+            out.setdefault(section, {})[name] = value
+    out["workers"]["handler"] = "chaos.handlers:journal_async" if c["chaos.handler"] == "async" else \
+        "chaos.handlers:journal"
+    return out
+
+
+# ================================================================ the jobs
+
+def job_action(rng: random.Random, c: Cfg) -> tuple[str, float]:
+    """(payload actions, seconds of work) of one job; later deliveries run short."""
+    x = rng.random()
+    for share, make in [
+        ("chaos.fail", lambda: (f"fail:{'fail:' if rng.random() < 0.3 else ''}0.02", 0.02)),
+        ("chaos.retry", lambda: (f"retry{rng.choice([0.0, 0.2, 1.0]):g}:0.02", 0.02)),
+        ("chaos.long", lambda: long_job(rng, c)),
+        ("chaos.grow", lambda: (f"grow{rng.choice([4, 8, 16])}", 0.01)),
+        ("chaos.cpu", lambda: (f"{rng.uniform(0.002, 0.02):.3f}cpu", 0.01)),
+    ]:
+        if x < c[share]:
+            return make()
+        x -= c[share]
+    s = rng.uniform(0.005, 0.15)
+    return f"{s:.3f}", s
+
+
+def long_job(rng: random.Random, c: Cfg) -> tuple[str, float]:
+    if c["chaos.beyond_ackwait"] and rng.random() < 0.2:
+        s = c["consumer.ack_wait"] * 1.2
+    else:
+        s = rng.uniform(1.0, 6.0)
+    return f"{s:.2f}:0.5", s
+
+
+def kind_of(actions: str) -> str:
+    """fail, retry, grow, cpu, long (1 s or more) or short."""
+    first = actions.split(":")[0]
+    word = first.strip("0123456789.")
+    return word or ("long" if float(first) >= 1.0 else "short")
+
+
+def rate_for(c: Cfg, mean_s: float) -> float:
+    """Jobs/s: the drawn share of what the smallest pool the schedule can leave would drain."""
+    slots = max(1, c["workers.count"] - 1) * c["workers.concurrency"] * c["chaos.supervisors"]
+    return round(min(40.0, max(2.0, c["chaos.utilization"] * slots / max(mean_s, 0.005))), 1)
+
+
+# ================================================================ the faults
+
+@dataclass(frozen=True)
+class FaultKind:
+    name: str
+    weight: float
+    act: Callable[[Act, dict], None]
+    params: Callable[[random.Random, Cfg], dict] = lambda r, c: {}
+    needs: Callable[[Cfg], bool] = always
+    proxy: bool = False           # acts on connections: every connection goes through chaos/proxy.py
+    # Outside the supervisor's control with these parameters: its ledger cannot explain every
+    # redelivery it causes (a dead link's lost ack looks like AckWait too short).
+    outside: Callable[[Cfg, dict], bool] = lambda c, p: False
+
+
+@dataclass
+class Step:
+    at: float                     # seconds after the load began
+    fault: str
+    params: dict
+
+
+@dataclass
+class Plan:
+    seed: int
+    minutes: float
+    config: Cfg
+    jobs: list[str]
+    rate: float
+    load_s: float
+    schedule: list[Step] = field(default_factory=list)
+
+    @property
+    def proxy(self) -> bool:
+        return any(KINDS[s.fault].proxy for s in self.schedule)
+
+    def describe(self) -> str:
+        """The draw, for a failure's report (and to read what a seed means)."""
+        drawn = {s.key for s in SETTINGS if s.needs(self.config)}
+        keys = " ".join(f"{k}={v}" for k, v in sorted(self.config.items()) if k in drawn)
+        mix: dict[str, int] = {}
+        for j in self.jobs:
+            mix[kind_of(j)] = mix.get(kind_of(j), 0) + 1
+        steps = "; ".join(f"+{s.at:.1f}s {s.fault} {json.dumps(s.params, sort_keys=True)}" for s in self.schedule)
+        return (f"seed {self.seed} ({self.minutes:g} min): {keys}\n  load: {len(self.jobs)} jobs at {self.rate:g}/s "
+                f"over {self.load_s:.0f}s, mix {json.dumps(mix, sort_keys=True)}\n  schedule: {steps or '(none)'}")
+
+
+def draw(seed: int, minutes: float) -> Plan:
+    """The whole run from the seed: a pure function (no clock, no environment)."""
+    rng = random.Random(seed)
+    c = draw_config(rng)
+    load_s = max(10.0, minutes * 60 * 0.75)
+    jobs_rng = random.Random(rng.random())
+    sample = [job_action(random.Random(jobs_rng.random()), c) for _ in range(200)]
+    rate = rate_for(c, sum(s for _, s in sample) / len(sample))
+    n = int(rate * load_s)
+    jobs = [job_action(jobs_rng, c)[0] for _ in range(n)]
+    plan = Plan(seed, minutes, c, jobs, rate, load_s)
+    kinds = [k for k in FAULTS if k.needs(c)]
+    t = 0.1 * load_s
+    while True:
+        t += rng.expovariate(1 / c["chaos.fault_every"])
+        if t > 0.9 * load_s:
+            break
+        kind = rng.choices(kinds, [k.weight for k in kinds])[0]
+        params = {"sup": rng.randrange(c["chaos.supervisors"]), **kind.params(rng, c)}
+        plan.schedule.append(Step(round(t, 2), kind.name, params))
+    return plan
+
+
+class Act:
+    """What a fault's action works with: the run, the plan, the server, the supervisors."""
+
+    def __init__(self, run: Run, plan: Plan, server: ChaosNats, urls: list[str]):
+        self.run, self.plan, self.server, self.urls = run, plan, server, urls
+        self.orphans: set[int] = set()                  # workers of a SIGKILLed parent
+        self.graceful_min = plan.config["workers.graceful_timeout"]
+
+    def sup(self, params: dict) -> SupervisorProc:
+        return self.run.sups[params["sup"] % len(self.run.sups)]
+
+    def live(self, sup: SupervisorProc) -> bool:
+        return sup.proc is not None and sup.proc.poll() is None
+
+    def name(self, sup: SupervisorProc) -> str:
+        return str(sup.config["nats"]["name"])
+
+    def slots(self, sup: SupervisorProc) -> dict[int, int]:
+        s = sup.try_status() or {"workers": {"list": []}}
+        return {w["slot"]: w["pid"] for w in s["workers"]["list"]}
+
+    def victim(self, sup: SupervisorProc, pick: float, running: bool = True) -> int | None:
+        """A worker of `sup`: the drawn fraction into those running a job (or into all of them)."""
+        pids: list[int] = []
+        deadline = time.monotonic() + 5.0
+        while running and not pids and time.monotonic() < deadline and self.live(sup):
+            pids = sorted({r.pid for r in self.run.running(sup)})
+            time.sleep(0.005)
+        pids = pids or sorted(sup.worker_pids())
+        return pids[int(pick * len(pids))] if pids else None
+
+    def in_fleet(self) -> bool:
+        return len(self.run.sups) > 1
+
+    def link(self, mode: str, pattern: str) -> None:
+        """cut, stall or heal the connections named by `pattern`; a heal waits until the
+        connections the fault left for dead are closed (until then the server may still hand
+        them jobs: what they carried reaches it at the heal)."""
+        proxy = self.run.proxy
+        assert proxy is not None, "a link fault without the proxy in the plan"
+        self.run.bg.call(getattr(proxy, mode)(pattern))
+        if mode == "heal":
+            with contextlib.suppress(AssertionError):
+                wait_until(lambda: self.run.bg.call(proxy.count(pattern)) <= 1, 5, "stale connections closed")
+
+
+def op(act: Act, kind: str) -> None:
+    """A routine operation: logged for context, touches no worker (it must explain nothing)."""
+    act.run.fault(f"op: {kind}", time.monotonic(), pids=set())
+
+
+def worker_kill(act: Act, p: dict) -> None:
+    sup = act.sup(p)
+    pid = act.victim(sup, p["pick"])
+    if pid is None:
+        return
+    time.sleep(p["delay"])                                # a random moment of the job
+    # With a peer on the consumer the in-transit check stands down (README): what was on the
+    # wire to the dead worker comes back after AckWait, as documented.
+    f = act.run.fault("worker SIGKILL", time.monotonic(), pids={pid},
+                      unstarted_in_control=False if act.in_fleet() else None,
+                      note="a peer shares the consumer: in-transit jobs wait for AckWait" if act.in_fleet() else "")
+    signal_and_reap(act, pid, signal.SIGKILL)
+    f.t1 = died(act, pid)
+
+
+def worker_stop(act: Act, p: dict) -> None:
+    """SIGSTOP, then SIGCONT after the drawn time; longer than heartbeat_timeout, the parent kills it."""
+    sup = act.sup(p)
+    pid = act.victim(sup, p["pick"])
+    if pid is None:
+        return
+    f = act.run.fault(f"worker SIGSTOP {p['seconds']:g}s", time.monotonic(), pids={pid})
+    with_pid(pid, signal.SIGSTOP)
+    time.sleep(p["seconds"])
+    with_pid(pid, signal.SIGCONT)
+    f.t1 = time.monotonic() if act.run.watcher.alive(pid) else died(act, pid)
+
+
+def server_outage(kind: str, take: str, restore: str) -> Callable[[Act, dict], None]:
+    """The server taken away for the drawn seconds (SIGKILL then a restart on its store, or
+    SIGSTOP then SIGCONT): outside the supervisor's control."""
+    def fault(act: Act, p: dict) -> None:
+        t0 = time.monotonic()
+        getattr(act.server, take)()
+        time.sleep(p["seconds"])
+        getattr(act.server, restore)()
+        act.run.fault(kind.format(**p), t0, time.monotonic(), in_control=False)
+    return fault
+
+
+def parent_link(mode: str) -> Callable[[Act, dict], None]:
+    """The parent's connection cut or stalled through the proxy (workers keep theirs)."""
+    def fault(act: Act, p: dict) -> None:
+        sup = act.sup(p)
+        pattern = f"^{act.name(sup)}$"
+        t0, workers = time.monotonic(), sup.worker_pids()
+        act.link(mode, pattern)
+        time.sleep(p["seconds"])
+        act.link("heal", pattern)
+        released = releases(act.plan.config, p)
+        act.run.fault(f"network: the parent's connection {mode} {p['seconds']:g}s", t0, time.monotonic(),
+                      pids=workers | sup.worker_pids() if released else set(), in_control=not released,
+                      note="a peer may declare it lost and release its jobs" if released else "")
+    return fault
+
+
+def releases(c: Cfg, p: dict) -> bool:
+    """A fleet peer takes a parent silent for 3 heartbeats for a lost host and releases its jobs
+    while its workers still run them (README: "A partitioned host is not a dead one")."""
+    return fleet(c) and c["fleet.release_lost"] and p["seconds"] > 2 * c["fleet.heartbeat"]
+
+
+def worker_link(mode: str) -> Callable[[Act, dict], None]:
+    """A worker's connection cut or stalled: what was on the wire to it, or its acks, may be lost."""
+    def fault(act: Act, p: dict) -> None:
+        sup = act.sup(p)
+        slots = act.slots(sup)
+        if not slots:
+            return
+        slot = sorted(slots)[int(p["pick"] * len(slots))]
+        pattern = f"^{act.name(sup)} worker {slot}$"
+        touched = {slots[slot]}
+        f = act.run.fault(f"network: worker {slot}'s connection {mode} {p['seconds']:g}s", time.monotonic(),
+                          pids=touched, in_control=False)
+        act.link(mode, pattern)
+        end = time.monotonic() + p["seconds"]
+        while time.monotonic() < end:                     # whoever runs on that slot meanwhile is touched too
+            touched |= {pid for s, pid in act.slots(sup).items() if s == slot}
+            time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+        act.link("heal", pattern)
+        touched |= {pid for s, pid in act.slots(sup).items() if s == slot}
+        f.pids = frozenset(touched)
+        f.t1 = time.monotonic()
+    return fault
+
+
+def parent_kill(act: Act, p: dict) -> None:
+    """The parent SIGKILLed, its workers left to themselves, then a new one started (what
+    systemd's Restart= does). Its workers are touched until the last of them is gone."""
+    sup = act.sup(p)
+    if not act.live(sup):
+        return
+    pids = sup.worker_pids()
+    f = act.run.fault("parent SIGKILL, then a new supervisor", time.monotonic(), pids=pids)
+    sup.proc.kill()
+    sup.proc.wait()
+    act.orphans |= pids
+    gone = lambda: not [q for q in pids if alive(q)]     # noqa: E731
+    try:
+        wait_until(gone, act.graceful_min + 10, "the orphaned workers to exit")
+    except AssertionError:
+        left = sorted(q for q in pids if alive(q))
+        act.run.notes.append(f"{act.run.at()}: workers {left} still alive {act.graceful_min + 10:g}s after their "
+                             "parent was SIGKILLed")
+    f.t1 = time.monotonic()
+    start_again(act, sup)
+
+
+def start_again(act: Act, sup: SupervisorProc) -> None:
+    sup.start()
+    wait_serving(act, sup)
+
+
+def hup(act: Act, p: dict) -> None:
+    """SIGHUP after the drawn change to one `hup` setting."""
+    sup = act.sup(p)
+    if not act.live(sup):
+        return
+    section, name = p["key"].split(".")
+    sup.config[section][name] = p["value"]
+    sup.config_path.write_text(tomli_w.dumps(sup.config))
+    if p["key"] == "workers.graceful_timeout":
+        act.graceful_min = min(act.graceful_min, p["value"])
+    op(act, f"SIGHUP ({p['key']}={p['value']})")
+    sup.signal(signal.SIGHUP)
+
+
+def scale(act: Act, p: dict) -> None:
+    sup = act.sup(p)
+    if not act.live(sup):
+        return
+    how = p["how"]
+    if how == "ttou" and len(sup.worker_pids()) <= 1:
+        how = "ttin"                                      # never down to no worker at all
+    op(act, {"ttin": "SIGTTIN", "ttou": "SIGTTOU"}.get(how, f"POST /scale?workers={p['n']}"))
+    if how == "post":
+        req = urllib.request.Request(f"http://{sup.http}/scale?workers={p['n']}", method="POST")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert r.status == 202, r.status
+    else:
+        sup.signal(signal.SIGTTIN if how == "ttin" else signal.SIGTTOU)
+
+
+def hup_params(rng: random.Random, c: Cfg) -> dict:
+    choices = [s for s in SETTINGS if s.hup and s.needs(c) and not s.key.startswith("chaos.")]
+    s = rng.choice(choices)
+    for _ in range(10):                                   # a value that differs from the drawn one
+        value = s.draw(rng, c)
+        if value != c.get(s.key):
+            break
+    return {"key": s.key, "value": value}
+
+
+def seconds(lo: float, hi: float) -> Callable[[random.Random, Cfg], dict]:
+    return lambda r, c: {"seconds": round(r.uniform(lo, hi), 2)}
+
+
+def pick_and(extra: Callable[[random.Random, Cfg], dict]) -> Callable[[random.Random, Cfg], dict]:
+    return lambda r, c: {"pick": round(r.random(), 4), **extra(r, c)}
+
+
+FAULTS: list[FaultKind] = [
+    FaultKind("worker-kill", 4, worker_kill, pick_and(lambda r, c: {"delay": round(r.uniform(0, 0.05), 3)})),
+    FaultKind("worker-stop", 2, worker_stop,
+              pick_and(lambda r, c: {"seconds": round(r.uniform(0.3, 1.5 * c["workers.heartbeat_timeout"]), 2)})),
+    FaultKind("server-kill", 1, server_outage("nats-server SIGKILL, back {seconds:g}s later", "kill", "start"),
+              seconds(0.3, 3.0), outside=lambda c, p: True),
+    FaultKind("server-stall", 1, server_outage("nats-server SIGSTOP {seconds:g}s", "pause", "resume"),
+              seconds(0.5, 5.0), outside=lambda c, p: True),
+    FaultKind("parent-cut", 1, parent_link("cut"), seconds(1.0, 8.0), proxy=True, outside=releases),
+    FaultKind("parent-stall", 1, parent_link("stall"), seconds(1.0, 12.0), proxy=True, outside=releases),
+    FaultKind("worker-cut", 1, worker_link("cut"), pick_and(seconds(0.5, 5.0)), proxy=True,
+              outside=lambda c, p: True),
+    FaultKind("worker-stall", 1, worker_link("stall"),
+              pick_and(lambda r, c: {"seconds": round(weighted(r, [(r.uniform(1.0, 8.0), 3),
+                                                                   (1.3 * c["consumer.ack_wait"], 1)]), 2)}),
+              proxy=True, outside=lambda c, p: True),
+    FaultKind("parent-kill", 1, parent_kill),
+    FaultKind("hup", 2, hup, hup_params),
+    FaultKind("scale", 2, scale, lambda r, c: {"how": r.choice(["ttin", "ttou", "post"]),
+                                               "n": r.randint(max(1, c["workers.count"] - 1),
+                                                              c["workers.count"] + 2)}),
+]
+KINDS = {k.name: k for k in FAULTS}
+
+
+# ================================================================ processes
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def with_pid(pid: int, sig: int) -> None:
+    try:
+        psutil.Process(pid).send_signal(sig)
+    except psutil.Error:
+        pass                                              # it died meanwhile
+
+
+def signal_and_reap(act: Act, pid: int, sig: int) -> None:
+    with_pid(pid, sig)
+    wait_until(lambda: not act.run.watcher.alive(pid), 60, f"worker {pid} reaped")
+
+
+def died(act: Act, pid: int) -> float:
+    life = act.run.watcher.lives.get(pid)
+    return life.died if life and life.died else time.monotonic()
+
+
+def wait_serving(act: Act, sup: SupervisorProc, timeout: float = 90.0) -> None:
+    """At least one worker and every living one ready (the count may have been scaled)."""
+    def ready() -> bool:
+        if sup.proc.poll() is not None:
+            raise AssertionError(f"the supervisor exited ({sup.proc.returncode}) while starting")
+        s = sup.try_status()
+        return bool(s) and s["workers"]["ready"] >= 1 and s["workers"]["ready"] == s["workers"]["alive"]
+    wait_until(ready, timeout, "the supervisor serving")
+
+
+# ================================================================ a run
+
+def execute(run: Run, plan: Plan) -> None:
+    """Start what the plan needs, put its load on, play its schedule."""
+    server = run.start_server()
+    run.connect([server.url])
+    url = run.start_proxy(server).url if plan.proxy else server.url
+    run.ack_wait = plan.config["consumer.ack_wait"]
+    cfg = sections(plan.config)
+    for i in range(plan.config["chaos.supervisors"]):
+        name = f"chaos-{'ab'[i]}"
+        per = {**cfg, "nats": {"name": name}, "fleet": {**cfg.get("fleet", {}), "name": name}}
+        run.start_supervisor([url], ready=False, **{s: dict(v) for s, v in per.items()})
+    act = Act(run, plan, server, [url])
+    for sup in run.sups:
+        wait_serving(act, sup)
+    run.after_settle.append(lambda: cut_short(run, act))
+    run.undo.append(lambda: kill_orphans(act))
+    start = time.monotonic()
+    run.load(len(plan.jobs), plan.rate, lambda i: plan.jobs[i])
+    for step in plan.schedule:
+        wait = start + step.at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        elif -wait > 10:
+            run.notes.append(f"{step.fault} at +{step.at:g}s ran {-wait:.0f}s late")
+        sup = act.sup(step.params)
+        if not act.live(sup):
+            run.notes.append(f"{run.at()}: {step.fault} skipped: supervisor {step.params['sup']} is not running")
+            continue
+        KINDS[step.fault].act(act, step.params)
+
+
+def cut_short(run: Run, act: Act) -> None:
+    """After the fact: a run that never ended in a worker that exited although nothing of ours
+    touched it was cut short by the supervisor. If it had run graceful_timeout (the smallest the
+    run ever had) by then, that is the documented graceful_timeout running out at a retire,
+    recycle or config roll: the job comes back at once (NAKed), and the run again is explained."""
+    from .checker import runs_by_seq
+    ends = {(r.pid, r.seq, r.delivery) for r in run.tail.poll() if r.event in "DR"}
+    for seq, runs in runs_by_seq(run.tail.recs).items():
+        for r in runs:
+            if (r.pid, seq, r.delivery) in ends:
+                continue
+            life = run.watcher.lives.get(r.pid)
+            if not life or life.died is None or any(f.touches(r.pid, r.start, life.died) for f in run.faults):
+                continue
+            if life.died - r.start >= act.graceful_min - 0.05:
+                run.fault(f"graceful_timeout ({act.graceful_min:g}s) ran out", r.start, life.died, pids={r.pid})
+
+
+def kill_orphans(act: Act) -> None:
+    for pid in act.orphans:
+        with_pid(pid, signal.SIGKILL)
+
+
+def expectations(plan: Plan) -> dict[str, Any]:
+    """Every verdict at its limit, but what faults outside the supervisor's control make it
+    unable to explain (its ledger cannot tell a dead link's lost ack from AckWait too short)."""
+    outside = any(KINDS[s.fault].outside(plan.config, s.params) for s in plan.schedule)
+    return {**VERDICTS, **({"sup_unexplained": None} if outside else {})}
+
+
+def run_random(seed: int, minutes: float, workdir: Any, logs_to: Any = None) -> Result:
+    plan = draw(seed, minutes)
+    return run_with(f"random-{seed}", seed, lambda run: execute(run, plan), expectations(plan), workdir,
+                    logs_to=logs_to, plan=plan.describe())
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`7`, `1-20` or `3,5,9-12`."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def budget_seeds(first: int, minutes: float, per_run: float) -> range:
+    """As many seeds from `first` as `minutes` of wall time holds at `per_run` minutes each."""
+    return range(first, first + max(1, math.floor(minutes / per_run)))
