@@ -29,8 +29,10 @@ import json
 import math
 import random
 import signal
+import threading
 import time
 import urllib.request
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,10 +163,29 @@ def kind_of(actions: str) -> str:
     return word or ("long" if float(first) >= 1.0 else "short")
 
 
+def slots_of(c: Cfg) -> int:
+    """Jobs the smallest pool the schedule can leave runs at once."""
+    return max(1, c["workers.count"] - 1) * c["workers.concurrency"] * c["chaos.supervisors"]
+
+
 def rate_for(c: Cfg, mean_s: float) -> float:
     """Jobs/s: the drawn share of what the smallest pool the schedule can leave would drain."""
-    slots = max(1, c["workers.count"] - 1) * c["workers.concurrency"] * c["chaos.supervisors"]
-    return round(min(40.0, max(2.0, c["chaos.utilization"] * slots / max(mean_s, 0.005))), 1)
+    return round(min(40.0, max(2.0, c["chaos.utilization"] * slots_of(c) / max(mean_s, 0.005))), 1)
+
+
+def spaced(jobs: list[tuple[str, float]], rate: float, slots: int) -> list[str]:
+    """Long jobs (1 s or more) made short where they would fill more than half the slots at
+    once: queueing must stay far below AckWait, or a late first run looks like an expiry."""
+    out, running = [], []                  # end times (in publish seconds) of the long jobs kept
+    for i, (actions, seconds) in enumerate(jobs):
+        now = i / rate
+        running = [end for end in running if end > now]
+        if seconds >= 1.0 and len(running) >= max(1, slots // 2):
+            actions = "0.05"
+        elif seconds >= 1.0:
+            running.append(now + seconds)
+        out.append(actions)
+    return out
 
 
 # ================================================================ the faults
@@ -180,6 +201,8 @@ class FaultKind:
     # Outside the supervisor's control with these parameters: its ledger cannot explain every
     # redelivery it causes (a dead link's lost ack looks like AckWait too short).
     outside: Callable[[Cfg, dict], bool] = lambda c, p: False
+    # What it acts on: steps on the same thing take turns, others overlap ("": nothing shared).
+    holds: Callable[[dict], str] = lambda p: ""
 
 
 @dataclass
@@ -224,7 +247,7 @@ def draw(seed: int, minutes: float) -> Plan:
     sample = [job_action(random.Random(jobs_rng.random()), c) for _ in range(200)]
     rate = rate_for(c, sum(s for _, s in sample) / len(sample))
     n = int(rate * load_s)
-    jobs = [job_action(jobs_rng, c)[0] for _ in range(n)]
+    jobs = spaced([job_action(jobs_rng, c) for _ in range(n)], rate, slots_of(c))
     plan = Plan(seed, minutes, c, jobs, rate, load_s)
     kinds = [k for k in FAULTS if k.needs(c)]
     t = 0.1 * load_s
@@ -450,27 +473,49 @@ def pick_and(extra: Callable[[random.Random, Cfg], dict]) -> Callable[[random.Ra
     return lambda r, c: {"pick": round(r.random(), 4), **extra(r, c)}
 
 
+def server(p: dict) -> str:
+    return "server"
+
+
+def parent(p: dict) -> str:
+    return f"parent {p['sup']}"
+
+
+def parent_link_of(p: dict) -> str:
+    return f"parent link {p['sup']}"
+
+
+def worker_links_of(p: dict) -> str:
+    return f"worker links {p['sup']}"
+
+
+def outside(c: Cfg, p: dict) -> bool:
+    return True
+
+
 FAULTS: list[FaultKind] = [
     FaultKind("worker-kill", 4, worker_kill, pick_and(lambda r, c: {"delay": round(r.uniform(0, 0.05), 3)})),
     FaultKind("worker-stop", 2, worker_stop,
               pick_and(lambda r, c: {"seconds": round(r.uniform(0.3, 1.5 * c["workers.heartbeat_timeout"]), 2)})),
     FaultKind("server-kill", 1, server_outage("nats-server SIGKILL, back {seconds:g}s later", "kill", "start"),
-              seconds(0.3, 3.0), outside=lambda c, p: True),
+              seconds(0.3, 3.0), outside=outside, holds=server),
     FaultKind("server-stall", 1, server_outage("nats-server SIGSTOP {seconds:g}s", "pause", "resume"),
-              seconds(0.5, 5.0), outside=lambda c, p: True),
-    FaultKind("parent-cut", 1, parent_link("cut"), seconds(1.0, 8.0), proxy=True, outside=releases),
-    FaultKind("parent-stall", 1, parent_link("stall"), seconds(1.0, 12.0), proxy=True, outside=releases),
-    FaultKind("worker-cut", 1, worker_link("cut"), pick_and(seconds(0.5, 5.0)), proxy=True,
-              outside=lambda c, p: True),
+              seconds(0.5, 5.0), outside=outside, holds=server),
+    FaultKind("parent-cut", 1, parent_link("cut"), seconds(1.0, 8.0), proxy=True, outside=releases,
+              holds=parent_link_of),
+    FaultKind("parent-stall", 1, parent_link("stall"), seconds(1.0, 12.0), proxy=True, outside=releases,
+              holds=parent_link_of),
+    FaultKind("worker-cut", 1, worker_link("cut"), pick_and(seconds(0.5, 5.0)), proxy=True, outside=outside,
+              holds=worker_links_of),
     FaultKind("worker-stall", 1, worker_link("stall"),
               pick_and(lambda r, c: {"seconds": round(weighted(r, [(r.uniform(1.0, 8.0), 3),
                                                                    (1.3 * c["consumer.ack_wait"], 1)]), 2)}),
-              proxy=True, outside=lambda c, p: True),
-    FaultKind("parent-kill", 1, parent_kill),
-    FaultKind("hup", 2, hup, hup_params),
+              proxy=True, outside=outside, holds=worker_links_of),
+    FaultKind("parent-kill", 1, parent_kill, holds=parent),
+    FaultKind("hup", 2, hup, hup_params, holds=parent),
     FaultKind("scale", 2, scale, lambda r, c: {"how": r.choice(["ttin", "ttou", "post"]),
                                                "n": r.randint(max(1, c["workers.count"] - 1),
-                                                              c["workers.count"] + 2)}),
+                                                              c["workers.count"] + 2)}, holds=parent),
 ]
 KINDS = {k.name: k for k in FAULTS}
 
@@ -531,17 +576,40 @@ def execute(run: Run, plan: Plan) -> None:
     run.undo.append(lambda: kill_orphans(act))
     start = time.monotonic()
     run.load(len(plan.jobs), plan.rate, lambda i: plan.jobs[i])
+    locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
+    errors: list[BaseException] = []
+    playing = []
     for step in plan.schedule:
         wait = start + step.at - time.monotonic()
         if wait > 0:
             time.sleep(wait)
-        elif -wait > 10:
-            run.notes.append(f"{step.fault} at +{step.at:g}s ran {-wait:.0f}s late")
-        sup = act.sup(step.params)
-        if not act.live(sup):
-            run.notes.append(f"{run.at()}: {step.fault} skipped: supervisor {step.params['sup']} is not running")
-            continue
-        KINDS[step.fault].act(act, step.params)
+        kind = KINDS[step.fault]
+        lock = locks[kind.holds(step.params)] if kind.holds(step.params) else threading.Lock()
+        t = threading.Thread(target=play, args=(act, step, start, lock, errors), name=f"chaos-{step.fault}",
+                             daemon=True)
+        t.start()
+        playing.append(t)
+    for t in playing:
+        t.join(600)
+    if errors:
+        raise errors[0]
+
+
+def play(act: Act, step: Step, start: float, lock: threading.Lock, errors: list[BaseException]) -> None:
+    """One step, in its own thread: faults on different things overlap (a worker killed while the
+    parent's link is cut), faults on the same thing (the server, one parent) take turns."""
+    with lock:
+        late = time.monotonic() - (start + step.at)
+        if late > 10:
+            act.run.notes.append(f"{step.fault} at +{step.at:g}s ran {late:.0f}s late (its resource was busy)")
+        if not act.live(act.sup(step.params)):
+            act.run.notes.append(f"{act.run.at()}: {step.fault} skipped: supervisor {step.params['sup']} "
+                                 "is not running")
+            return
+        try:
+            KINDS[step.fault].act(act, step.params)
+        except BaseException as exc:      # the run goes on; the error fails it after the check
+            errors.append(exc)
 
 
 def cut_short(run: Run, act: Act) -> None:
