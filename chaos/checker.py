@@ -7,6 +7,8 @@ the journal, not trusted). Per job (stream sequence):
 - lost: stored, never completed by the end of the run (after waiting out AckWait).
 - vanished: stored (PubAck'd), never delivered to any handler and gone from the stream at the
   end: the server lost it (a handler runs before any ack, so no ack of ours can remove it).
+- deduplicated: never run and gone from the stream, its key done under another sequence (a
+  publisher's retry after the stream's duplicate window): the idempotency guard acked it unrun.
 - dead-lettered: never completed, copied to the dead-letter stream (max_deliver or poison).
 - bounced: first ran at a delivery higher than 1 + the drains between its PubAck and that run:
   handed out and NAKed unstarted more often than drains could (each spends consumer.max_deliver).
@@ -51,8 +53,8 @@ EXPIRY_SLACK = 0.5          # seconds: an expiry's redelivery reaches a handler 
 
 # Verdicts in table order, with what each must be unless a scenario says otherwise (None: reported only).
 VERDICTS = {
-    "jobs": None, "lost": 0, "vanished": 0, "dead_lettered": 0, "dup": None, "dup_unexplained": 0, "redelivered": None,
-    "bounced": None, "unexplained": 0,
+    "jobs": None, "lost": 0, "vanished": 0, "dead_lettered": 0, "deduplicated": None, "dup": None,
+    "dup_unexplained": 0, "redelivered": None, "bounced": None, "unexplained": 0,
     "ackwait": 0, "ackwait_outside": None, "unacked": 0, "sup_unexplained": 0, "sup_open": 0,
     "sup_died": 0, "exit": 0, "healthz_s": None,
 }
@@ -165,7 +167,10 @@ class Checker:
             runs = self.runs.get(seq, [])
             if seq not in self.ev.stored:
                 self.find("unknown", seq, "run by a worker but never stored (publish side bookkeeping is wrong)")
-            if not any(r.done is not None for r in runs):
+            if not runs and seq not in self.ev.unacked and self.done_elsewhere(seq):
+                c["deduplicated"] += 1
+                self.find("deduplicated", seq, "its key was done under another sequence; acked without running")
+            elif not any(r.done is not None for r in runs):
                 verdict = ("dead_lettered" if seq in self.ev.dead_lettered else
                            "vanished" if not runs and seq not in self.ev.unacked else "lost")
                 c[verdict] += 1
@@ -189,6 +194,13 @@ class Checker:
         self.supervisor_word(c)
         notes = self.queueing_note()
         return Report(c, self.findings, notes)
+
+    def done_elsewhere(self, seq: int) -> bool:
+        """Another stored job with the same key (a publisher's retry after the duplicate window)
+        completed: the idempotency guard acks this one without running it."""
+        key = self.keys.get(seq)
+        return any(self.keys.get(other) == key and any(r.done is not None for r in runs)
+                   for other, runs in self.runs.items() if other != seq)
 
     def drains_before(self, seq: int, runs: list[RunOfJob]) -> int:
         """Drains under way between the job's PubAck and its first run: each could NAK it once.

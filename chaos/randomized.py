@@ -86,6 +86,10 @@ SETTINGS: list[Setting] = [
     Setting("workers.double_ack", lambda r, c: r.random() < 0.3, hup=True),
     Setting("workers.retry_backoff", lambda r, c: sorted(round(r.uniform(0.05, 1.0), 2) for _ in range(3)), hup=True),
     Setting("idempotency.enabled", lambda r, c: r.random() < 0.3),
+    # A publisher retrying after the stream's duplicate window: the same key stored again.
+    Setting("chaos.republish", lambda r, c: weighted(r, [(0.0, 1), (round(r.uniform(0.01, 0.05), 3), 1)]),
+            needs=lambda c: c["idempotency.enabled"]),
+    Setting("stream.duplicate_window", lambda r, c: 1.0, needs=lambda c: c["chaos.republish"] > 0),
     Setting("autoscale.enabled", lambda r, c: r.random() < 0.25),
     Setting("autoscale.min", lambda r, c: max(1, c["workers.count"] - 1), needs=lambda c: c["autoscale.enabled"]),
     Setting("autoscale.max", lambda r, c: c["workers.count"] + r.randint(1, 2), needs=lambda c: c["autoscale.enabled"]),
@@ -106,7 +110,7 @@ SETTINGS: list[Setting] = [
 
 # Runner knobs that are not drawn, and what a key not drawn falls back to.
 DEFAULTS: Cfg = {"workers.max_jobs_jitter": 0, "autoscale.enabled": False, "chaos.beyond_ackwait": False,
-                 "chaos.grow": 0.0, "fleet.heartbeat": 2.0, "fleet.release_lost": True}
+                 "chaos.grow": 0.0, "chaos.republish": 0.0, "fleet.heartbeat": 2.0, "fleet.release_lost": True}
 
 
 def draw_config(rng: random.Random) -> Cfg:
@@ -156,8 +160,23 @@ def long_job(rng: random.Random, c: Cfg) -> tuple[str, float]:
     return f"{s:.2f}:0.5", s
 
 
+def republished(jobs: list[str], rate: float, c: Cfg, rng: random.Random) -> list[str]:
+    """Some jobs replaced by an earlier job's key published again (`jN=0.01`), twice the
+    duplicate window later, so the stream stores it a second time."""
+    if not c["chaos.republish"]:
+        return jobs
+    gap = int(2 * c["stream.duplicate_window"] * rate) + 1
+    out: list[str] = []
+    for i, j in enumerate(jobs):
+        again = i >= gap and "=" not in out[i - gap] and rng.random() < c["chaos.republish"]
+        out.append(f"j{i - gap}=0.01" if again else j)
+    return out
+
+
 def kind_of(actions: str) -> str:
-    """fail, retry, grow, cpu, long (1 s or more) or short."""
+    """fail, retry, grow, cpu, long (1 s or more), short, or again (a key published again)."""
+    if "=" in actions:
+        return "again"
     first = actions.split(":")[0]
     word = first.strip("0123456789.")
     return word or ("long" if float(first) >= 1.0 else "short")
@@ -247,7 +266,7 @@ def draw(seed: int, minutes: float) -> Plan:
     sample = [job_action(random.Random(jobs_rng.random()), c) for _ in range(200)]
     rate = rate_for(c, sum(s for _, s in sample) / len(sample))
     n = int(rate * load_s)
-    jobs = spaced([job_action(jobs_rng, c) for _ in range(n)], rate, slots_of(c))
+    jobs = republished(spaced([job_action(jobs_rng, c) for _ in range(n)], rate, slots_of(c)), rate, c, jobs_rng)
     plan = Plan(seed, minutes, c, jobs, rate, load_s)
     kinds = [k for k in FAULTS if k.needs(c)]
     t = 0.1 * load_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 COLUMNS = [("jobs", "jobs"), ("lost", "lost"), ("vanished", "vanished (server)"), ("dead_lettered", "dead-lettered"),
+           ("deduplicated", "deduplicated (guard)"),
            ("dup", "done twice"), ("dup_unexplained", "of which unexplained"),
            ("redelivered", "redelivered"), ("bounced", "bounced"), ("unexplained", "unexplained redeliveries"),
            ("ackwait", "AckWait waits"),

@@ -179,7 +179,10 @@ class Publisher:
         self.finished_at = time.monotonic()
 
     async def publish(self, i: int, what: str) -> None:
-        key = f"j{i}"
+        # `jN=ACTIONS`: publish job N's key again (its Nats-Msg-Id too), as a publisher retrying
+        # after the stream's duplicate window does; the idempotency guard must skip it.
+        key, again, rest = what.partition("=")
+        key, what = (key, rest) if again else (f"j{i}", what)
         js = self.run.nc.jetstream()
         while True:
             sent = time.monotonic()       # the job exists from here on at the earliest: a PubAck read

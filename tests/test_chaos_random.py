@@ -16,7 +16,7 @@ import pytest
 
 from chaos.randomized import FAULTS, KINDS, SETTINGS, draw, draw_config, expectations, parse_seeds, run_random
 
-MINUTES = 0.3           # each run: ~13 s of load, then settle and check
+MINUTES = 0.25          # each run: ~11 s of load, then settle and check
 
 
 class KnownDefect(AssertionError):
@@ -32,11 +32,21 @@ def run_seed(seed: int, tmp_path, known: set[str] = frozenset()) -> None:
     assert result.passed, result.summary()
 
 
-@pytest.mark.parametrize("seed", [1, 9, 27])
-def test_random_seed(seed, tmp_path):
-    """1: 4 workers x 3 threads, idempotency, max_jobs 27, failing jobs, a kill and scaling;
-    9 and 27: see `python -m chaos --random --seed N --minutes 0.3` (printed on failure)."""
-    run_seed(seed, tmp_path)
+R3 = pytest.mark.xfail(raises=KnownDefect, strict=False,
+                       reason="R3: an orphaned worker's drain dies on EPIPE, its jobs wait for AckWait")
+
+
+@pytest.mark.parametrize("seed, known", [
+    # async, 2 workers x 4, max_rss_mb, failing/retried/CPU/growing jobs: parent SIGKILL and a
+    # new supervisor, the parent's link cut 5 s with a worker SIGKILLed meanwhile, a SIGHUP
+    pytest.param(18, {"ackwait"}, marks=R3),
+    # sync, 2 workers, idempotency + max_jobs 20: kills, a SIGHUP, the parent's link stalled
+    (40, set()),
+    # a fleet of two, async, double_ack, max_jobs 40: a worker's link cut, the server SIGKILLed
+    (46, set()),
+])
+def test_random_seed(seed, known, tmp_path):
+    run_seed(seed, tmp_path, known)
 
 
 # ---------------------------------------------------------------- the draw
@@ -78,6 +88,17 @@ def test_every_fault_kind_is_drawn_and_its_parameters_decided_in_advance():
         assert plan.proxy == any(KINDS[s.fault].proxy for s in plan.schedule)
         assert 0 < plan.rate <= 40 and len(plan.jobs) == int(plan.rate * plan.load_s)
     assert names == {k.name for k in FAULTS}
+
+
+def test_a_republished_key_is_an_earlier_job_published_again_after_the_window():
+    for seed in range(200):
+        plan = draw(seed, 1.0)
+        again = [(i, j) for i, j in enumerate(plan.jobs) if "=" in j]
+        assert not again or plan.config["idempotency.enabled"]
+        for i, j in again:
+            n = int(j.split("=")[0][1:])
+            assert (i - n) / plan.rate >= 2 * plan.config["stream.duplicate_window"], (seed, i, j)
+            assert "=" not in plan.jobs[n]
 
 
 def test_faults_outside_control_relax_only_the_supervisors_own_count():

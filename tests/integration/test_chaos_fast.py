@@ -213,3 +213,14 @@ def test_checker_adds_up_the_cross_checks_of_a_fleet():
     two = {"crosscheck": {"unexplained_redeliveries": 2, "outstanding": [{"stream_seq": 1}]}}
     c = check(evidence(runs, statuses=[one, two])).counts
     assert (c["sup_unexplained"], c["sup_open"]) == (3, 1)
+
+
+def test_checker_takes_a_key_done_under_another_sequence_as_deduplicated():
+    """A publisher's retry after the duplicate window stores the key again; the guard acks it unrun."""
+    ev = evidence([("S", 1, 1, 1, 0.1), ("D", 1, 1, 1, 0.2)], stored=2)
+    ev.stored[2] = Stored(2, "j1", T0 + 1.0)
+    c = check(ev).counts
+    assert (c["deduplicated"], c["lost"], c["vanished"]) == (1, 0, 0)
+    ev.unacked = [2]                                  # still in the stream: the guard never acked it
+    assert check(ev).counts["lost"] == 1
+    assert check(evidence([], stored=2)).counts["vanished"] == 2
