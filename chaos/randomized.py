@@ -418,8 +418,9 @@ def worker_link(mode: str) -> Callable[[Act, dict], None]:
 
 
 def parent_kill(act: Act, p: dict) -> None:
-    """The parent SIGKILLed, its workers left to themselves, then a new one started (what
-    systemd's Restart= does). Its workers are touched until the last of them is gone."""
+    """The parent SIGKILLed and a new one started at once on the same config (what systemd's
+    Restart= does), while the old one's workers are left to themselves. Those are touched
+    until the last of them is gone."""
     sup = act.sup(p)
     if not act.live(sup):
         return
@@ -428,6 +429,7 @@ def parent_kill(act: Act, p: dict) -> None:
     sup.proc.kill()
     sup.proc.wait()
     act.orphans |= pids
+    sup.start()
     gone = lambda: not [q for q in pids if alive(q)]     # noqa: E731
     try:
         wait_until(gone, act.graceful_min + 10, "the orphaned workers to exit")
@@ -436,11 +438,6 @@ def parent_kill(act: Act, p: dict) -> None:
         act.run.notes.append(f"{act.run.at()}: workers {left} still alive {act.graceful_min + 10:g}s after their "
                              "parent was SIGKILLed")
     f.t1 = time.monotonic()
-    start_again(act, sup)
-
-
-def start_again(act: Act, sup: SupervisorProc) -> None:
-    sup.start()
     wait_serving(act, sup)
 
 
@@ -463,8 +460,8 @@ def scale(act: Act, p: dict) -> None:
     if not act.live(sup):
         return
     how = p["how"]
-    if how == "ttou" and len(sup.worker_pids()) <= 1:
-        how = "ttin"                                      # never down to no worker at all
+    if how == "ttou" and len(sup.worker_pids()) <= max(1, act.plan.config["workers.count"] - 1):
+        how = "ttin"                  # never below the pool the load is sized for (rate_for)
     op(act, {"ttin": "SIGTTIN", "ttou": "SIGTTOU"}.get(how, f"POST /scale?workers={p['n']}"))
     if how == "post":
         req = urllib.request.Request(f"http://{sup.http}/scale?workers={p['n']}", method="POST")
@@ -508,6 +505,13 @@ def worker_links_of(p: dict) -> str:
     return f"worker links {p['sup']}"
 
 
+def others_carry_on(c: Cfg) -> bool:
+    """A fault that takes one worker away for long (its link dead for up to 1.3x AckWait) only
+    where the others keep the queue short: otherwise every job waits, and a first run later
+    than AckWait/2 can no longer be told from an expiry."""
+    return c["workers.count"] >= 3 or (c["workers.count"] >= 2 and fleet(c))
+
+
 def outside(c: Cfg, p: dict) -> bool:
     return True
 
@@ -515,7 +519,8 @@ def outside(c: Cfg, p: dict) -> bool:
 FAULTS: list[FaultKind] = [
     FaultKind("worker-kill", 4, worker_kill, pick_and(lambda r, c: {"delay": round(r.uniform(0, 0.05), 3)})),
     FaultKind("worker-stop", 2, worker_stop,
-              pick_and(lambda r, c: {"seconds": round(r.uniform(0.3, 1.5 * c["workers.heartbeat_timeout"]), 2)})),
+              pick_and(lambda r, c: {"seconds": round(r.uniform(0.3, min(1.5 * c["workers.heartbeat_timeout"],
+                                                                         0.25 * c["consumer.ack_wait"])), 2)})),
     FaultKind("server-kill", 1, server_outage("nats-server SIGKILL, back {seconds:g}s later", "kill", "start"),
               seconds(0.3, 3.0), outside=outside, holds=server),
     FaultKind("server-stall", 1, server_outage("nats-server SIGSTOP {seconds:g}s", "pause", "resume"),
@@ -525,11 +530,11 @@ FAULTS: list[FaultKind] = [
     FaultKind("parent-stall", 1, parent_link("stall"), seconds(1.0, 12.0), proxy=True, outside=releases,
               holds=parent_link_of),
     FaultKind("worker-cut", 1, worker_link("cut"), pick_and(seconds(0.5, 5.0)), proxy=True, outside=outside,
-              holds=worker_links_of),
+              holds=worker_links_of, needs=others_carry_on),
     FaultKind("worker-stall", 1, worker_link("stall"),
               pick_and(lambda r, c: {"seconds": round(weighted(r, [(r.uniform(1.0, 8.0), 3),
                                                                    (1.3 * c["consumer.ack_wait"], 1)]), 2)}),
-              proxy=True, outside=outside, holds=worker_links_of),
+              proxy=True, outside=outside, holds=worker_links_of, needs=others_carry_on),
     FaultKind("parent-kill", 1, parent_kill, holds=parent),
     FaultKind("hup", 2, hup, hup_params, holds=parent),
     FaultKind("scale", 2, scale, lambda r, c: {"how": r.choice(["ttin", "ttou", "post"]),
