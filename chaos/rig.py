@@ -386,7 +386,7 @@ class Run:
         while time.monotonic() < deadline:
             self.tail.poll()
             state = self.bg.call(self.queue_state())
-            if state == (0, 0, 0) and all(seq in self.tail.done for seq in self.publisher.stored):
+            if state == (0, 0, 0):           # a work queue with nothing stored: everything is acked
                 return
             if not any(s.proc.poll() is None for s in self.sups):
                 return                               # nobody left to run the rest
