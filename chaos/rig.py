@@ -89,8 +89,18 @@ class JournalTail:
         self.recs: list[Rec] = []
         self.done: set[int] = set()
         self.open: dict[tuple[int, int, int], Rec] = {}     # (pid, seq, delivery) started, not done
+        self.lock = threading.Lock()         # faults play in threads (chaos/randomized.py)
 
     def poll(self) -> list[Rec]:
+        with self.lock:
+            return self._poll()
+
+    def started_not_done(self) -> list[Rec]:
+        with self.lock:
+            self._poll()
+            return list(self.open.values())
+
+    def _poll(self) -> list[Rec]:
         if not self.path.exists():
             return self.recs
         with open(self.path, "rb") as f:
@@ -302,9 +312,8 @@ class Run:
 
     def running(self, sup: SupervisorProc | None = None) -> list[Rec]:
         """Journal runs started and not finished by a live worker of `sup` (default: the current)."""
-        self.tail.poll()
         pids = (sup or self.sup).worker_pids()
-        return [r for r in self.tail.open.values() if r.pid in pids]
+        return [r for r in self.tail.started_not_done() if r.pid in pids]
 
     def wait_running(self, what: str = "a job in flight", timeout: float = 60.0) -> list[Rec]:
         return wait_until(self.running, timeout, what, interval=0.005)
