@@ -337,13 +337,17 @@ def worker_kill(act: Act, p: dict) -> None:
     if pid is None:
         return
     time.sleep(p["delay"])                                # a random moment of the job
-    # With a peer on the consumer the in-transit check stands down (README): what was on the
-    # wire to the dead worker comes back after AckWait, as documented.
-    f = act.run.fault("worker SIGKILL", time.monotonic(), pids={pid},
-                      unstarted_in_control=False if act.in_fleet() else None,
-                      note="a peer shares the consumer: in-transit jobs wait for AckWait" if act.in_fleet() else "")
+    f = act.run.fault("worker SIGKILL", time.monotonic(), pids={pid}, **peer_rule(act))
     signal_and_reap(act, pid, signal.SIGKILL)
     f.t1 = died(act, pid)
+
+
+def peer_rule(act: Act) -> dict[str, Any]:
+    """With a peer on the consumer the in-transit check stands down (README): what was on the
+    wire to a dead worker comes back after AckWait, as documented."""
+    if not act.in_fleet():
+        return {}
+    return {"unstarted_in_control": False, "note": "a peer shares the consumer: in-transit jobs wait for AckWait"}
 
 
 def worker_stop(act: Act, p: dict) -> None:
@@ -425,7 +429,7 @@ def parent_kill(act: Act, p: dict) -> None:
     if not act.live(sup):
         return
     pids = sup.worker_pids()
-    f = act.run.fault("parent SIGKILL, then a new supervisor", time.monotonic(), pids=pids)
+    f = act.run.fault("parent SIGKILL, then a new supervisor", time.monotonic(), pids=pids, **peer_rule(act))
     sup.proc.kill()
     sup.proc.wait()
     act.orphans |= pids
