@@ -5,7 +5,7 @@ Each seed draws a configuration and a fault schedule; `python -m chaos --random 
 --minutes 0.3` replays the same draw by hand (timing varies). The seeds are chosen to cover a
 spread of the space (see each one's draw in its docstring); `--seeds A-B` runs many more.
 A seed that fails on the verdicts of a defect still open elsewhere is a non-strict xfail on
-exactly those verdicts (as in tests/test_chaos_fast.py); any other failure fails the test.
+exactly those verdicts (as in tests/integration/test_chaos_fast.py); any other failure fails the test.
 """
 
 from __future__ import annotations
