@@ -13,7 +13,11 @@ import time
 
 from harness import NatsServer, SupervisorProc, base_config, publish_now, wait_until
 
+from chaos import scenarios
+from chaos.checker import VERDICTS
+from chaos.core import run_with
 from chaos.facts import read_journal
+from chaos.rig import Run
 
 ACK_WAIT = 30.0
 
@@ -72,3 +76,44 @@ def on_the_wire_to_a_stopped_worker(server: NatsServer, sup: SupervisorProc, jou
         wait_until(lambda: any(r.seq == seq and r.event == "D" for r in read_journal(journal)), 60, "the job done")
         return None, pid
     return seq, pid
+
+
+def test_a_worker_dead_while_the_parents_link_stalls_leaves_nothing_on_the_wire_to_ackwait(tmp_path):
+    """Found by `python -m chaos --random --seed 80 --minutes 1` on main at 12000a2: a worker
+    SIGSTOPped (killed by the heartbeat check) while the parent's own link was stalled. The
+    in-transit check gives up at the first obstacle of the outage ("another supervisor may hold
+    deliveries of this consumer": a parent that cannot hear the ledger subject cannot tell it
+    is alone; here "ConsumerInfo failed: nats: timeout") and says what was on the wire "comes
+    back after AckWait (explained as in transit)"; it did come back after AckWait, and the
+    ledger counted it unexplained all the same. The stall healed long before: the check can
+    run then, as the held-back NAKs do. Here the stall lasts 6 s, a burst is published right
+    after the SIGSTOP so the stopped worker's waiting pull request takes some of it, and a job
+    on the wire to the dead worker must be back long before AckWait (30 s)."""
+    def stalled_parent_dead_worker(run: Run) -> None:
+        scenarios.single(run, proxy=True, workers={"count": 2, "heartbeat_timeout": 2.0})
+        run.load(10, rate=5, what="0.05")
+        scenarios.flowing(run, 10)
+        time.sleep(1.5)                  # the schedule: both workers idle, each with a pull request waiting
+        t0 = time.monotonic()
+        assert run.bg.call(run.proxy.stall(scenarios.PARENT)) == 1, "the parent's link is not through the proxy"
+        victim = sorted(run.sup.worker_pids())[0]
+        stop = run.fault("worker SIGSTOP, killed by the heartbeat check", time.monotonic(), pids={victim})
+        os.kill(victim, signal.SIGSTOP)
+        run.load(8, rate=200, what="0.05")   # a burst: the stopped worker's pull request takes some of it
+        wait_until(lambda: not run.watcher.alive(victim), 30, "the heartbeat check to kill the stopped worker")
+        stop.t1 = run.watcher.lives[victim].died or time.monotonic()
+        time.sleep(max(0.0, t0 + 6.0 - time.monotonic()))     # the stall lasts 6 s in all
+        run.bg.call(run.proxy.heal(scenarios.PARENT))
+        run.fault("network: the parent's connection stalled 6 s", t0, time.monotonic(), pids=set())
+
+    for attempt in range(3):
+        result = run_with("stalled-parent-dead-worker", attempt, stalled_parent_dead_worker, dict(VERDICTS),
+                          tmp_path / f"run{attempt}")
+        assert not result.error, result.summary()
+        on_the_wire = [f for f in result.findings if f.verdict == "bounced" or "never started" in f.text]
+        if on_the_wire:                        # something was on the wire at the death: the case
+            break
+    else:
+        raise AssertionError("no job was on the wire to the dead worker in 3 tries")
+    assert result.counts["ackwait"] == 0, result.summary()
+    assert result.passed, result.summary()
