@@ -32,15 +32,12 @@ def run_seed(seed: int, tmp_path, known: set[str] = frozenset()) -> None:
     assert result.passed, result.summary()
 
 
-R3 = pytest.mark.xfail(raises=KnownDefect, strict=False,
-                       reason="R3: an orphaned worker's drain dies on EPIPE, its jobs wait for AckWait")
-
-
 @pytest.mark.parametrize("seed, known", [
     # async, 2 workers x 4, max_rss_mb, failing/retried/CPU/growing jobs: parent SIGKILL and a
-    # new supervisor, the parent's link cut 5 s with a worker SIGKILLed meanwhile, a SIGHUP
-    pytest.param(18, {"ackwait"}, marks=R3),
-    # sync, 2 workers, idempotency + max_jobs 20: kills, a SIGHUP, the parent's link stalled
+    # new supervisor at once, the server SIGSTOPped with a worker SIGKILLed meanwhile, a SIGHUP
+    # (failed on R3 until its fix: the orphans' jobs waited for AckWait)
+    (18, set()),
+    # sync, 2 workers, idempotency + max_jobs 20: a worker SIGSTOPped past heartbeat_timeout
     (40, set()),
     # a fleet of two, async, double_ack, max_jobs 40: a worker's link cut, the server SIGKILLed
     (46, set()),
