@@ -23,7 +23,7 @@ from supervisor.demo import crash as demo
 from supervisor.demo import once as demo_once
 from supervisor.errors import EXIT_BUG, EXIT_OK, ConfigError, SupervisorError
 from supervisor.nats import connect as natsconn
-from supervisor.parent.supervisor import Supervisor, load_callable, require_handler
+from supervisor.parent.supervisor import Supervisor, load_callable, load_middleware, require_handler
 
 GLOBALS = ("config", "server", "log_format")
 AFTER = "cmd_"               # dest prefix of a global flag given after the command name
@@ -108,9 +108,9 @@ example:
   SUPERVISOR_WORKERS_COUNT=8 supervisor config show  # defaults < file < environment < flags
 """,
     "config check": """\
-Checks the file, the environment, the secret files and imports workers.handler and
-workers.init. Exit 0 when `supervisor start` would accept it, 2 for a config error,
-3 when the handler cannot be imported.
+Checks the file, the environment, the secret files and imports workers.handler,
+workers.init and workers.middleware. Exit 0 when `supervisor start` would accept it, 2 for a
+config error, 3 when the handler (or a middleware) cannot be imported or does not fit.
 
 example:
   supervisor config check --config /etc/jetstream-supervisor/config.toml
@@ -244,7 +244,8 @@ def build_parser() -> ArgumentParser:
                     help="where to write it (default ./config.toml)")
     ip.add_argument("--force", action="store_true", help="overwrite an existing file")
     command("show", "print the effective config (secrets redacted)", csub, "config show")
-    command("check", "validate the config and import the handler; exit 0, 2 or 3", csub, "config check")
+    command("check", "validate the config and import the handler and middleware; exit 0, 2 or 3", csub,
+            "config check")
 
     p = command("dlq", "list or replay dead letters (jobs given up on)")
     dsub = p.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=ArgumentParser)
@@ -317,9 +318,10 @@ def cmd_config(args: argparse.Namespace) -> int:
         return EXIT_OK
     natsconn.connect_kwargs(config.client_config(cfg).nats)      # secret files exist and parse
     require_handler(cfg)
-    load_callable(cfg.workers.handler, "workers.handler")  # exit 3, as `start` would
+    handler = load_callable(cfg.workers.handler, "workers.handler")  # exit 3, as `start` would
     if cfg.workers.init:
         load_callable(cfg.workers.init, "workers.init")
+    load_middleware(cfg, handler)
     where = config.find_config_path(args.config, os.environ)
     print(f"config ok ({where or 'built-in defaults'}; handler {cfg.workers.handler} imports)")
     return EXIT_OK

@@ -96,6 +96,8 @@ class WorkersConfig:
     handler: str = key("", "MOD:FUNC called for each job; `start` needs one (to try things: "
                            "workers.examples:sleep_job)", reload=REPLACE)
     init: str = key("", "MOD:FUNC called once in each worker after fork", reload=REPLACE)
+    middleware: tuple[str, ...] = key((), "MOD:CLASS entries, each a workers.Middleware subclass wrapping every job, "
+                                          "outermost first (README: Middleware)", reload=REPLACE)
     concurrency: int = key(1, "jobs in flight at once per worker", reload=REPLACE, lo=1, hi=1024)
     batch: int = key(256, "ceiling on jobs a worker buffers or asks for at once; it sizes pulls below it "
                           "(README: Pull sizing)", reload=REPLACE, lo=1, hi=4096)
@@ -360,6 +362,9 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
         spec = getattr(cfg.workers, dotted.split(".")[1])
         if spec and (spec.count(":") != 1 or not all(spec.split(":"))):
             fail(dotted, f"expected MODULE:FUNCTION, got {spec!r}")
+    for spec in cfg.workers.middleware:
+        if spec.count(":") != 1 or not all(spec.split(":")):
+            fail("workers.middleware", f"expected MODULE:CLASS entries, got {spec!r}")
     if not cfg.stream.subjects:
         fail("stream.subjects", "needs at least one subject")
     if cfg.autoscale.max < cfg.autoscale.min:

@@ -161,7 +161,7 @@ async def ensure_consumer(js: Any, cfg: Config) -> None:
 
 
 async def ensure_idempotency(js: Any, cfg: Config) -> None:
-    """The KV bucket of done-markers (workers/runtime/guard.py): max_age = idempotency.ttl, per-message
+    """The KV bucket of done-markers (workers/middleware/guard.py): max_age = idempotency.ttl, per-message
     TTL allowed (the job leases expire by it). Warns about settings that weaken the guard."""
     bucket = cfg.idempotency.bucket
     if not VALID_BUCKET.fullmatch(bucket):

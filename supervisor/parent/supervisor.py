@@ -1,13 +1,14 @@
 """`supervisor start`: embedded server (if needed) -> connect -> provision -> supervise -> stop.
 
 Everything that can fail on bad input fails here, before a single worker is forked: the config
-(exit 2), the handler import (exit 3), NATS and the stream/consumer (exit 4).
+(exit 2), the handler, init and middleware imports (exit 3), NATS and the stream/consumer (exit 4).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 import logging
 import os
 import sys
@@ -34,6 +35,8 @@ from supervisor.parent.arbiter import Arbiter
 from supervisor.parent.fleet import Fleet
 from supervisor.parent.monitor import Monitor
 from supervisor.parent.systemd import Notifier
+from workers import Middleware
+from workers.middleware.chain import around_mismatch
 
 log = logging.getLogger("supervisor")
 
@@ -54,6 +57,36 @@ def require_handler(cfg: Config) -> None:
 
 def load_callable(spec: str, key: str) -> Callable:
     """Import MODULE:FUNCTION for workers.handler / workers.init; any failure is exit 3."""
+    obj = load_object(spec, key)
+    if not callable(obj):
+        raise HandlerError(f"{key}: {spec} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+Middlewares = tuple[tuple[str, type[Middleware]], ...]
+
+
+def load_middleware(cfg: Config, handler: Callable) -> Middlewares:
+    """Import and check each workers.middleware entry: a workers.Middleware subclass that can be
+    made with no arguments, whose `around` suits the handler's kind; anything else is exit 3."""
+    out = []
+    for k, spec in enumerate(cfg.workers.middleware):
+        key = f"workers.middleware[{k}]"
+        cls = load_object(spec, key)
+        if not (isinstance(cls, type) and issubclass(cls, Middleware)):
+            raise HandlerError(f"{key}: {spec} is a {type(cls).__name__}, not a subclass of workers.Middleware")
+        try:
+            inspect.signature(cls).bind()
+        except TypeError as exc:
+            raise HandlerError(f"{key}: {spec} cannot be made with no arguments ({exc}); a worker makes it so") from None
+        if why := around_mismatch(cls, inspect.iscoroutinefunction(handler)):
+            raise HandlerError(f"{key}: {spec}: {why}")
+        out.append((spec, cls))
+    return tuple(out)
+
+
+def load_object(spec: str, key: str) -> Any:
+    """Import MODULE:ATTR; any failure is exit 3 naming the key."""
     module_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())       # like gunicorn: the app lives where we were started
@@ -64,12 +97,9 @@ def load_callable(spec: str, key: str) -> Callable:
         raise HandlerError(f"{key}: cannot import {module_name!r}: {type(exc).__name__}: {exc}"
                            + (f" (at {where})" if where else "")) from None
     try:
-        obj = getattr(module, attr)
+        return getattr(module, attr)
     except AttributeError:
         raise HandlerError(f"{key}: module {module_name!r} has no attribute {attr!r}") from None
-    if not callable(obj):
-        raise HandlerError(f"{key}: {spec} is a {type(obj).__name__}, not callable")
-    return obj
 
 
 def user_frame(exc: BaseException, module_name: str) -> str:
@@ -145,6 +175,7 @@ class Supervisor:
         self.set_title("starting")
         handler = load_callable(cfg.workers.handler, "workers.handler")
         init = load_callable(cfg.workers.init, "workers.init") if cfg.workers.init else None
+        middleware = load_middleware(cfg, handler)
         if not cfg.nats.servers:
             e = cfg.embedded
             self.embedded = EmbeddedServer(e.host, e.port, e.monitor_port, e.store_dir)
@@ -153,12 +184,12 @@ class Supervisor:
         if self.embedded:
             self.embedded.start(cfg.nats.startup_timeout)
         try:
-            return uvloop.run(self.serve(handler, init))
+            return uvloop.run(self.serve(handler, init, middleware))
         finally:
             if self.embedded:
                 self.embedded.stop()
 
-    async def serve(self, handler: Callable, init: Callable | None) -> int:
+    async def serve(self, handler: Callable, init: Callable | None, middleware: Middlewares) -> int:
         cfg = self.cfg
         self.nc = await provision.connect_until(cfg, name=cfg.nats.name, ping_interval=PING_INTERVAL,
                                                 max_outstanding_pings=2)
@@ -166,7 +197,7 @@ class Supervisor:
         try:
             await provision.ensure(self.nc, cfg)
             self.arbiter = Arbiter(cfg, self.nc, handler, init, self.connect_worker, self.notifier,
-                                   reload_config=self.reload if self.reload_source else None,
+                                   middleware=middleware, reload_config=self.reload if self.reload_source else None,
                                    server_dies_with_parent=self.embedded is not None)
             await self.inherit_pending(self.arbiter)
             self.monitor = Monitor(cfg, self.nc, self.arbiter)
@@ -229,10 +260,11 @@ class Supervisor:
                 new = with_servers(new, self.cfg.nats.servers)
             change = reload.plan(self.cfg, new)
             cfg = change.effective
-            handler = init = None
-            if any(k in ("workers.handler", "workers.init") for k, _, _ in change.changed):
+            code = None                   # (handler, init, middleware) when one of them changed
+            if any(k in ("workers.handler", "workers.init", "workers.middleware") for k, _, _ in change.changed):
                 handler = load_callable(cfg.workers.handler, "workers.handler")
                 init = load_callable(cfg.workers.init, "workers.init") if cfg.workers.init else None
+                code = (handler, init, load_middleware(cfg, handler))
             if change.update_consumer:
                 await provision.ensure_consumer(self.nc.jetstream(), cfg)
             if cfg.idempotency.enabled and not self.cfg.idempotency.enabled:    # the new workers need the bucket
@@ -254,13 +286,13 @@ class Supervisor:
                          extra={"event": "reload_applied", "key": key, "old": old, "new": new_value})
         if not change.changed:
             log.info("reload: configuration unchanged", extra={"event": "reload_unchanged"})
-        arbiter.post(lambda: self.apply_config(cfg, change, handler, init))
+        arbiter.post(lambda: self.apply_config(cfg, change, code))
 
-    def apply_config(self, cfg: Config, change: Any, handler: Callable | None, init: Callable | None) -> None:
+    def apply_config(self, cfg: Config, change: Any, code: tuple[Callable, Callable | None, Middlewares] | None) -> None:
         """In the arbiter's loop (one writer): every part takes the new config at the same moment."""
         self.cfg = cfg
         arbiter, monitor, fleet = self.parts()
-        arbiter.apply_config(cfg, change, handler, init)
+        arbiter.apply_config(cfg, change, code)
         monitor.apply_config(cfg)
         fleet.apply_config(cfg)
         logs.setup(cfg.log.level, cfg.log.format)
