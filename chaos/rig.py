@@ -31,7 +31,7 @@ from harness import NatsServer, SupervisorProc, base_config, wait_until
 from nats.js.errors import NotFoundError
 from natscluster import NatsCluster
 
-from supervisor.parent.peers import SUSPECT_GRACE
+from supervisor.parent.safety.peers import SUSPECT_GRACE
 from workers.runtime.deadletter import DLQ_HEADER
 
 from .checker import Evidence, Report, check

@@ -86,7 +86,7 @@ async def ensure(nc: Any, cfg: Config) -> None:
 
 
 async def ensure_fleet_bucket(js: Any, cfg: Config) -> None:
-    """The KV bucket of fleet heartbeats (supervisor/parent/fleet.py): one value per key, kept for
+    """The KV bucket of fleet heartbeats (supervisor/parent/tasks/fleet.py): one value per key, kept for
     FLEET_KEEP_S after its last write (so a lost supervisor stays visible a while), as many
     replicas as the stream. Not fatal: without it the work goes on, only the fleet view is off."""
     from nats.js.errors import BucketNotFoundError

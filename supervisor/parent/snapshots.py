@@ -22,10 +22,10 @@ from supervisor.observe.snapshot import (
     WorkerView,
 )
 from supervisor.parent.arbiter import Arbiter
-from supervisor.parent.fleet import Fleet
-from supervisor.parent.monitor import Monitor
 from supervisor.parent.pool import rss_of
 from supervisor.parent.process import WorkerProcess, WorkerState
+from supervisor.parent.tasks.fleet import Fleet
+from supervisor.parent.tasks.monitor import Monitor
 from workers.protocol import slots
 
 HELD_STATES = (slots.HELD, slots.RUNNING, slots.ACKED)

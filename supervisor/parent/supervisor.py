@@ -32,9 +32,9 @@ from supervisor.observe.snapshot import Snapshot
 from supervisor.observe.status import title
 from supervisor.parent import snapshots
 from supervisor.parent.arbiter import Arbiter
-from supervisor.parent.fleet import Fleet
-from supervisor.parent.monitor import Monitor
 from supervisor.parent.systemd import Notifier
+from supervisor.parent.tasks.fleet import Fleet
+from supervisor.parent.tasks.monitor import Monitor
 from workers import Middleware
 from workers.middleware.chain import around_mismatch
 

@@ -6,7 +6,7 @@ crashes nothing: the numbers age (`poll_age_s`) until the lag state turns `unkno
 Advisories: MAX_DELIVERIES means the server gave up on a job; it is still in the stream, so it is
 copied to the dead-letter subject and nothing vanishes silently. MSG_TERMINATED is counted.
 
-In a fleet (supervisor/parent/fleet.py) only the elected poller asks the server; the others take its
+In a fleet (supervisor/parent/tasks/fleet.py) only the elected poller asks the server; the others take its
 samples and ask themselves only when those stop coming. In a cluster ConsumerInfo comes from the
 consumer leader, whichever node that is now; `SampleGuard` keeps an answer that cannot be right
 (a leader still catching up after a move, reporting consumer sequences that went backwards)
@@ -32,7 +32,7 @@ from supervisor.core.lag import LagAnalyzer, Sample
 from supervisor.nats.consumer import consumer_dict
 from supervisor.observe.history import History
 from supervisor.parent.arbiter import Arbiter
-from supervisor.parent.fleet import Fleet
+from supervisor.parent.tasks.fleet import Fleet
 from workers import Job
 from workers.runtime.deadletter import dead_letter
 
@@ -176,7 +176,7 @@ class Monitor:
         self.consumer = consumer
         self.polled_at = now
         beat = self.arbiter.stats.progress_beat(self.arbiter.cfg.workers.job_timeout)
-        # In a fleet, progress anywhere counts (supervisor/parent/fleet.py Fleet.progress).
+        # In a fleet, progress anywhere counts (supervisor/parent/tasks/fleet.py Fleet.progress).
         fleet_acked, fleet_busy = self.fleet.progress() if self.fleet else (0, False)
         self.analyzer.add(Sample(t=self.polled_at, num_pending=consumer["num_pending"],
                                  num_ack_pending=consumer["num_ack_pending"],
