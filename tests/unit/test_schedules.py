@@ -133,3 +133,17 @@ def test_a_stored_schedule_reads_back_equal_to_what_was_sent():
     server_side = {**m.publish_headers(), "Nats-Rollup": "sub", sched.EXPECT_LAST: "0"}
     assert sched.ScheduleMsg.stored(m.subject, server_side, b"d") == m
     assert sched.ScheduleMsg.stored(m.subject, {**server_side, "A": "other"}, b"d") != m
+
+
+def test_why_a_stream_cannot_hold_schedules_is_said_with_its_fix():
+    from types import SimpleNamespace
+
+    from supervisor.config import Config
+    from supervisor.nats.schedules import StreamFacts, refusal
+    cfg, new, old = Config(), SimpleNamespace(major=2, minor=15), SimpleNamespace(major=2, minor=10)
+    ok = StreamFacts(True, ("jobs.>", "_sched.JOBS.>"), 0.0)
+    assert refusal(cfg, ok, new) is None
+    assert "nats-server 2.10 cannot hold message schedules" in refusal(cfg, StreamFacts(False, ("jobs.>",), 0), old)
+    assert "created without message schedules" in refusal(cfg, StreamFacts(False, ("jobs.>",), 0), new)
+    assert "does not capture _sched.JOBS.>" in refusal(cfg, StreamFacts(True, ("jobs.>",), 0), new)
+    assert "false in the config" in refusal(cfg.replace(stream={"allow_schedules": False}), ok, new)
