@@ -231,3 +231,29 @@ def test_two_starts_that_both_read_no_schedule_store_it_once(nats_server):
     same, copies, changed, pattern = asyncio.run(scenario())
     assert same == [True, False] and copies == 1, "the second writer kept the first one's schedule"
     assert changed == [True, True] and pattern == "@every 1s", "a different schedule is replaced, not kept"
+
+
+def test_jobs_a_schedule_fired_can_be_dead_lettered_and_replayed(nats_server, supervisor_factory, tmp_path):
+    """A fired job carries the server's Nats-Scheduler and Nats-Schedule-Next headers, which a
+    client may not publish (the server refuses Next unless it purges, and Scheduler without
+    it). Copied as they are, a fired job's dead letter is refused: its Reject becomes a NAK for
+    ever; and a replay would be refused, or purge a schedule. One recurring, one delayed job."""
+    from test_crash_safety import dead_letters
+
+    sup = supervisor_factory(nats_server, workers={"count": 1},
+                             schedules={"bad": {"every": 3600.0, "subject": "jobs.bad", "data": "reject"}})
+    sup.wait_ready()
+    # @every fires its first time a period after it was stored: `schedule add` of a 1 s one fires now.
+    r = run_cli("schedule", "add", "now", "--every", "1", "--data", "reject", "--server", nats_server.url, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    letters = wait_until(lambda: asyncio.run(dead_letters(nats_server.url)), what="the fired job's dead letter")
+    assert run_cli("schedule", "rm", "now", "--server", nats_server.url, tmp=tmp_path).returncode == 0
+    publish(nats_server.url, count=1, data="reject", tmp=tmp_path, extra=("--delay", "0"))
+    letters = wait_until(lambda: len(got := asyncio.run(dead_letters(nats_server.url))) >= 2 and got,
+                         what="the delayed job's dead letter")
+    assert all(m.headers.get("Supervisor-Dead-Letter-Scheduler", "").startswith("_sched.JOBS.") for m in letters)
+    assert not any(k in m.headers for m in letters for k in ("Nats-Scheduler", "Nats-Schedule-Next"))
+    r = run_cli("dlq", "replay", "--all", "--subject", "jobs.again", "--server", nats_server.url, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert schedule_names(nats_server.url, tmp_path) == {"bad": "config"}, "the replay purged no schedule"
+    assert sup.stop() == 0
