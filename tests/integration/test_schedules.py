@@ -257,3 +257,17 @@ def test_jobs_a_schedule_fired_can_be_dead_lettered_and_replayed(nats_server, su
     assert r.returncode == 0, r.stderr
     assert schedule_names(nats_server.url, tmp_path) == {"bad": "config"}, "the replay purged no schedule"
     assert sup.stop() == 0
+
+
+def test_a_sighup_that_changes_schedules_applies_them(nats_server, supervisor_factory, tmp_path):
+    import signal
+
+    sup = supervisor_factory(nats_server, workers={"count": 1}, args=JSON_LOGS)
+    sup.wait_ready()
+    sup.config["schedules"] = TICK
+    sup.config_path.write_text(tomli_w.dumps(sup.config))
+    sup.signal(signal.SIGHUP)
+    sup.wait_event("schedule_added", schedule="tick")
+    wait_until(lambda: done([sup], "tick"), what="a job the new schedule fired")
+    assert sup.status()["schedules"]["added"] == ["tick"]
+    assert sup.stop() == 0
