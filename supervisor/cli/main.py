@@ -309,7 +309,7 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--header", action="append", metavar="'NAME: VALUE'", help="a header each job carries "
                                                                               "(repeatable)")
     rp = command("rm", "remove a schedule by name", ssub, "schedule rm")
-    rp.add_argument("name", metavar="NAME")
+    rp.add_argument("name", metavar="NAME", help="the schedule's name (see `schedule list`)")
 
     p = command("demo", "watch a worker crash while holding a job, and the job come back at once")
     p.add_argument("--workers", type=int, default=3, metavar="N", help="worker processes (default 3)")
