@@ -413,6 +413,10 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
 def _check_schedules(cfg: Config, fail: Any) -> None:
     if any(in_space(s) for s in cfg.stream.subjects):
         fail("stream.subjects", f"{ROOT}.> is where message schedules are kept; job subjects go elsewhere")
+    wide = [s for s in cfg.stream.subjects if subject_matches(s, f"{ROOT}.{cfg.stream.name}.probe")]
+    if cfg.stream.allow_schedules and wide:
+        fail("stream.subjects", f"{wide[0]!r} also captures {ROOT}.{cfg.stream.name}.>, where message schedules are "
+                                "kept (out of the workers' way): narrow it, or set stream.allow_schedules = false")
     for name, entry in cfg.schedules.items():
         if not cfg.stream.allow_schedules:
             fail(f"schedules.{name}", "needs stream.allow_schedules = true")

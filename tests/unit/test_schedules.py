@@ -103,9 +103,11 @@ def test_schedules_need_the_stream_setting(tmp_path):
     with pytest.raises(ConfigError) as err:
         load(write(tmp_path, "[stream]\nallow_schedules = false\n[schedules.s]\nevery = 5\n"), env={})
     assert err.value.key == "schedules.s" and "stream.allow_schedules" in str(err.value)
-    with pytest.raises(ConfigError) as err:
-        load(write(tmp_path, '[stream]\nsubjects = ["_sched.>"]\n'), env={})
-    assert err.value.key == "stream.subjects"
+    for subjects in ('["_sched.>"]', '["jobs.>", "*.JOBS.>"]'):
+        with pytest.raises(ConfigError) as err:
+            load(write(tmp_path, f'[stream]\nsubjects = {subjects}\n'), env={})
+        assert err.value.key == "stream.subjects", subjects
+    assert load(write(tmp_path, '[stream]\nsubjects = ["*.JOBS.>"]\nallow_schedules = false\n'), env={})
 
 
 def msg(kind: str, name: str, every: float = 5, data: str = "") -> sched.ScheduleMsg:
