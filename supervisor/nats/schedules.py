@@ -20,7 +20,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from supervisor.config import Config
 from supervisor.config import schedules as sched
-from supervisor.config.subjects import default_subject
+from supervisor.config.subjects import default_subject, subject_matches
 from supervisor.errors import ConfigError, NatsUnavailable
 
 log = logging.getLogger("supervisor.schedules")
@@ -38,6 +38,8 @@ class StreamFacts:
     allowed: bool                 # allow_msg_schedules
     subjects: tuple[str, ...]
     clock_offset: float           # the server's clock minus ours, seconds (0 when it did not say)
+    # The work consumer's filters as the server has them; None: no consumer yet (start makes it narrow).
+    consumer_filters: tuple[str, ...] | None = None
 
     def server_now(self) -> dt.datetime:
         return dt.datetime.fromtimestamp(time.time() + self.clock_offset, dt.UTC)
@@ -63,7 +65,17 @@ async def stream_facts(nc: Any, cfg: Config) -> StreamFacts:
     offset = 0.0
     if info.get("ts"):
         offset = dt.datetime.fromisoformat(info["ts"]).timestamp() - (asked + answered) / 2
-    return StreamFacts(bool(config.get("allow_msg_schedules")), tuple(config.get("subjects") or ()), offset)
+    return StreamFacts(bool(config.get("allow_msg_schedules")), tuple(config.get("subjects") or ()), offset,
+                       await consumer_filters(nc, cfg))
+
+
+async def consumer_filters(nc: Any, cfg: Config) -> tuple[str, ...] | None:
+    """The work consumer's filter subjects (() for none: every subject), None when it does not exist."""
+    try:
+        c = (await nc.jetstream().consumer_info(cfg.stream.name, cfg.consumer.name, timeout=API_TIMEOUT)).config
+    except NotFoundError:
+        return None
+    return tuple(c.filter_subjects or ([c.filter_subject] if c.filter_subject else []))
 
 
 def refusal(cfg: Config, facts: StreamFacts, server_version: Any) -> str | None:
@@ -83,6 +95,12 @@ def refusal(cfg: Config, facts: StreamFacts, server_version: Any) -> str | None:
     if sched.space_filter(name) not in facts.subjects:
         return (f"stream {name} allows message schedules but does not capture {sched.space_filter(name)}, where the "
                 "supervisor keeps them (out of the workers' way): add that subject to the stream")
+    probe = f"{sched.space(name)}.{sched.AT}.probe"
+    if facts.consumer_filters is not None and (not facts.consumer_filters or
+                                               any(subject_matches(f, probe) for f in facts.consumer_filters)):
+        return (f"consumer {cfg.consumer.name} delivers {sched.space_filter(name)} too (its filter: "
+                f"{', '.join(facts.consumer_filters) or 'every subject'}), so a worker would take a schedule for a job: "
+                "start the supervisor once (it narrows the filter to the job subjects), then use schedules")
     return None
 
 

@@ -271,3 +271,35 @@ def test_a_sighup_that_changes_schedules_applies_them(nats_server, supervisor_fa
     wait_until(lambda: done([sup], "tick"), what="a job the new schedule fired")
     assert sup.status()["schedules"]["added"] == ["tick"]
     assert sup.stop() == 0
+
+
+def test_a_stream_given_schedules_by_hand_is_used_once_the_consumer_is_narrowed(
+        nats_server, supervisor_factory, tmp_path):
+    """README's way for an existing stream: turn schedules on in its config. Until a start has
+    narrowed the consumer's filter (it took every subject), a schedule would be delivered as a job
+    (run at once, its ack deleting it): refused, naming why; after a restart, used."""
+    asyncio.run(stream_without_schedules(nats_server.url))
+    sup = supervisor_factory(nats_server, workers={"count": 1})
+    sup.wait_ready()
+
+    async def turn_on() -> None:
+        nc = await nats.connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+            have = (await js.stream_info("JOBS")).config
+            have.subjects = [*have.subjects, "_sched.JOBS.>"]
+            have.allow_msg_schedules, have.allow_rollup_hdrs = True, True
+            await js.update_stream(have)
+        finally:
+            await nc.close()
+    asyncio.run(turn_on())
+    r = run_cli("publish", "--delay", "1", "--server", nats_server.url, tmp=tmp_path)
+    assert r.returncode == 2 and "consumer workers delivers _sched.JOBS.> too" in r.stderr, r.stderr
+    assert sup.stop() == 0
+    sup.start()
+    sup.wait_ready()
+    before = time.time()
+    publish(nats_server.url, count=1, data="late", tmp=tmp_path, extra=("--delay", "1"))
+    wait_until(lambda: done([sup], "late"), what="the delayed job done")
+    assert min(r.t for r in sup.jobs.started() if r.data == "late") >= before + 1.0
+    assert sup.stop() == 0

@@ -149,3 +149,8 @@ def test_why_a_stream_cannot_hold_schedules_is_said_with_its_fix():
     assert "created without message schedules" in refusal(cfg, StreamFacts(False, ("jobs.>",), 0), new)
     assert "does not capture _sched.JOBS.>" in refusal(cfg, StreamFacts(True, ("jobs.>",), 0), new)
     assert "false in the config" in refusal(cfg.replace(stream={"allow_schedules": False}), ok, new)
+    # The stream given schedules by hand while the consumer still takes every subject: not yet.
+    assert refusal(cfg, StreamFacts(True, ok.subjects, 0.0, ("jobs.>",)), new) is None
+    assert "consumer workers delivers _sched.JOBS.> too (its filter: every subject)" in \
+        refusal(cfg, StreamFacts(True, ok.subjects, 0.0, ()), new)
+    assert "its filter: >" in refusal(cfg, StreamFacts(True, ok.subjects, 0.0, (">",)), new)
