@@ -27,6 +27,7 @@ from typing import Any
 from nats.js.errors import NotFoundError
 
 from supervisor.config import Config
+from supervisor.config.schedules import job_subjects
 from supervisor.core.fleetview import ack_wait_range
 from supervisor.core.lag import LagAnalyzer, Sample
 from supervisor.nats.consumer import consumer_dict
@@ -315,18 +316,25 @@ class Monitor:
             return
         self.given_up_due, self.reconnects_seen = now + GIVEN_UP_EVERY, reconnects
         bound = consumer["delivered_stream_seq"] if consumer["num_ack_pending"] == 0 else consumer["ack_floor_stream_seq"]
-        seq = 1
+        # Job subjects only: a schedule (or a delayed job waiting) below the bound was never the consumer's.
+        for subject in job_subjects(c):
+            if not await self.given_up_on(js, subject, bound):
+                return
+
+    async def given_up_on(self, js: Any, subject: str, bound: int) -> bool:
+        """find_given_up on one subject; False when the search must stop here (an error)."""
+        c, seq = self.cfg, 1
         for _ in range(GIVEN_UP_BATCH):
             try:
-                raw = await js.get_msg(c.stream.name, seq=seq, subject=c.consumer.filter_subject or ">", next=True)
+                raw = await js.get_msg(c.stream.name, seq=seq, subject=subject, next=True)
             except NotFoundError:
-                return              # nothing stored from seq on
+                return True         # nothing stored from seq on
             except Exception as exc:
                 log.info("looking for jobs the consumer gave up on: %s; again at the next poll", exc)
                 self.given_up_due = 0.0
-                return
+                return False
             if raw.seq > bound:
-                return
+                return True
             if raw.seq not in self.copied:
                 log.warning("job seq=%d is in the stream below the consumer's ack floor: it reached max_deliver "
                             "while no supervisor saw the advisory; copying it to %s", raw.seq,
@@ -336,3 +344,4 @@ class Monitor:
                                    f"max deliveries reached ({c.consumer.max_deliver}); found in the stream below the "
                                    "consumer's ack floor (its advisory was missed, or the server lost an ack's removal)")
             seq = raw.seq + 1
+        return True
