@@ -162,10 +162,10 @@ def finish_fails_init() -> None:
 
     original = runtime.Worker.finish
 
-    async def finish(self, i, job, exc, elapsed):
+    async def finish(self, i, job, exc, elapsed, *rest):
         if job.data.startswith(b"finish-fails") and job.delivery == 1:
             raise RuntimeError("the settle path failing on purpose")
-        await original(self, i, job, exc, elapsed)
+        await original(self, i, job, exc, elapsed, *rest)
 
     runtime.Worker.finish = finish
 

@@ -162,6 +162,16 @@ def test_no_package_folder_is_a_flat_heap():
             assert n <= MAX_FOLDER_MODULES, f"{folder.relative_to(ROOT)} has {n} modules: give it sub-packages"
 
 
+def test_test_files_have_names_of_their_own():
+    """The tests folders are not packages: pytest imports each test file by its bare name, so two
+    files of one name (tests/unit/x.py beside tests/integration/x.py) fail collection."""
+    seen: dict[str, list[str]] = {}
+    for path in (ROOT / "tests").rglob("*.py"):
+        if path.name != "__init__.py" and "__pycache__" not in path.parts:
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
+
+
 def test_the_import_walker_sees_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
