@@ -10,7 +10,7 @@ import sys
 import time
 
 import psutil
-from harness import NatsServer, child_env, publish, publish_now, run_cli, wait_until
+from harness import NatsServer, child_env, popen_at_a_terminal, publish, publish_now, run_cli, wait_until
 
 ACK_WAIT = 60.0      # far longer than any wait below: a job back within seconds was NAKed, not expired
 
@@ -182,8 +182,8 @@ def read_lines(proc: subprocess.Popen, n: int, timeout: float) -> list[str]:
 def test_lag_watch_is_a_ticker_with_a_time_column(nats_server, supervisor_factory, tmp_path):
     sup = supervisor_factory(nats_server, workers={"count": 1})
     sup.wait_ready(1)
-    ticker = subprocess.Popen([sys.executable, "-m", "supervisor", "lag", "--server", nats_server.url, "--watch", "0.2"],
-                              stdout=subprocess.PIPE, env=child_env(), cwd=tmp_path)
+    ticker = popen_at_a_terminal([sys.executable, "-m", "supervisor", "lag", "--server", nats_server.url, "--watch", "0.2"],
+                                 stdout=subprocess.PIPE, env=child_env(), cwd=tmp_path)
     try:
         lines = read_lines(ticker, 3, timeout=30)
         ticker.send_signal(signal.SIGINT)

@@ -91,7 +91,7 @@ def test_random_sigkills_lose_nothing_and_ledger_matches(nats_server, supervisor
 def test_long_job_outlives_ack_wait_without_redelivery(nats_server, supervisor_factory):
     """AckWait 5 s and one 16 s job: in-progress pings keep it; delivered once, never redelivered.
     (A ping is due every third of AckWait: 5 s leaves a loaded box seconds of slack, 2 s did not.)"""
-    sup = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": 5.0})
+    sup = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": 5.0}, args=JSON_LOGS)
     sup.wait_ready(2)
     publish(nats_server.url, count=1, data="16")
     seen_redelivered = 0
@@ -100,8 +100,12 @@ def test_long_job_outlives_ack_wait_without_redelivery(nats_server, supervisor_f
         seen_redelivered = max(seen_redelivered, nats_server.consumer()["num_redelivered"])
         time.sleep(0.1)
     wait_until(lambda: nats_server.stream_msgs() == 0, what="the job acked")
-    assert [(r.seq, r.delivery) for r in sup.jobs.started()] == [(1, 1)]
-    assert seen_redelivered == 0
+    # Should it ever come back, say what the supervisor saw: a death, a stale link, pings held back.
+    said = "\n".join(f"{e['event']}: {e['message']}" for e in sup.events()
+                     if e["event"] not in ("worker_ready", "fleet_poller", "http_listening", "stream_created",
+                                           "consumer_created"))
+    assert [(r.seq, r.delivery) for r in sup.jobs.started()] == [(1, 1)], said
+    assert seen_redelivered == 0, said
     c = nats_server.consumer()
     assert c["delivered"]["consumer_seq"] == 1 and c["num_redelivered"] == 0
     assert sup.status()["crosscheck"]["unexplained_redeliveries"] == 0

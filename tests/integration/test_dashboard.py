@@ -20,7 +20,17 @@ from types import SimpleNamespace
 
 import pytest
 from browser import Browser, chromium_binary
-from harness import DEADLINE, NatsServer, SupervisorProc, base_config, child_env, publish, run_cli, wait_until
+from harness import (
+    DEADLINE,
+    NatsServer,
+    SupervisorProc,
+    base_config,
+    child_env,
+    popen_at_a_terminal,
+    publish,
+    run_cli,
+    wait_until,
+)
 from test_status_cli_demo import marked_processes
 
 from supervisor.observe import history as history_mod
@@ -389,9 +399,9 @@ def test_the_page_formatters(crashed, browser):
 
 def test_demo_dashboard_keeps_serving_the_page_after_the_jobs_until_ctrl_c(tmp_path):
     mark = uuid.uuid4().hex
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor", "demo", "--jobs", "6", "--dashboard"], cwd=tmp_path,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=child_env(DEMO_TEST_MARK=mark))
+    proc = popen_at_a_terminal([sys.executable, "-m", "supervisor", "demo", "--jobs", "6", "--dashboard"], cwd=tmp_path,
+                               text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env=child_env(DEMO_TEST_MARK=mark))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()

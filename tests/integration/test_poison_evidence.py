@@ -6,11 +6,12 @@ its next fatal run tries again. Real nats-server, real supervisor, real SIGKILLs
 from __future__ import annotations
 
 import asyncio
+import re
 
 import nats
 import pytest
 import test_crash_safety
-from harness import publish_now, wait_until
+from harness import SupervisorProc, publish_now, wait_until
 
 ACK_WAIT = 60.0
 JSON_LOGS = ("--log-format", "json")
@@ -18,6 +19,18 @@ JSON_LOGS = ("--log-format", "json")
 
 def dead_letters(url: str) -> list:
     return asyncio.run(test_crash_safety.dead_letters(url))
+
+
+def all_deaths_logged(sup: SupervisorProc) -> list[dict]:
+    """The worker_died events of every death the ledger has counted. A death is counted before
+    its NAKs (or a poison job's TERM) go out and logged only after their fence
+    (supervisor/parent/deaths.py settle), so the last line may follow what the test saw."""
+    crashes = sup.status()["crosscheck"]["crashes"]
+
+    def logged() -> list[dict] | None:
+        died = sup.events("worker_died")
+        return died if len(died) >= crashes else None
+    return wait_until(logged, what=f"the {crashes} deaths counted all logged")
 
 
 @pytest.mark.parametrize("handler", ["poisonhandlers:killer_async", "poisonhandlers:killer"])
@@ -36,12 +49,15 @@ def test_only_the_job_that_kills_is_quarantined_not_those_running_beside_it(nats
                what="the three done and the killer quarantined, long before AckWait")
     letters = dead_letters(nats_server.url)
     assert [int(m.headers["Supervisor-Dead-Letter-Sequence"]) for m in letters] == [killer]
-    assert letters[0].headers["Supervisor-Dead-Letter-Deaths"].count("SIGKILL") == 3
+    evidence = letters[0].headers["Supervisor-Dead-Letter-Deaths"]
+    assert evidence.count("SIGKILL") == 3
     assert sup.jobs.done_seqs() == set(innocent)
-    died = sup.events("worker_died")
+    died = all_deaths_logged(sup)
     running_at = [sorted(r.seq for r in sup.jobs.running() if r.pid == d["worker_pid"]) for d in died]
     assert running_at[0] == sorted([*innocent, killer]), "all four ran at the first death"
     assert running_at[1:] == [[killer]] * 3, "then three deaths with the killer alone"
+    assert [int(pid) for pid in re.findall(r"pid (\d+)", evidence)] == [d["worker_pid"] for d in died[1:]], \
+        "blamed for the deaths it ran alone at, never for the first"
     status = sup.status()
     assert status["crosscheck"]["quarantined"] == 1
     assert sup.stop() == 0

@@ -9,7 +9,7 @@ import sys
 
 import psutil
 import tomli_w
-from harness import DEADLINE, child_env, publish, run_cli, wait_until
+from harness import DEADLINE, child_env, popen_at_a_terminal, publish, run_cli, wait_until
 from natsauth import free_port
 
 from supervisor.cli.render import render_status
@@ -239,9 +239,25 @@ def test_demo_runs_the_seed_scenario_and_exits_0(tmp_path):
     wait_until(lambda: not marked_processes(tmp_path), 10, "every process the demo started to be gone")
 
 
+def test_what_a_test_will_ctrl_c_gets_sigint_even_from_a_suite_run_in_the_background():
+    """The Ctrl-C tests' premise (harness.popen_at_a_terminal): with SIGINT ignored here, as in a
+    suite started with `pytest &` by a script, a plain child inherits the ignore and would run on
+    through the test's SIGINT; a child started at a terminal's defaults does not, and the ignore
+    here is left as it was."""
+    probe = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"]
+    saved = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        plain = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
+        ours = popen_at_a_terminal(probe, stdout=subprocess.PIPE, text=True).communicate(timeout=DEADLINE)[0].strip()
+        after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, saved if saved is not None else signal.default_int_handler)
+    assert (plain, ours, after) == ("False", "True", signal.SIG_IGN)
+
+
 def test_demo_ctrl_c_stops_its_supervisor_and_leaves_nothing_behind(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor", "demo", "--jobs", "300"], cwd=tmp_path, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env())
+    proc = popen_at_a_terminal([sys.executable, "-m", "supervisor", "demo", "--jobs", "300"], cwd=tmp_path, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env())
     try:
         lines = []
         for line in proc.stdout:

@@ -51,6 +51,21 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def popen_at_a_terminal(args: list[str], **kwargs: Any) -> subprocess.Popen:
+    """Popen for a command the test will Ctrl-C (SIGINT): started with SIGINT at its default, as
+    under a terminal. A suite run in the background of a shell without job control (`pytest &`
+    from a script) ignores SIGINT, as POSIX has it for background jobs, and an ignored signal
+    stays ignored across fork and exec: Python then installs no KeyboardInterrupt and the child
+    never sees the test's Ctrl-C. A handler (not SIG_IGN) is reset to the default at exec."""
+    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+        return subprocess.Popen(args, **kwargs)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(args, **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 # ---------------------------------------------------------------- nats-server
 
 class NatsServer:
