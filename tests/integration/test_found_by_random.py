@@ -50,6 +50,15 @@ def test_a_retry_on_its_way_to_a_worker_that_dies_comes_back_at_once(tmp_path):
             took = back[0].t - killed
             assert took < ACK_WAIT / 2, (f"seq {seq}: its redelivery was on the wire to worker {pid} when it was "
                                          f"SIGKILLed; it came back {took:.1f}s later (AckWait {ACK_WAIT:g}s)")
+            # The evidence: the in-transit check found the redelivery and NAKed it, the ledger
+            # explains the next one by that, and the job ran to its end once.
+            status = sup.status()
+            assert status["peers"]["in_transit_checks"]["redeliveries_naked"] == 1, status["peers"]
+            wait_until(lambda: any(r.seq == seq and r.event == "D" for r in read_journal(journal)), 30, "the job done")
+            assert [r.delivery for r in read_journal(journal) if r.seq == seq and r.event == "D"] == [back[0].delivery]
+            crosscheck = wait_until(lambda: (c := sup.status()["crosscheck"])["in_transit_redeliveries"] >= 1 and c,
+                                    10, "the redelivery explained as in transit")
+            assert crosscheck["unexplained_redeliveries"] == 0, crosscheck
             return
         raise AssertionError("could not get a redelivery onto the wire to a stopped worker in 5 tries")
     finally:

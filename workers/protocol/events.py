@@ -29,12 +29,18 @@ class Redelivered:
 
 @dataclass(frozen=True)
 class Settled:
-    """The worker acked, NAKed or terminated a job (or NAKed one its table had no room for)."""
+    """The worker acked, NAKed or terminated a job (or NAKed one its table had no room for).
+    A NAK the worker published says when (`at`, the worker's monotonic clock: one clock for the
+    host), with what delay, and when this delivery was held: the earliest the redelivery's
+    AckWait can have started (supervisor/parent/in_transit.py). 0.0: not known (table full)."""
     kind: ClassVar[str] = "settled"
     seq: int
     delivery: int
     outcome: str             # ack | nak | term | duplicate
     reason: str = ""
+    at: float = 0.0
+    delay: float = 0.0
+    held_at: float = 0.0
 
 
 @dataclass(frozen=True)
