@@ -463,7 +463,8 @@ class Arbiter:
         with step("audit"):
             await self.deaths.renak_unseen(self.fresh_view, self.renak_unproven)
         with step("audit"):
-            await self.in_transit.step(now(), self.fresh_view, self.links_all_fresh_since, self.peers.alone(now()))
+            await self.in_transit.step(now(), self.fresh_view, self.links_all_fresh_since, self.peers.alone(now()),
+                                       self.peers.echo_at or 0.0)
         with step("audit"):
             for r in self.ledger.confirm_suspects(now(), SUSPECT_GRACE):
                 log.warning("job seq=%d redelivered (delivery %d) and nothing explains it: AckWait (%gs) shorter "

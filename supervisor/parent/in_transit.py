@@ -75,6 +75,10 @@ GIVE_UP = 5.0           # workers that cannot prove it within this long: leave i
 MAX_SCAN = 2000         # stream sequences looked at, at most, per reconciliation
 SAMPLES = 64            # ConsumerInfo readings kept for the lower bound
 NAMED_LIMIT = 10_000    # sequences recently named by a worker's event, remembered
+NOT_CONNECTED = "not connected to NATS"
+CANNOT_READ = "cannot read seq "
+PASSING = (NOT_CONNECTED,)  # obstacles a later tick may be past: the round waits (F6)
+MAX_FAILURES = 3        # NATS failing the round this often ends it
 
 
 @dataclass(frozen=True)
@@ -170,8 +174,12 @@ class InTransit:
     readings: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
     named: dict[int, float] = field(default_factory=dict)   # seq -> last time a worker's event named it
     stats: dict = field(default_factory=lambda: {"runs": 0, "naked": 0, "skipped": 0, "last_skipped": "",
-                                                 "redeliveries_naked": 0})
+                                                 "redeliveries_naked": 0, "waiting": ""})
     is_replicated: bool = False             # the last ConsumerInfo listed replicas
+    waiting: str = ""                       # why the round waits (a passing obstacle)
+    failed_at: float = 0.0                  # when NATS last failed the round ...
+    last_failure: str = ""                  # ... and how, and how many times this round
+    failures: int = 0
     worker_naks: WorkerNaks = field(default_factory=WorkerNaks)
 
     # ------------------------------------------------------------ inputs
@@ -215,16 +223,30 @@ class InTransit:
         return sum(loss.credits for loss in self.losses)
 
     async def step(self, now: float, fresh_view: Callable[[], set[int]],
-                   links_fresh_since: Callable[[float], bool], alone: bool | None) -> None:
+                   links_fresh_since: Callable[[float], bool], alone: bool | None, heard_self_at: float = 0.0) -> None:
         """`fresh_view` applies every event the workers wrote and returns the sequences in any
-        table, read before those events were applied."""
+        table, read before those events were applied. `heard_self_at`: when our own last hello
+        came back (peers.py): our link carried a message both ways then."""
         if alone and not self.unsafe_here(alone) and not self.replicated():
             await self.nak_redeliveries(fresh_view, links_fresh_since)
-        if not self.losses or alone is None:
-            return                          # nothing to look for, or wait: peers may still say hello
+        if not self.losses:
+            return
+        self.expire(now)
+        if not self.losses:
+            return
         why = self.unsafe_here(alone)
-        if why:
+        if why and why not in PASSING:
             self.done("skipped", why)       # not provably safe here: AckWait it is
+            return
+        if alone is None and not why:
+            why = "cannot tell yet whether another supervisor shares the consumer (just started, or our own " \
+                  "hellos have not come back lately)"
+        if self.failed_at and heard_self_at <= self.failed_at and not why:
+            why = self.last_failure
+        if why:
+            # A passing obstacle (F6): peers may still say hello, our link is down or stalled; the
+            # losses stay for a later tick while their lower bound still makes a NAK safe (expire).
+            self.wait(why)
             return
         if self.info_at is None or any(loss.t >= self.info_at.asked for loss in self.losses):
             await self.read_consumer()      # a death after the reading: what it had is beyond it (R5)
@@ -238,13 +260,42 @@ class InTransit:
             return
         await self.nak_lost(fresh_view)
 
-    def unsafe_here(self, alone: bool) -> str:
+    def expire(self, now: float) -> None:
+        """Losses no later round can prove safe: their lower bound is so old that a candidate's
+        AckWait may be running out (one with no lower bound at all is nak_lost's to skip)."""
+        for loss in list(self.losses):
+            low = self.floor([loss])
+            if low is not None and not nak_is_safe(now, low.asked, self.min_ack_wait()):
+                self.done("skipped", "too late: a candidate's AckWait may be running out"
+                          + (f" (waited for: {self.waiting})" if self.waiting else ""), [loss])
+
+    def wait(self, why: str) -> None:
+        """A passing obstacle: the round goes on at a later tick. Said once per reason."""
+        if why != self.waiting:
+            self.waiting = why
+            self.stats["waiting"] = why
+            log.info("in-transit check waiting: %s (what was on the wire to %s stays a candidate)", why,
+                     ", ".join(loss.who for loss in self.losses), extra={"event": "in_transit_waiting", "why": why})
+
+    def failed(self, why: str) -> None:
+        """NATS failed the round (ConsumerInfo, a stream read): try again once our own hello has
+        come back since, which proves the link carries messages both ways again; up to
+        MAX_FAILURES times (each try may hold the loop for its timeout)."""
+        self.failures += 1
+        if self.failures >= MAX_FAILURES:
+            self.done("skipped", f"{why} ({self.failures} times)")
+            return
+        self.failed_at, self.last_failure = time.monotonic(), why
+        self.info, self.info_at = None, None
+        self.wait(why)
+
+    def unsafe_here(self, alone: bool | None) -> str:
         if self.cfg.stream.retention != "workqueue":
             return "the stream is not a work queue"
-        if not alone:
+        if alone is False:
             return "another supervisor may hold deliveries of this consumer"
         if not self.nc.is_connected:
-            return "not connected to NATS"
+            return NOT_CONNECTED
         return ""
 
     def replicated(self) -> bool:
@@ -257,7 +308,7 @@ class InTransit:
             self.info = await self.nc.jetstream().consumer_info(self.cfg.stream.name, self.cfg.consumer.name,
                                                                  timeout=2.0)
         except Exception as exc:
-            self.done("skipped", f"ConsumerInfo failed: {exc or type(exc).__name__}")
+            self.failed(f"ConsumerInfo failed: {exc or type(exc).__name__}")
             return
         self.info_at = Reading(asked, time.monotonic(), self.info.delivered.stream_seq, self.info.num_waiting or 0,
                                self.info.delivered.consumer_seq)
@@ -288,7 +339,10 @@ class InTransit:
             return
         stored = await self.stored_in(low.delivered + 1, self.info.delivered.stream_seq)
         if isinstance(stored, str):
-            self.done("skipped", stored, losses)
+            if stored.startswith(CANNOT_READ):
+                self.failed(stored)         # NATS, not the range: try again
+            else:
+                self.done("skipped", stored, losses)
             return
         # From here to the last NAK nothing awaits: what we read is what the NAKs act on.
         held = fresh_view()
@@ -321,15 +375,15 @@ class InTransit:
         naks.read_in(held, before, now)
         lost, who = [], {}
         for seq in due:
-            n = naks.naks.get(seq)
-            if n is None or seq in held:
+            nak = naks.naks.get(seq)
+            if nak is None or seq in held:
                 continue                        # named, or held, since
             del naks.naks[seq]
-            if not nak_is_safe(now, n.earliest, ack_wait):
-                self.skip_redelivery(seq, n)
+            if not nak_is_safe(now, nak.earliest, ack_wait):
+                self.skip_redelivery(seq, nak)
                 continue
             lost.append(seq)
-            who[seq] = n.dead
+            who[seq] = nak.dead
         if lost:
             await self.send_naks(lost, [], who)
             self.stats["redeliveries_naked"] += len(lost)
@@ -377,7 +431,7 @@ class InTransit:
             except NotFoundError:
                 continue                    # acked (a work queue deletes it) or never stored
             except Exception as exc:        # timeout, no responders, a leader election: AckWait, not a dead parent
-                return f"cannot read seq {seq} from the stream: {exc or type(exc).__name__}"
+                return f"{CANNOT_READ}{seq} from the stream: {exc or type(exc).__name__}"
             if not wanted or subject_matches(wanted, msg.subject) or wanted == msg.subject:
                 found.append(seq)
         return found
@@ -393,3 +447,6 @@ class InTransit:
                      extra={"event": "in_transit_skipped", "why": why})
         self.losses = [loss for loss in self.losses if loss not in ended]
         self.info, self.info_at = None, None
+        if not self.losses:
+            self.waiting = self.stats["waiting"] = ""
+            self.failed_at, self.last_failure, self.failures = 0.0, "", 0
