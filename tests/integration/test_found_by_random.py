@@ -18,6 +18,7 @@ from chaos.checker import VERDICTS
 from chaos.core import run_with
 from chaos.facts import read_journal
 from chaos.rig import Run
+from supervisor.parent.in_transit import SLACK
 
 ACK_WAIT = 30.0
 
@@ -126,3 +127,59 @@ def test_a_worker_dead_while_the_parents_link_stalls_leaves_nothing_on_the_wire_
         raise AssertionError("no job was on the wire to the dead worker in 3 tries")
     assert result.counts["ackwait"] == 0, result.summary()
     assert result.passed, result.summary()
+
+
+
+STALL = 5.0                 # two long jobs' 1.5 s, then two pull requests' lives (PULL_EXPIRES + PULL_MARGIN)
+WORKER_0 = r" worker 0$"    # the proxy's name pattern for worker 0's connection
+
+
+def test_a_worker_killed_after_a_stall_has_no_more_on_its_wire_than_its_credits(tmp_path):
+    """Found by `python -m chaos --random --seed 18 --minutes 0.25` on d89b94e: a worker SIGKILLed
+    just after a 3.2 s server SIGSTOP; "8 unaccounted message(s), more than the 5 the dead
+    worker(s) asked for": the in-transit check left all of them to AckWait. The worker saw no
+    PONG and no 408 while the server was stopped, gave its pull request up 2 s after sending it
+    (PULL_EXPIRES + PULL_MARGIN) and asked again, and again; the server, running again, read
+    all those requests at once, each living PULL_EXPIRES from then, and filled every one, while
+    the credits counted the last. To the worker a stalled server and a stalled link are one
+    thing (nothing read, nothing answered); the link stall, through the proxy, has an exact
+    length and lets jobs be stored meanwhile. The only worker runs two 1.5 s jobs (so it has no
+    request out) when its link stalls for STALL s; it asks again when they end, jobs are
+    published, it is SIGSTOPped just before the heal (the requests the heal hands the server
+    are filled into a socket nobody reads) and SIGKILLed once the server has filled them.
+    Every job must be back long before AckWait."""
+    def stalled_worker_killed(run: Run) -> None:
+        scenarios.single(run, proxy=True, workers={"count": 1, "concurrency": 2, "batch": 2,
+                                                   "heartbeat_timeout": 60.0})
+        [victim] = run.sup.worker_pids()
+        ready = time.monotonic()
+        run.load(2, rate=100, what="1.5")
+        wait_until(lambda: len(run.running()) == 2, 30, "two long jobs running: no pull request out")
+        # The check's lower bound: a ConsumerInfo answered after the worker started and more than
+        # SLACK before the worker's last answer from NATS, which is about when the stall begins.
+        polled = wait_until(lambda: (age := run.sup.status()["consumer"].get("poll_age_s")) is not None
+                            and (t := time.monotonic() - age) > ready and t, 30, "a poll by the supervisor's monitor since")
+        wait_until(lambda: time.monotonic() > polled + 2 * SLACK, 5, "that poll more than SLACK old")
+        t0 = time.monotonic()
+        assert run.bg.call(run.proxy.stall(WORKER_0)) == 1, "worker 0's link is not through the proxy"
+        run.load(8, rate=200, what="0.01")
+        wait_until(lambda: pending(run) >= 8, 10, "the jobs stored, none delivered")
+        time.sleep(max(0.0, t0 + STALL - time.monotonic()))   # the stall's length
+        os.kill(victim, signal.SIGSTOP)
+        kill = run.fault("worker SIGSTOP, SIGKILL after its link's stall", time.monotonic(), pids={victim})
+        run.bg.call(run.proxy.heal(WORKER_0))
+        wait_until(lambda: pending(run) <= 6, 10, "the server filling worker 0's requests")
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: not run.watcher.alive(victim), 30, "worker 0 gone")
+        kill.t1 = time.monotonic()
+
+    result = run_with("stalled-worker-killed", 0, stalled_worker_killed, dict(VERDICTS), tmp_path / "run")
+    assert not result.error, result.summary()
+    assert [f for f in result.findings if f.verdict == "bounced"], f"nothing on the wire at the death: {result.summary()}"
+    assert result.counts["ackwait"] == 0, result.summary()
+    assert result.passed, result.summary()
+
+
+def pending(run: Run) -> int:
+    state = run.bg.call(run.queue_state())
+    return state[1] if state else -1
