@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from supervisor.core.ledger import LOST_PEER
+from workers.protocol.events import ledger_subject
 
 log = logging.getLogger("supervisor.peers")
 
@@ -53,7 +54,7 @@ class Peers:
         self.nc = nc
         self.ledger = ledger
         self.post = post                         # the arbiter applies what we hear, in its loop
-        self.subject = f"supervisor.ledger.{stream}.{consumer}"
+        self.subject = ledger_subject(stream, consumer)
         self.origin = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
         # naks: [seq, why] explain a redelivery to come; seen: [seq, delivery] a redelivery one of
         # our workers received; settled: [seq, delivery, outcome] how a redelivered job ended;

@@ -21,6 +21,7 @@ from chaos.rig import Run
 from supervisor.parent.in_transit import SLACK
 
 ACK_WAIT = 30.0
+JSON_LOGS = ("--log-format", "json")
 
 
 def test_a_retry_on_its_way_to_a_worker_that_dies_comes_back_at_once(tmp_path):
@@ -183,3 +184,44 @@ def test_a_worker_killed_after_a_stall_has_no_more_on_its_wire_than_its_credits(
 def pending(run: Run) -> int:
     state = run.bg.call(run.queue_state())
     return state[1] if state else -1
+
+
+
+def test_an_orphans_naks_are_explained_to_the_supervisor_that_gets_their_redeliveries(nats_server,
+                                                                                        supervisor_factory):
+    """Found by `python -m chaos --random --seed 20 --minutes 1` (a fleet of two, one parent
+    SIGKILLed) and seed 85 (one supervisor and the successor started at once): an orphaned
+    worker NAKs the jobs it pulled and had not started, and their redeliveries go to the other
+    supervisor's workers. Its parent used to announce a worker's NAKs on the ledger subject;
+    dead, it announces nothing, and the other supervisor's ledger counted each redelivery
+    unexplained: a false ack_wait_too_short. Alpha and beta share the consumer; alpha's worker
+    runs a job and holds more when alpha is SIGKILLed. Beta runs them (before AckWait: the
+    orphan NAKed them) and explains every one by the orphan's word; the orphan, having spoken,
+    says goodbye."""
+    same = {"consumer": {"ack_wait": 2 * ACK_WAIT},
+            "workers": {"count": 1, "batch": 8, "graceful_timeout": 30.0, "handler": "testhandlers:record"}}
+    alpha = supervisor_factory(nats_server, args=JSON_LOGS, **same)
+    alpha.wait_ready(1)
+    warm = 40               # teaches the worker its jobs are fast, so it buffers (as the orphan test does)
+    publish_now(nats_server.url, count=warm, data="0")
+    wait_until(lambda: len(alpha.jobs.done()) == warm, what="warm-up jobs done")
+    beta = supervisor_factory(nats_server, args=JSON_LOGS, **same)
+    beta.wait_ready(1)
+    wait_until(lambda: beta.status()["peers"]["heard"], what="beta has heard alpha")
+    seqs = set(publish_now(nats_server.url, count=16, data="1.0"))
+    wait_until(lambda: alpha.jobs.running() and held(alpha), what="alpha's worker running a job and holding more")
+    alpha.signal(signal.SIGKILL)
+    alpha.wait()
+    wait_until(lambda: (alpha.jobs.done_seqs() | beta.jobs.done_seqs()) >= seqs, 2 * ACK_WAIT, "every job done")
+    back = {r.seq for r in beta.jobs.started() if r.delivery > 1} & seqs
+    assert back, "none of the orphan's jobs came back to beta: nothing was forced"
+    wait_until(lambda: [o for o in beta.status()["peers"]["gone"] if "orphan of" in o], 15, "the orphan's goodbye")
+    whys = {e["seq"]: e["why"] for e in beta.events("redelivered") if e["seq"] in back}
+    assert set(whys) == back and all("its supervisor gone" in why for why in whys.values()), whys
+    crosscheck = beta.status()["crosscheck"]
+    assert crosscheck["unexplained_redeliveries"] == 0 and not beta.events("unexplained_redelivery"), crosscheck
+    assert not [a for a in beta.status()["alerts"] if a["kind"] == "ack_wait_too_short"], beta.status()["alerts"]
+
+
+def held(sup: SupervisorProc) -> list[dict]:
+    return [e for w in sup.status()["workers"]["list"] for e in w["in_flight"] if e["state"] == "held"]

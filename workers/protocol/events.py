@@ -70,6 +70,13 @@ class RecycleDue:
     jobs: int
 
 
+def ledger_subject(stream: str, consumer: str) -> str:
+    """Where the supervisors of one consumer share their ledgers (supervisor/parent/peers.py), and
+    where an orphaned worker, whose parent can no longer announce anything, announces its own
+    NAKs (workers/runtime/orphan.py): core NATS, JSON `{"origin", "naks": [[seq, why]]}` or `{"origin", "bye": 1}`."""
+    return f"supervisor.ledger.{stream}.{consumer}"
+
+
 Event = Ready | Redelivered | Settled | Unsent | AcksResent | RecycleDue
 KINDS: dict[str, type[Event]] = {cls.kind: cls for cls in (Ready, Redelivered, Settled, Unsent, AcksResent, RecycleDue)}
 

@@ -52,6 +52,7 @@ class SettleHost(Protocol):
     wake_pull: asyncio.Event               # a released entry can take another message
 
     def emit(self, event: Event) -> None: ...
+    async def before_nak(self, job: Job, reason: str) -> None: ...   # an orphan announces it (orphan.py)
 
 
 class Settler:
@@ -86,6 +87,8 @@ class Settler:
     async def settle(self, i: int, job: Job, payload: bytes, outcome: str, reason: str) -> None:
         """Publish the ack/nak/term and keep the entry until a flush confirms it."""
         w = self.owner
+        if outcome == "nak":
+            await w.before_nak(job, reason)
         sent, held_at = time.monotonic(), w.table.held_at(i)
         generation, refused = await self.publish(i, payload)
         if outcome in ACKS:

@@ -197,6 +197,7 @@ class Worker:
         beating.cancel()               # only now: waiting for NATS to take our acks is no hang
         if self.guard:
             await self.guard.close()   # leases of jobs we did not finish: free for their redelivery
+        await self.parent.goodbye()    # an orphan that announced NAKs: its peers may count it gone
         await self.close_connection()
         self.parent.events.drain(timeout=1.0)   # the last settles' events, if a busy parent left no room
         return EXIT_DRAINED
@@ -394,6 +395,9 @@ class Worker:
 
     def emit(self, event: Event) -> None:
         self.parent.tell(event)
+
+    async def before_nak(self, job: Job, reason: str) -> None:
+        await self.parent.announce_nak(job, reason)
 
 
 # ---------------------------------------------------------------- small pure helpers
