@@ -65,6 +65,10 @@ class Death:
     held: list[HeldJob]
     in_transit: int             # pull credits outstanding: messages maybe on the wire
     attributed: int = 0         # redeliveries later explained as in transit at this death
+    # The dead worker had read everything delivered before this (its last PING answered): what
+    # was on its wire was delivered after it, so its AckWait ran out after it (F6: a SIGSTOPped
+    # worker dies heartbeat_timeout after it stopped reading).
+    in_transit_since: float | None = None
     # The consumer's delivered stream sequence at the first ConsumerInfo after the death: a
     # message in transit at the death had been delivered, so its sequence is at most this.
     delivered_bound: int | None = None
@@ -130,13 +134,14 @@ class CrashLedger:
     # ------------------------------------------------------------ inputs
 
     def record_death(self, t: float, slot: int, pid: int, cause: str, held: list[tuple[int, int, str, bool]],
-                     in_transit: int = 0, job_to_blame: bool = True, blame: int | None = None) -> Death:
+                     in_transit: int = 0, job_to_blame: bool = True, blame: int | None = None,
+                     in_transit_since: float | None = None) -> Death:
         """`held`: (stream seq, delivery, entry state, NAKed by the parent) per slot-table entry.
         `job_to_blame` is False when the supervisor itself ended the worker (SIGQUIT, a drain
         past its deadline): the jobs it was running did not kill it, so it is no poison evidence.
         `blame`: the one job the cause names (a job_timeout kill)."""
-        death = Death(next(self._ids), t, slot, pid, cause,
-                      [HeldJob(seq, delivery, state, naked) for seq, delivery, state, naked in held], in_transit)
+        death = Death(next(self._ids), t, slot, pid, cause, [HeldJob(*h) for h in held], in_transit,
+                      in_transit_since=in_transit_since or None)
         self.deaths.append(death)
         self.counts["crashes"] += 1
         if death.held:
@@ -294,9 +299,9 @@ class CrashLedger:
         the consumer had delivered it by the death."""
         ack_wait = ack_wait_for(self.ack_wait, self.backoff, 1)
         for death in reversed(self.deaths):
-            due = death.t + ack_wait
+            first_due, due = min(death.t, death.in_transit_since or death.t) + ack_wait, death.t + ack_wait
             in_range = death.delivered_bound is None or seq <= death.delivered_bound
-            if death.attributed < death.in_transit and in_range and due - 1.0 <= t <= due + max(5.0, ack_wait):
+            if death.attributed < death.in_transit and in_range and first_due - 1.0 <= t <= due + max(5.0, ack_wait):
                 death.attributed += 1
                 self.counts["in_transit_redeliveries"] += 1
                 return f"in transit to worker {death.slot} (pid {death.pid}) at its death ({death.cause})"

@@ -346,7 +346,7 @@ class Arbiter:
         now = time.monotonic()
         seq = getattr(event, "seq", None)
         if seq is not None:              # a live delivery of it, or its settling: no in-transit NAK for it
-            self.in_transit.named_by_worker(seq, now)
+            self.in_transit.named_by_worker(seq, now, getattr(event, "delivery", 0))
         match event:
             case Ready():
                 self.pool.worker_ready(w, now)
@@ -357,10 +357,11 @@ class Arbiter:
                 log.info("job seq=%d redelivered (delivery %d) to worker %d: %s", seq, delivery, w.slot,
                          why or "no explanation yet", extra={"event": "redelivered", "seq": seq, "delivery": delivery,
                                                              "slot": w.slot, "worker_pid": w.pid, "why": why})
-            case Settled(seq, delivery, outcome):
+            case Settled(seq, delivery, outcome, _, at, delay, held_at):
                 self.ledger.settled(now, seq, delivery, outcome)
                 if outcome == "nak":
                     self.peers.announce(seq, f"NAKed by a worker at delivery {delivery}")
+                    self.in_transit.worker_nak(seq, delivery, at, delay, held_at, now)
                 elif delivery > 1:
                     self.peers.settled(seq, delivery, outcome)
             case Unsent(seq, delivery, outcome, error):    # nats-py refused it: the job may come back
@@ -411,7 +412,7 @@ class Arbiter:
         with step("reap"):
             if not clean:
                 self.in_transit.death(time.monotonic(), w.table.header(slots.CREDITS), f"worker {w.slot} (pid {w.pid})",
-                                      w.table.server_seen())
+                                      w.table.server_seen(), {e.stream_seq for e in w.table.snapshot()})
             await self.deaths.settle(w, cause, clean)
         with step("reap"):
             self.stats.carry(w)
@@ -465,7 +466,8 @@ class Arbiter:
         with step("audit"):
             await self.deaths.renak_unseen(self.fresh_view, self.renak_unproven)
         with step("audit"):
-            await self.in_transit.step(now(), self.fresh_view, self.links_all_fresh_since, self.peers.alone(now()))
+            await self.in_transit.step(now(), self.fresh_view, self.links_all_fresh_since, self.peers.alone(now()),
+                                       self.peers.echo_at or 0.0)
         with step("audit"):
             for r in self.ledger.confirm_suspects(now(), SUSPECT_GRACE):
                 log.warning("job seq=%d redelivered (delivery %d) and nothing explains it: AckWait (%gs) shorter "

@@ -271,7 +271,8 @@ class Supervisor:
         arbiter.ledger.inherit(info.num_ack_pending or 0, info.delivered.stream_seq or 0)
         # Whatever was delivered before now is no in-transit candidate later (in_transit.py): a
         # previous run's Retry(delay) NAKs stay pending, unheld, and must keep their delay (R12).
-        arbiter.in_transit.observed(asked, time.monotonic(), info.delivered.stream_seq or 0, info.num_waiting or 0)
+        arbiter.in_transit.observed(asked, time.monotonic(), info.delivered.stream_seq or 0, info.num_waiting or 0,
+                                    info.delivered.consumer_seq or 0)
 
     async def reload(self) -> None:
         """SIGHUP: re-read the config; apply what can change live; keep running on the old

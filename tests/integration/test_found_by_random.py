@@ -18,8 +18,10 @@ from chaos.checker import VERDICTS
 from chaos.core import run_with
 from chaos.facts import read_journal
 from chaos.rig import Run
+from supervisor.parent.safety.in_transit import SLACK
 
 ACK_WAIT = 30.0
+JSON_LOGS = ("--log-format", "json")
 
 
 def test_a_retry_on_its_way_to_a_worker_that_dies_comes_back_at_once(tmp_path):
@@ -50,6 +52,15 @@ def test_a_retry_on_its_way_to_a_worker_that_dies_comes_back_at_once(tmp_path):
             took = back[0].t - killed
             assert took < ACK_WAIT / 2, (f"seq {seq}: its redelivery was on the wire to worker {pid} when it was "
                                          f"SIGKILLed; it came back {took:.1f}s later (AckWait {ACK_WAIT:g}s)")
+            # The evidence: the in-transit check found the redelivery and NAKed it, the ledger
+            # explains the next one by that, and the job ran to its end once.
+            status = sup.status()
+            assert status["peers"]["in_transit_checks"]["redeliveries_naked"] == 1, status["peers"]
+            wait_until(lambda: any(r.seq == seq and r.event == "D" for r in read_journal(journal)), 30, "the job done")
+            assert [r.delivery for r in read_journal(journal) if r.seq == seq and r.event == "D"] == [back[0].delivery]
+            crosscheck = wait_until(lambda: (c := sup.status()["crosscheck"])["in_transit_redeliveries"] >= 1 and c,
+                                    10, "the redelivery explained as in transit")
+            assert crosscheck["unexplained_redeliveries"] == 0, crosscheck
             return
         raise AssertionError("could not get a redelivery onto the wire to a stopped worker in 5 tries")
     finally:
@@ -117,3 +128,100 @@ def test_a_worker_dead_while_the_parents_link_stalls_leaves_nothing_on_the_wire_
         raise AssertionError("no job was on the wire to the dead worker in 3 tries")
     assert result.counts["ackwait"] == 0, result.summary()
     assert result.passed, result.summary()
+
+
+
+STALL = 5.0                 # two long jobs' 1.5 s, then two pull requests' lives (PULL_EXPIRES + PULL_MARGIN)
+WORKER_0 = r" worker 0$"    # the proxy's name pattern for worker 0's connection
+
+
+def test_a_worker_killed_after_a_stall_has_no_more_on_its_wire_than_its_credits(tmp_path):
+    """Found by `python -m chaos --random --seed 18 --minutes 0.25` on d89b94e: a worker SIGKILLed
+    just after a 3.2 s server SIGSTOP; "8 unaccounted message(s), more than the 5 the dead
+    worker(s) asked for": the in-transit check left all of them to AckWait. The worker saw no
+    PONG and no 408 while the server was stopped, gave its pull request up 2 s after sending it
+    (PULL_EXPIRES + PULL_MARGIN) and asked again, and again; the server, running again, read
+    all those requests at once, each living PULL_EXPIRES from then, and filled every one, while
+    the credits counted the last. To the worker a stalled server and a stalled link are one
+    thing (nothing read, nothing answered); the link stall, through the proxy, has an exact
+    length and lets jobs be stored meanwhile. The only worker runs two 1.5 s jobs (so it has no
+    request out) when its link stalls for STALL s; it asks again when they end, jobs are
+    published, it is SIGSTOPped just before the heal (the requests the heal hands the server
+    are filled into a socket nobody reads) and SIGKILLed once the server has filled them.
+    Every job must be back long before AckWait."""
+    def stalled_worker_killed(run: Run) -> None:
+        scenarios.single(run, proxy=True, workers={"count": 1, "concurrency": 2, "batch": 2,
+                                                   "heartbeat_timeout": 60.0})
+        [victim] = run.sup.worker_pids()
+        ready = time.monotonic()
+        run.load(2, rate=100, what="1.5")
+        wait_until(lambda: len(run.running()) == 2, 30, "two long jobs running: no pull request out")
+        # The check's lower bound: a ConsumerInfo answered after the worker started and more than
+        # SLACK before the worker's last answer from NATS, which is about when the stall begins.
+        polled = wait_until(lambda: (age := run.sup.status()["consumer"].get("poll_age_s")) is not None
+                            and (t := time.monotonic() - age) > ready and t, 30, "a poll by the supervisor's monitor since")
+        wait_until(lambda: time.monotonic() > polled + 2 * SLACK, 5, "that poll more than SLACK old")
+        t0 = time.monotonic()
+        assert run.bg.call(run.proxy.stall(WORKER_0)) == 1, "worker 0's link is not through the proxy"
+        run.load(8, rate=200, what="0.01")
+        wait_until(lambda: pending(run) >= 8, 10, "the jobs stored, none delivered")
+        time.sleep(max(0.0, t0 + STALL - time.monotonic()))   # the stall's length
+        os.kill(victim, signal.SIGSTOP)
+        kill = run.fault("worker SIGSTOP, SIGKILL after its link's stall", time.monotonic(), pids={victim})
+        run.bg.call(run.proxy.heal(WORKER_0))
+        wait_until(lambda: pending(run) <= 6, 10, "the server filling worker 0's requests")
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: not run.watcher.alive(victim), 30, "worker 0 gone")
+        kill.t1 = time.monotonic()
+
+    result = run_with("stalled-worker-killed", 0, stalled_worker_killed, dict(VERDICTS), tmp_path / "run")
+    assert not result.error, result.summary()
+    assert [f for f in result.findings if f.verdict == "bounced"], f"nothing on the wire at the death: {result.summary()}"
+    assert result.counts["ackwait"] == 0, result.summary()
+    assert result.passed, result.summary()
+
+
+def pending(run: Run) -> int:
+    state = run.bg.call(run.queue_state())
+    return state[1] if state else -1
+
+
+
+def test_an_orphans_naks_are_explained_to_the_supervisor_that_gets_their_redeliveries(nats_server,
+                                                                                        supervisor_factory):
+    """Found by `python -m chaos --random --seed 20 --minutes 1` (a fleet of two, one parent
+    SIGKILLed) and seed 85 (one supervisor and the successor started at once): an orphaned
+    worker NAKs the jobs it pulled and had not started, and their redeliveries go to the other
+    supervisor's workers. Its parent used to announce a worker's NAKs on the ledger subject;
+    dead, it announces nothing, and the other supervisor's ledger counted each redelivery
+    unexplained: a false ack_wait_too_short. Alpha and beta share the consumer; alpha's worker
+    runs a job and holds more when alpha is SIGKILLed. Beta runs them (before AckWait: the
+    orphan NAKed them) and explains every one by the orphan's word; the orphan, having spoken,
+    says goodbye."""
+    same = {"consumer": {"ack_wait": 2 * ACK_WAIT},
+            "workers": {"count": 1, "batch": 8, "graceful_timeout": 30.0, "handler": "testhandlers:record"}}
+    alpha = supervisor_factory(nats_server, args=JSON_LOGS, **same)
+    alpha.wait_ready(1)
+    warm = 40               # teaches the worker its jobs are fast, so it buffers (as the orphan test does)
+    publish_now(nats_server.url, count=warm, data="0")
+    wait_until(lambda: len(alpha.jobs.done()) == warm, what="warm-up jobs done")
+    beta = supervisor_factory(nats_server, args=JSON_LOGS, **same)
+    beta.wait_ready(1)
+    wait_until(lambda: beta.status()["peers"]["heard"], what="beta has heard alpha")
+    seqs = set(publish_now(nats_server.url, count=16, data="1.0"))
+    wait_until(lambda: alpha.jobs.running() and held(alpha), what="alpha's worker running a job and holding more")
+    alpha.signal(signal.SIGKILL)
+    alpha.wait()
+    wait_until(lambda: (alpha.jobs.done_seqs() | beta.jobs.done_seqs()) >= seqs, 2 * ACK_WAIT, "every job done")
+    back = {r.seq for r in beta.jobs.started() if r.delivery > 1} & seqs
+    assert back, "none of the orphan's jobs came back to beta: nothing was forced"
+    wait_until(lambda: [o for o in beta.status()["peers"]["gone"] if "orphan of" in o], 15, "the orphan's goodbye")
+    whys = {e["seq"]: e["why"] for e in beta.events("redelivered") if e["seq"] in back}
+    assert set(whys) == back and all("its supervisor gone" in why for why in whys.values()), whys
+    crosscheck = beta.status()["crosscheck"]
+    assert crosscheck["unexplained_redeliveries"] == 0 and not beta.events("unexplained_redelivery"), crosscheck
+    assert not [a for a in beta.status()["alerts"] if a["kind"] == "ack_wait_too_short"], beta.status()["alerts"]
+
+
+def held(sup: SupervisorProc) -> list[dict]:
+    return [e for w in sup.status()["workers"]["list"] for e in w["in_flight"] if e["state"] == "held"]

@@ -112,9 +112,10 @@ def test_a_link_stalled_during_the_in_transit_scan_does_not_end_the_parent(nats_
     worker read past: the one thing the in-transit check scans for (its lower bound, in_transit.py;
     an idle worker's death leaves it nothing to read). The worker is SIGKILLed and the scan reads
     the stream from that bound; the parent's link stalls at its first read (8 s: the read times
-    out after 5 s). The scan gives up (the job is left to AckWait, explained) and the parent goes
-    on supervising: the replacement, SIGKILLed running a job, has it NAKed and back long before
-    AckWait."""
+    out after 5 s). The parent goes on supervising, and the check does not give up (F6): it
+    waits, names the read that failed, reads again once its own hellos come back over the link,
+    and NAKs the job, back long before AckWait. The replacement, SIGKILLed running a job, has
+    it NAKed and back long before AckWait too."""
     from linkfaults import StallOnWrite
     from test_reliability import catch_in_flight
 
@@ -131,13 +132,16 @@ def test_a_link_stalled_during_the_in_transit_scan_does_not_end_the_parent(nats_
         proxy.armed = True
         victim.kill()
         wait_until(lambda: proxy.fired_at is not None, what="the scan's first read (the link stalls)")
-        skipped = sup.wait_event("in_transit_skipped", timeout=30)
-        read = re.fullmatch(r"cannot read seq (\d+) from the stream: .+", skipped["why"])
-        assert read and int(read[1]) <= caught, f"the scan must give up on its stalled read: {skipped['why']}"
+        waiting = sup.wait_event("in_transit_waiting", timeout=30)
+        read = re.fullmatch(r"cannot read seq (\d+) from the stream: .+", waiting["why"])
+        assert read and int(read[1]) <= caught, f"the check must wait on its stalled read: {waiting['why']}"
+        wait_until(lambda: caught in sup.jobs.done_seqs(), timeout=ACK_WAIT / 2,
+                   what="the caught job NAKed once the link flows again, back long before AckWait")
         assert sup.proc.poll() is None, "the parent died of a NATS error in the scan"
+        assert not sup.events("in_transit_skipped"), sup.events("in_transit_skipped")
         kill_a_running_job(sup, tmp_path, "after the stalled scan", count=1)
         c = sup.status()
-        assert c["peers"]["in_transit_checks"]["naked"] == 0 and c["crosscheck"]["in_transit_naked"] == 0, c
+        assert c["peers"]["in_transit_checks"]["naked"] == 1 and c["crosscheck"]["in_transit_naked"] == 1, c
         assert c["loop"]["step_failures"]["audit"] == 0, "the scan's error must not reach the loop"
         assert sup.stop() == 0
     finally:

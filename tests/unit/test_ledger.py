@@ -332,6 +332,20 @@ def test_in_transit_window_upper_bound(ack_wait, late_ok, too_late):
         assert (led.redelivered(t, 9, 2) != "") is expected_ok
 
 
+def test_in_transit_window_opens_at_the_dead_workers_last_answer_not_its_death():
+    """F6 (seed 80): a worker SIGSTOPped, killed by the heartbeat check 2.4 s later. What was on
+    its wire was delivered before the kill, after its last answered PING; its AckWait ran out
+    about 28 s after the death, and the ledger called that unexplained."""
+    stopped, killed = 100.0, 102.4
+    led = make()
+    led.record_death(killed, 0, 1, "killed: no heartbeat", [], in_transit=2, in_transit_since=stopped)
+    assert led.redelivered(stopped + ACK_WAIT - 1.01, 70, 2) == ""           # before anything in transit could expire
+    assert "in transit to worker 0" in led.redelivered(stopped + ACK_WAIT + 0.1, 71, 2)
+    old = make()                                                             # the window as it was: from the death
+    old.record_death(killed, 0, 1, "killed: no heartbeat", [], in_transit=2)
+    assert old.redelivered(stopped + ACK_WAIT + 0.1, 71, 2) == ""
+
+
 def test_in_transit_prefers_the_latest_death_and_falls_back_to_older_ones():
     led = make()
     led.record_death(100.0, 0, 1, "a", [], in_transit=1)

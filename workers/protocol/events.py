@@ -29,12 +29,18 @@ class Redelivered:
 
 @dataclass(frozen=True)
 class Settled:
-    """The worker acked, NAKed or terminated a job (or NAKed one its table had no room for)."""
+    """The worker acked, NAKed or terminated a job (or NAKed one its table had no room for).
+    A NAK the worker published says when (`at`, the worker's monotonic clock: one clock for the
+    host), with what delay, and when this delivery was held: the earliest the redelivery's
+    AckWait can have started (supervisor/parent/safety/in_transit.py). 0.0: not known (table full)."""
     kind: ClassVar[str] = "settled"
     seq: int
     delivery: int
     outcome: str             # ack | nak | term | duplicate
     reason: str = ""
+    at: float = 0.0
+    delay: float = 0.0
+    held_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,13 @@ class RecycleDue:
     """Its last job under workers.max_jobs has started: the parent starts its replacement."""
     kind: ClassVar[str] = "recycle_due"
     jobs: int
+
+
+def ledger_subject(stream: str, consumer: str) -> str:
+    """Where the supervisors of one consumer share their ledgers (supervisor/parent/peers.py), and
+    where an orphaned worker, whose parent can no longer announce anything, announces its own
+    NAKs (workers/runtime/orphan.py): core NATS, JSON `{"origin", "naks": [[seq, why]]}` or `{"origin", "bye": 1}`."""
+    return f"supervisor.ledger.{stream}.{consumer}"
 
 
 Event = Ready | Redelivered | Settled | Unsent | AcksResent | RecycleDue

@@ -131,6 +131,9 @@ class SlotTable:
     def mark(self, i: int, state: int) -> None:
         self.q[self._base(i) + ESTATE] = state       # one aligned word: atomic, no version needed
 
+    def held_at(self, i: int) -> float:
+        return self.d[self._base(i) + T_HELD]
+
     def state_of(self, i: int) -> int:
         return self.q[self._base(i) + ESTATE]
 

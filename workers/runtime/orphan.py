@@ -6,6 +6,17 @@ NAKs what it has not started, gives running jobs and the fence of their acks ORP
 (however much of a stop under way was left), NAKs what still runs, and exits; at once if its
 server went with the supervisor (the embedded one), since nothing it sends could arrive.
 
+Its NAKs would reach no ledger: its parent announced a worker's NAKs to the peer supervisors on
+the ledger subject, and a peer (or the next supervisor) that gets the redelivery would count it
+unexplained, a false ack_wait_too_short (F4). So an orphan announces each NAK there itself,
+before it sends it, as `<host>/<pid>/<token> (worker N, orphan of pid P)`. A supervisor that
+hears it counts it as a peer (it holds its running jobs: no NAK by sequence may touch them)
+until its goodbye at its exit, which comes with its NAKs once more, for a supervisor that was
+not listening yet (the successor a restart brings up while the orphan winds down). The NAKs
+of a stop are kept from its start: the parent-death signal can read as an ordinary stop (below)
+and its NAKs go out before the worker knows it is an orphan; they are announced the moment it
+does (a parent alive then may have announced some too: a NAK explained twice).
+
 It learns of the death two ways, each covering what the other misses:
   - the kernel's parent-death signal (SIGTERM, PR_SET_PDEATHSIG: set at fork, it also ends a
     worker still in its init hook, where no loop runs). The kernel sends it when the *thread*
@@ -17,13 +28,18 @@ It learns of the death two ways, each covering what the other misses:
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
+import secrets
+import socket
 import time
 from typing import Any, Protocol
 
+from workers import Job
 from workers.protocol import slots
-from workers.protocol.events import Event
+from workers.protocol.events import Event, ledger_subject
 from workers.protocol.exits import EXIT_ORPHANED
 from workers.protocol.modes import STOPPING
 from workers.runtime.events import EventPipe
@@ -32,6 +48,7 @@ from workers.runtime.shutdown import Shutdown
 log = logging.getLogger("worker")
 
 ORPHAN_GRACE = 2.0          # running jobs (and their acks' fence) get this long when the parent has died
+ANNOUNCED_MAX = 500         # an orphan's NAKs said again with its goodbye, at most (one ledger message)
 
 
 class OrphanHost(Protocol):
@@ -40,6 +57,9 @@ class OrphanHost(Protocol):
     table: slots.SlotTable
     grace: float                           # graceful_timeout as forked; an orphan's is shorter
     shutdown: Shutdown
+    stream: str
+    consumer: str
+    mode: str
 
     def set_mode(self, mode: str) -> None: ...
 
@@ -52,6 +72,10 @@ class ParentWatch:
         self.events = EventPipe(events_fd, slot)
         self.server_dies_with_parent = server_dies_with_parent
         self.orphaned = False
+        self.stop_naks: list[list] = []  # [seq, why] of the NAKs since the stop began (module docstring)
+        self.announcing: asyncio.Future | None = None
+        self.origin = (f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)} "
+                       f"(worker {slot}, orphan of pid {parent_pid})")
 
     def tell(self, event: Event) -> None:
         self.events.send(event)        # best effort, never blocks, never raises (workers/runtime/events.py)
@@ -78,8 +102,35 @@ class ParentWatch:
         w.grace = min(w.grace, ORPHAN_GRACE)
         w.shutdown.hurry(time.monotonic() + ORPHAN_GRACE)
         w.set_mode(STOPPING)
+        if self.stop_naks:               # NAKed before we knew: the parent-death signal read as a stop
+            self.announcing = asyncio.ensure_future(self.publish({"origin": self.origin, "naks": list(self.stop_naks)}))
         self.give_up_if_server_gone()
         return True
+
+    async def announce_nak(self, job: Job, reason: str) -> None:
+        """Before an orphan's NAK: tell whoever keeps a ledger of this consumer (module docstring).
+        Best effort, as its parent's announcements were: a refused publish is only logged."""
+        if not self.orphaned and self.owner.mode != STOPPING:
+            return                       # the parent announces it (arbiter.py, Settled)
+        why = f"NAKed by worker {self.slot} (pid {os.getpid()}) at delivery {job.delivery}, its supervisor gone: {reason}"
+        self.stop_naks.append([job.stream_seq, why])
+        del self.stop_naks[:-ANNOUNCED_MAX]
+        if self.orphaned:
+            await self.publish({"origin": self.origin, "naks": [self.stop_naks[-1]]})
+
+    async def goodbye(self) -> None:
+        """At an orphan's exit: its NAKs once more, for a supervisor that was not listening yet
+        (the successor a restart brings up), then the goodbye that ends its hold on the peers."""
+        if self.orphaned and self.stop_naks:
+            await self.publish({"origin": self.origin, "naks": self.stop_naks})
+            await self.publish({"origin": self.origin, "bye": 1})
+
+    async def publish(self, body: dict) -> None:
+        w = self.owner
+        try:
+            await w.nc.publish(ledger_subject(w.stream, w.consumer), json.dumps(body, separators=(",", ":")).encode())
+        except Exception as exc:         # the NAK goes out all the same; its redelivery may then read as unexplained
+            log.warning("worker %d: cannot announce on the ledger subject: %s", self.slot, exc)
 
     def give_up_if_server_gone(self) -> None:
         """An orphan whose server died with the supervisor can settle nothing: what it holds waits

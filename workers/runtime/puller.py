@@ -49,6 +49,8 @@ class Puller:
         self.inbox = ""                  # where our requests' messages come: set once connected
         self.credits = 0                 # messages asked for and not yet received or expired
         self.pull_deadline = 0.0         # when the last outstanding pull request expires
+        self.last_sent = 0.0             # when the last one was sent ...
+        self.read_by: float | None = None    # ... and by when the server had surely read it (server_read)
         self.pull_sent = 0.0             # when a request left alone towards a backlog (its round trip)
         self.backlog = False             # the last message said more were pending
         self.received = 0                # messages received, ever (max_jobs caps what we ask for) ...
@@ -86,15 +88,16 @@ class Puller:
         # Nothing else on its way and a backlog to serve it at once: its first message
         # times a round trip (a request the server holds until a publish times nothing).
         self.pull_sent = now if not self.credits and self.backlog else 0.0
-        credits, deadline = self.credits, self.pull_deadline
+        credits, deadline, sent, read_by = self.credits, self.pull_deadline, self.last_sent, self.read_by
         self.credits += n
         w.table.set_credits(self.credits)
         self.pull_deadline = now + PULL_EXPIRES
+        self.last_sent, self.read_by = now, None
         body = b'{"batch":%d,"expires":%d}' % (n, int(PULL_EXPIRES * 1e9))
         try:
             await w.nc.publish(self.next_subject, body, reply=self.inbox)
         except REFUSED as exc:
-            self.credits, self.pull_deadline = credits, deadline
+            self.credits, self.pull_deadline, self.last_sent, self.read_by = credits, deadline, sent, read_by
             w.table.set_credits(credits)
             if not self.unsent:          # once per outage: it is retried every PULL_EXPIRES
                 log.info("worker %d: pull request not sent (%s); asking again once NATS takes it", self.slot,
@@ -112,6 +115,15 @@ class Puller:
         Forgetting them let both the old request and a fresh one deliver (R8)."""
         if self.credits > 0:
             self.pull_deadline = max(self.pull_deadline, now + PULL_EXPIRES)
+            # A ping on the new connection proves nothing about what the old one carried; the
+            # first one answered from now on starts the clock as the reconnect did (R8).
+            self.last_sent, self.read_by = now, None
+
+    def server_read(self, ping_sent: float, now: float) -> None:
+        """A PING sent at `ping_sent` was answered by `now`: the server had read everything we sent
+        before it on this connection, our last pull request included if it went out before."""
+        if self.read_by is None and self.credits > 0 and ping_sent >= self.last_sent:
+            self.read_by = now
 
     def forget(self) -> None:
         """No request of ours is live any more (a new connection, or the worker is done pulling)."""
@@ -119,12 +131,20 @@ class Puller:
         self.owner.table.set_credits(0)
 
     def requests_end(self) -> float:
-        """When every pull request we sent has surely ended (0 when none is outstanding)."""
-        return self.pull_deadline + PULL_MARGIN if self.credits > 0 else 0.0
+        """When every pull request we sent has surely ended (0 when none is outstanding): PULL_EXPIRES
+        after the server read the last one, and it cannot have read it before we sent it."""
+        if self.credits <= 0:
+            return 0.0
+        end = self.pull_deadline + PULL_MARGIN
+        return end if self.read_by is None else max(end, self.read_by + PULL_EXPIRES + PULL_MARGIN)
 
     def expire_lost_pull(self) -> None:
-        """A pull request the server forgot (restart, leader change) must not hold credits forever."""
-        if self.credits > 0 and time.monotonic() > self.pull_deadline + PULL_MARGIN:
+        """A pull request the server forgot (restart, leader change) must not hold credits forever.
+        Only once the server has surely read it (F7): a stalled server reads our requests when it
+        resumes, and each then lives PULL_EXPIRES from there; given up sooner, they were asked
+        again, and the resumed server filled the old requests and the new ones, more messages on
+        our wire than our credits said (a death then left them all to AckWait: in_transit.py)."""
+        if self.credits > 0 and self.read_by is not None and time.monotonic() > self.requests_end():
             self.forget()
 
     def pull_size(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -51,6 +52,7 @@ class SettleHost(Protocol):
     wake_pull: asyncio.Event               # a released entry can take another message
 
     def emit(self, event: Event) -> None: ...
+    async def before_nak(self, job: Job, reason: str) -> None: ...   # an orphan announces it (orphan.py)
 
 
 class Settler:
@@ -85,12 +87,17 @@ class Settler:
     async def settle(self, i: int, job: Job, payload: bytes, outcome: str, reason: str) -> None:
         """Publish the ack/nak/term and keep the entry until a flush confirms it."""
         w = self.owner
+        if outcome == "nak":
+            await w.before_nak(job, reason)
+        sent, held_at = time.monotonic(), w.table.held_at(i)
         generation, refused = await self.publish(i, payload)
         if outcome in ACKS:
             self.acked(job.stream_seq, self.replies[i])    # a leader change may lose it after the fence
         w.table.mark(i, slots.ACKED if outcome in ACKS else slots.SETTLED)
         w.table.count(OUTCOME_COUNTERS[outcome])
-        self.report(job, outcome, reason)
+        # A NAK that went out says when, with what delay, and since when it was held (events.Settled).
+        self.report(job, outcome, reason, *((sent, nak_delay(payload), held_at) if outcome == "nak" and not refused
+                                            else ()))
         if refused:
             self.unsent(job, outcome, refused)
         self.unconfirmed.append((i, generation, outcome in ACKS))
@@ -114,13 +121,13 @@ class Settler:
                     extra={"event": "settle_unsent", "seq": job.stream_seq, "outcome": outcome, "error": error})
         self.owner.emit(Unsent(job.stream_seq, job.delivery, outcome, error))
 
-    def report(self, job: Job, outcome: str, reason: str) -> None:
+    def report(self, job: Job, outcome: str, reason: str, *times: float) -> None:
         # Only what explains a future redelivery (or follows one) goes to the parent: acks of
         # first deliveries, the hot path, stay in the table counters.
         if outcome != "ack" or job.delivery > 1:
             if outcome == "duplicate":   # the parent's ledger knows acks, naks and terms
                 outcome, reason = "ack", "duplicate: already done"
-            self.owner.emit(Settled(job.stream_seq, job.delivery, outcome, reason))
+            self.owner.emit(Settled(job.stream_seq, job.delivery, outcome, reason, *times))
 
     async def run(self) -> None:
         while not self.closing:
@@ -206,3 +213,10 @@ def nak_payload(delay: float) -> bytes:
     if delay <= 0:
         return b"-NAK"
     return b'-NAK {"delay":%d}' % int(delay * 1e9)
+
+
+def nak_delay(payload: bytes) -> float:
+    """The delay nak_payload put in a NAK, in seconds."""
+    _, _, body = payload.partition(b" ")
+    return json.loads(body)["delay"] / 1e9 if body else 0.0
+

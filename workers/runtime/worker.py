@@ -202,6 +202,7 @@ class Worker:
         self.reacker.close()
         beating.cancel()               # only now: waiting for NATS to take our acks is no hang
         await self.chain.close()       # e.g. the guard's leases of jobs we did not finish: freed
+        await self.parent.goodbye()    # an orphan that announced NAKs: its peers may count it gone
         await self.close_connection()
         self.parent.events.drain(timeout=1.0)   # the last settles' events, if a busy parent left no room
         return EXIT_DRAINED
@@ -253,15 +254,18 @@ class Worker:
         """Prove the connection works, not just the process: a PING/PONG every LIVENESS_EVERY,
         its time in the table. A worker whose connection went half-open keeps beating, but the
         parent stops keeping its jobs alive with +WPI once this goes stale. Its round trip, loop
-        and GIL latency included, is one of the samples pull sizing hides (workers/runtime/pulls.py)."""
+        and GIL latency included, is one of the samples pull sizing hides (workers/runtime/pulls.py).
+        A fence, not a bare flush: its PING follows what we published before it, so its PONG also
+        proves the server read our pull requests (Puller.server_read)."""
         while True:
             sent = time.monotonic()
             try:
-                await self.nc.flush(timeout=LIVENESS_TIMEOUT)
+                await self.nc.fence(timeout=LIVENESS_TIMEOUT)
             except Exception:
                 pass                     # stale: the parent sees the time stop moving
             else:
                 self.table.server_answered(sent)     # the PING's send time: slots.py SERVER_SEEN
+                self.pulls.server_read(sent, time.monotonic())
                 self.pulls.sizer.round_trip(time.monotonic() - sent)
             self.threads.collect()       # outcomes kept back by a handler thread busy with a long job
             await asyncio.sleep(LIVENESS_EVERY)
@@ -370,6 +374,9 @@ class Worker:
 
     def emit(self, event: Event) -> None:
         self.parent.tell(event)
+
+    async def before_nak(self, job: Job, reason: str) -> None:
+        await self.parent.announce_nak(job, reason)
 
 
 # ---------------------------------------------------------------- small pure helpers

@@ -93,7 +93,7 @@ class Deaths:
             held = [(e.stream_seq, e.delivery, slots.ENTRY_STATES[e.state], n) for e, n in zip(entries, nak)]
             self.ledger.record_death(now, w.slot, w.pid, cause, held, in_transit=w.table.header(slots.CREDITS),
                                      job_to_blame=w.kill is None or w.kill.cause.blames_jobs,
-                                     blame=w.kill.blame if w.kill else None)
+                                     blame=w.kill.blame if w.kill else None, in_transit_since=w.table.server_seen())
             if self.suspects is not None:     # on the board before the NAKs bring the suspects back
                 self.suspects.show(self.ledger.on_probation())
         for e, n in zip(entries, nak):

@@ -34,6 +34,23 @@ ledger explains it as in transit (`in_transit_redeliveries`). The proof, piece b
  - the candidates are no more than the credits the dead workers had outstanding.
 A consumer outside any supervisor bound to the same durable would have its jobs NAKed by
 this; the README says the consumer belongs to the supervisors.
+
+A redelivery can be on the wire to a dead worker too: a worker NAKs a job (a handler's Retry or
+failure, a drain), and the server hands the next delivery to a pull request of a worker that
+then dies before reading it (F1). Its sequence is below any lower bound, and the ledger expects
+it back from that NAK, so the scan above never sees it. `WorkerNaks` keeps each worker NAK
+until a worker names a later delivery of the job, and NAKs it again only with its own proof:
+ - a worker with pull credits died after the NAK (the redelivery may be on its wire);
+ - the server had read the NAK: a table read after the parent learnt of it found the job in no
+   table (a worker frees the entry only once a fence proved the server read the NAK);
+ - its redelivery has left the server's queue: a ConsumerInfo asked SLACK plus the NAK's delay
+   after that shows a pull request waiting (the server hands redeliveries to waiting requests
+   before anything else, max_ack_pending or not), and every live worker's PING sent SLACK
+   after that reading was answered (so none of them holds it unread);
+ - the last look finds it in no table and named by no worker since, and the redelivery's
+   AckWait, which cannot have started before the NAK went out plus its delay (nor after this
+   delivery's own AckWait ran out), is far from over (nak_is_safe);
+ - and the same gates as the scan: a work queue, one replica, no peer, connected.
 """
 
 from __future__ import annotations
@@ -59,6 +76,10 @@ GIVE_UP = 5.0           # workers that cannot prove it within this long: leave i
 MAX_SCAN = 2000         # stream sequences looked at, at most, per reconciliation
 SAMPLES = 64            # ConsumerInfo readings kept for the lower bound
 NAMED_LIMIT = 10_000    # sequences recently named by a worker's event, remembered
+NOT_CONNECTED = "not connected to NATS"
+CANNOT_READ = "cannot read seq "
+PASSING = (NOT_CONNECTED,)  # obstacles a later tick may be past: the round waits (F6)
+MAX_FAILURES = 3        # NATS failing the round this often ends it
 
 
 @dataclass(frozen=True)
@@ -68,6 +89,7 @@ class Reading:
     answered: float
     delivered: int              # delivered stream sequence
     waiting: int = 0            # pull requests waiting
+    consumer_seq: int = 0       # delivered consumer sequence (a NAK's reply subject needs one in range)
 
 
 @dataclass(frozen=True)
@@ -80,6 +102,69 @@ class Loss:
 
 
 @dataclass
+class WorkerNak:
+    """A worker's NAK of `delivery`; no worker has named a later delivery of the job yet."""
+    delivery: int
+    earliest: float             # the redelivery's AckWait cannot have started before this
+    delay: float                # the server holds the job back this long after reading the NAK
+    learnt: float               # when the parent applied the worker's event
+    read_by: float | None = None    # the server had surely read the NAK by then
+    dead: str = ""              # a worker with credits that died after the NAK: the redelivery may be on its wire
+
+
+@dataclass
+class WorkerNaks:
+    """The workers' NAKs whose redelivery no worker has named yet (see the module's docstring)."""
+    naks: dict[int, WorkerNak] = field(default_factory=dict)
+    latest: dict[int, int] = field(default_factory=dict)    # seq -> the highest delivery a worker named
+
+    def named(self, seq: int, delivery: int) -> None:
+        if delivery > self.latest.get(seq, 0):
+            self.latest.pop(seq, None)
+            self.latest[seq] = delivery
+            while len(self.latest) > NAMED_LIMIT:
+                del self.latest[next(iter(self.latest))]
+        n = self.naks.get(seq)
+        if n is not None and delivery > n.delivery:
+            del self.naks[seq]                  # its redelivery reached a worker that said so
+
+    def sent(self, seq: int, nak: WorkerNak) -> None:
+        if self.latest.get(seq, 0) > nak.delivery:
+            return                              # a later delivery was named first (R4b's order)
+        self.naks.pop(seq, None)
+        self.naks[seq] = nak
+        while len(self.naks) > NAMED_LIMIT:
+            del self.naks[next(iter(self.naks))]
+
+    def died(self, who: str, credits: int, held: set[int]) -> None:
+        """A worker died: a NAK its table still held may still be in its socket (unprovable, the
+        death explains the job); every other NAK's redelivery may be on its wire, if it asked."""
+        for seq in held & self.naks.keys():
+            del self.naks[seq]
+        if credits > 0:
+            for n in self.naks.values():
+                n.dead = n.dead or who
+
+    def read_in(self, held: set[int], before: float, after: float) -> None:
+        """Tables read between `before` and `after` found these NAKs' jobs in none: the server had read them."""
+        for seq, n in self.naks.items():
+            if n.read_by is None and n.learnt < before and seq not in held:
+                n.read_by = after
+
+    def provable(self, waiting_since: Callable[[float], Reading | None],
+                 links_fresh_since: Callable[[float], bool]) -> list[int]:
+        """The jobs whose redelivery has left the server's queue while no live worker can hold it unread."""
+        due = []
+        for seq, n in self.naks.items():
+            if not n.dead or n.read_by is None:
+                continue
+            reading = waiting_since(n.read_by + SLACK + n.delay)
+            if reading is not None and links_fresh_since(reading.answered + SLACK):
+                due.append(seq)
+        return due
+
+
+@dataclass
 class InTransit:
     cfg: Config
     nc: Any
@@ -89,18 +174,34 @@ class InTransit:
     info_at: Reading | None = None          # ... and when we had it
     readings: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
     named: dict[int, float] = field(default_factory=dict)   # seq -> last time a worker's event named it
-    stats: dict = field(default_factory=lambda: {"runs": 0, "naked": 0, "skipped": 0, "last_skipped": ""})
+    stats: dict = field(default_factory=lambda: {"runs": 0, "naked": 0, "skipped": 0, "last_skipped": "",
+                                                 "redeliveries_naked": 0, "waiting": ""})
     is_replicated: bool = False             # the last ConsumerInfo listed replicas
+    waiting: str = ""                       # why the round waits (a passing obstacle)
+    failed_at: float = 0.0                  # when NATS last failed the round ...
+    last_failure: str = ""                  # ... and how, and how many times this round
+    failures: int = 0
+    worker_naks: WorkerNaks = field(default_factory=WorkerNaks)
 
     # ------------------------------------------------------------ inputs
 
-    def death(self, t: float, credits: int, who: str, read_before: float) -> None:
+    def death(self, t: float, credits: int, who: str, read_before: float, held: set[int] | None = None) -> None:
+        """`held`: the sequences in the dead worker's table."""
+        self.worker_naks.died(who, credits, held or set())
         if credits > 0:
             self.losses.append(Loss(t, credits, who, read_before))
 
-    def observed(self, asked: float, answered: float, delivered_stream_seq: int, waiting: int = 0) -> None:
+    def worker_nak(self, seq: int, delivery: int, at: float, delay: float, held_at: float, now: float) -> None:
+        """A worker NAKed `seq` at `delivery`, at `at` (its clock) with `delay` (events.Settled)."""
+        if at > 0:
+            c = self.cfg.consumer
+            earliest = min(at + delay, held_at + ack_wait_for(c.ack_wait, c.backoff, delivery))
+            self.worker_naks.sent(seq, WorkerNak(delivery, earliest, delay, now))
+
+    def observed(self, asked: float, answered: float, delivered_stream_seq: int, waiting: int = 0,
+                 consumer_seq: int = 0) -> None:
         """A ConsumerInfo reading (the monitor's polls, ours): lower bounds for later deaths."""
-        self.readings.append(Reading(asked, answered, delivered_stream_seq, waiting))
+        self.readings.append(Reading(asked, answered, delivered_stream_seq, waiting, consumer_seq))
 
     def waiting_since(self, t: float) -> Reading | None:
         """The first reading asked after `t` with a pull request waiting: a job NAKed before `t`
@@ -108,8 +209,9 @@ class InTransit:
         first), so it had been delivered by that reading's moment."""
         return next((r for r in self.readings if r.asked >= t and r.waiting > 0), None)
 
-    def named_by_worker(self, seq: int, now: float) -> None:
+    def named_by_worker(self, seq: int, now: float, delivery: int = 0) -> None:
         """A live worker received, settled or could not settle `seq`: its delivery may be a live one."""
+        self.worker_naks.named(seq, delivery)
         self.named.pop(seq, None)
         self.named[seq] = now
         while len(self.named) > NAMED_LIMIT:
@@ -122,14 +224,30 @@ class InTransit:
         return sum(loss.credits for loss in self.losses)
 
     async def step(self, now: float, fresh_view: Callable[[], set[int]],
-                   links_fresh_since: Callable[[float], bool], alone: bool | None) -> None:
+                   links_fresh_since: Callable[[float], bool], alone: bool | None, heard_self_at: float = 0.0) -> None:
         """`fresh_view` applies every event the workers wrote and returns the sequences in any
-        table, read before those events were applied."""
-        if not self.losses or alone is None:
-            return                          # nothing to look for, or wait: peers may still say hello
+        table, read before those events were applied. `heard_self_at`: when our own last hello
+        came back (peers.py): our link carried a message both ways then."""
+        if alone and not self.unsafe_here(alone) and not self.replicated():
+            await self.nak_redeliveries(fresh_view, links_fresh_since)
+        if not self.losses:
+            return
+        self.expire(now)
+        if not self.losses:
+            return
         why = self.unsafe_here(alone)
-        if why:
+        if why and why not in PASSING:
             self.done("skipped", why)       # not provably safe here: AckWait it is
+            return
+        if alone is None and not why:
+            why = "cannot tell yet whether another supervisor shares the consumer (just started, or our own " \
+                  "hellos have not come back lately)"
+        if self.failed_at and heard_self_at <= self.failed_at and not why:
+            why = self.last_failure
+        if why:
+            # A passing obstacle (F6): peers may still say hello, our link is down or stalled; the
+            # losses stay for a later tick while their lower bound still makes a NAK safe (expire).
+            self.wait(why)
             return
         if self.info_at is None or any(loss.t >= self.info_at.asked for loss in self.losses):
             await self.read_consumer()      # a death after the reading: what it had is beyond it (R5)
@@ -143,13 +261,42 @@ class InTransit:
             return
         await self.nak_lost(fresh_view)
 
-    def unsafe_here(self, alone: bool) -> str:
+    def expire(self, now: float) -> None:
+        """Losses no later round can prove safe: their lower bound is so old that a candidate's
+        AckWait may be running out (one with no lower bound at all is nak_lost's to skip)."""
+        for loss in list(self.losses):
+            low = self.floor([loss])
+            if low is not None and not nak_is_safe(now, low.asked, self.min_ack_wait()):
+                self.done("skipped", "too late: a candidate's AckWait may be running out"
+                          + (f" (waited for: {self.waiting})" if self.waiting else ""), [loss])
+
+    def wait(self, why: str) -> None:
+        """A passing obstacle: the round goes on at a later tick. Said once per reason."""
+        if why != self.waiting:
+            self.waiting = why
+            self.stats["waiting"] = why
+            log.info("in-transit check waiting: %s (what was on the wire to %s stays a candidate)", why,
+                     ", ".join(loss.who for loss in self.losses), extra={"event": "in_transit_waiting", "why": why})
+
+    def failed(self, why: str) -> None:
+        """NATS failed the round (ConsumerInfo, a stream read): try again once our own hello has
+        come back since, which proves the link carries messages both ways again; up to
+        MAX_FAILURES times (each try may hold the loop for its timeout)."""
+        self.failures += 1
+        if self.failures >= MAX_FAILURES:
+            self.done("skipped", f"{why} ({self.failures} times)")
+            return
+        self.failed_at, self.last_failure = time.monotonic(), why
+        self.info, self.info_at = None, None
+        self.wait(why)
+
+    def unsafe_here(self, alone: bool | None) -> str:
         if self.cfg.stream.retention != "workqueue":
             return "the stream is not a work queue"
-        if not alone:
+        if alone is False:
             return "another supervisor may hold deliveries of this consumer"
         if not self.nc.is_connected:
-            return "not connected to NATS"
+            return NOT_CONNECTED
         return ""
 
     def replicated(self) -> bool:
@@ -162,9 +309,10 @@ class InTransit:
             self.info = await self.nc.jetstream().consumer_info(self.cfg.stream.name, self.cfg.consumer.name,
                                                                  timeout=2.0)
         except Exception as exc:
-            self.done("skipped", f"ConsumerInfo failed: {exc or type(exc).__name__}")
+            self.failed(f"ConsumerInfo failed: {exc or type(exc).__name__}")
             return
-        self.info_at = Reading(asked, time.monotonic(), self.info.delivered.stream_seq, self.info.num_waiting or 0)
+        self.info_at = Reading(asked, time.monotonic(), self.info.delivered.stream_seq, self.info.num_waiting or 0,
+                               self.info.delivered.consumer_seq)
         self.readings.append(self.info_at)
         cluster = getattr(self.info, "cluster", None)
         self.is_replicated = bool(cluster and getattr(cluster, "replicas", None))
@@ -192,7 +340,10 @@ class InTransit:
             return
         stored = await self.stored_in(low.delivered + 1, self.info.delivered.stream_seq)
         if isinstance(stored, str):
-            self.done("skipped", stored, losses)
+            if stored.startswith(CANNOT_READ):
+                self.failed(stored)         # NATS, not the range: try again
+            else:
+                self.done("skipped", stored, losses)
             return
         # From here to the last NAK nothing awaits: what we read is what the NAKs act on.
         held = fresh_view()
@@ -208,13 +359,54 @@ class InTransit:
         await self.send_naks(lost, losses)
         self.done("runs", "", losses)
 
-    async def send_naks(self, lost: list[int], losses: list[Loss]) -> None:
-        delivered = self.info.delivered.consumer_seq     # any consumer seq in range will do
+    async def nak_redeliveries(self, fresh_view: Callable[[], set[int]],
+                               links_fresh_since: Callable[[float], bool]) -> None:
+        """Redeliveries of workers' NAKs on the wire to a worker that died (the module's docstring)."""
+        naks, ack_wait = self.worker_naks, self.min_ack_wait()
+        for seq, n in [(seq, n) for seq, n in naks.naks.items() if n.dead]:
+            if not nak_is_safe(time.monotonic(), n.earliest, ack_wait):
+                del naks.naks[seq]
+                self.skip_redelivery(seq, n)
+        if not any(n.dead for n in naks.naks.values()):
+            return
+        due = naks.provable(self.waiting_since, links_fresh_since)       # the proof first, then the last look
+        before = time.monotonic()
+        held = fresh_view()                     # nothing awaits from here to the last NAK
+        now = time.monotonic()
+        naks.read_in(held, before, now)
+        lost, who = [], {}
+        for seq in due:
+            nak = naks.naks.get(seq)
+            if nak is None or seq in held:
+                continue                        # named, or held, since
+            del naks.naks[seq]
+            if not nak_is_safe(now, nak.earliest, ack_wait):
+                self.skip_redelivery(seq, nak)
+                continue
+            lost.append(seq)
+            who[seq] = nak.dead
+        if lost:
+            await self.send_naks(lost, [], who)
+            self.stats["redeliveries_naked"] += len(lost)
+
+    def skip_redelivery(self, seq: int, n: WorkerNak) -> None:
+        why = "too late: its redelivery's AckWait may be running out"
+        self.stats["skipped"] += 1
+        self.stats["last_skipped"] = why
+        log.info("in-transit check skipped seq %d (NAKed at delivery %d, its redelivery maybe on the wire to %s): "
+                 "%s; it comes back after AckWait (explained by that NAK)", seq, n.delivery, n.dead, why,
+                 extra={"event": "in_transit_skipped", "why": why, "seq": seq})
+
+    async def send_naks(self, lost: list[int], losses: list[Loss], who_by_seq: dict[int, str] | None = None) -> None:
+        # Any consumer seq in range will do: one delivered after the candidates (the scan's upper
+        # reading, or the newest: after the reading that proved a redelivery had gone out).
+        delivered = self.info.delivered.consumer_seq if self.info else self.readings[-1].consumer_seq
         who = ", ".join(loss.who for loss in losses)
         for seq in lost:
             # $JS.ACK.<stream>.<consumer>.<deliveries>.<stream seq>.<consumer seq>.<time>.<pending>
             reply = f"$JS.ACK.{self.cfg.stream.name}.{self.cfg.consumer.name}.1.{seq}.{delivered}.0.0"
-            self.ledger.in_transit_naked(seq, f"{FOUND_IN_TRANSIT}{who} at its death (found and NAKed)")
+            self.ledger.in_transit_naked(seq, f"{FOUND_IN_TRANSIT}{(who_by_seq or {}).get(seq, who)} at its death "
+                                              "(found and NAKed)")
             await self.nc.publish(reply, b"-NAK")
         if lost:
             try:
@@ -240,7 +432,7 @@ class InTransit:
             except NotFoundError:
                 continue                    # acked (a work queue deletes it) or never stored
             except Exception as exc:        # timeout, no responders, a leader election: AckWait, not a dead parent
-                return f"cannot read seq {seq} from the stream: {exc or type(exc).__name__}"
+                return f"{CANNOT_READ}{seq} from the stream: {exc or type(exc).__name__}"
             if any(subject_matches(w, msg.subject) or w == msg.subject for w in wanted):
                 found.append(seq)
         return found
@@ -256,3 +448,6 @@ class InTransit:
                      extra={"event": "in_transit_skipped", "why": why})
         self.losses = [loss for loss in self.losses if loss not in ended]
         self.info, self.info_at = None, None
+        if not self.losses:
+            self.waiting = self.stats["waiting"] = ""
+            self.failed_at, self.last_failure, self.failures = 0.0, "", 0

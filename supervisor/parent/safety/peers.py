@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from supervisor.core.ledger import LOST_PEER
+from workers.protocol.events import ledger_subject
 
 log = logging.getLogger("supervisor.peers")
 
@@ -53,7 +54,7 @@ class Peers:
         self.nc = nc
         self.ledger = ledger
         self.post = post                         # the arbiter applies what we hear, in its loop
-        self.subject = f"supervisor.ledger.{stream}.{consumer}"
+        self.subject = ledger_subject(stream, consumer)
         self.origin = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
         # naks: [seq, why] explain a redelivery to come; seen: [seq, delivery] a redelivery one of
         # our workers received; settled: [seq, delivery, outcome] how a redelivered job ended;
@@ -118,14 +119,19 @@ class Peers:
     def alone(self, now: float) -> bool | None:
         """No other supervisor on this consumer? None while we cannot tell yet (a peer says
         hello every HELLO_EVERY, and answers a newcomer's question at once). A peer once heard
-        counts until its goodbye; and we must hear our own hellos, or we could not hear theirs."""
+        counts until its goodbye; and we must hear our own hellos, or we could not hear theirs.
+        Hellos that stop coming back (our link stalled or down) make it None, not False: we
+        heard ourselves before, so once they come back, and LISTEN_FIRST after that (a peer's
+        hellos sent meanwhile may be lost to us), we can tell again (F6)."""
         if self.listening_since is None:
             return False                         # deaf to peers: never assume we are alone
         if any(origin not in self.gone for origin in self.heard):
             return False
-        if self.echo_at is None or now - self.echo_at > PEER_QUIET:
-            return None if now - self.listening_since < LISTEN_FIRST else False
-        return None if now - self.listening_since < LISTEN_FIRST else True
+        if now - self.listening_since < LISTEN_FIRST:
+            return None
+        if self.echo_at is None:
+            return False                         # never heard ourselves: denied, or no echo
+        return None if now - self.echo_at > PEER_QUIET else True
 
     async def goodbye(self) -> None:
         """Our workers have all exited: peers may count us gone."""
@@ -178,7 +184,10 @@ class Peers:
             self.post(lambda: self.apply(origin, naks, seen, settled, lost, asked=bool(body.get("ask"))))
 
     def echoed(self) -> None:
-        self.echo_at = time.monotonic()
+        now = time.monotonic()
+        if self.echo_at is not None and now - self.echo_at > PEER_QUIET:
+            self.listening_since = now           # deaf for a while: listen afresh before we can tell (alone)
+        self.echo_at = now
 
     def apply(self, origin: str, naks: list, seen: list, settled: list, lost: Sequence[dict] = (),
               asked: bool = False) -> None:

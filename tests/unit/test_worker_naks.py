@@ -1,0 +1,95 @@
+"""The proof an in-transit NAK of a redelivery needs (supervisor/parent/safety/in_transit.py WorkerNaks,
+F1): each piece on its own, with made-up readings and times. The real-server reproducer is
+tests/integration/test_found_by_random.py::test_a_retry_on_its_way_to_a_worker_that_dies_comes_back_at_once."""
+
+from __future__ import annotations
+
+from supervisor.parent.safety.in_transit import SLACK, Reading, WorkerNak, WorkerNaks
+
+
+def naks_with(delivery: int = 1, delay: float = 0.5, learnt: float = 10.0) -> WorkerNaks:
+    naks = WorkerNaks()
+    naks.sent(7, WorkerNak(delivery, earliest=10.0 + delay, delay=delay, learnt=learnt))
+    return naks
+
+
+def reading(asked: float, waiting: int = 1) -> Reading:
+    return Reading(asked, asked + 0.01, 100, waiting, 200)
+
+
+def first_waiting(readings: list[Reading]):
+    return lambda t: next((r for r in readings if r.asked >= t and r.waiting > 0), None)
+
+
+def always(_t: float) -> bool:
+    return True
+
+
+def proven(naks: WorkerNaks, readings: list[Reading], links=always) -> list[int]:
+    return naks.provable(first_waiting(readings), links)
+
+
+def test_a_nak_is_a_candidate_only_once_a_worker_with_credits_died_after_it_and_the_server_read_it():
+    naks = naks_with()
+    late = [reading(20.0)]
+    naks.read_in(set(), before=11.0, after=11.1)
+    assert proven(naks, late) == []                     # no death: nothing can be on a dead worker's wire
+    naks.died("worker 0 (pid 1)", credits=0, held=set())
+    assert proven(naks, late) == []                     # a death with no pull outstanding took nothing
+    naks.died("worker 1 (pid 2)", credits=3, held=set())
+    assert proven(naks, late) == [7]
+
+
+def test_a_table_read_proves_the_nak_arrived_only_when_it_began_after_the_parent_learnt_of_it():
+    naks = naks_with(learnt=10.0)
+    naks.died("w", credits=1, held=set())
+    naks.read_in(set(), before=9.0, after=10.5)         # the read began before the event was applied
+    assert naks.naks[7].read_by is None
+    naks.read_in({7}, before=11.0, after=11.1)          # still in a table: its fence has not passed
+    assert naks.naks[7].read_by is None
+    naks.read_in(set(), before=12.0, after=12.1)
+    assert naks.naks[7].read_by == 12.1
+
+
+def test_the_redelivery_must_have_left_the_queue_after_the_nak_and_its_delay():
+    naks = naks_with(delay=0.5)
+    naks.died("w", credits=1, held=set())
+    naks.read_in(set(), before=11.0, after=11.0)
+    earliest_reading = 11.0 + SLACK + 0.5
+    assert proven(naks, [reading(earliest_reading - 0.01)]) == []      # asked before the delay ran out
+    assert proven(naks, [reading(earliest_reading + 1, waiting=0)]) == []    # nothing waiting: maybe still queued
+    assert proven(naks, [reading(earliest_reading)]) == [7]
+
+
+def test_every_live_worker_must_have_answered_a_ping_sent_after_that_reading():
+    naks = naks_with()
+    naks.died("w", credits=1, held=set())
+    naks.read_in(set(), before=11.0, after=11.0)
+    r = reading(13.0)
+    asked_for = []
+
+    def links(t: float) -> bool:
+        asked_for.append(t)
+        return False
+    assert proven(naks, [r], links) == []
+    assert asked_for == [r.answered + SLACK]
+
+
+def test_a_later_delivery_named_by_a_worker_ends_the_nak_whichever_event_came_first():
+    naks = naks_with(delivery=1)
+    naks.named(7, 1)                                    # the NAK's own Settled event
+    assert 7 in naks.naks
+    naks.named(7, 2)                                    # the redelivery reached a live worker
+    assert 7 not in naks.naks
+    reordered = WorkerNaks()
+    reordered.named(7, 2)                               # the redelivery's event applied first (R4b)
+    reordered.sent(7, WorkerNak(1, 10.0, 0.0, 10.0))
+    assert 7 not in reordered.naks
+
+
+def test_a_nak_still_in_the_dead_workers_table_is_dropped():
+    """Its fence had not passed: the NAK may still sit in the dead worker's socket and land
+    after ours, on the next holder's delivery."""
+    naks = naks_with()
+    naks.died("w", credits=2, held={7})
+    assert 7 not in naks.naks
