@@ -32,16 +32,11 @@ def run_seed(seed: int, tmp_path, known: set[str] = frozenset()) -> None:
     assert result.passed, result.summary()
 
 
-F7 = pytest.mark.xfail(raises=KnownDefect, strict=False, reason=(
-    "F7 (docs/RELIABILITY.md): a worker killed just after a server SIGSTOP ends has more on its wire "
-    "than its credits; the in-transit check skips them all and they wait for AckWait (timing: 2 of 3 runs on d89b94e)"))
-
-
 @pytest.mark.parametrize("seed, known", [
     # async, 2 workers x 4, max_rss_mb, failing/retried/CPU/growing jobs: parent SIGKILL and a
     # new supervisor at once, the server SIGSTOPped with a worker SIGKILLed meanwhile, a SIGHUP
-    # (failed on R3 until its fix: the orphans' jobs waited for AckWait; now and then on F7)
-    pytest.param(18, {"ackwait"}, marks=F7),
+    # (failed on R3 until its fix: the orphans' jobs waited for AckWait; then now and then on F7)
+    (18, set()),
     # sync, 2 workers, idempotency + max_jobs 20: a worker SIGSTOPped past heartbeat_timeout
     (40, set()),
     # a fleet of two, async, double_ack, max_jobs 40: a worker's link cut, the server SIGKILLed
