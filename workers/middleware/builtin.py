@@ -9,14 +9,12 @@ from collections.abc import Sequence
 from supervisor.config import Config
 from workers.middleware.base import Middleware
 from workers.middleware.guard import IdempotencyGuard
-from workers.middleware.retries import retry_delay
+from workers.middleware.retries import Policy
 
 
 def instances(entries: Sequence[tuple[str, type[Middleware]]], cfg: Config) -> list[tuple[str, Middleware]]:
     """(name, instance) for each middleware of one worker, outermost first."""
     chain = [(name, cls()) for name, cls in entries]
     if cfg.idempotency.enabled:                    # issue 10: done-markers and leases
-        backoff = cfg.workers.retry_backoff
-        chain.append(("[idempotency]", IdempotencyGuard(cfg.idempotency.bucket,
-                                                        lambda delivery: retry_delay(backoff, delivery))))
+        chain.append(("[idempotency]", IdempotencyGuard(cfg.idempotency.bucket, Policy.from_config(cfg).delay)))
     return chain
