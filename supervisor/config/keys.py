@@ -108,7 +108,9 @@ class WorkersConfig:
     concurrency: int = key(1, "jobs in flight at once per worker", reload=REPLACE, lo=1, hi=1024)
     batch: int = key(256, "ceiling on jobs a worker buffers or asks for at once; it sizes pulls below it "
                           "(README: Pull sizing)", reload=REPLACE, lo=1, hi=4096)
-    job_timeout: float = key(0.0, "hard limit per job; 0 = none", reload=LIVE, lo=0.0)
+    job_timeout: float = key(0.0, "hard limit per job (the worker is killed); 0 = none", reload=LIVE, lo=0.0)
+    soft_timeout: float = key(0.0, "at this age workers.SoftTimeout is raised inside the job (a failure for "
+                                   "[retry]; the worker lives on); 0 = none; below job_timeout", reload=REPLACE, lo=0.0)
     heartbeat_timeout: float = key(30.0, "a worker silent this long is killed", reload=LIVE, lo=0.1)
     max_jobs: int = key(0, "recycle a worker after this many jobs (0 = never) ...", reload=LIVE, lo=0)
     max_jobs_jitter: int = key(0, "... plus a random 0..jitter", reload=LIVE, lo=0)
@@ -448,6 +450,9 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
     if cfg.autoscale.max < cfg.autoscale.min:
         fail("autoscale.max", f"must be >= autoscale.min ({cfg.autoscale.min})")
     _check_retry(cfg, fail, sources)
+    w = cfg.workers
+    if w.soft_timeout and w.job_timeout and w.soft_timeout >= w.job_timeout:
+        fail("workers.soft_timeout", f"must be below workers.job_timeout ({w.job_timeout:g}), the hard limit that kills")
     if cfg.restart.backoff_max < cfg.restart.backoff_initial:
         fail("restart.backoff_max", f"must be >= restart.backoff_initial ({cfg.restart.backoff_initial:g})")
     if cfg.consumer.backoff and cfg.consumer.max_deliver != -1 and cfg.consumer.max_deliver <= len(cfg.consumer.backoff):

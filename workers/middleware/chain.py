@@ -45,12 +45,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers import Job, Reject, Retry
+from workers import Job, Reject, Retry, SoftTimeout
 from workers.middleware.base import Context, Duplicate, Middleware
 
 log = logging.getLogger("worker")
 
-ON_PURPOSE = (Retry, Reject, Duplicate)     # what a hook may raise to decide the job's outcome
+# What a hook may raise to decide the job's outcome (SoftTimeout: the soft limit's, which may
+# surface in its around just after the handler returned: workers/middleware/timeouts.py).
+ON_PURPOSE = (Retry, Reject, Duplicate, SoftTimeout)
 
 
 class HookFailed(Exception):

@@ -60,7 +60,7 @@ class Outcomes:
             log.error("worker %d: handler failed on seq=%d delivery=%d (attempt %d); %s", self.slot, job.stream_seq,
                       job.delivery, decision.attempt, then, exc_info=exc,
                       extra={"event": "handler_failed", "seq": job.stream_seq, "delivery": job.delivery,
-                             "attempt": decision.attempt, "delay": decision.delay})
+                             "attempt": decision.attempt, "delay": decision.delay, "error": qualified(exc)})
             await self.failed(i, job, exc, decision)
         else:
             log.error("worker %d: handler raised %s on seq=%d; exiting without ack",
