@@ -22,7 +22,7 @@ from typing import Any
 
 from supervisor.config import Config
 from workers import Duplicate, Job, Reject, Retry
-from workers.middleware.chain import HookFailed
+from workers.middleware.chain import HookFailed, user_traceback
 from workers.middleware.retries import Decision, Policy, attempt_of, qualified
 from workers.protocol.exits import EXIT_CRASHED
 from workers.runtime.deadletter import DLQ_HEADER, dead_letter
@@ -50,7 +50,7 @@ class Outcomes:
             attempt = attempt_of(job.headers, job.delivery)
             decision = Decision(self.policy.delay(attempt), str(exc)[:200], attempt)
             log.error("worker %d: middleware %s on seq=%d delivery=%d; retrying the job in %.3gs", self.slot, exc,
-                      job.stream_seq, job.delivery, decision.delay, exc_info=exc.error,
+                      job.stream_seq, job.delivery, decision.delay, exc_info=logged(exc.error),
                       extra={"event": "middleware_failed", "seq": job.stream_seq, "delivery": job.delivery,
                              "where": exc.where, "attempt": attempt, "delay": decision.delay})
             await self.failed(i, job, exc, decision)
@@ -58,7 +58,7 @@ class Outcomes:
             decision = self.policy.decide(exc, attempt_of(job.headers, job.delivery))
             then = "dead-lettering it" if decision.delay is None else f"retrying in {decision.delay:.3g}s"
             log.error("worker %d: handler failed on seq=%d delivery=%d (attempt %d); %s", self.slot, job.stream_seq,
-                      job.delivery, decision.attempt, then, exc_info=exc,
+                      job.delivery, decision.attempt, then, exc_info=logged(exc),
                       extra={"event": "handler_failed", "seq": job.stream_seq, "delivery": job.delivery,
                              "attempt": decision.attempt, "delay": decision.delay, "error": qualified(exc)})
             await self.failed(i, job, exc, decision)
@@ -90,3 +90,8 @@ class Outcomes:
                     job.stream_seq, job.subject, by, reason,
                     extra={"event": "rejected", "seq": job.stream_seq, "subject": job.subject, "reason": reason,
                            "by": by})
+
+
+def logged(exc: BaseException) -> tuple[type[BaseException], BaseException, Any]:
+    """exc_info for a log line: the traceback from the handler (or hook) on, not the chain's frames."""
+    return type(exc), exc, user_traceback(exc)
