@@ -33,8 +33,9 @@ class Job:
     @property
     def key(self) -> str:
         """The idempotency key: the publisher's Nats-Msg-Id when it set one, else "<stream>:<seq>"
-        (unique only for the life of the stream: a recreated stream counts from 1 again)."""
-        return self.msg_id if self.msg_id else f"{self.stream}:{self.stream_seq}"
+        (unique only for the life of the stream: a recreated stream counts from 1 again). A copy
+        re-published for a long retry delay carries its original's (header Supervisor-Key)."""
+        return self.headers.get("Supervisor-Key") or self.msg_id or f"{self.stream}:{self.stream_seq}"
 
 
 class Retry(Exception):

@@ -38,6 +38,8 @@ def _act(job: Job) -> float:
         name = text.split(":")[1]
         cls = globals().get(name) or getattr(builtins, name)
         raise cls(f"{name} on delivery {job.delivery} of seq {job.stream_seq}")
+    if text == "fail-first-attempt" and "Supervisor-Attempts" not in job.headers:   # a re-published copy has it
+        raise RuntimeError("failing the first attempt on purpose")
     if text == "fail-once" and job.delivery == 1:
         raise RuntimeError("failing the first delivery on purpose")
     if text == "fail":

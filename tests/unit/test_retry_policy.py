@@ -147,3 +147,39 @@ def test_rules_come_from_the_environment_as_inline_tables(tmp_path):
     c = load(path, {"SUPERVISOR_RETRY_RULES": '[{on = ["ValueError"], action = "reject"}]'}, {})
     assert [(r.on, r.action, r.base) for r in c.retry.rules] == [(("ValueError",), "reject", None)]
     assert c.replace(retry={"jitter": 0.1}).retry.rules == c.retry.rules    # survives a round trip
+
+
+def test_a_copy_for_later_keeps_the_jobs_own_headers_and_key_and_leaves_the_servers_out():
+    """The copy a long delay stores (workers/runtime/later.py): Nats-* headers are the server's
+    (a job a schedule fired has Nats-Scheduler, which a client may not publish), the attempts and
+    the original key are ours, and every delivery of one message makes the same schedule subject."""
+    import datetime as dt
+
+    from supervisor.config import schedules as sched
+    from workers import Job
+    from workers.runtime.later import copy_of, msg_id
+
+    headers = {"Trace": "t1", "Nats-Msg-Id": "order-7", "Nats-Scheduler": "_sched.JOBS.config.tick",
+               "Nats-Schedule-Next": "purge", "Nats-TTL": "60s"}
+    job = Job(data=b"x", subject="jobs.new", stream="JOBS", stream_seq=9, delivery=2, headers=headers, msg_id="order-7")
+    due = dt.datetime(2026, 12, 2, 1, 0, 0, tzinfo=dt.UTC)
+    copy = copy_of(job, 3, "RuntimeError:\n boom", due)
+    sent = copy.publish_headers()
+    assert sent == {"Trace": "t1", "Supervisor-Attempts": "3", "Supervisor-Key": "order-7",
+                    "Supervisor-Retry-Reason": "RuntimeError: boom", sched.PATTERN: "@at 2026-12-02T01:00:00.000Z",
+                    sched.TARGET: "jobs.new"}
+    assert copy.subject == sched.delayed_subject("JOBS", msg_id(job)) and msg_id(job) == "retry-JOBS-9"
+    again = Job(data=b"x", subject="jobs.new", stream="JOBS", stream_seq=9, delivery=3, headers=headers)
+    assert copy_of(again, 4, "later", due).subject == copy.subject
+
+
+def test_a_duplicate_window_shorter_than_a_dead_workers_gap_is_warned(tmp_path, caplog):
+    """The window must outlast ack_wait + job_timeout (workers/runtime/later.py's docstring)."""
+    from workers.runtime.later import warn_window
+
+    c = cfg("[consumer]\nack_wait = 100.0\n[workers]\njob_timeout = 30.0\n", tmp_path)
+    warn_window(c, 130.0)
+    assert not [r for r in caplog.records if getattr(r, "event", "") == "republish_window_short"]
+    warn_window(c, 120.0)
+    [short] = [r for r in caplog.records if getattr(r, "event", "") == "republish_window_short"]
+    assert short.gap == 130.0 and short.window == 120.0

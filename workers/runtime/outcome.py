@@ -26,6 +26,7 @@ from workers.middleware.chain import HookFailed, user_traceback
 from workers.middleware.retries import Decision, Policy, attempt_of, qualified
 from workers.protocol.exits import EXIT_CRASHED
 from workers.runtime.deadletter import DLQ_HEADER, dead_letter
+from workers.runtime.later import Later, republish_later
 from workers.runtime.settle import Settler, nak_payload
 
 log = logging.getLogger("worker")
@@ -36,6 +37,7 @@ class Outcomes:
         self.settler, self.slot, self.cfg = settler, slot, cfg
         self.nc = nc                      # the worker's connection, made once the worker runs
         self.policy = Policy.from_config(cfg)
+        self.later = Later(cfg, slot)
 
     async def settle(self, i: int, job: Job, exc: BaseException | None) -> None:
         if exc is None:
@@ -43,7 +45,7 @@ class Outcomes:
         elif isinstance(exc, Duplicate):
             await self.settler.ack(i, job, "duplicate")
         elif isinstance(exc, Retry):
-            await self.settler.settle(i, job, nak_payload(exc.delay), "nak", str(exc))
+            await self.retry(i, job, exc.delay, attempt_of(job.headers, job.delivery), str(exc))
         elif isinstance(exc, Reject):
             await self.reject(i, job, exc.reason)
         elif isinstance(exc, HookFailed):
@@ -69,12 +71,26 @@ class Outcomes:
 
     async def failed(self, i: int, job: Job, exc: Exception, decision: Decision) -> None:
         if decision.delay is not None:
-            await self.settler.settle(i, job, nak_payload(decision.delay), "nak", decision.reason)
+            await self.retry(i, job, decision.delay, decision.attempt, decision.reason)
             return
         error = exc.error if isinstance(exc, HookFailed) else exc
         headers = {DLQ_HEADER + "Error": qualified(error), DLQ_HEADER + "Error-Message": " ".join(str(error).split())[:500],
                    DLQ_HEADER + "Attempts": str(decision.attempt)}
         await self.reject(i, job, decision.reason, headers, by="[retry]")
+
+    async def retry(self, i: int, job: Job, delay: float, attempt: int, reason: str) -> None:
+        """A NAK with the delay; past retry.republish_after, a copy stored for later and an ack, so
+        no ack-pending slot is held while it waits (workers/runtime/later.py)."""
+        if self.later.wanted(delay) and await self.later.usable(self.nc()):
+            try:
+                await republish_later(self.nc(), self.cfg, job, delay, attempt, reason)
+            except Exception as exc:
+                log.warning("worker %d: cannot re-publish seq=%d for later (%s); NAKing it with its %.3gs delay",
+                            self.slot, job.stream_seq, exc or type(exc).__name__, delay)
+            else:
+                await self.settler.settle(i, job, b"+ACK", "later", f"re-published for {delay:.3g}s later: {reason}"[:200])
+                return
+        await self.settler.settle(i, job, nak_payload(delay), "nak", reason)
 
     async def reject(self, i: int, job: Job, reason: str, headers: dict[str, str] | None = None,
                      by: str = "the handler") -> None:
