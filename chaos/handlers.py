@@ -25,7 +25,7 @@ import os
 import resource
 import time
 
-from workers import Job, Retry
+from workers import Context, Job, Middleware, Retry
 
 _fd: int | None = None
 _hoard: list[bytearray] = []     # memory an `oom` job keeps on purpose
@@ -78,10 +78,31 @@ def journal(job: Job) -> None:
 
 
 async def journal_async(job: Job) -> None:
-    """The same work on the worker's loop (a CPU action blocks the loop, as such a handler would)."""
+    """The same work on the worker's loop (a CPU action blocks the loop, as such a handler would).
+    Cancelled while asleep (workers.soft_timeout, or a drain's graceful_timeout running out), it
+    ends with an `R`: the job comes back, as asked."""
     key, _, sleep = begin(job)
-    await asyncio.sleep(sleep)
+    try:
+        await asyncio.sleep(sleep)
+    except asyncio.CancelledError:
+        _journal("R", job, key)
+        raise
     _journal("D", job, key)
+
+
+class Hops(Middleware):
+    """A middleware that does nothing but make the chain's hops (workers.middleware in a drawn
+    run): an async before_job (for a sync handler: from its thread to the loop and back) and a
+    plain after_job."""
+
+    def setup(self, ctx: Context) -> None:
+        self.is_async = ctx.is_async
+
+    async def before_job(self, job: Job) -> None:
+        await asyncio.sleep(0)
+
+    def after_job(self, job: Job, outcome: str, error: BaseException | None) -> None:
+        self.last = outcome
 
 
 def touched(megabytes: int) -> bytearray:

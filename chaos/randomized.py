@@ -115,10 +115,26 @@ SETTINGS: list[Setting] = [
     Setting("chaos.tick", lambda r, c: weighted(r, [(0, 1), (r.choice([1, 2, 3]), 1)]), later=True),
     Setting("chaos.utilization", lambda r, c: round(r.uniform(0.15, 0.4), 2)),
     Setting("chaos.fault_every", lambda r, c: round(r.uniform(3.0, 9.0), 1)),     # mean seconds between faults
+    # Issue 24's job policies. A rule for the jobs that fail on purpose, with a jittered backoff
+    # of its own (its attempts stay consumer.max_deliver's: a faulted job may spend many);
+    # a soft limit, async handlers only (a sync job sleeps in C, out of its reach), that
+    # interrupts the first run of some long jobs; a middleware whose hooks hop between the
+    # handler's thread and the loop. None of them may cost a job or explain a redelivery wrongly.
+    Setting("retry.rules", lambda r, c: weighted(r, [([], 1), (retry_rules(r), 1)]), hup=True, later=True),
+    Setting("workers.soft_timeout", lambda r, c: weighted(r, [(0.0, 1), (round(r.uniform(1.0, 3.0), 1), 1)]),
+            needs=lambda c: c["chaos.handler"] == "async", hup=True, later=True),
+    Setting("workers.middleware", lambda r, c: weighted(r, [([], 2), (["chaos.handlers:Hops"], 1)]), hup=True,
+            later=True),
 ]
 
+
+def retry_rules(r: random.Random) -> list[dict[str, Any]]:
+    return [{"on": ["chaos.handlers:Failed"], "base": round(r.uniform(0.05, 0.3), 2), "max": 1.0,
+             "jitter": round(r.uniform(0.0, 0.5), 2)}]
+
+
 # Runner knobs that are not drawn, and what a key not drawn falls back to.
-DEFAULTS: Cfg = {"chaos.delayed": 0.0, "chaos.delay": 0.0, "chaos.tick": 0,
+DEFAULTS: Cfg = {"chaos.delayed": 0.0, "chaos.delay": 0.0, "chaos.tick": 0, "workers.soft_timeout": 0.0,
                  "workers.max_jobs_jitter": 0, "autoscale.enabled": False, "chaos.beyond_ackwait": False,
                  "chaos.grow": 0.0, "chaos.republish": 0.0, "fleet.heartbeat": 2.0, "fleet.release_lost": True}
 

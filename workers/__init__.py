@@ -33,8 +33,9 @@ class Job:
     @property
     def key(self) -> str:
         """The idempotency key: the publisher's Nats-Msg-Id when it set one, else "<stream>:<seq>"
-        (unique only for the life of the stream: a recreated stream counts from 1 again)."""
-        return self.msg_id if self.msg_id else f"{self.stream}:{self.stream_seq}"
+        (unique only for the life of the stream: a recreated stream counts from 1 again). A copy
+        re-published for a long retry delay carries its original's (header Supervisor-Key)."""
+        return self.headers.get("Supervisor-Key") or self.msg_id or f"{self.stream}:{self.stream_seq}"
 
 
 class Retry(Exception):
@@ -46,6 +47,16 @@ class Retry(Exception):
         self.delay = max(0.0, float(delay))
 
 
+class SoftTimeout(Exception):
+    """Raised inside a job that ran past workers.soft_timeout: an async handler is cancelled (it
+    sees CancelledError at its await; the job's outcome is SoftTimeout), a sync handler gets it
+    raised in its thread at its next Python bytecode (not inside a blocking C call such as a
+    sleep or a socket read: only the hard workers.job_timeout ends those). A failure for [retry]."""
+
+    def __init__(self, message: str = "ran past workers.soft_timeout"):
+        super().__init__(message)
+
+
 class Reject(Exception):
     """Terminate the job (+TERM) and copy it to restart.dead_letter_subject."""
 
@@ -54,4 +65,4 @@ class Reject(Exception):
         self.reason = reason
 
 
-__all__ = ["Job", "Retry", "Reject", "once", "Middleware", "Context", "Duplicate"]
+__all__ = ["Job", "Retry", "Reject", "SoftTimeout", "once", "Middleware", "Context", "Duplicate"]

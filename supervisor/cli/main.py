@@ -23,7 +23,7 @@ from supervisor.demo import crash as demo
 from supervisor.demo import once as demo_once
 from supervisor.errors import EXIT_BUG, EXIT_OK, ConfigError, SupervisorError
 from supervisor.nats import connect as natsconn
-from supervisor.parent.supervisor import Supervisor, load_callable, load_middleware, require_handler
+from supervisor.parent.supervisor import Supervisor, check_retry_rules, load_callable, load_middleware, require_handler
 
 GLOBALS = ("config", "server", "log_format")
 AFTER = "cmd_"               # dest prefix of a global flag given after the command name
@@ -374,6 +374,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     if cfg.workers.init:
         load_callable(cfg.workers.init, "workers.init")
     load_middleware(cfg, handler)
+    check_retry_rules(cfg)
     where = config.find_config_path(args.config, os.environ)
     print(f"config ok ({where or 'built-in defaults'}; handler {cfg.workers.handler} imports)")
     return EXIT_OK

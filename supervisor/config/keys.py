@@ -10,9 +10,12 @@ these declarations, so the example config can never drift from the code.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import re
+import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,17 +108,43 @@ class WorkersConfig:
     concurrency: int = key(1, "jobs in flight at once per worker", reload=REPLACE, lo=1, hi=1024)
     batch: int = key(256, "ceiling on jobs a worker buffers or asks for at once; it sizes pulls below it "
                           "(README: Pull sizing)", reload=REPLACE, lo=1, hi=4096)
-    job_timeout: float = key(0.0, "hard limit per job; 0 = none", reload=LIVE, lo=0.0)
+    job_timeout: float = key(0.0, "hard limit per job (the worker is killed); 0 = none", reload=LIVE, lo=0.0)
+    soft_timeout: float = key(0.0, "at this age workers.SoftTimeout is raised inside the job (a failure for "
+                                   "[retry]; the worker lives on); 0 = none; below job_timeout", reload=REPLACE, lo=0.0)
     heartbeat_timeout: float = key(30.0, "a worker silent this long is killed", reload=LIVE, lo=0.1)
     max_jobs: int = key(0, "recycle a worker after this many jobs (0 = never) ...", reload=LIVE, lo=0)
     max_jobs_jitter: int = key(0, "... plus a random 0..jitter", reload=LIVE, lo=0)
     max_rss_mb: int = key(0, "recycle a worker whose RSS exceeds this (0 = never)", reload=LIVE, lo=0)
     graceful_timeout: float = key(30.0, "on stop/recycle: time to finish in-flight jobs", reload=REPLACE, lo=0.0)
     double_ack: bool = key(False, "true: ack_sync (exactly-once with Nats-Msg-Id)", reload=REPLACE)
-    retry_backoff: tuple[float, ...] = key((1.0, 5.0, 30.0), "NAK delays by delivery count for failed jobs",
+    retry_backoff: tuple[float, ...] = key((), "the old name of [retry]: NAK delays by attempt for failed jobs, "
+                                               "exactly (the last repeats); empty: [retry] (README: When jobs fail)",
                                            reload=REPLACE)
     progress_pings: bool = key(True, "keep running jobs from redelivery with +WPI before AckWait; false only to "
                                      "diagnose", reload=LIVE)
+
+
+@dataclass(frozen=True)
+class RetryRule:
+    """One [[retry.rules]] entry; an unset base/max/jitter is [retry]'s."""
+    on: tuple[str, ...] = key((), "exceptions it matches, by MRO: \"ValueError\", \"pkg.mod:Error\"", reload=REPLACE)
+    action: str = key("retry", "retry, or reject: dead-letter at once", reload=REPLACE, choices=("retry", "reject"))
+    max_attempts: int = key(0, "deliveries for jobs failing this way; 0 = consumer.max_deliver", reload=REPLACE, lo=0)
+    base: float | None = key(None, "first delay (unset: retry.base)", reload=REPLACE, lo=0.0)
+    max: float | None = key(None, "delay cap (unset: retry.max)", reload=REPLACE, lo=0.0)
+    jitter: float | None = key(None, "(unset: retry.jitter)", reload=REPLACE, lo=0.0, hi=1.0)
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    base: float = key(1.0, "first delay after a failure; doubled each attempt (base * 2**(attempt-1))",
+                      reload=REPLACE, lo=0.0)
+    max: float = key(300.0, "delay cap", reload=REPLACE, lo=0.0)
+    jitter: float = key(0.3, "each delay is drawn from [d * (1 - jitter), d]", reload=REPLACE, lo=0.0, hi=1.0)
+    republish_after: float = key(60.0, "a delay longer than this re-publishes the job as a scheduled message and "
+                                       "acks the old one (no ack-pending slot held); 0 = never", reload=REPLACE, lo=0.0)
+    rules: tuple[RetryRule, ...] = key((), "[[retry.rules]] below, first match wins (drop this line to add one)",
+                                      reload=REPLACE)
 
 
 @dataclass(frozen=True)
@@ -206,6 +235,7 @@ class Config:
     stream: StreamConfig = StreamConfig()
     consumer: ConsumerConfig = ConsumerConfig()
     workers: WorkersConfig = WorkersConfig()
+    retry: RetryConfig = RetryConfig()
     restart: RestartConfig = RestartConfig()
     idempotency: IdempotencyConfig = IdempotencyConfig()
     fleet: FleetConfig = FleetConfig()
@@ -241,7 +271,12 @@ def key_type(section: str, name: str) -> Any:
 
 
 def _plain(values: dict[str, Any]) -> dict[str, Any]:
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
+    """Tuples as lists; a list of tables ([[retry.rules]]) as plain tables, unset keys left out."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items() if x is not None}
+        return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
+    return {k: plain(v) for k, v in values.items()}
 
 
 def as_dict(cfg: Config) -> dict[str, dict[str, Any]]:
@@ -307,6 +342,8 @@ def _entry(section: str, name: str, values: Mapping[str, Any], sources: Mapping[
 
 def _check_value(dotted: str, value: Any, typ: Any, meta: Mapping[str, Any], source: str) -> Any:
     value = _coerce(dotted, value, typ, source, meta["secret"])
+    if value is None or table_type(typ):
+        return value                     # an unset optional key; a list of tables checked its own keys
     items = value if isinstance(value, tuple) else (value,)
     for item in items:
         if isinstance(item, (int, float)) and not isinstance(item, bool):
@@ -323,6 +360,13 @@ def _coerce(dotted: str, value: Any, typ: Any, source: str, secret: bool = False
     def wrong() -> ConfigError:
         return ConfigError(dotted, f"expected {type_name(typ)}, got {_describe(value, secret)}", source)
 
+    if optional(typ):
+        return None if value is None else _coerce(dotted, value, optional(typ), source, secret)
+    if table := table_type(typ):
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, (dict, table)) for v in value):
+            raise ConfigError(dotted, f"expected [[{dotted}]] tables, got {_describe(value, secret)}", source)
+        return tuple(v if isinstance(v, table) else _table(f"{dotted}[{k}]", table, v, source)
+                     for k, v in enumerate(value))
     if typing.get_origin(typ) is tuple:
         if not isinstance(value, (list, tuple)):
             raise wrong()
@@ -345,7 +389,38 @@ def _coerce(dotted: str, value: Any, typ: Any, source: str, secret: bool = False
     return value
 
 
+def optional(typ: Any) -> Any:
+    """`float | None` -> float; None for a type that is not optional."""
+    args = typing.get_args(typ)
+    if typing.get_origin(typ) in (typing.Union, types.UnionType) and type(None) in args:
+        return next(a for a in args if a is not type(None))
+    return None
+
+
+def table_type(typ: Any) -> type | None:
+    """The dataclass of a list-of-tables key (`tuple[RetryRule, ...]`: [[retry.rules]]), else None."""
+    if typing.get_origin(typ) is tuple and dataclasses.is_dataclass(item := typing.get_args(typ)[0]):
+        return typing.cast(type, item)
+    return None
+
+
+def _table(dotted: str, cls: type, values: Mapping[str, Any], source: str) -> Any:
+    """One table of a list-of-tables key: each key checked like any other, absent keys at their default."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for name in values:
+        if name not in fields:
+            close = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.5)
+            raise ConfigError(f"{dotted}.{name}", "unknown key" + (f"; did you mean {close[0]}?" if close else ""), source)
+    return cls(**{name: _check_value(f"{dotted}.{name}", values.get(name, f.default), hints[name], f.metadata, source)
+                  for name, f in fields.items()})
+
+
 def type_name(typ: Any) -> str:
+    if optional(typ):
+        return type_name(optional(typ))
+    if table_type(typ):
+        return "a list of tables"
     if typing.get_origin(typ) is tuple:
         return "a list of " + {bool: "booleans", int: "integers", float: "numbers (seconds)",
                                str: "strings"}[typing.get_args(typ)[0]]
@@ -374,6 +449,10 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
         fail("stream.subjects", "needs at least one subject")
     if cfg.autoscale.max < cfg.autoscale.min:
         fail("autoscale.max", f"must be >= autoscale.min ({cfg.autoscale.min})")
+    _check_retry(cfg, fail, sources)
+    w = cfg.workers
+    if w.soft_timeout and w.job_timeout and w.soft_timeout >= w.job_timeout:
+        fail("workers.soft_timeout", f"must be below workers.job_timeout ({w.job_timeout:g}), the hard limit that kills")
     if cfg.restart.backoff_max < cfg.restart.backoff_initial:
         fail("restart.backoff_max", f"must be >= restart.backoff_initial ({cfg.restart.backoff_initial:g})")
     if cfg.consumer.backoff and cfg.consumer.max_deliver != -1 and cfg.consumer.max_deliver <= len(cfg.consumer.backoff):
@@ -423,3 +502,26 @@ def _check_schedules(cfg: Config, fail: Any) -> None:
         for problem_key, problem in entry_problems(every=entry.every, cron=entry.cron, subject=entry.subject,
                                                              headers=entry.headers, stream_subjects=cfg.stream.subjects):
             fail(f"schedules.{name}.{problem_key}", problem)
+
+
+EXCEPTION_NAME = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?")
+
+
+def _check_retry(cfg: Config, fail: Callable[[str, str], None], sources: Mapping[str, str]) -> None:
+    """[retry] and its rules, and how workers.retry_backoff (its old name) may stand beside it."""
+    r = cfg.retry
+    if r.max < r.base:
+        fail("retry.max", f"must be >= retry.base ({r.base:g})")
+    if cfg.workers.retry_backoff and any(sources.get(f"retry.{k}") for k in ("base", "max", "jitter")):
+        fail("workers.retry_backoff", "is the old name of [retry]'s delays: set retry.base/max/jitter or "
+                                      "workers.retry_backoff, not both")
+    for k, rule in enumerate(r.rules):
+        where = f"retry.rules[{k}]"
+        if not rule.on:
+            fail(f"{where}.on", "needs at least one exception name (\"ValueError\", \"pkg.mod:Error\")")
+        for name in rule.on:
+            if not EXCEPTION_NAME.fullmatch(name):
+                fail(f"{where}.on", f"{name!r} is not an exception name (\"ValueError\", \"pkg.mod:Error\")")
+        base = r.base if rule.base is None else rule.base
+        if (rule.max if rule.max is not None else r.max) < base:
+            fail(f"{where}.max", f"must be >= its base ({base:g})")

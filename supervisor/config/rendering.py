@@ -7,7 +7,7 @@ from typing import Any
 
 import tomli_w
 
-from supervisor.config.keys import NAMED, SECTIONS, Config, as_dict, section_keys
+from supervisor.config.keys import NAMED, SECTIONS, Config, as_dict, key_type, section_keys, table_type
 from supervisor.config.secrets import redact_url
 
 HEADER = """\
@@ -26,13 +26,43 @@ def render(cfg: Config, *, redact: bool = True, comments: bool = True) -> str:
     lines: list[str] = [HEADER] if comments else []
     raw = as_dict(cfg)
     for section in SECTIONS:
+        # A list of tables with entries follows the section as [[section.key]]; empty, it is `key = []`.
+        tables = {k: raw[section].pop(k) for k in list(raw[section]) if table_type(key_type(section, k))
+                  and raw[section][k]}
         lines += [f"[{section}]", *_keys(section, raw[section], redact, comments), ""]
+        if comments:
+            tables.update({k: [] for k in section_keys(section) if table_type(key_type(section, k)) and k not in tables})
+        for name, entries in tables.items():
+            lines += _tables(section, name, entries, raw[section], comments)
     for section, entries in ((s, raw.get(s, {})) for s in NAMED):
         for name, values in entries.items():
             lines += [f"[{section}.{name}]", *_keys(section, values, redact, comments), ""]
         if comments and not entries:       # an example to copy, every key at its default
             lines += [f"# [{section}.NAME]", *_keys(section, as_dict_entry(section), redact, comments, "# "), ""]
     return "\n".join(lines)
+
+
+def _tables(section: str, name: str, entries: list[dict[str, Any]], parent: dict[str, Any], comments: bool) -> list[str]:
+    """A list-of-tables key ([[retry.rules]]): each entry, unset keys left out; with comments and
+    none, one commented example whose unset keys show the section's value they fall back to."""
+    cls = table_type(key_type(section, name))
+    assert cls is not None, name
+    fields, lines = {f.name: f for f in dataclasses.fields(cls)}, []
+    shown = entries or ([{k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cls()).items()}]
+                        if comments else [])
+    lead = "" if entries else "# "
+    for entry in shown:
+        lines.append(f"{lead}[[{section}.{name}]]")
+        for key, value in entry.items():
+            if value is None:
+                if entries or key not in parent:
+                    continue
+                value = parent[key]
+            text = f"{lead}{key} = {_toml_value(list(value) if isinstance(value, tuple) else value)}"
+            doc = fields[key].metadata["doc"]
+            lines.append(f"{text.ljust(COMMENT_COLUMN - 1)} # {doc}" if comments and doc else text)
+        lines.append("")
+    return lines
 
 
 def as_dict_entry(section: str) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from supervisor.parent.tasks.fleet import Fleet
 from supervisor.parent.tasks.monitor import Monitor
 from workers import Middleware
 from workers.middleware.chain import around_mismatch
+from workers.middleware.retries import check_names, split_name
 
 log = logging.getLogger("supervisor")
 
@@ -83,6 +84,20 @@ def load_middleware(cfg: Config, handler: Callable) -> Middlewares:
             raise HandlerError(f"{key}: {spec}: {why}")
         out.append((spec, cls))
     return tuple(out)
+
+
+def check_retry_rules(cfg: Config) -> None:
+    """Every exception named in [[retry.rules]] `on` resolves, its module imported here, before any
+    fork (workers find it in sys.modules); else exit 2 naming the rule."""
+    for k, rule in enumerate(cfg.retry.rules):
+        for module_name in {split_name(name)[0] for name in rule.on} - {""}:
+            try:
+                importlib.import_module(module_name)
+            except Exception as exc:
+                raise ConfigError(f"retry.rules[{k}].on", f"cannot import {module_name!r}: {type(exc).__name__}: {exc}"
+                                  ) from None
+    if problem := check_names(cfg.retry.rules):
+        raise ConfigError(*problem)
 
 
 def load_object(spec: str, key: str) -> Any:
@@ -177,6 +192,7 @@ class Supervisor:
         handler = load_callable(cfg.workers.handler, "workers.handler")
         init = load_callable(cfg.workers.init, "workers.init") if cfg.workers.init else None
         middleware = load_middleware(cfg, handler)
+        check_retry_rules(cfg)
         if not cfg.nats.servers:
             e = cfg.embedded
             self.embedded = EmbeddedServer(e.host, e.port, e.monitor_port, e.store_dir)
@@ -288,6 +304,7 @@ class Supervisor:
                 new = with_servers(new, self.cfg.nats.servers)
             change = reload.plan(self.cfg, new)
             cfg = change.effective
+            check_retry_rules(cfg)
             code = None                   # (handler, init, middleware) when one of them changed
             if any(k in ("workers.handler", "workers.init", "workers.middleware") for k, _, _ in change.changed):
                 handler = load_callable(cfg.workers.handler, "workers.handler")

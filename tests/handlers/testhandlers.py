@@ -3,6 +3,7 @@
 knows exactly which process ran what, when, and how often."""
 
 import asyncio
+import builtins
 import os
 import signal
 import time
@@ -31,6 +32,14 @@ def _act(job: Job) -> float:
         raise Reject("payload asked to be rejected")
     if text.startswith("retry:") and job.delivery == 1:
         raise Retry(delay=float(text.split(":")[1]))
+    if text.startswith("retry-always:"):
+        raise Retry(delay=float(text.split(":")[1]))
+    if text.startswith("raise:"):       # raise:KeyError, raise:Declined (below): what [retry.rules] match
+        name = text.split(":")[1]
+        cls = globals().get(name) or getattr(builtins, name)
+        raise cls(f"{name} on delivery {job.delivery} of seq {job.stream_seq}")
+    if text == "fail-first-attempt" and "Supervisor-Attempts" not in job.headers:   # a re-published copy has it
+        raise RuntimeError("failing the first attempt on purpose")
     if text == "fail-once" and job.delivery == 1:
         raise RuntimeError("failing the first delivery on purpose")
     if text == "fail":
@@ -53,6 +62,10 @@ def _act(job: Job) -> float:
         return float(text.split(":")[-1])
     except ValueError:
         return 0.0
+
+
+class Declined(Exception):
+    """An error of the handler's own, for rules that name it by module ("testhandlers:Declined")."""
 
 
 def record(job: Job) -> None:

@@ -12,7 +12,7 @@ import signal
 
 import nats
 import pytest
-from harness import publish_now, wait_until
+from harness import dead_letter_headers, publish_now, wait_until
 
 JSON_LOGS = ("--log-format", "json")
 KINDS = {"sync-c1": ("record", "Outer", 1), "sync-c3": ("record", "Outer", 3), "async-c3": ("record_async", "OuterAsync", 3)}
@@ -33,19 +33,6 @@ def journal(sup, seq: int, delivery: int | None = None) -> list[str]:
 
 def threads_of(sup, event: str) -> set[str]:
     return {r.data.split(":")[0] for r in sup.jobs.records() if r.event == event}
-
-
-def dead_letters(url: str) -> list[dict[str, str]]:
-    async def run():
-        nc = await nats.connect(url)
-        try:
-            js = nc.jetstream()
-            info = await js.stream_info("JOBS_DLQ")
-            return [dict((await js.get_msg("JOBS_DLQ", seq)).headers or {})
-                    for seq in range(info.state.first_seq, info.state.last_seq + 1) if info.state.messages]
-        finally:
-            await nc.close()
-    return asyncio.run(run())
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -90,7 +77,7 @@ def test_hooks_run_in_order_and_a_failing_hook_retries_its_job(nats_server, supe
     # Reject from a hook: dead-lettered after that one delivery, its handler never ran.
     rejected = seqs["hook-before-rejects"]
     assert runs[rejected] == 0 and journal(sup, rejected)[-1] == "mw:A.after:reject"
-    [letter] = dead_letters(nats_server.url)
+    [letter] = dead_letter_headers(nats_server.url)
     assert letter["Supervisor-Dead-Letter-Sequence"] == str(rejected) and "rejecting on purpose" in \
         letter["Supervisor-Dead-Letter-Reason"]
     assert sup.worker_pids() == {pid} and not sup.events("worker_task_failed")
@@ -196,7 +183,7 @@ def test_a_sync_handlers_async_only_middleware_runs_on_the_loop_and_hears_of_a_d
     assert journal(sup, seqs["hook-after-fails"], 1) == ["mw:B.before", "start", "done", "mw:B.after:ack"]
     for p in ("hook-before-fails", "hook-after-fails", "hook-after-retries"):
         assert journal(sup, seqs[p], 2)[-1] == "mw:B.after:ack", (p, journal(sup, seqs[p]))
-    assert journal(sup, seqs["hook-before-rejects"]) == ["mw:B.before"] and len(dead_letters(nats_server.url)) == 1
+    assert journal(sup, seqs["hook-before-rejects"]) == ["mw:B.before"] and len(dead_letter_headers(nats_server.url)) == 1
     assert {e["where"] for e in sup.events("middleware_failed")} == {"testmiddleware:Inner.before_job",
                                                                      "testmiddleware:Inner.after_job"}
     # The drain: one job running, some pulled and admitted by the loop-side hooks, not started.

@@ -202,11 +202,13 @@ def test_metrics_parse_and_match_the_jobs_run(nats_server, supervisor_factory):
 
 
 def test_max_deliveries_advisory_dead_letters_the_job(nats_server, supervisor_factory):
-    sup = supervisor_factory(nats_server, workers={"count": 1, "retry_backoff": [0.05]}, consumer={"max_deliver": 2})
+    """A job NAKed on every delivery by Retry (not a failure: [retry] does not count it) runs out
+    of consumer.max_deliver on the server: the MAX_DELIVERIES advisory dead-letters it."""
+    sup = supervisor_factory(nats_server, workers={"count": 1}, consumer={"max_deliver": 2})
     sup.wait_ready(1)
-    publish(nats_server.url, count=1, data="fail")
+    publish(nats_server.url, count=1, data="retry-always:0.05")
     letters = wait_until(lambda: asyncio.run(dead_letters(nats_server.url)), what="the dead-letter copy")
-    assert letters[0].data == b"fail"
+    assert letters[0].data == b"retry-always:0.05"
     assert "max deliveries" in letters[0].headers["Supervisor-Dead-Letter-Reason"]
     assert letters[0].headers["Supervisor-Dead-Letter-Sequence"] == "1"
     # The advisory's count and alert are posted through the arbiter's loop: they may land a

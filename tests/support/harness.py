@@ -390,3 +390,19 @@ def publish_now(server_url: str, *, count: int, data: str = "0", subject: str = 
         finally:
             await nc.close()
     return asyncio.run(run())
+
+
+def dead_letter_headers(server_url: str, stream: str = "JOBS_DLQ") -> list[dict[str, str]]:
+    """The headers of every message in the dead-letter stream, oldest first."""
+    async def run() -> list[dict[str, str]]:
+        nc = await nats.connect(server_url)
+        try:
+            js = nc.jetstream()
+            state = (await js.stream_info(stream)).state
+            if not state.messages:
+                return []
+            seqs = range(state.first_seq, state.last_seq + 1)
+            return [dict((await js.get_msg(stream, seq)).headers or {}) for seq in seqs]
+        finally:
+            await nc.close()
+    return asyncio.run(run())

@@ -103,6 +103,8 @@ DEVIATIONS = {
     ("consumer", "max_deliver"): (-1, 10, "issue 15: a job that keeps failing ends in the dead letters"),
     ("workers", "handler"): ("workers.examples:sleep_job", "", "issue 15: `start` without a handler says so"),
     ("workers", "batch"): (16, 256, "issue 11: pulls are sized from the work; batch is only their ceiling"),
+    ("workers", "retry_backoff"): ([1.0, 5.0, 30.0], [], "issue 24: [retry] replaces it (doubling, jitter); the "
+                                                          "old list, when set, still gives the delays exactly"),
 }
 
 

@@ -225,3 +225,14 @@ def test_a_loop_side_before_job_stops_the_job_before_any_thread_takes_it(loop):
     assert entered == 1 and isinstance(stop, Retry)
     exc = asyncio.run_coroutine_threadsafe(chain.leave(JOB, entered, stop), loop).result(5)
     assert exc is stop and calls == ["A.before@loop", "B.before@loop", "A.after:retry"]
+
+
+def test_a_logged_traceback_starts_in_the_users_code(loop):
+    import traceback
+
+    from workers.middleware.chain import user_traceback
+    calls: list[str] = []
+    ran = run_sync(loop, calls, Around("A", calls), Recorder("B", calls), handler_raises=KeyError("k"))
+    shown = "".join(traceback.format_tb(user_traceback(ran.exc)))
+    assert "middleware/chain.py" not in shown and "test_middleware_chain.py" in shown and "raise handler_raises" in shown
+    assert "middleware/chain.py" in "".join(traceback.format_tb(ran.exc.__traceback__))   # the exception untouched

@@ -41,16 +41,19 @@ import asyncio
 import inspect
 import logging
 import time
+import types
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers import Job, Reject, Retry
+from workers import Job, Reject, Retry, SoftTimeout
 from workers.middleware.base import Context, Duplicate, Middleware
 
 log = logging.getLogger("worker")
 
-ON_PURPOSE = (Retry, Reject, Duplicate)     # what a hook may raise to decide the job's outcome
+# What a hook may raise to decide the job's outcome (SoftTimeout: the soft limit's, which may
+# surface in its around just after the handler returned: workers/middleware/timeouts.py).
+ON_PURPOSE = (Retry, Reject, Duplicate, SoftTimeout)
 
 
 class HookFailed(Exception):
@@ -317,6 +320,21 @@ def unrun() -> HookFailed:
     """The chain returned normally but the handler never ran: an around swallowed what stopped it."""
     return HookFailed("middleware", RuntimeError("the handler never ran, yet no hook raised (an around that "
                                                  "swallowed an inner Retry/Reject/Duplicate or error?)"))
+
+
+def user_traceback(exc: BaseException) -> types.TracebackType | None:
+    """The exception's traceback without this module's frames (each layer re-raises what came
+    from inside it): what a log shows is the handler's and the hooks' own code."""
+    kept = []
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename != __file__:
+            kept.append(tb)
+        tb = tb.tb_next
+    out = None
+    for t in reversed(kept):
+        out = types.TracebackType(out, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    return out
 
 
 async def _maybe(result: Any) -> Any:

@@ -35,9 +35,11 @@ log = logging.getLogger("worker")
 SETTLE_MIN_INTERVAL = 0.002  # coalesce ack-confirming flushes to at most one per this period
 FENCE_RETRY = 1.0            # seconds after a failed fence before the next try
 # Slot-table counter per outcome; a duplicate is acked without running its handler ([idempotency]).
+# "later": the ack of a job re-published for later (workers/runtime/later.py): an ack on the wire,
+# a retry in the counters.
 OUTCOME_COUNTERS = {"ack": slots.ACKED_N, "duplicate": slots.DUPLICATE_N, "nak": slots.NAKED_N,
-                    "term": slots.TERMED_N}
-ACKS = ("ack", "duplicate")
+                    "term": slots.TERMED_N, "later": slots.NAKED_N}
+ACKS = ("ack", "duplicate", "later")
 UNSENT = -1                  # the generation of a settle whose publish raised: no connection has it
 # What nats-py raises for a publish it cannot take *now*: reconnecting with its reconnect buffer
 # full. Anything else (a connection closed for good: credentials revoked, reconnects spent) ends
@@ -127,6 +129,8 @@ class Settler:
         if outcome != "ack" or job.delivery > 1:
             if outcome == "duplicate":   # the parent's ledger knows acks, naks and terms
                 outcome, reason = "ack", "duplicate: already done"
+            elif outcome == "later":
+                outcome = "ack"
             self.owner.emit(Settled(job.stream_seq, job.delivery, outcome, reason, *times))
 
     async def run(self) -> None:

@@ -1,0 +1,125 @@
+"""workers.soft_timeout: SoftTimeout raised inside a job that runs too long, the worker living on.
+A built-in middleware, the innermost of all (its around wraps the handler alone), one class per
+kind of handler:
+
+  - async: the handler runs under asyncio.timeout(); at the deadline its task is cancelled (the
+    handler sees CancelledError at its await and its finally blocks run) and the outcome is
+    SoftTimeout. A TimeoutError of the handler's own stays what it is.
+  - sync: a watchdog thread raises SoftTimeout in the handler's thread (PyThreadState_SetAsyncExc),
+    which sees it at its next Python bytecode: a runaway loop stops, a thread blocked inside C (a
+    sleep, a socket read) gets it only when that call returns. The hard workers.job_timeout (the
+    parent kills the worker) is what ends those.
+
+The watchdog arms a deadline per job and wakes only for the earliest one (no wake-up per job).
+The deadline and the disarm share the watchdog's lock: a deadline that passes just as the handler
+returned either finds the job disarmed, or fires while the thread waits in disarm, and then
+SoftTimeout surfaces there, inside this middleware's around: a job that finished at its very
+deadline may be reported as SoftTimeout and retried (a rerun, at least once; never a loss), but
+the exception never escapes into the thread's next work (disarm also clears one still pending).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import math
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from workers import Job, SoftTimeout
+from workers.middleware.base import Context, Middleware
+
+
+def raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
+    """Make thread `thread_id` raise `exc` at its next bytecode; None (a NULL) clears one it has
+    not raised yet."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), None if exc is None else ctypes.py_object(exc))
+
+
+class Watchdog:
+    """Deadlines of running sync jobs, by token; a daemon thread raises SoftTimeout in the
+    thread of each one that passes."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.cond = threading.Condition()
+        self.armed: dict[int, tuple[float, int]] = {}      # token -> (deadline, thread id)
+        self.tokens = 0
+        self.stopped = False
+        self.fired = 0
+
+    def start(self) -> Watchdog:
+        threading.Thread(target=self.run, name="soft_timeout", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify()
+
+    def arm(self, seconds: float) -> int:
+        """In the handler's thread, just before the handler."""
+        with self.cond:
+            self.tokens += 1
+            deadline = self.clock() + seconds
+            if deadline < min((d for d, _ in self.armed.values()), default=math.inf):
+                self.cond.notify()                         # earlier than what the watchdog waits for
+            self.armed[self.tokens] = (deadline, threading.get_ident())
+            return self.tokens
+
+    def disarm(self, token: int) -> None:
+        """In the handler's thread, once the handler is done (returned or raised)."""
+        with self.cond:
+            if self.armed.pop(token, None) is None:       # it fired: a SoftTimeout may still be pending
+                raise_in(threading.get_ident(), None)
+
+    def run(self) -> None:
+        with self.cond:
+            while not self.stopped:
+                now = self.clock()
+                for token in [t for t, (d, _) in self.armed.items() if d <= now]:
+                    _, thread_id = self.armed.pop(token)
+                    self.fired += 1
+                    raise_in(thread_id, SoftTimeout)
+                earliest = min((d for d, _ in self.armed.values()), default=None)
+                self.cond.wait(None if earliest is None else max(0.0, earliest - now))
+
+
+class SoftTimeoutSync(Middleware):
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.watchdog = Watchdog()
+
+    def setup(self, ctx: Context) -> None:
+        self.watchdog.start()
+
+    def around(self, job: Job, call_next: Callable[[], Any]) -> Any:
+        token = self.watchdog.arm(self.seconds)
+        try:
+            return call_next()
+        finally:
+            self.watchdog.disarm(token)
+
+    def close(self) -> None:
+        self.watchdog.stop()
+
+
+class SoftTimeoutAsync(Middleware):
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    async def around(self, job: Job, call_next: Callable[[], Awaitable[Any]]) -> Any:
+        limit = asyncio.timeout(self.seconds)
+        try:
+            async with limit:
+                return await call_next()
+        except TimeoutError:
+            if limit.expired():
+                raise SoftTimeout(f"ran past workers.soft_timeout ({self.seconds:g}s); cancelled") from None
+            raise
+
+
+def soft_timeout(seconds: float, is_async: bool) -> Middleware:
+    return SoftTimeoutAsync(seconds) if is_async else SoftTimeoutSync(seconds)
