@@ -147,7 +147,7 @@ class AutoscaleConfig:
     enabled: bool = key(False, "true: the supervisor sets the worker count between min and max", reload=LIVE)
     min: int = key(1, "never fewer workers than this", reload=LIVE, lo=0, hi=1024)
     max: int = key(8, "never more workers than this", reload=LIVE, lo=1, hi=1024)
-    interval: float = key(5.0, "seconds between decisions", reload=LIVE, lo=0.1)
+    interval: float = key(1.0, "seconds between decisions", reload=LIVE, lo=0.1)
 
 
 @dataclass(frozen=True)
