@@ -67,9 +67,17 @@ def test_a_job_is_buffered_once_a_round_trip_is_a_quarter_of_it():
 def test_requests_top_up_only_once_half_the_capacity_is_free():
     s = sizer(job=0.003, rtt=0.012)                              # capacity 1 + 8 = 9
     assert s.capacity(NOW) == 9
-    assert s.size(NOW, outstanding=6, credits=0, free_entries=100) == 0      # room 3 < 4
+    assert s.size(NOW, outstanding=7, credits=1, free_entries=100) == 0      # room 2 < 4, one on its way
     assert s.size(NOW, outstanding=5, credits=2, free_entries=100) == 4      # room 4
     assert s.size(NOW, outstanding=0, credits=0, free_entries=100) == 9
+
+
+def test_with_nothing_on_its_way_a_worker_asks_for_whatever_there_is_room_for():
+    # Its buffer must not run dry waiting for the half-free rule (no-op jobs: 256 buffered of a
+    # few µs each last less than a round trip).
+    s = sizer(job=0.003, rtt=0.012)                              # capacity 9
+    assert s.size(NOW, outstanding=6, credits=0, free_entries=100) == 3
+    assert s.size(NOW, outstanding=9, credits=0, free_entries=100) == 0      # full: nothing
 
 
 def test_the_round_trip_is_bounded_below_and_above():
@@ -115,7 +123,7 @@ def test_the_ceiling_caps_prefetch_and_each_request():
 def test_the_slot_table_and_max_jobs_limit_the_request():
     s = sizer(job=0.00001, rtt=0.01)                     # capacity 257
     assert s.size(NOW, outstanding=0, credits=0, free_entries=200) == 200
-    assert s.size(NOW, outstanding=0, credits=100, free_entries=200) == 0    # room 100 < half of 257
+    assert s.size(NOW, outstanding=100, credits=100, free_entries=200) == 0  # room 100 < half of 257
     assert s.size(NOW, outstanding=0, credits=0, free_entries=200, jobs_left=3) == 3
     assert s.size(NOW, outstanding=0, credits=0, free_entries=200, jobs_left=0) == 0
 

@@ -169,9 +169,11 @@ class PullSizer:
         not in use; `jobs_left`: jobs this worker may still take (max_jobs), None for no limit."""
         capacity = self.capacity(now)
         room = min(capacity - outstanding, free_entries - credits)
-        # Top up only once half the buffer is free: few, large requests, no dribbling. With no
-        # buffer, as soon as a handler is free: it would otherwise wait for another to finish.
-        if room < max(1, (capacity - self.concurrency + 1) // 2):
+        # With nothing on its way, ask for whatever there is room for: the buffer may outrun a
+        # round trip (workers.batch and the fair share cap it below what the formula asks for
+        # short jobs), and a handler must not wait for the half-free rule. With a request on its
+        # way, top up only once half the buffer is free: few, large requests, no dribbling.
+        if room < 1 or credits and room < max(1, (capacity - self.concurrency + 1) // 2):
             return 0
         if jobs_left is not None:
             room = min(room, jobs_left)
