@@ -44,7 +44,8 @@ average that takes a slower job into account at once and forgets it slowly, sinc
 costs more than a short wait), and the round trip is the worst of the last RTT_SAMPLES PING/PONGs
 and pull requests answered from a backlog (it includes the loop and GIL latency of a busy
 machine, which is what the buffer must hide). The bounds:
-  - `workers.batch` caps the prefetch and each request;
+  - `workers.batch` caps each request, and BUFFER_REQUESTS of them the prefetch (one batch of
+    no-op jobs lasts less than a round trip on a busy box: the buffer must hold several);
   - a fair share of `consumer.max_ack_pending` (divided by `workers.count`): one worker never
     takes what the server would let its peers have, however small that is (at least one job);
   - a round trip counts at most RTT_CAP, so the buffer never holds more than DEPTH x RTT_CAP of
@@ -69,6 +70,7 @@ UP, DOWN = 0.5, 0.1    # job-time average weights: a slower job counts at once, 
 IDLE_STALE = 5.0       # seconds without a message before the job time is no longer trusted
 SPREAD_JOBS = 1000     # the residual is an average over about this many recent jobs
 BACKLOG_RUN = 3        # a backlog: this many messages in a row said more were pending
+BUFFER_REQUESTS = 4    # the buffer holds at most this many requests of workers.batch (within the fair share)
 
 
 class PullSizer:
@@ -156,7 +158,7 @@ class PullSizer:
         """Jobs to hold beyond those running."""
         if self.job_time is None or self.stale or self.idle(now) or self.spread():
             return 0
-        return min(self.ceiling, int(self.concurrency * DEPTH * self.rtt / self.job_time + 0.5))
+        return min(BUFFER_REQUESTS * self.ceiling, int(self.concurrency * DEPTH * self.rtt / self.job_time + 0.5))
 
     def capacity(self, now: float) -> int:
         """Jobs running, buffered and asked for, at most."""
@@ -169,11 +171,9 @@ class PullSizer:
         not in use; `jobs_left`: jobs this worker may still take (max_jobs), None for no limit."""
         capacity = self.capacity(now)
         room = min(capacity - outstanding, free_entries - credits)
-        # With nothing on its way, ask for whatever there is room for: the buffer may outrun a
-        # round trip (workers.batch and the fair share cap it below what the formula asks for
-        # short jobs), and a handler must not wait for the half-free rule. With a request on its
-        # way, top up only once half the buffer is free: few, large requests, no dribbling.
-        if room < 1 or credits and room < max(1, (capacity - self.concurrency + 1) // 2):
+        # Top up only once half the buffer is free: few, large requests, no dribbling. With no
+        # buffer, as soon as a handler is free: it would otherwise wait for another to finish.
+        if room < max(1, (capacity - self.concurrency + 1) // 2):
             return 0
         if jobs_left is not None:
             room = min(room, jobs_left)
