@@ -97,8 +97,8 @@ class WorkersConfig:
                            "workers.examples:sleep_job)", reload=REPLACE)
     init: str = key("", "MOD:FUNC called once in each worker after fork", reload=REPLACE)
     concurrency: int = key(1, "jobs in flight at once per worker", reload=REPLACE, lo=1, hi=1024)
-    batch: int = key(256, "ceiling on jobs a worker buffers or asks for at once; it sizes pulls below it "
-                          "(README: Pull sizing)", reload=REPLACE, lo=1, hi=4096)
+    batch: int = key(256, "ceiling on jobs a worker asks for at once (it buffers 4 such requests at most); it "
+                          "sizes pulls below it (README: Pull sizing)", reload=REPLACE, lo=1, hi=4096)
     job_timeout: float = key(0.0, "hard limit per job; 0 = none", reload=LIVE, lo=0.0)
     heartbeat_timeout: float = key(30.0, "a worker silent this long is killed", reload=LIVE, lo=0.1)
     max_jobs: int = key(0, "recycle a worker after this many jobs (0 = never) ...", reload=LIVE, lo=0)
