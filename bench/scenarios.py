@@ -376,8 +376,8 @@ async def crash_baseline(ctx: Ctx, rep: int) -> list[dict]:
         seqs = [(await js.publish(SUBJECT, HOLD)).seq for _ in range(p.kills)]
         await async_wait(lambda: all(started(journal, s, 0) for s in seqs), 30, "every hold job started")
         t_kill = time.monotonic()
-        for proc in holders.procs:
-            os.kill(proc.pid, signal.SIGKILL)
+        for pid in procs.loop_pids(holders):
+            os.kill(pid, signal.SIGKILL)
         survivor = procs.start_loops("seed", 1, ctx.server.url, rundir, env=env)
         await async_wait(lambda: all(obs.first(s, "+ACK", 2) for s in seqs), p.ack_wait + 60, "redeliveries acked")
         rows = [{"repeat": rep, "seq": s, "started_to_kill_s": t_kill - started(journal, s, 0)[0],
