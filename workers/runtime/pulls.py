@@ -13,11 +13,12 @@ between a thread and the loop waits for the GIL as a round trip does: the measur
 includes that wait).
 
 It asks again once half of its buffer is free (or a handler, when it buffers nothing), so a
-buffer of DEPTH round trips still holds about one round trip of jobs when the next request leaves. The prefetch is
-rounded: a worker buffers a job once a round trip is a quarter of a job or more (without it, its
-handler would sit idle a fifth of the time or more). Short jobs get a deep buffer and large pulls, hence few
-requests (no-op jobs: hundreds per request); slow jobs get none (0.2 s jobs with a 1 ms round
-trip: prefetch 0, each worker asks for a job only when a handler is free).
+buffer of DEPTH round trips still holds about one round trip of jobs when the next request
+leaves. The prefetch is rounded: a worker buffers a job once a round trip is a quarter of a job
+or more (without it, its handler would sit idle a fifth of the time or more). Short jobs get a
+deep buffer and large pulls, hence few requests (no-op jobs: hundreds per request); slow jobs get
+none (0.2 s jobs with a 1 ms round trip: prefetch 0, each worker asks for a job only when a
+handler is free).
 
 The mean is not enough when job times vary. A buffered job waits for a handler to free, i.e. for
 the rest of the job running when it came: E[T^2] / 2 E[T] on average (the residual; a moment
