@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -88,6 +89,8 @@ def say(text: str) -> None:
 
 async def run(args: argparse.Namespace) -> dict:
     profile = PROFILES[args.profile]
+    if args.repeats:
+        profile = dataclasses.replace(profile, repeats=args.repeats)
     # SIGTERM cancels the run: every finally below stops what it started and the workdir goes.
     task = asyncio.current_task()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: (STOPPING.set(), task.cancel()))
@@ -127,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", choices=list(SCENARIOS), metavar="SCENARIO",
                    help=f"run only these ({', '.join(SCENARIOS)})")
     p.add_argument("--keep", action="store_true", help="keep the work directory (contender logs)")
+    p.add_argument("--repeats", type=int, metavar="N", help="repeat each scenario N times (the profile's count otherwise): "
+                                                             "medians of more pairs on a busy box")
     p.add_argument("--product", type=Path, metavar="DIR",
                    help="run the supervisor from this source tree (e.g. `git archive` of an older commit), "
                         "for a before/after comparison; the bench and the baselines stay this tree's")
