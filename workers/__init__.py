@@ -7,6 +7,7 @@
 
 Return to ack; raise Retry(delay=s) to NAK with a delay; raise Reject("why") to terminate the
 job and copy it to the dead-letter subject; any other exception NAKs with workers.retry_backoff.
+`class M(Middleware)` listed in workers.middleware wraps every job (workers/middleware/).
 
 Delivery is at least once: a job can run twice (a worker died after its side effect, before its
 ack). `with once(job, conn) as fresh:` makes a database side effect happen once (workers/once.py).
@@ -14,6 +15,7 @@ ack). `with once(job, conn) as fresh:` makes a database side effect happen once 
 
 from dataclasses import dataclass, field
 
+from workers.middleware.base import Context, Duplicate, Middleware
 from workers.once import once
 
 
@@ -36,10 +38,11 @@ class Job:
 
 
 class Retry(Exception):
-    """NAK the job; the server redelivers it after `delay` seconds."""
+    """NAK the job; the server redelivers it after `delay` seconds. `reason` (optional) is what
+    the logs and the supervisor's ledger say about the NAK."""
 
-    def __init__(self, delay: float = 0.0):
-        super().__init__(f"retry in {delay:g}s")
+    def __init__(self, delay: float = 0.0, reason: str = ""):
+        super().__init__(reason or f"retry in {delay:g}s")
         self.delay = max(0.0, float(delay))
 
 
@@ -51,4 +54,4 @@ class Reject(Exception):
         self.reason = reason
 
 
-__all__ = ["Job", "Retry", "Reject", "once"]
+__all__ = ["Job", "Retry", "Reject", "once", "Middleware", "Context", "Duplicate"]

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from supervisor.config.schedules import ROOT, entry_problems, in_space
 from supervisor.config.subjects import parse_hostport, subject_matches, valid_subject
 from supervisor.errors import ConfigError
 
@@ -76,6 +77,9 @@ class StreamConfig:
     retention: str = key("workqueue", "workqueue, limits or interest", reload=RESTART,
                          choices=("workqueue", "limits", "interest"))
     duplicate_window: float = key(120.0, "seconds a Nats-Msg-Id is remembered", reload=RESTART, lo=0.0)
+    allow_schedules: bool = key(True, "a stream we create allows NATS message schedules (publish --delay/--at, "
+                                      "[schedules.NAME]; nats-server 2.12+); an existing one is never changed",
+                                reload=RESTART)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,8 @@ class WorkersConfig:
     handler: str = key("", "MOD:FUNC called for each job; `start` needs one (to try things: "
                            "workers.examples:sleep_job)", reload=REPLACE)
     init: str = key("", "MOD:FUNC called once in each worker after fork", reload=REPLACE)
+    middleware: tuple[str, ...] = key((), "MOD:CLASS entries, each a workers.Middleware subclass wrapping every job, "
+                                          "outermost first (README: Middleware)", reload=REPLACE)
     concurrency: int = key(1, "jobs in flight at once per worker", reload=REPLACE, lo=1, hi=1024)
     batch: int = key(256, "ceiling on jobs a worker asks for at once (it buffers 4 such requests at most); it "
                           "sizes pulls below it (README: Pull sizing)", reload=REPLACE, lo=1, hi=4096)
@@ -176,10 +182,11 @@ NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    every: float = key(0.0, "seconds between firings (this or cron)", reload=LIVE, lo=0.0)
-    cron: str = key("", "5 fields, UTC, as crontab (6: seconds first)", reload=LIVE)
-    subject: str = key("", "where each firing publishes a job", reload=LIVE)
+    every: float = key(0.0, "seconds between firings, at least 1 (this or cron)", reload=LIVE)
+    cron: str = key("", "\"MIN HOUR DAY MONTH WEEKDAY\", UTC, as crontab (6 fields: seconds first)", reload=LIVE)
+    subject: str = key("", "where each firing publishes a job; \"\": as `publish` (e.g. jobs.new)", reload=LIVE)
     data: str = key("", "the job's payload", reload=LIVE)
+    headers: tuple[str, ...] = key((), "\"Name: value\" headers each job carries", reload=LIVE)
 
 
 @dataclass(frozen=True)
@@ -360,6 +367,9 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
         spec = getattr(cfg.workers, dotted.split(".")[1])
         if spec and (spec.count(":") != 1 or not all(spec.split(":"))):
             fail(dotted, f"expected MODULE:FUNCTION, got {spec!r}")
+    for spec in cfg.workers.middleware:
+        if spec.count(":") != 1 or not all(spec.split(":")):
+            fail("workers.middleware", f"expected MODULE:CLASS entries, got {spec!r}")
     if not cfg.stream.subjects:
         fail("stream.subjects", "needs at least one subject")
     if cfg.autoscale.max < cfg.autoscale.min:
@@ -397,3 +407,19 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
     for server in cfg.nats.servers:
         if not server or " " in server:
             fail("nats.servers", "each server must be a URL like nats://host:4222")
+    _check_schedules(cfg, fail)
+
+
+def _check_schedules(cfg: Config, fail: Any) -> None:
+    if any(in_space(s) for s in cfg.stream.subjects):
+        fail("stream.subjects", f"{ROOT}.> is where message schedules are kept; job subjects go elsewhere")
+    wide = [s for s in cfg.stream.subjects if subject_matches(s, f"{ROOT}.{cfg.stream.name}.probe")]
+    if cfg.stream.allow_schedules and wide:
+        fail("stream.subjects", f"{wide[0]!r} also captures {ROOT}.{cfg.stream.name}.>, where message schedules are "
+                                "kept (out of the workers' way): narrow it, or set stream.allow_schedules = false")
+    for name, entry in cfg.schedules.items():
+        if not cfg.stream.allow_schedules:
+            fail(f"schedules.{name}", "needs stream.allow_schedules = true")
+        for problem_key, problem in entry_problems(every=entry.every, cron=entry.cron, subject=entry.subject,
+                                                             headers=entry.headers, stream_subjects=cfg.stream.subjects):
+            fail(f"schedules.{name}.{problem_key}", problem)

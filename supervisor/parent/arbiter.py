@@ -34,16 +34,16 @@ from supervisor.core.ledger import CrashLedger
 from supervisor.core.liveness import DRAIN_MARGIN, Limits
 from supervisor.core.policy import RestartPolicy
 from supervisor.errors import EXIT_HALTED, EXIT_OK
-from supervisor.parent.deaths import Deaths
-from supervisor.parent.in_transit import SLACK, InTransit
 from supervisor.parent.loopsteps import PAUSE, LoopSteps
-from supervisor.parent.peers import SUSPECT_GRACE, Peers
 from supervisor.parent.pool import Pool
 from supervisor.parent.process import WorkerProcess
+from supervisor.parent.safety.deaths import Deaths
+from supervisor.parent.safety.in_transit import SLACK, InTransit
+from supervisor.parent.safety.peers import SUSPECT_GRACE, Peers
+from supervisor.parent.safety.watch import Watch
 from supervisor.parent.scaler import Scaler
 from supervisor.parent.stats import Stats
 from supervisor.parent.systemd import Notifier
-from supervisor.parent.watch import Watch
 from workers.protocol import slots
 from workers.protocol.events import AcksResent, Event, Ready, RecycleDue, Redelivered, Settled, Unsent
 from workers.protocol.exits import CHILD_EXIT_REASONS, EXIT_CONNECT_FAILED, Kill, KillCause
@@ -67,11 +67,13 @@ class Arbiter:
 
     def __init__(self, cfg: Config, nc: Any, handler: Callable, init: Callable | None,
                  connect_worker: Callable[[int], Any], notifier: Notifier | None = None,
-                 reload_config: Callable[[], Any] | None = None, server_dies_with_parent: bool = False):
+                 reload_config: Callable[[], Any] | None = None, server_dies_with_parent: bool = False,
+                 middleware: tuple[tuple[str, type], ...] = ()):
         self.cfg = cfg
         self.server_dies_with_parent = server_dies_with_parent   # the embedded server: workers' orphan rule
         self.nc = nc
         self.handler, self.init = handler, init
+        self.middleware = middleware             # workers.middleware: (entry, class), checked by supervisor.py
         self.connect_worker = connect_worker
         self.notifier = notifier
         self.reload_config = reload_config
@@ -262,12 +264,12 @@ class Arbiter:
             return
         self.spawn_task(self.reload_config())   # it posts apply_config back to the loop
 
-    def apply_config(self, cfg: Config, change: Any, handler: Callable | None, init: Callable | None) -> None:
+    def apply_config(self, cfg: Config, change: Any, code: tuple[Callable, Callable | None, tuple] | None) -> None:
         """Take a reloaded config: new workers get it; the old ones are replaced one at a time
         (like a recycle: the replacement first) when something they read at fork time changed."""
         self.cfg = self.pool.cfg = self.in_transit.cfg = self.deaths.cfg = self.watch.cfg = cfg
-        if handler is not None:
-            self.handler, self.init = handler, init
+        if code is not None:                       # handler, init, middleware: reloaded together
+            self.handler, self.init, self.middleware = code
         self.restarts.configure(cfg.restart.backoff_initial, cfg.restart.backoff_max, cfg.restart.boot_failures_to_halt)
         self.ledger.ack_wait, self.ledger.backoff = cfg.consumer.ack_wait, cfg.consumer.backoff
         self.ledger.poison_after = cfg.restart.poison_after_crashes
@@ -321,7 +323,8 @@ class Arbiter:
 
     def child_spec(self, w: WorkerProcess, events_fd: int) -> ChildSpec:
         return ChildSpec(slot=w.slot, parent_pid=os.getpid(), table=w.table, events_fd=events_fd, cfg=self.cfg,
-                         handler=self.handler, init=self.init, connect=lambda: self.connect_worker(w.slot),
+                         handler=self.handler, init=self.init, middleware=self.middleware,
+                         connect=lambda: self.connect_worker(w.slot),
                          job_limit=w.job_limit, suspects=self.suspects, graceful_timeout=w.graceful_timeout,
                          server_dies_with_parent=self.server_dies_with_parent)
 

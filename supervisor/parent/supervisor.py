@@ -1,13 +1,14 @@
 """`supervisor start`: embedded server (if needed) -> connect -> provision -> supervise -> stop.
 
 Everything that can fail on bad input fails here, before a single worker is forked: the config
-(exit 2), the handler import (exit 3), NATS and the stream/consumer (exit 4).
+(exit 2), the handler, init and middleware imports (exit 3), NATS and the stream/consumer (exit 4).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 import logging
 import os
 import sys
@@ -24,16 +25,18 @@ from supervisor import logs
 from supervisor.config import Config, parse_hostport, reload, with_servers
 from supervisor.errors import EXIT_HALTED, ConfigError, Halted, HandlerError, SupervisorError
 from supervisor.nats import connect as natsconn
-from supervisor.nats import provision
+from supervisor.nats import provision, schedules
 from supervisor.nats.embedded import EmbeddedServer
 from supervisor.observe.http import HttpServer
 from supervisor.observe.snapshot import Snapshot
 from supervisor.observe.status import title
 from supervisor.parent import snapshots
 from supervisor.parent.arbiter import Arbiter
-from supervisor.parent.fleet import Fleet
-from supervisor.parent.monitor import Monitor
 from supervisor.parent.systemd import Notifier
+from supervisor.parent.tasks.fleet import Fleet
+from supervisor.parent.tasks.monitor import Monitor
+from workers import Middleware
+from workers.middleware.chain import around_mismatch
 
 log = logging.getLogger("supervisor")
 
@@ -54,6 +57,36 @@ def require_handler(cfg: Config) -> None:
 
 def load_callable(spec: str, key: str) -> Callable:
     """Import MODULE:FUNCTION for workers.handler / workers.init; any failure is exit 3."""
+    obj = load_object(spec, key)
+    if not callable(obj):
+        raise HandlerError(f"{key}: {spec} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+Middlewares = tuple[tuple[str, type[Middleware]], ...]
+
+
+def load_middleware(cfg: Config, handler: Callable) -> Middlewares:
+    """Import and check each workers.middleware entry: a workers.Middleware subclass that can be
+    made with no arguments, whose `around` suits the handler's kind; anything else is exit 3."""
+    out = []
+    for k, spec in enumerate(cfg.workers.middleware):
+        key = f"workers.middleware[{k}]"
+        cls = load_object(spec, key)
+        if not (isinstance(cls, type) and issubclass(cls, Middleware)):
+            raise HandlerError(f"{key}: {spec} is a {type(cls).__name__}, not a subclass of workers.Middleware")
+        try:
+            inspect.signature(cls).bind()
+        except TypeError as exc:
+            raise HandlerError(f"{key}: {spec} cannot be made with no arguments ({exc}); a worker makes it so") from None
+        if why := around_mismatch(cls, inspect.iscoroutinefunction(handler)):
+            raise HandlerError(f"{key}: {spec}: {why}")
+        out.append((spec, cls))
+    return tuple(out)
+
+
+def load_object(spec: str, key: str) -> Any:
+    """Import MODULE:ATTR; any failure is exit 3 naming the key."""
     module_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())       # like gunicorn: the app lives where we were started
@@ -64,12 +97,9 @@ def load_callable(spec: str, key: str) -> Callable:
         raise HandlerError(f"{key}: cannot import {module_name!r}: {type(exc).__name__}: {exc}"
                            + (f" (at {where})" if where else "")) from None
     try:
-        obj = getattr(module, attr)
+        return getattr(module, attr)
     except AttributeError:
         raise HandlerError(f"{key}: module {module_name!r} has no attribute {attr!r}") from None
-    if not callable(obj):
-        raise HandlerError(f"{key}: {spec} is a {type(obj).__name__}, not callable")
-    return obj
 
 
 def user_frame(exc: BaseException, module_name: str) -> str:
@@ -138,6 +168,7 @@ class Supervisor:
         self.fleet: Fleet | None = None
         self.http: HttpServer | None = None
         self.notifier = Notifier()
+        self.schedules: dict[str, Any] = {}          # what the last reconcile did (/status schedules)
 
     def run(self) -> int:
         cfg = self.cfg
@@ -145,6 +176,7 @@ class Supervisor:
         self.set_title("starting")
         handler = load_callable(cfg.workers.handler, "workers.handler")
         init = load_callable(cfg.workers.init, "workers.init") if cfg.workers.init else None
+        middleware = load_middleware(cfg, handler)
         if not cfg.nats.servers:
             e = cfg.embedded
             self.embedded = EmbeddedServer(e.host, e.port, e.monitor_port, e.store_dir)
@@ -153,20 +185,21 @@ class Supervisor:
         if self.embedded:
             self.embedded.start(cfg.nats.startup_timeout)
         try:
-            return uvloop.run(self.serve(handler, init))
+            return uvloop.run(self.serve(handler, init, middleware))
         finally:
             if self.embedded:
                 self.embedded.stop()
 
-    async def serve(self, handler: Callable, init: Callable | None) -> int:
+    async def serve(self, handler: Callable, init: Callable | None, middleware: Middlewares) -> int:
         cfg = self.cfg
         self.nc = await provision.connect_until(cfg, name=cfg.nats.name, ping_interval=PING_INTERVAL,
                                                 max_outstanding_pings=2)
         tasks: list[asyncio.Task] = []
         try:
             await provision.ensure(self.nc, cfg)
+            await self.apply_schedules(cfg)
             self.arbiter = Arbiter(cfg, self.nc, handler, init, self.connect_worker, self.notifier,
-                                   reload_config=self.reload if self.reload_source else None,
+                                   middleware=middleware, reload_config=self.reload if self.reload_source else None,
                                    server_dies_with_parent=self.embedded is not None)
             await self.inherit_pending(self.arbiter)
             self.monitor = Monitor(cfg, self.nc, self.arbiter)
@@ -195,6 +228,31 @@ class Supervisor:
             if self.http:
                 await self.http.close()
             await self.close()
+
+    async def apply_schedules(self, cfg: Config) -> None:
+        """Make the server's config-made schedules the config's (nats/schedules.py). A stream or
+        server that cannot hold them is a logged refusal and a /status alert, never the end of
+        the run: the jobs already queued still need their workers."""
+        try:
+            done = await schedules.reconcile(self.nc, cfg)
+        except ConfigError as exc:
+            log.error("[schedules] refused: %s", exc, extra={"event": "schedules_refused", "reason": str(exc)})
+            self.schedules = {"allowed": False, "refused": str(exc)}
+            return
+        except Exception as exc:          # NATS away or slow: say so; a SIGHUP tries again
+            why = str(exc) if isinstance(exc, SupervisorError) else f"{type(exc).__name__}: {exc}"
+            log.error("cannot make the server's schedules match [schedules]: %s", why,
+                      extra={"event": "schedules_failed", "reason": why})
+            self.schedules = {"allowed": None, "error": why}
+            return
+        self.schedules = done
+        for verb in ("added", "changed", "removed"):
+            for name in done.get(verb, ()):
+                log.info("schedule %s %s (config)", name, verb, extra={"event": f"schedule_{verb}", "schedule": name})
+        for name in done.get("shadowed", ()):
+            log.warning("schedule %s is in the config and was also made by `schedule add`: both fire; "
+                        "`supervisor schedule rm %s` removes the other one", name, name,
+                        extra={"event": "schedule_shadowed", "schedule": name})
 
     def parts(self) -> tuple[Arbiter, Monitor, Fleet]:
         """What serve() made; the reload and the title task run only once it exists."""
@@ -229,14 +287,17 @@ class Supervisor:
                 new = with_servers(new, self.cfg.nats.servers)
             change = reload.plan(self.cfg, new)
             cfg = change.effective
-            handler = init = None
-            if any(k in ("workers.handler", "workers.init") for k, _, _ in change.changed):
+            code = None                   # (handler, init, middleware) when one of them changed
+            if any(k in ("workers.handler", "workers.init", "workers.middleware") for k, _, _ in change.changed):
                 handler = load_callable(cfg.workers.handler, "workers.handler")
                 init = load_callable(cfg.workers.init, "workers.init") if cfg.workers.init else None
+                code = (handler, init, load_middleware(cfg, handler))
             if change.update_consumer:
                 await provision.ensure_consumer(self.nc.jetstream(), cfg)
             if cfg.idempotency.enabled and not self.cfg.idempotency.enabled:    # the new workers need the bucket
                 await provision.ensure_idempotency(self.nc.jetstream(), cfg)
+            if any(k.startswith("schedules") for k, _, _ in change.changed) or "error" in self.schedules:
+                await self.apply_schedules(cfg)
         except Exception as exc:      # whatever went wrong, the running config stays
             why = str(exc) if isinstance(exc, SupervisorError) else f"{type(exc).__name__}: {exc}"
             log.error("reload failed; still running on the previous config: %s", why,
@@ -254,13 +315,13 @@ class Supervisor:
                          extra={"event": "reload_applied", "key": key, "old": old, "new": new_value})
         if not change.changed:
             log.info("reload: configuration unchanged", extra={"event": "reload_unchanged"})
-        arbiter.post(lambda: self.apply_config(cfg, change, handler, init))
+        arbiter.post(lambda: self.apply_config(cfg, change, code))
 
-    def apply_config(self, cfg: Config, change: Any, handler: Callable | None, init: Callable | None) -> None:
+    def apply_config(self, cfg: Config, change: Any, code: tuple[Callable, Callable | None, Middlewares] | None) -> None:
         """In the arbiter's loop (one writer): every part takes the new config at the same moment."""
         self.cfg = cfg
         arbiter, monitor, fleet = self.parts()
-        arbiter.apply_config(cfg, change, handler, init)
+        arbiter.apply_config(cfg, change, code)
         monitor.apply_config(cfg)
         fleet.apply_config(cfg)
         logs.setup(cfg.log.level, cfg.log.format)
@@ -286,7 +347,7 @@ class Supervisor:
 
     def snapshot(self) -> Snapshot:
         arbiter, monitor, fleet = self.parts()
-        return snapshots.take(arbiter, monitor, fleet, self.nc, self.embedded is not None)
+        return snapshots.take(arbiter, monitor, fleet, self.nc, self.embedded is not None, self.schedules)
 
     def history(self, after: int) -> dict[str, Any] | None:
         if self.monitor is None or self.arbiter is None:

@@ -31,6 +31,7 @@ def error_line(result) -> str:
     ({"restart": {"dead_letter_subject": "jobs.dead"}}, ["restart.dead_letter_subject", "captured by stream.subjects"]),
     ({"monitor": {"http": "localhost"}}, ["monitor.http", "HOST:PORT"]),
     ({"nats": {"token_file": "/nonexistent/token"}}, ["nats.token_file", "/nonexistent/token"]),
+    ({"workers": {"middleware": ["nocolon"]}}, ["workers.middleware", "expected MODULE:CLASS", "nocolon"]),
 ])
 def test_config_errors_exit_2(tmp_path, config, words):
     result = start(tmp_path, config)
@@ -66,6 +67,24 @@ def test_bad_flag_is_a_usage_error(tmp_path):
 ])
 def test_handler_that_does_not_import_exits_3(tmp_path, handler, words):
     result = start(tmp_path, {"workers": {"handler": handler}, "monitor": {"http": ""}})
+    assert result.returncode == 3
+    line = error_line(result)
+    for word in words:
+        assert word in line, line
+
+
+@pytest.mark.parametrize("entry, handler, words", [
+    ("no_such_module:M", "noop", ["workers.middleware[1]", "cannot import 'no_such_module'"]),
+    ("testhandlers:record", "noop", ["workers.middleware[1]", "testhandlers:record is a function",
+                                     "not a subclass of workers.Middleware"]),
+    ("testmiddleware:NeedsArgs", "noop", ["workers.middleware[1]", "cannot be made with no arguments"]),
+    ("testmiddleware:OuterAsync", "noop", ["workers.middleware[1]", "around is `async def`"]),
+    ("testmiddleware:Outer", "testhandlers:record_async", ["workers.middleware[1]", "write `async def around`"]),
+])
+def test_middleware_that_does_not_import_or_fit_exits_3(tmp_path, entry, handler, words):
+    handler = handler if ":" in handler else f"workers.examples:{handler}"
+    result = start(tmp_path, {"workers": {"handler": handler, "middleware": ["testmiddleware:Inner", entry]},
+                              "monitor": {"http": ""}})
     assert result.returncode == 3
     line = error_line(result)
     for word in words:
@@ -109,6 +128,16 @@ def test_crash_looping_workers_halt_with_exit_5(tmp_path, nats_server):
     assert result.returncode == 5
     line = error_line(result)
     assert "died before becoming ready" in line and "init hook failed" in line
+
+
+def test_a_middleware_whose_setup_fails_halts_with_exit_5(tmp_path, nats_server):
+    result = start(tmp_path, {"nats": {"servers": [nats_server.url]}, "monitor": {"http": ""},
+                              "workers": {"count": 2, "handler": "testhandlers:record",
+                                          "middleware": ["testmiddleware:SetupFails"]},
+                              "restart": {"backoff_initial": 0.01, "backoff_max": 0.05, "boot_failures_to_halt": 4}})
+    assert result.returncode == 5
+    assert "died before becoming ready" in error_line(result) and "middleware's setup" in error_line(result)
+    assert "workers.middleware raised RuntimeError: middleware setup failing on purpose" in result.stderr
 
 
 def test_publish_to_a_subject_no_stream_captures_exits_4(tmp_path, nats_server):

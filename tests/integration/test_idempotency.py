@@ -1,4 +1,4 @@
-"""[idempotency] (workers/runtime/guard.py) and the publish side: the stream dedupes a Nats-Msg-Id within its
+"""[idempotency] (workers/middleware/guard.py) and the publish side: the stream dedupes a Nats-Msg-Id within its
 duplicate window; past it, the KV done-marker makes workers ack the job without running it; a lease
 keeps two live workers from running one key at once; a bucket that does not answer never lets a
 job run unguarded. Against a real nats-server; the guard's pure parts also by themselves."""
@@ -22,8 +22,8 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from workers import Job
-from workers.runtime import guard as guard_mod
-from workers.runtime.guard import DUPLICATE, RETRY, RUN, Guard, Holder, judge, kv_key, retry_after, this_process
+from workers.middleware import guard as guard_mod
+from workers.middleware.guard import DUPLICATE, RETRY, RUN, Guard, Holder, judge, kv_key, retry_after, this_process
 
 
 async def js_call(url, fn):

@@ -3,9 +3,9 @@ nats-server with real workers, so that breaking the promise turns the test red.
 
 - "with several supervisors on one consumer they come back after AckWait": a supervisor whose
   worker died with a pull request outstanding must not NAK, as lost in transit, a job that a
-  peer supervisor's worker is running (supervisor/parent/in_transit.py runs only when Peers.alone()).
+  peer supervisor's worker is running (supervisor/parent/safety/in_transit.py runs only when Peers.alone()).
 - "If the done-marker cannot be written after the handler returned, the job is acked anyway":
-  the KV bucket is deleted for real while the job runs (workers/runtime/guard.py Guard.after).
+  the KV bucket is deleted for real while the job runs (workers/middleware/guard.py Guard.after).
 
 AckWait is 60 s in both: anything redelivered within the test's seconds was someone's NAK.
 """

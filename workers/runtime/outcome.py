@@ -1,7 +1,8 @@
-"""A handler's outcome, settled: return is an ack, Retry a NAK with its delay, Reject a TERM with
-a dead-letter copy first, any other exception a NAK with workers.retry_backoff's delay for this
-delivery. A SystemExit (or another BaseException) from a handler is a crash, not an outcome: the
-worker exits without settling, and the parent NAKs what it held."""
+"""A job's outcome (its handler's, or a middleware hook's: workers/middleware/chain.py), settled:
+return is an ack, Duplicate an ack of a job not run, Retry a NAK with its delay, Reject a TERM
+with a dead-letter copy first, any other exception (a hook's too) a NAK with workers.retry_backoff's
+delay for this delivery. A SystemExit (or another BaseException) from a handler is a crash, not an
+outcome: the worker exits without settling, and the parent NAKs what it held."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 from supervisor.config import Config
-from workers import Job, Reject, Retry
+from workers import Duplicate, Job, Reject, Retry
+from workers.middleware.chain import HookFailed
+from workers.middleware.retries import retry_delay
 from workers.protocol.exits import EXIT_CRASHED
 from workers.runtime.deadletter import dead_letter
-from workers.runtime.settle import Settler, nak_payload, retry_delay
+from workers.runtime.settle import Settler, nak_payload
 
 log = logging.getLogger("worker")
 
@@ -27,10 +30,18 @@ class Outcomes:
     async def settle(self, i: int, job: Job, exc: BaseException | None) -> None:
         if exc is None:
             await self.settler.ack(i, job)
+        elif isinstance(exc, Duplicate):
+            await self.settler.ack(i, job, "duplicate")
         elif isinstance(exc, Retry):
             await self.settler.settle(i, job, nak_payload(exc.delay), "nak", str(exc))
         elif isinstance(exc, Reject):
             await self.reject(i, job, exc.reason)
+        elif isinstance(exc, HookFailed):
+            log.error("worker %d: middleware %s on seq=%d delivery=%d; retrying the job", self.slot, exc,
+                      job.stream_seq, job.delivery, exc_info=exc.error,
+                      extra={"event": "middleware_failed", "seq": job.stream_seq, "delivery": job.delivery,
+                             "where": exc.where})
+            await self.settler.settle(i, job, nak_payload(self.retry_delay(job)), "nak", str(exc)[:200])
         elif isinstance(exc, Exception):
             log.error("worker %d: handler failed on seq=%d delivery=%d", self.slot, job.stream_seq,
                       job.delivery, exc_info=exc,

@@ -137,8 +137,10 @@ class Puller:
         return self.sizer.size(now, outstanding, self.credits, table.free_entries(), jobs_left)
 
     def not_started(self, n: int = 1) -> None:
-        """A message received and settled without running: a duplicate acked by the [idempotency]
-        guard, a job it NAKed (busy, unavailable), a NAK because the table was full. It must not
+        """A message received and settled without running: its handler was never called because a
+        middleware hook decided first (a duplicate acked by the [idempotency] guard, a job it NAKed
+        as busy or unguardable, any before_job's Retry / Reject / failure: Worker.finish), or a
+        NAK because the table was full. It must not
         count towards max_jobs: the worker would stop pulling short of its limit, never start
         its last job, so never be recycled, and hold its slot doing nothing for good (R1)."""
         if n > 0:

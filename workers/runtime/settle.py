@@ -206,9 +206,3 @@ def nak_payload(delay: float) -> bytes:
     if delay <= 0:
         return b"-NAK"
     return b'-NAK {"delay":%d}' % int(delay * 1e9)
-
-
-def retry_delay(backoff: tuple[float, ...], delivery: int) -> float:
-    if not backoff:
-        return 0.0
-    return backoff[min(delivery, len(backoff)) - 1]

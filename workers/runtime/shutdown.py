@@ -14,11 +14,11 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
-from workers import Job
+from workers import Job, Retry
+from workers.middleware.chain import Chain
 from workers.protocol import slots
 from workers.protocol.modes import STOPPING
 from workers.protocol.slots import SlotTable
-from workers.runtime.guard import Guard
 from workers.runtime.puller import PULL_EXPIRES, PULL_MARGIN, Puller
 from workers.runtime.settle import Settler, nak_payload
 from workers.runtime.threads import HandlerThreads
@@ -38,7 +38,7 @@ class ShutdownHost(Protocol):
     queue: deque[tuple[Any, int, Job]]
     running: int
     runners: list[asyncio.Task]
-    guard: Guard | None
+    chain: Chain                           # the middleware every job runs through
     table: SlotTable
     sub: Any                               # the subscription our pull requests' messages come to
     changed: asyncio.Event                 # something the wind-down waits for has happened
@@ -101,14 +101,15 @@ class Shutdown:
 
     async def nak_queued(self) -> None:
         """NAK what was pulled and not started: the queue, and what the handler threads have not
-        taken yet (in STOPPING they take nothing more: start_lock). The [idempotency] guard
-        admitted the latter: their leases are released first, for their redelivery."""
+        taken yet (in STOPPING they take nothing more: start_lock). The latter went through the
+        chain's loop-side hooks (Chain.enter): their after_job hooks hear of the NAK first (the
+        [idempotency] guard releases their leases, for their redelivery)."""
         w = self.owner
         admitted = w.threads.take_unstarted()
         w.running -= len(admitted)
-        if w.guard and admitted:
-            guard = w.guard
-            await asyncio.gather(*(guard.after(job, False) for _, _, job in admitted))
+        if admitted and w.chain.outer:
+            chain, given_back = w.chain, Retry(SHUTDOWN_NAK_DELAY, reason="not started before shutdown")
+            await asyncio.gather(*(chain.leave(job, chain.outer, given_back) for _, _, job in admitted))
         admitted.extend(w.queue)
         w.queue.clear()
         for _, i, job in admitted:

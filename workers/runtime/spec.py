@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from supervisor.config import Config
-from workers import Job
+from workers import Job, Middleware
 from workers.protocol.slots import SlotTable
 from workers.runtime.solo import SuspectBoard
 
@@ -23,6 +23,8 @@ class ChildSpec:
     handler: Callable[[Job], Any]
     init: Callable[[], Any] | None
     connect: Callable[[], Awaitable[Any]]      # returns a connected nats client
+    # workers.middleware as (entry, class), imported and checked by the parent; instantiated after fork
+    middleware: tuple[tuple[str, type[Middleware]], ...] = ()
     job_limit: int = 0                         # tell the parent once this many jobs started (max_jobs)
     suspects: SuspectBoard | None = None       # jobs to run alone (workers/runtime/solo.py), written by the parent
     graceful_timeout: float = 30.0             # workers.graceful_timeout as it was at fork: the parent's too

@@ -1,6 +1,7 @@
 """Sync handlers: `concurrency` handler threads of a worker's own, fed from its loop.
 
-The threads take their next job from a locked queue themselves and hand outcomes back in
+The threads take their next job from a locked queue themselves, run it through the worker's
+middleware chain (workers/middleware/chain.py: its hooks run in the thread too) and hand outcomes back in
 batches (one loop wake-up per batch): no trip through the event loop between two jobs, which is
 what made CPU-bound jobs pay for GIL ping-pong. Acks are still published from the loop
 (`finisher`, through the worker's `finish`).
@@ -12,18 +13,16 @@ shutdown has NAKed what runs, no handler thread can start another job behind its
 from __future__ import annotations
 
 import asyncio
-import inspect
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from workers import Job
+from workers.middleware.chain import Chain, Ran
 from workers.protocol import slots
 from workers.protocol.modes import SERVING, STOPPING
 from workers.protocol.slots import SlotTable
-from workers.runtime.guard import Guard
 from workers.runtime.solo import Gate
 
 CONFIRM_AFTER = 0.1         # after a job this long a thread also waits for its ack's fence (a few ms at most) ...
@@ -39,7 +38,7 @@ class ThreadsHost(Protocol):
     """What the handler threads need of the worker that owns them (workers/runtime/worker.py Worker)."""
     mode: str                              # read under start_lock; the worker writes it under it too
     running: int                           # jobs taken from the worker's queue and not finished
-    guard: Guard | None
+    chain: Chain                           # the handler inside the worker's middleware
     table: SlotTable
     changed: asyncio.Event
     wake_pull: asyncio.Event
@@ -48,15 +47,13 @@ class ThreadsHost(Protocol):
     def gate(self) -> Gate: ...            # suspects run alone (workers/runtime/solo.py); used under start_lock
 
     def count_start(self) -> None: ...
-    async def admit(self, chunk: Chunk) -> Chunk: ...
-    async def finish(self, i: int, job: Job, exc: BaseException | None, elapsed: float) -> None: ...
+    async def finish(self, i: int, job: Job, exc: BaseException | None, elapsed: float, started: bool = True
+                     ) -> None: ...
 
 
 class HandlerThreads:
-    def __init__(self, owner: ThreadsHost, start_lock: threading.Lock, handler: Callable[[Job], Any],
-                 concurrency: int, job_limit: int):
+    def __init__(self, owner: ThreadsHost, start_lock: threading.Lock, concurrency: int, job_limit: int):
         self.owner = owner
-        self.handler = handler
         self.concurrency = concurrency
         self.job_limit = job_limit
         # Jobs handed to the threads (guarded by start_lock), outcomes coming back, and whether
@@ -66,7 +63,7 @@ class HandlerThreads:
         # own (same lock): a hand-over's notify must reach an idle thread, not one of these.
         self.settled = threading.Condition(start_lock)
         self.ready: deque[tuple[Any, int, Job]] = deque()
-        self.outcomes: list[tuple[int, Job, BaseException | None, float]] = []
+        self.outcomes: list[tuple[int, Job, Ran]] = []
         self.outcomes_since = 0.0        # when the oldest outcome the loop has not been rung for came
         self.rung = False
         self.handed_back = self.settled_back = 0   # outcomes handed to the loop, and settled by it
@@ -76,12 +73,20 @@ class HandlerThreads:
     # -- on the loop
 
     async def hand_over(self, chunk: Chunk) -> None:
-        """The jobs the [idempotency] guard admits (all of them without one) go to the threads.
-        A shutdown that came while the guard was asked NAKs them (wind_down wakes for that)."""
+        """Pulled jobs go to the threads once the chain's outer, loop-side hooks let them (all the
+        chunk's at once: Chain.enter); a job they stop is settled here, unrun. A shutdown that
+        came meanwhile NAKs the rest from the threads' queue (wind_down wakes for that)."""
         w = self.owner
-        if w.guard:
-            runnable = await w.admit(chunk)
-            w.running -= len(chunk) - len(runnable)
+        chain = w.chain
+        if chain.outer:
+            entered = await asyncio.gather(*(chain.enter(job) for _, _, job in chunk))
+            runnable = []
+            for (msg, i, job), (k, exc) in zip(chunk, entered):
+                if exc is None:
+                    runnable.append((msg, i, job))
+                    continue
+                await w.finish(i, job, await chain.leave(job, k, exc), 0.0, started=False)
+                w.running -= 1
             chunk = runnable
             w.changed.set()
             w.wake_pull.set()
@@ -124,12 +129,13 @@ class HandlerThreads:
             with self.handed:
                 batch, self.outcomes, self.rung = self.outcomes, [], False
             try:
-                if w.guard:              # the batch's done-markers (or lease releases) at once, not a round
-                                         # trip per job; finish() then finds them written
-                    guard = w.guard
-                    await asyncio.gather(*(guard.after(job, exc is None) for _, job, exc, _ in batch))
-                for i, job, exc, elapsed in batch:
-                    await w.finish(i, job, exc, elapsed)
+                chain = w.chain
+                if chain.outer:          # the outer hooks of the whole batch at once (its done-markers)
+                    outcomes = await asyncio.gather(*(chain.leave(job, chain.outer, ran.exc) for _, job, ran in batch))
+                else:
+                    outcomes = [ran.exc for _, _, ran in batch]
+                for (i, job, ran), exc in zip(batch, outcomes):
+                    await w.finish(i, job, exc, ran.elapsed, ran.started)
                     w.running -= 1
             finally:
                 w.changed.set()
@@ -142,17 +148,19 @@ class HandlerThreads:
 
     def handler_thread(self, loop: asyncio.AbstractEventLoop) -> None:
         """Run jobs back to back while there are any: no trip through the loop between two."""
+        def count_start() -> None:       # the parent starts our replacement while this job runs
+            loop.call_soon_threadsafe(self.owner.count_start)
+
+        on_start = count_start if self.job_limit else _nothing
         while (taken := self.next_job()) is not None:
             i, job = taken
-            if self.job_limit:           # the parent starts our replacement while this job runs
-                loop.call_soon_threadsafe(self.owner.count_start)
-            exc, elapsed = call_handler(self.handler, job, loop)
-            if not self.hand_back(loop, i, job, exc, elapsed):
+            ran = self.owner.chain.run_sync(job, on_start)
+            if not self.hand_back(loop, i, job, ran):
                 return
-            if exc is not None and not isinstance(exc, Exception):
+            if ran.exc is not None and not isinstance(ran.exc, Exception):
                 return                   # SystemExit & co: finish() exits the process
-            if elapsed >= OUTCOME_EVERY:
-                self.await_settled(i if elapsed >= CONFIRM_AFTER else None)
+            if ran.elapsed >= OUTCOME_EVERY:
+                self.await_settled(i if ran.elapsed >= CONFIRM_AFTER else None)
 
     def next_job(self) -> tuple[int, Job] | None:
         """In a handler thread: the next job, marked running before its handler starts (its entry
@@ -168,8 +176,7 @@ class HandlerThreads:
                 self.handed.wait()
         return None
 
-    def hand_back(self, loop: asyncio.AbstractEventLoop, i: int, job: Job, exc: BaseException | None,
-                  elapsed: float) -> bool:
+    def hand_back(self, loop: asyncio.AbstractEventLoop, i: int, job: Job, ran: Ran) -> bool:
         """Queue an outcome for the loop, and wake it only if no wake-up is on its way already and
         either this thread is about to wait (nothing ready, a shutdown, a crash) or its oldest
         outcome would be OUTCOME_EVERY old by the end of another job like this one: short jobs
@@ -181,12 +188,12 @@ class HandlerThreads:
                 self.handed.notify_all()     # a suspect's turn, or the end of one
             if not self.outcomes:
                 self.outcomes_since = now
-            self.outcomes.append((i, job, exc, elapsed))
+            self.outcomes.append((i, job, ran))
             self.handed_back += 1
             if self.rung:
                 return True
-            busy = bool(self.ready) and self.owner.mode == SERVING and isinstance(exc, (Exception, type(None)))
-            if busy and now + elapsed - self.outcomes_since < OUTCOME_EVERY:
+            busy = bool(self.ready) and self.owner.mode == SERVING and isinstance(ran.exc, (Exception, type(None)))
+            if busy and now + ran.elapsed - self.outcomes_since < OUTCOME_EVERY:
                 return True
             self.rung = True
         try:
@@ -216,18 +223,5 @@ class HandlerThreads:
                 self.settled.wait(CONFIRM_POLL)
 
 
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
-
-
-def call_handler(handler: Callable[[Job], Any], job: Job, loop: asyncio.AbstractEventLoop
-                 ) -> tuple[BaseException | None, float]:
-    """In a handler thread: run one job; (the exception it raised or None, seconds it took)."""
-    started = time.monotonic()
-    try:
-        result = handler(job)
-        if inspect.isawaitable(result):          # a sync callable that returned a coroutine
-            asyncio.run_coroutine_threadsafe(_awaited(result), loop).result()
-    except BaseException as exc:
-        return exc, time.monotonic() - started
-    return None, time.monotonic() - started
+def _nothing() -> None:
+    pass

@@ -5,6 +5,7 @@ consumer every other worker shares. `Worker` is the loop that wires the worker's
 
     puller.py    raw pull requests and their credits, sized by pulls.py
     threads.py   sync handlers' threads, which take their next job themselves
+    workers/middleware/   the chain every job runs through (the [idempotency] guard among it)
     settle.py    ack, NAK or TERM, and the fence that proves the server has it
     reack.py     acks sent again, until confirmed, when the consumer's leader changes
     shutdown.py  the way out: give back what will not run, wait for what runs
@@ -31,19 +32,20 @@ from typing import Any, NoReturn
 
 import setproctitle
 
-from workers import Job
+from workers import Context, Job
+from workers.middleware.builtin import instances
+from workers.middleware.chain import Chain
 from workers.protocol import slots
 from workers.protocol.events import Event, Ready, RecycleDue, Redelivered, Settled
 from workers.protocol.exits import EXIT_CONNECT_FAILED, EXIT_CRASHED, EXIT_DRAINED, EXIT_INIT_FAILED
 from workers.protocol.fork import neutralise_inherited_fds, scrub_child_env, set_parent_death_signal
 from workers.protocol.modes import RETIRING, SERVING, STOPPING
-from workers.runtime.guard import DUPLICATE, RUN, Guard
 from workers.runtime.orphan import ParentWatch
 from workers.runtime.outcome import Outcomes
 from workers.runtime.puller import Puller
 from workers.runtime.pulls import PullSizer, fair_share
 from workers.runtime.reack import Reacker
-from workers.runtime.settle import Settler, nak_payload, retry_delay
+from workers.runtime.settle import Settler
 from workers.runtime.shutdown import Shutdown
 from workers.runtime.solo import AsyncGate
 from workers.runtime.spec import ChildSpec
@@ -148,9 +150,9 @@ class Worker:
         # Handler threads start jobs under this lock, and the switch to STOPPING takes it: once a
         # shutdown has NAKed what runs, no handler thread can start another job behind its back.
         self.start_lock = threading.Lock()
-        self.guard: Guard | None = None   # [idempotency] (workers/runtime/guard.py)
+        self.chain = Chain(spec.handler)  # every job runs through it: workers/middleware/chain.py
         self.gate = AsyncGate(spec.suspects)   # suspects run alone (workers/runtime/solo.py)
-        self.threads = HandlerThreads(self, self.start_lock, spec.handler, self.wcfg.concurrency, spec.job_limit)
+        self.threads = HandlerThreads(self, self.start_lock, self.wcfg.concurrency, spec.job_limit)
         self.shutdown = Shutdown(self, spec.slot)
         self.parent = ParentWatch(self, spec.slot, spec.parent_pid, spec.events_fd, spec.server_dies_with_parent)
 
@@ -166,14 +168,18 @@ class Worker:
                       self.consumer, exc or type(exc).__name__)
             return EXIT_CONNECT_FAILED
         self.table.server_answered(time.monotonic())
-        if self.spec.cfg.idempotency.enabled:          # issue 10: done-markers and leases
-            self.guard = Guard(self.nc, self.spec.cfg.idempotency.bucket, f"worker {self.spec.slot}",
-                               lambda delivery: retry_delay(self.wcfg.retry_backoff, delivery)).start()
+        loop = asyncio.get_running_loop()
+        try:
+            await self.chain.setup(instances(self.spec.middleware, self.spec.cfg),    # made here, after fork
+                                   Context(self.spec.slot, os.getpid(), self.nc, loop, self.spec.cfg, self.is_async))
+        except Exception as exc:          # read by the parent like a failing init hook
+            log.error("worker %d: starting workers.middleware raised %s", self.spec.slot, describe_exception(exc))
+            log.debug("workers.middleware traceback", exc_info=True)
+            return EXIT_INIT_FAILED
         self.pulls.inbox = self.nc.new_inbox()
         self.sub = await self.nc.subscribe(self.pulls.inbox, cb=self.on_message, pending_msgs_limit=0,
                                            pending_bytes_limit=0)
         await self.reacker.start()
-        loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
         loop.add_signal_handler(signal.SIGUSR1, self.on_sigusr1)
         settling = self.essential(self.settler.run())
@@ -195,8 +201,7 @@ class Worker:
         await settling                 # never cancel a task inside a flush: see supervisor/nats/fix.py
         self.reacker.close()
         beating.cancel()               # only now: waiting for NATS to take our acks is no hang
-        if self.guard:
-            await self.guard.close()   # leases of jobs we did not finish: free for their redelivery
+        await self.chain.close()       # e.g. the guard's leases of jobs we did not finish: freed
         await self.close_connection()
         self.parent.events.drain(timeout=1.0)   # the last settles' events, if a busy parent left no room
         return EXIT_DRAINED
@@ -322,31 +327,11 @@ class Worker:
                 await self.threads.hand_over(chunk)   # its finisher() takes the outcomes
                 continue
             try:
-                runnable = await self.admit(chunk) if self.guard else chunk   # [idempotency], issue 10
-                if runnable:
-                    await self.run_async(*runnable[0][1:])
+                await self.run_async(*chunk[0][1:])
             finally:
                 self.running -= len(chunk)
                 self.changed.set()
                 self.wake_pull.set()
-
-    async def admit(self, chunk: list[tuple[Any, int, Job]]) -> list[tuple[Any, int, Job]]:
-        """[idempotency] (workers/runtime/guard.py): ack the jobs already done without running them, NAK
-        those another worker is running or that cannot be checked; return the ones to run."""
-        guard = self.guard
-        if guard is None:                # called only with a guard; without one everything runs
-            return chunk
-        verdicts = await asyncio.gather(*(guard.before(job) for _, _, job in chunk))
-        runnable = []
-        for (msg, i, job), verdict in zip(chunk, verdicts):
-            if verdict.action == RUN:
-                runnable.append((msg, i, job))
-            elif verdict.action == DUPLICATE:
-                await self.settler.ack(i, job, "duplicate")
-            else:
-                await self.settler.settle(i, job, nak_payload(verdict.delay), "nak", verdict.reason)
-        self.pulls.not_started(len(chunk) - len(runnable))     # settled unrun: not one of max_jobs
-        return runnable
 
     def take_chunk(self) -> list[tuple[Any, int, Job]]:
         """An async runner's next job; for the handler threads, everything queued."""
@@ -366,25 +351,19 @@ class Worker:
             await self.shutdown.nak_unstarted_job(i, job)
             return
         self.table.start(i)
-        self.count_start()
-        started = time.monotonic()
-        try:
-            await self.spec.handler(job)
-        except asyncio.CancelledError:
-            raise                        # graceful_timeout ran out; abandon() NAKs the job
-        except BaseException as exc:
-            self.gate.done(job.stream_seq)
-            await self.finish(i, job, exc, time.monotonic() - started)
-        else:
-            self.gate.done(job.stream_seq)
-            await self.finish(i, job, None, time.monotonic() - started)
+        ran = await self.chain.run_async(job, self.count_start)   # a cancellation (graceful_timeout
+        self.gate.done(job.stream_seq)                            # ran out) goes on: abandon() NAKs it
+        await self.finish(i, job, ran.exc, ran.elapsed, ran.started)
 
-    async def finish(self, i: int, job: Job, exc: BaseException | None, elapsed: float) -> None:
-        """Ack, NAK or TERM by the handler's outcome."""
-        self.table.observe(elapsed)
-        self.pulls.sizer.job_done(elapsed)
-        if self.guard:                   # the done-marker before the ack; a failed job's lease released
-            await self.guard.after(job, exc is None)
+    async def finish(self, i: int, job: Job, exc: BaseException | None, elapsed: float, started: bool = True) -> None:
+        """Ack, NAK or TERM by the outcome of the job's chain (its handler's, or a hook's). A job
+        whose handler never ran (a duplicate, a hook's Retry) is not one of max_jobs (R1), nor a
+        sample of how long jobs take."""
+        if started:
+            self.table.observe(elapsed)
+            self.pulls.sizer.job_done(elapsed)
+        else:
+            self.pulls.not_started()
         await self.outcomes.settle(i, job, exc)
 
     # -- reporting rare events to the parent

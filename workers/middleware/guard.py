@@ -1,4 +1,5 @@
-"""[idempotency]: done-markers and leases in a JetStream KV bucket, consulted around each job.
+"""[idempotency]: done-markers and leases in a JetStream KV bucket, consulted around each job:
+the first built-in middleware (`IdempotencyGuard`, the innermost of a worker's chain).
 
 One KV entry per job key (workers.Job.key, escaped into a valid KV key) moves through:
 
@@ -16,6 +17,9 @@ subject sequence 0" and a per-message TTL (Nats-TTL, nats-server 2.11+; the buck
     deleted entry -> taken over with "expected last sequence = its revision" -> RUN
   - the bucket does not answer (deleted, server down, timeout) -> RETRY with backoff: a job never
     runs unguarded
+The verdict is the middleware's before_job: RUN returns, DUPLICATE raises Duplicate (acked
+unrun), RETRY raises Retry with its delay and reason (NAKed unrun); a job not run is not one of
+the worker's max_jobs (Puller.not_started).
 After the handler returned (`after(job, True)`): the lease is replaced by the done-marker (same
 revision check), then the runtime acks. After a failure (`after(job, False)`): the lease is
 deleted, so the redelivery need not wait for its TTL.
@@ -40,6 +44,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.js.errors import NotFoundError
+
+from workers import Job, Retry
+from workers.middleware.base import Context, Duplicate, Middleware
 
 log = logging.getLogger("worker")
 
@@ -322,3 +329,35 @@ class Guard:
             return await self.js.get_msg(self.stream, subject=self.prefix + key)
         except NotFoundError:
             return None
+
+
+# ---------------------------------------------------------------- the guard as a worker's middleware
+
+class IdempotencyGuard(Middleware):
+    """[idempotency] on the middleware API: claim before the handler, done-marker (or release)
+    after it, the held leases released when the worker exits. Its hooks are async: for a sync
+    handler they run on the worker's loop while the handler thread waits (chain.py)."""
+
+    def __init__(self, bucket: str, delay_for: Callable[[int], float]):
+        self.bucket, self.delay_for = bucket, delay_for
+        self.guard: Guard | None = None
+
+    async def setup(self, ctx: Context) -> None:
+        self.guard = Guard(ctx.nc, self.bucket, f"worker {ctx.slot}", self.delay_for).start()
+
+    async def before_job(self, job: Job) -> None:
+        assert self.guard is not None, "setup() makes the guard"
+        verdict = await self.guard.before(job)
+        if verdict.action == DUPLICATE:
+            raise Duplicate(f"duplicate: {verdict.reason}"[:200])
+        if verdict.action == RETRY:
+            raise Retry(verdict.delay, reason=verdict.reason)
+
+    async def after_job(self, job: Job, outcome: str, error: BaseException | None) -> None:
+        """The done-marker before the ack; a failed job's lease released for its redelivery."""
+        assert self.guard is not None, "setup() makes the guard"
+        await self.guard.after(job, outcome == "ack")
+
+    async def close(self) -> None:
+        if self.guard:
+            await self.guard.close()   # leases of jobs we did not finish: free for their redelivery
