@@ -291,6 +291,12 @@ async def crash_recovery(ctx: Ctx) -> dict:
             "summary": summarize_crash(ours, baseline)}
 
 
+# The crash supervisors' workers.graceful_timeout. Their hold jobs never end, and the bench's
+# children get SIGTERM when it dies (PDEATHSIG, even a SIGKILLed bench): a supervisor then stops
+# gracefully, and at the default 30 s it and a worker holding a job outlived the bench by 30 s.
+CRASH_GRACE_S = 1.0
+
+
 async def crash_ours(ctx: Ctx, rep: int) -> list[dict]:
     """SIGKILL the worker holding a job, `kills` times in a row, under `supervisor start`."""
     p = ctx.profile
@@ -300,7 +306,8 @@ async def crash_ours(ctx: Ctx, rep: int) -> list[dict]:
     # Back-to-back kills would climb the crash-loop backoff (it doubles per crash of a slot within
     # 10 s, by design); pinning it at its initial 0.1 s measures the restart path itself.
     config = ours_config(ctx, 2, "bench.handlers:job", consumer=QueueSpec(ack_wait=p.ack_wait).config(),
-                         restart={"backoff_initial": 0.1, "backoff_max": 0.1})
+                         restart={"backoff_initial": 0.1, "backoff_max": 0.1},
+                         workers={"graceful_timeout": CRASH_GRACE_S})
     sup = procs.start_supervisor("supervisor", config, rundir, ctx.product_env(**{JOURNAL_ENV: str(journal)}))
     nc = await nats.connect(ctx.server.url)
     obs = await Observer().start(nc)

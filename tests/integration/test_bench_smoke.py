@@ -13,12 +13,15 @@ import os
 import signal
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import psutil
 import pytest
-from harness import child_env, wait_until
+from harness import child_env, publish_now, wait_until
 from natsauth import first_pick_taken
+
+from bench.handlers import HOLD
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE_TIMEOUT = 170.0
@@ -98,8 +101,20 @@ def cmdlines(family: list[psutil.Process]) -> str:
     return " | ".join(out)
 
 
-def gone(family: list[psutil.Process]) -> bool:
-    return not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+def living(family: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for p in family:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+    return alive
+
+
+def all_gone(family: list[psutil.Process], timeout: float) -> None:
+    try:
+        wait_until(lambda: not living(family), timeout=timeout, what="the bench's nats-server and contenders gone")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; still running: {cmdlines(living(family))}") from None
 
 
 def running_bench(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
@@ -115,12 +130,30 @@ def running_bench(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
     return proc, wait_until(up, timeout=60, what="the bench's nats-server, supervisor and workers")
 
 
+def hold_a_job(tmp_path) -> None:
+    """A hold job of our own in one of the bench's crash workers, started: it never ends (the bench
+    kills only the holders of the jobs it published), so a stop finds a worker busy, the worst case
+    (the bench kills its holders within milliseconds, but a kill of the bench may fall in them)."""
+    [config] = wait_until(lambda: list((tmp_path / "tmp").glob("jsbench-*/*-crash-ours/config.toml")),
+                          timeout=30, what="the crash scenario's supervisor config")
+    [seq] = publish_now(tomllib.loads(config.read_text())["nats"]["servers"][0], count=1, data=HOLD.decode())
+    journal = config.parent / "journal.txt"
+    wait_until(lambda: journal.exists() and any(line.split()[:2] == [str(seq), "1"]
+                                                for line in journal.read_text().splitlines()),
+               timeout=30, what=f"the hold job seq {seq} started")
+
+
 def test_a_sigkilled_bench_takes_its_processes_with_it(tmp_path):
+    """The bench's children get SIGTERM at its death (PDEATHSIG): a supervisor then stops
+    gracefully, waiting workers.graceful_timeout for a running job. The bench gives its crash
+    supervisors CRASH_GRACE_S (their hold jobs never end), so everything is gone well within 20 s;
+    at the default 30 s it was not (the CI time-out)."""
     proc, family = running_bench(tmp_path)
     try:
+        hold_a_job(tmp_path)
         proc.kill()                          # what a timeout does: the bench alone, no cleanup of its own
         proc.wait()
-        wait_until(lambda: gone(family), timeout=30, what="the bench's nats-server and contenders gone")
+        all_gone(family, 20)
     finally:
         for p in family:
             with contextlib.suppress(psutil.Error):
@@ -132,9 +165,10 @@ def test_a_sigtermed_bench_stops_everything_and_removes_its_workdir(tmp_path):
     proc, family = running_bench(tmp_path)
     try:
         assert list((tmp_path / "tmp").glob("jsbench-*")), "the workdir exists while it runs"
+        hold_a_job(tmp_path)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 128 + signal.SIGTERM
-        wait_until(lambda: gone(family), timeout=30, what="the bench's nats-server and contenders gone")
+        all_gone(family, 30)
         assert list((tmp_path / "tmp").glob("jsbench-*")) == []
     finally:
         for p in family:
