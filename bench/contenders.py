@@ -73,16 +73,38 @@ def bare(rounds: int, count: int) -> int:
     return 0
 
 
+# After a SIGTERM, the launcher SIGKILLs the loops still running this long after passing it on:
+# a loop running a hold job (a blocking sleep on its event loop's thread) never gets to its
+# SIGTERM handler, and at the bench's death (PDEATHSIG) nobody else would stop it.
+LAUNCH_GRACE_S = 5.0
+
+
 def launch(args: argparse.Namespace) -> int:
     """`--launch N`: N loop processes, children of this one and so in its session (bench/procs.py
-    start_loops says why); SIGTERM is passed on to them, and this exits once they all have."""
+    start_loops says why); SIGTERM is passed on to them, and this exits once they all have (those
+    left after LAUNCH_GRACE_S are SIGKILLed)."""
     import subprocess
+    import threading
 
     from .natsenv import dies_with_the_bench
 
     argv = [sys.executable, "-m", "bench.contenders", args.mode, "--server", args.server, "--batch", str(args.batch)]
     children = [subprocess.Popen(argv, preexec_fn=dies_with_the_bench()) for _ in range(args.launch)]
-    signal.signal(signal.SIGTERM, lambda *_: [c.send_signal(signal.SIGTERM) for c in children if c.poll() is None])
+
+    def kill_left() -> None:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+
+    def stop(*_: object) -> None:
+        for c in children:
+            if c.poll() is None:
+                c.send_signal(signal.SIGTERM)
+        timer = threading.Timer(LAUNCH_GRACE_S, kill_left)
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, stop)
     codes = [c.wait() for c in children]
     return max(codes, default=0)
 

@@ -130,17 +130,29 @@ def running_bench(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
     return proc, wait_until(up, timeout=60, what="the bench's nats-server, supervisor and workers")
 
 
-def hold_a_job(tmp_path) -> None:
-    """A hold job of our own in one of the bench's crash workers, started: it never ends (the bench
-    kills only the holders of the jobs it published), so a stop finds a worker busy, the worst case
-    (the bench kills its holders within milliseconds, but a kill of the bench may fall in them)."""
+def hold_a_job(tmp_path, rundir: str = "crash-ours", timeout: float = 30) -> None:
+    """A hold job of our own in one of the bench's crash workers (or loops), started: it never ends
+    (the bench kills only the holders of the jobs it published), so a stop finds one busy, the
+    worst case (the bench kills its holders within milliseconds, but its death may fall in them)."""
     [config] = wait_until(lambda: list((tmp_path / "tmp").glob("jsbench-*/*-crash-ours/config.toml")),
                           timeout=30, what="the crash scenario's supervisor config")
+    [where] = wait_until(lambda: list((tmp_path / "tmp").glob(f"jsbench-*/*-{rundir}")), timeout=timeout,
+                         what=f"the bench's {rundir} run")
     [seq] = publish_now(tomllib.loads(config.read_text())["nats"]["servers"][0], count=1, data=HOLD.decode())
-    journal = config.parent / "journal.txt"
+    journal = where / "journal.txt"
     wait_until(lambda: journal.exists() and any(line.split()[:2] == [str(seq), "1"]
                                                 for line in journal.read_text().splitlines()),
-               timeout=30, what=f"the hold job seq {seq} started")
+               timeout=timeout, what=f"the hold job seq {seq} started")
+
+
+def clean_up(proc: subprocess.Popen, family: list[psutil.Process]) -> None:
+    """Whatever a failed test left: every process it saw, then the bench."""
+    for p in family:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
 
 
 def test_a_sigkilled_bench_takes_its_processes_with_it(tmp_path):
@@ -155,10 +167,24 @@ def test_a_sigkilled_bench_takes_its_processes_with_it(tmp_path):
         proc.wait()
         all_gone(family, 20)
     finally:
-        for p in family:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        proc.communicate()
+        clean_up(proc, family)
+
+
+def test_a_sigkilled_bench_takes_its_loops_with_it_while_one_holds_a_job(tmp_path):
+    """The crash baseline's seed loops, one running a hold job (a blocking sleep on the loop's
+    thread, where its SIGTERM handler cannot run): at the bench's death their launcher passes the
+    SIGTERM on, then SIGKILLs what is left after LAUNCH_GRACE_S; everything is gone within 20 s."""
+    proc = start_bench(["--smoke", "--only", "crash", "--out", str(tmp_path / "out")], tmp_path / "tmp")
+    family: list[psutil.Process] = []
+    try:
+        hold_a_job(tmp_path, "crash-baseline", timeout=90)
+        family = bench_family(proc)
+        assert "bench.contenders seed" in cmdlines(family), cmdlines(family)
+        proc.kill()
+        proc.wait()
+        all_gone(family, 20)
+    finally:
+        clean_up(proc, family)
 
 
 def test_a_sigtermed_bench_stops_everything_and_removes_its_workdir(tmp_path):
@@ -171,12 +197,7 @@ def test_a_sigtermed_bench_stops_everything_and_removes_its_workdir(tmp_path):
         all_gone(family, 30)
         assert list((tmp_path / "tmp").glob("jsbench-*")) == []
     finally:
-        for p in family:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
+        clean_up(proc, family)
 
 
 def test_a_bench_nats_server_port_taken_before_it_binds_is_picked_again(tmp_path, monkeypatch):
