@@ -1,6 +1,6 @@
 """Autoscaling against a real nats-server and real forked workers (issues 13 and 25).
 
-The three workload tests follow the issues' numbers and take 20-45 s each: they are marked `slow`
+The three workload tests follow the issues' numbers and take 15-51 s each: they are marked `slow`
 (pyproject registers the marker; `-m "not slow"` leaves them out). The rest are
 quick. Each workload test reads the scaling history from the supervisor's log ("scaling from A
 to B worker(s)": every change of the target, whoever made it) and the reason from /status.
