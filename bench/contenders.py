@@ -1,5 +1,9 @@
 """The baselines, each one worker process: `python -m bench.contenders plain|seed --server URL`.
 
+Each contender's processes share one session (`--launch N` starts N loops as children of one),
+as a supervisor's workers do: the kernel's autogroup scheduler shares a busy box's CPU between
+sessions.
+
 - plain: the practical ceiling for a Python client. nats-py + uvloop, `fetch(batch=256)` on the
   durable pull consumer, then for each message: the handler, then `msg.ack()` (ack each).
 - seed: the seed post's loop, `Fetch(1, MaxWait(500ms))`, process, `m.Ack()`, written with
@@ -69,6 +73,42 @@ def bare(rounds: int, count: int) -> int:
     return 0
 
 
+# After a SIGTERM, the launcher SIGKILLs the loops still running this long after passing it on:
+# a loop running a hold job (a blocking sleep on its event loop's thread) never gets to its
+# SIGTERM handler, and at the bench's death (PDEATHSIG) nobody else would stop it.
+LAUNCH_GRACE_S = 5.0
+
+
+def launch(args: argparse.Namespace) -> int:
+    """`--launch N`: N loop processes, children of this one and so in its session (bench/procs.py
+    start_loops says why); SIGTERM is passed on to them, and this exits once they all have (those
+    left after LAUNCH_GRACE_S are SIGKILLed)."""
+    import subprocess
+    import threading
+
+    from .natsenv import dies_with_the_bench
+
+    argv = [sys.executable, "-m", "bench.contenders", args.mode, "--server", args.server, "--batch", str(args.batch)]
+    children = [subprocess.Popen(argv, preexec_fn=dies_with_the_bench()) for _ in range(args.launch)]
+
+    def kill_left() -> None:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+
+    def stop(*_: object) -> None:
+        for c in children:
+            if c.poll() is None:
+                c.send_signal(signal.SIGTERM)
+        timer = threading.Timer(LAUNCH_GRACE_S, kill_left)
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, stop)
+    codes = [c.wait() for c in children]
+    return max(codes, default=0)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.contenders")
     p.add_argument("mode", choices=("plain", "seed", "bare", "publish-async"))
@@ -76,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--rounds", type=int, default=0)
     p.add_argument("--count", type=int, default=0)
+    p.add_argument("--launch", type=int, default=0, metavar="N",
+                   help="plain, seed: start N loop processes as children of this one, in its session")
     args = p.parse_args(argv)
+    if args.launch:
+        return launch(args)
     if args.mode == "bare":
         return bare(args.rounds, args.count)
     if not args.server:

@@ -13,7 +13,10 @@ from workers import Job
 
 HOLD = b"hold"            # first delivery: block until the process is killed; later ones: return
 CPU_PREFIX = b"cpu:"      # cpu:N -> N rounds of pure-Python arithmetic (a few ms; calibrated)
+TIMED_PREFIX = b"t:"      # t:PUBLISHED:SECONDS -> sleep SECONDS, and note when the job started (TIMES_ENV)
 JOURNAL_ENV = "BENCH_JOURNAL"
+TIMES_ENV = "BENCH_TIMES"
+_times_fd: int | None = None
 
 
 def spin(rounds: int) -> int:
@@ -28,6 +31,8 @@ def work(data: bytes, delivery: int, seq: int = 0) -> None:
     """What every contender does for a job (blocking; the no-op case costs one compare)."""
     if data.startswith(CPU_PREFIX):
         spin(int(data[len(CPU_PREFIX):]))
+    elif data.startswith(TIMED_PREFIX):
+        timed(data)
     elif data == HOLD:
         journal(seq, delivery)
         if delivery == 1:
@@ -42,6 +47,31 @@ def journal(seq: int, delivery: int) -> None:
     if path:
         with open(path, "a") as f:
             f.write(f"{seq} {delivery} {os.getpid()} {time.monotonic():.6f}\n")
+
+
+def timed(data: bytes) -> None:
+    """A job of the latency and fairness scenarios: `t:PUBLISHED:SECONDS` (PUBLISHED on the
+    system-wide monotonic clock the bench reads too). Sleeps SECONDS, then appends one line,
+    `PUBLISHED STARTED ENDED PID SECONDS`, to the file TIMES_ENV names: one O_APPEND write of a
+    short line, so the processes of a contender can share one file."""
+    global _times_fd
+    started = time.monotonic()
+    published, seconds = data[len(TIMED_PREFIX):].split(b":")
+    if float(seconds) > 0:
+        time.sleep(float(seconds))
+    if _times_fd is None:
+        _times_fd = os.open(os.environ[TIMES_ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(_times_fd, b"%s %.6f %.6f %d %s\n" % (published, started, time.monotonic(), os.getpid(), seconds))
+
+
+def read_times(path: str) -> list[tuple[float, float, float, int, float]]:
+    """(published, started, ended, pid, seconds) of every timed job, in the order they ended."""
+    try:
+        with open(path) as f:
+            rows = [line.split() for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+    return [(float(a), float(b), float(c), int(d), float(e)) for a, b, c, d, e in rows]
 
 
 def read_journal(path: str) -> list[tuple[int, int, int, float]]:

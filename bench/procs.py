@@ -81,12 +81,19 @@ class Contender:
 # ---------------------------------------------------------------- the baselines
 
 def start_loops(mode: str, n: int, url: str, workdir: Path, batch: int = 256, env: dict | None = None) -> Contender:
+    """n loop processes in one session, as a supervisor's workers are: on a busy box the kernel's
+    autogroup scheduler shares the CPU between sessions, not processes, so n sessions would get
+    n shares where the supervisor gets one (`bench.contenders --launch n` starts them)."""
     c = Contender(mode, workdir)
-    for i in range(n):
-        c.procs.append(_popen([sys.executable, "-m", "bench.contenders", mode, "--server", url, "--batch", str(batch)],
-                              workdir, workdir / f"{mode}-{c.started + i}.log", child_env(**(env or {}))))
+    c.procs.append(_popen([sys.executable, "-m", "bench.contenders", mode, "--server", url, "--batch", str(batch),
+                           "--launch", str(n)], workdir, workdir / f"{mode}.log", child_env(**(env or {}))))
     c.started += n
     return c
+
+
+def loop_pids(c: Contender) -> list[int]:
+    """The loop processes themselves (not their launcher)."""
+    return [p.pid for p in c.tree() if p.pid not in c.top_pids()]
 
 
 def run_bare(n: int, rounds: int, count: int, workdir: Path) -> float:
@@ -115,11 +122,11 @@ def faststream_available() -> bool:
     return shutil.which("faststream", path=str(Path(sys.executable).parent)) is not None
 
 
-def start_faststream(n: int, url: str, workdir: Path, batch: int = 256) -> Contender:
+def start_faststream(n: int, url: str, workdir: Path, batch: int = 256, env: dict | None = None) -> Contender:
     exe = str(Path(sys.executable).with_name("faststream"))
     c = Contender("faststream", workdir)
     c.procs.append(_popen([exe, "run", "bench.fs_app:app", "--workers", str(n)], workdir, workdir / "faststream.log",
-                          child_env(BENCH_NATS_URL=url, BENCH_BATCH=str(batch))))
+                          child_env(BENCH_NATS_URL=url, BENCH_BATCH=str(batch), **(env or {}))))
     return c
 
 

@@ -36,6 +36,21 @@ class Profile:
     # 5. the [idempotency] guard's cost (sync no-op, with and without the guard)
     guard_jobs: int = 20_000
     guard_workers: int = 2
+    # 9. latency: publish to handler start at a paced rate well under capacity
+    latency_rate: int = 1_000
+    latency_s: float = 10.0
+    latency_workers: int = 2
+    # 10. fairness at half load: fair_rate short jobs/s of fair_short_s, one of fair_long_s every
+    # fair_long_every s, on fair_workers workers; the first fair_warmup_s reported apart
+    fair_workers: int = 4
+    fair_rate: int = 100
+    fair_short_s: float = 0.01
+    fair_long_s: float = 2.0
+    fair_long_every: float = 2.0
+    fair_s: float = 60.0
+    fair_warmup_s: float = 10.0
+    # 9 and 10: only the first contender of each and the plain loop (the smoke run), or all
+    waits_all: bool = True
 
 
 PROFILES = {
@@ -44,10 +59,12 @@ PROFILES = {
                     paced_s=15.0, idle_workers=4, many_workers=64, idle_s=5.0),
     "quick": Profile("quick", repeats=1, jobs=20_000, workers=(1, 2, 8), tuned_workers=(2, 8), cpu_jobs=800,
                      cpu_job_s=0.003, cpu_workers=(1, 2), kills=5, ack_wait=30.0, paced_rate=10_000, paced_s=6.0,
-                     idle_workers=4, many_workers=64, publish_count=20_000),
+                     idle_workers=4, many_workers=64, publish_count=20_000, latency_s=5.0, fair_s=30.0),
     # The test suite's: every code path, tiny counts, a short AckWait; figures are not meaningful.
     "smoke": Profile("smoke", repeats=1, jobs=400, workers=(1,), tuned_workers=(1,), cpu_jobs=40, cpu_job_s=0.001,
                      cpu_workers=(1, 2), kills=2, ack_wait=2.0, paced_rate=500, paced_s=1.5,
                      idle_workers=2, many_workers=4, seed_jobs=6, seed_job_s=0.05, publish_count=500,
-                     settle_s=0.2, idle_s=0.5, with_faststream=False, guard_jobs=400),
+                     settle_s=0.2, idle_s=0.5, with_faststream=False, guard_jobs=400, latency_rate=200,
+                     latency_s=1.0, fair_rate=50, fair_long_s=0.5, fair_long_every=1.0, fair_s=2.0,
+                     fair_warmup_s=0.5, waits_all=False),
 }

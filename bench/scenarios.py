@@ -112,15 +112,16 @@ def ours_config(ctx: Ctx, n: int, handler: str, section: str = DEFAULTS, **secti
 
 
 def starter(ctx: Ctx, name: str, n: int, rundir: Path, section: str = DEFAULTS, handler: str | None = None,
-            batch: int | None = None, sections: dict | None = None) -> Callable[[], procs.Contender]:
+            batch: int | None = None, sections: dict | None = None,
+            env: dict[str, str] | None = None) -> Callable[[], procs.Contender]:
     url = ctx.server.url
     batch = batch or baseline_batch(section, n)
     if name in ("plain", "seed"):
-        return lambda: procs.start_loops(name, n, url, rundir, batch)
+        return lambda: procs.start_loops(name, n, url, rundir, batch, env)
     if name == FASTSTREAM:
-        return lambda: procs.start_faststream(n, url, rundir, batch)
+        return lambda: procs.start_faststream(n, url, rundir, batch, env)
     config = ours_config(ctx, n, handler or OURS[name], section, **(sections or {}))
-    return lambda: procs.start_supervisor(name, config, rundir, ctx.product_env())
+    return lambda: procs.start_supervisor(name, config, rundir, ctx.product_env(**(env or {})))
 
 
 async def measured_drain(ctx: Ctx, name: str, n: int, total: int, data: bytes, section: str = DEFAULTS,
@@ -290,6 +291,12 @@ async def crash_recovery(ctx: Ctx) -> dict:
             "summary": summarize_crash(ours, baseline)}
 
 
+# The crash supervisors' workers.graceful_timeout. Their hold jobs never end, and the bench's
+# children get SIGTERM when it dies (PDEATHSIG, even a SIGKILLed bench): a supervisor then stops
+# gracefully, and at the default 30 s it and a worker holding a job outlived the bench by 30 s.
+CRASH_GRACE_S = 1.0
+
+
 async def crash_ours(ctx: Ctx, rep: int) -> list[dict]:
     """SIGKILL the worker holding a job, `kills` times in a row, under `supervisor start`."""
     p = ctx.profile
@@ -299,7 +306,8 @@ async def crash_ours(ctx: Ctx, rep: int) -> list[dict]:
     # Back-to-back kills would climb the crash-loop backoff (it doubles per crash of a slot within
     # 10 s, by design); pinning it at its initial 0.1 s measures the restart path itself.
     config = ours_config(ctx, 2, "bench.handlers:job", consumer=QueueSpec(ack_wait=p.ack_wait).config(),
-                         restart={"backoff_initial": 0.1, "backoff_max": 0.1})
+                         restart={"backoff_initial": 0.1, "backoff_max": 0.1},
+                         workers={"graceful_timeout": CRASH_GRACE_S})
     sup = procs.start_supervisor("supervisor", config, rundir, ctx.product_env(**{JOURNAL_ENV: str(journal)}))
     nc = await nats.connect(ctx.server.url)
     obs = await Observer().start(nc)
@@ -375,8 +383,8 @@ async def crash_baseline(ctx: Ctx, rep: int) -> list[dict]:
         seqs = [(await js.publish(SUBJECT, HOLD)).seq for _ in range(p.kills)]
         await async_wait(lambda: all(started(journal, s, 0) for s in seqs), 30, "every hold job started")
         t_kill = time.monotonic()
-        for proc in holders.procs:
-            os.kill(proc.pid, signal.SIGKILL)
+        for pid in procs.loop_pids(holders):
+            os.kill(pid, signal.SIGKILL)
         survivor = procs.start_loops("seed", 1, ctx.server.url, rundir, env=env)
         await async_wait(lambda: all(obs.first(s, "+ACK", 2) for s in seqs), p.ack_wait + 60, "redeliveries acked")
         rows = [{"repeat": rep, "seq": s, "started_to_kill_s": t_kill - started(journal, s, 0)[0],

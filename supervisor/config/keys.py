@@ -106,8 +106,8 @@ class WorkersConfig:
     middleware: tuple[str, ...] = key((), "MOD:CLASS entries, each a workers.Middleware subclass wrapping every job, "
                                           "outermost first (README: Middleware)", reload=REPLACE)
     concurrency: int = key(1, "jobs in flight at once per worker", reload=REPLACE, lo=1, hi=1024)
-    batch: int = key(256, "ceiling on jobs a worker buffers or asks for at once; it sizes pulls below it "
-                          "(README: Pull sizing)", reload=REPLACE, lo=1, hi=4096)
+    batch: int = key(256, "ceiling on jobs a worker asks for at once (it buffers 4 such requests at most); it "
+                          "sizes pulls below it (README: Pull sizing)", reload=REPLACE, lo=1, hi=4096)
     job_timeout: float = key(0.0, "hard limit per job (the worker is killed); 0 = none", reload=LIVE, lo=0.0)
     soft_timeout: float = key(0.0, "at this age workers.SoftTimeout is raised inside the job (a failure for "
                                    "[retry]; the worker lives on); 0 = none; below job_timeout", reload=REPLACE, lo=0.0)
@@ -182,7 +182,7 @@ class AutoscaleConfig:
     enabled: bool = key(False, "true: the supervisor sets the worker count between min and max", reload=LIVE)
     min: int = key(1, "never fewer workers than this", reload=LIVE, lo=0, hi=1024)
     max: int = key(8, "never more workers than this", reload=LIVE, lo=1, hi=1024)
-    interval: float = key(5.0, "seconds between decisions", reload=LIVE, lo=0.1)
+    interval: float = key(1.0, "seconds between decisions", reload=LIVE, lo=0.1)
 
 
 @dataclass(frozen=True)

@@ -9,16 +9,22 @@ bottleneck. Check that the database or API behind the workers can take the extra
 Scaling on lag alone (KEDA's way) piles workers onto a saturated database. We also see what each
 step did to the completion rate, so:
 
-- **Up**, one worker at a time, while undelivered work waits at every sample and either it is
-  not draining (pending grows, or stands still) or it would take longer than ``Params.eta_up``
-  to drain (a backlog gone before a step can even be measured is not worth one), and the
-  previous step up paid: the completion rate rose by at least HELP_FRACTION of what one more
-  worker as productive as the others would add. The trend and the ETA are measured over the
-  policy's own window, between the ConsumerInfo polls behind its first and last sample: lag.py's
-  fits span 15-60 s for alerting and would lag behind a count that moves every few seconds. Its
-  state still gates: ``unknown`` waits, ``stuck`` holds (more workers do not unstick workers).
-- **Plateau**: a step up that did not pay is undone (the extra worker only held jobs), the count
-  where it stopped paying is remembered, and the reason says whether the CPUs were full or the
+- **Up** while undelivered work waits at every sample and either it is not draining (pending
+  grows, or stands still) or it would take longer than ``Params.eta_up`` to drain (a backlog
+  gone before a step can even be measured is not worth one), and the previous step up paid:
+  the completion rate rose by at least HELP_FRACTION of what one more worker as productive as
+  the others would add, for each worker added. The first step adds one worker; each step that
+  paid for every worker it added doubles the next (1, 2, 4, ...: a backlog that needs 5 workers
+  gets them in three steps, not four dwells per worker), never beyond the count that would keep
+  up with the arrivals and drain the backlog within ``eta_up`` at the measured rate per worker.
+  The trend and the ETA are measured over the policy's own window, between the ConsumerInfo
+  polls behind its first and last sample: lag.py's fits span 15-60 s for alerting and would lag
+  behind a count that moves every few seconds. Its state still gates: ``unknown`` waits,
+  ``stuck`` holds (more workers do not unstick workers).
+- **Plateau**: the workers of a step up that did not pay are taken back (the extra workers only
+  held jobs): a step of several keeps as many as its gain paid for (4 -> 8 that gained one
+  worker's worth goes to 5), one that gained nothing is undone. The count where it stopped
+  paying is remembered, and the reason says whether the CPUs were full or the
   bottleneck is downstream (a pool, a database, an API). Another step past it is probed only after
   ``probe_first_s``, doubling after each failed probe up to PROBE_MAX_S.
 - **CPUs full**: while the box is at CPU_FULL and the workers spend CPU_BOUND of their time on a
@@ -32,13 +38,17 @@ an ETA beyond ``eta_up``; down needs no waiting work at any sample and utilisati
 DOWN_UTIL after the step. Between the two the count holds. And every change is followed by a
 dwell: the samples taken while new workers start are dropped (SETTLE_SAMPLES), then
 MEASURE_SAMPLES samples are averaged before the next decision, so one noisy interval never moves
-the count, and each step is judged on a settled rate.
+the count, and each step is judged on a settled rate. A rate judged on few jobs is noise: a step
+up is neither taken nor judged until the rate's samples hold MEASURE_JOBS finished jobs (the
+rate then spans as many recent samples as that takes, up to MEASURE_MAX_SAMPLES), so slow jobs
+are measured longer, not more coarsely.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from supervisor.config import Config
 
@@ -50,6 +60,11 @@ SETTLE_SAMPLES = 1
 #: Samples averaged per measurement. Three intervals of a 10 jobs/s queue hold ~30 completions:
 #: the rate is good to a few %, well inside HELP_FRACTION.
 MEASURE_SAMPLES = 3
+#: A rate that judges or starts a step up spans the recent samples that hold this many finished
+#: jobs (at least MEASURE_SAMPLES of them, at most MEASURE_MAX_SAMPLES: slow jobs are measured
+#: longer; past the cap the policy goes by what it has).
+MEASURE_JOBS = 30
+MEASURE_MAX_SAMPLES = 30
 #: A step up paid when the rate rose by at least this fraction of what the added workers would
 #: add at the current per-worker rate. Free work gains ~100 %, a saturated pool or full CPUs ~0 %;
 #: a quarter sits far from both and from the few % of measurement noise.
@@ -162,6 +177,7 @@ class Measurement:
     any_pending: bool           # undelivered work at some sample
     work: int                   # pending + in flight at the last sample
     work_slope: float | None    # jobs/s between the first and last poll: < 0 draining; None: one poll
+    jobs: float = 0.0           # jobs finished in the samples `rate` spans
 
     @property
     def eta(self) -> float | None:
@@ -171,7 +187,17 @@ class Measurement:
         return self.work / -self.work_slope if self.work_slope is not None and self.work_slope < 0 else None
 
     @classmethod
-    def of(cls, xs: list[Inputs]) -> Measurement:
+    def of(cls, xs: list[Inputs], interval: float = 1.0, longer: list[Inputs] | None = None) -> Measurement:
+        """`xs` averaged; the rate (and job time) over `longer` instead when given: the recent
+        samples it takes to hold MEASURE_JOBS finished jobs."""
+        m = cls.over(xs, interval)
+        if longer is None or len(longer) <= len(xs):
+            return m
+        wide = cls.over(longer, interval)
+        return replace(m, rate=wide.rate, job_time=wide.job_time, jobs=wide.jobs)
+
+    @classmethod
+    def over(cls, xs: list[Inputs], interval: float) -> Measurement:
         n = len(xs)
         polled = (xs[-1].polled_at or 0.0) - (xs[0].polled_at or 0.0)
         times = [x.job_time for x in xs if x.job_time is not None]
@@ -181,7 +207,8 @@ class Measurement:
                    job_time=sum(times) / len(times) if times else None, cpu=sum(x.cpu for x in xs) / n,
                    worker_cpu=sum(wcpu) / len(wcpu) if wcpu else None,
                    backlog=all(x.pending > 0 for x in xs), any_pending=any(x.pending > 0 for x in xs),
-                   work=xs[-1].work, work_slope=(xs[-1].work - xs[0].work) / polled if polled > 0 else None)
+                   work=xs[-1].work, work_slope=(xs[-1].work - xs[0].work) / polled if polled > 0 else None,
+                   jobs=sum(x.completed for x in xs) * interval)
 
     def cpus_full(self, p: Params) -> bool:
         return self.cpu >= p.cpu_full and self.worker_cpu is not None and self.worker_cpu >= p.cpu_bound
@@ -195,8 +222,9 @@ class Autoscaler:
         self.target: int | None = None          # what we last asked for (or found)
         self.changed_at: float | None = None    # when we last changed it ...
         self.last_change: Decision | None = None    # ... and why
-        self.window: deque[Inputs] = deque(maxlen=params.measure_samples)
+        self.window: deque[Inputs] = deque(maxlen=MEASURE_MAX_SAMPLES)
         self.skip = params.settle_samples
+        self.growth = 1                             # workers the next step up adds
         self.baseline: Measurement | None = None    # the count before the last step up, measured
         self.plateau: int | None = None             # the count past which a step did not pay
         self.plateau_note = ""                      # what that step did, and why
@@ -208,11 +236,10 @@ class Autoscaler:
 
     def decide(self, x: Inputs) -> Decision:
         p = self.params
-        if self.window.maxlen != p.measure_samples:       # params replaced (a reload)
-            self.window = deque(self.window, maxlen=p.measure_samples)
         if x.workers != self.target:       # first call, or someone else set the count
             self.restart(x.workers)
             self.baseline = None           # their step is not ours to judge
+            self.growth = 1
         bounded = min(max(x.workers, p.min), p.max)
         if bounded != x.workers:
             which = f"autoscale.min = {p.min}" if bounded > x.workers else f"autoscale.max = {p.max}"
@@ -220,7 +247,11 @@ class Autoscaler:
         self.observe(x)
         if len(self.window) < p.measure_samples:
             return self.hold(x, "settling", self.settling_reason(x))
-        m = Measurement.of(list(self.window))
+        m = self.measure()
+        if m.jobs < MEASURE_JOBS and len(self.window) < MEASURE_MAX_SAMPLES and x.workers > 0 \
+                and (self.baseline is not None or self.wants_more(x, m)):
+            return self.hold(x, "settling", f"measuring {x.workers} worker(s): {m.jobs:.0f} of {MEASURE_JOBS} "
+                                            f"jobs finished so far, too few to judge a rate by")
         return self.judge_step(x, m) or self.rules(x, m)
 
     # ------------------------------------------------------------ measuring
@@ -242,6 +273,15 @@ class Autoscaler:
         else:
             self.window.append(x)
 
+    def measure(self) -> Measurement:
+        """The last measure_samples samples; their rate over as many recent samples as it takes
+        to hold MEASURE_JOBS finished jobs (all the window, at most)."""
+        xs, k, interval = list(self.window), self.params.measure_samples, self.params.interval
+        wide = k
+        while wide < len(xs) and sum(x.completed for x in xs[-wide:]) * interval < MEASURE_JOBS:
+            wide += 1
+        return Measurement.of(xs[-k:], interval, xs[-wide:])
+
     def settling_reason(self, x: Inputs) -> str:
         if x.ready < x.workers:
             return f"waiting for {x.workers - x.ready} of {x.workers} worker(s) to be ready"
@@ -250,26 +290,32 @@ class Autoscaler:
     # ------------------------------------------------------------ judging the last step up
 
     def judge_step(self, x: Inputs, m: Measurement) -> Decision | None:
-        """Once per step up, on its first full measurement: did it pay? If not, undo it."""
+        """Once per step up, on its first full measurement: did it pay, for each worker it added?
+        Keep the workers its gain paid for (at least HELP_FRACTION of a worker each, the first
+        ones counted first); take back the rest."""
         b, self.baseline = self.baseline, None
         if b is None or not (b.backlog and m.backlog) or b.rate <= 0.0 or b.workers <= 0:
             return None                    # no backlog on both sides: the rates say nothing
         added = m.workers - b.workers
-        expected = added * b.rate / b.workers
+        per_worker = b.rate / b.workers
         gain = m.rate - b.rate
-        if gain >= self.params.help_fraction * expected:
+        keep = max(0, min(added, math.floor(gain / per_worker + 1.0 - self.params.help_fraction)))
+        if keep == added:
+            self.growth = 2 * added        # it paid in full: the next step may be twice as large
             if self.plateau is not None and m.workers > self.plateau:
                 self.plateau, self.probe_at = None, None          # the bottleneck moved
                 self.probe_wait = self.params.probe_first_s
             return None
-        self.plateau = b.workers
+        back = b.workers + keep
+        self.plateau, self.growth = back, 1
         self.probe_at = x.now + self.probe_wait
         wait, self.probe_wait = self.probe_wait, min(2 * self.probe_wait, PROBE_MAX_S)
+        like = "one more worker" if added == 1 else f"{added} more workers"
         self.plateau_note = (f"{b.workers} -> {m.workers} workers moved jobs/s {b.rate:.1f} -> {m.rate:.1f} "
-                             f"({gain / b.rate:+.0%}, where one more worker like the others would add "
-                             f"{expected / b.rate:+.0%}){self.job_time_note(b, m)}: {self.bottleneck(m)}")
-        return self.change(x, b.workers, "plateau", f"{self.plateau_note}; back to {b.workers}, "
-                                                    f"probing again in {wait:.0f} s")
+                             f"({gain / b.rate:+.0%}, where {like} like the others would add "
+                             f"{added / b.workers:+.0%}){self.job_time_note(b, m)}: {self.bottleneck(m)}")
+        kept = f"keeping the {keep} it paid for, {back}" if keep else f"back to {back}"
+        return self.change(x, back, "plateau", f"{self.plateau_note}; {kept}, probing again in {wait:.0f} s")
 
     def bottleneck(self, m: Measurement) -> str:
         p = self.params
@@ -308,12 +354,24 @@ class Autoscaler:
                                                    f"{self.plateau_note}. {want[0].upper()}{want[1:]}; "
                                                    f"probing again in {self.probe_at - x.now:.0f} s")
                 want += f"; probing past the plateau at {self.plateau}"
+                self.growth = 1
+            step = min(self.step_size(x, m), p.max - n)
             self.baseline = m
-            return self.change(x, n + 1, "up", f"{want} ({m.rate:.1f} jobs/s at {n})")
+            return self.change(x, n + step, "up", f"{want} ({m.rate:.1f} jobs/s at {n}; +{step})")
         shed = self.can_shed(x, m)
         if shed and n > p.min:
             return self.change(x, n - 1, "down", shed)
         return self.hold(x, "steady", self.steady_reason(x, m, shed))
+
+    def step_size(self, x: Inputs, m: Measurement) -> int:
+        """Workers to add: `growth`, but no more than would keep up with the arrivals and drain
+        the backlog within eta_up at the measured rate per worker (at least one)."""
+        n = x.workers
+        if n == 0 or m.rate <= 0.0 or m.work_slope is None:
+            return 1
+        arrivals = max(0.0, m.rate + m.work_slope)         # what finished plus what the work grew by
+        needed = math.ceil((arrivals + m.work / self.params.eta_up) / (m.rate / n))
+        return max(1, min(self.growth, needed - n))
 
     def wants_more(self, x: Inputs, m: Measurement) -> str:
         """Why one more worker would help ("" when it would not): work waits at every sample
@@ -357,11 +415,15 @@ class Autoscaler:
     # ------------------------------------------------------------ outcomes
 
     def change(self, x: Inputs, target: int, kind: str, reason: str) -> Decision:
+        if kind != "up":
+            self.growth = 1
         self.restart(target)
         self.last = self.last_change = Decision(x.workers, target, kind, reason)
         self.changed_at = x.now
         return self.last
 
     def hold(self, x: Inputs, kind: str, reason: str) -> Decision:
+        if kind != "settling":
+            self.growth = 1                # growing needs one step up after another
         self.last = Decision(x.workers, x.workers, kind, reason)
         return self.last

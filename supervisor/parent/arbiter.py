@@ -151,6 +151,8 @@ class Arbiter:
         with step("watchdog"):
             if self.ever_all_ready and self.notifier and self.pool.ready_count() > 0:
                 self.notifier.watchdog()     # only while a worker serves: systemd restarts a pool that cannot
+        with step("spread"):
+            self.stats.share_spread()          # pull sizing: the fleet's spread of job times
         with step("recycle"):
             self.pool.recycle(bool(self.stopping))
         with step("autoscale"):

@@ -1,7 +1,7 @@
 """The parent's loop must outlive any one of its steps (issue 22, R2/R9).
 
 Every step of `Arbiter.run` (restore the count, signals, posted work, reap, held-back NAKs,
-inspect, recycle, autoscale, boot halt, audit) runs inside `guard(step)`: an exception there is
+inspect, spread, recycle, autoscale, boot halt, audit) runs inside `guard(step)`: an exception there is
 logged with its traceback, counted (/status "loop", /metrics
 jetstream_supervisor_loop_step_failures_total{step}), raised as an alert, and the loop goes on.
 A supervisor that exits because one NATS request timed out leaves its workers to the parent-death
@@ -31,7 +31,7 @@ PAUSE = 0.5             # the shortest sleep after a tick in which a step failed
 
 # The loop's steps, in order (the names /status and /metrics use).
 STEPS = ("restore_count", "sleep", "signals", "posted", "reap", "held_back_naks", "nats_back", "inspect",
-         "watchdog", "recycle", "autoscale", "boot_halt", "audit")
+         "watchdog", "spread", "recycle", "autoscale", "boot_halt", "audit")
 
 
 def signature(exc: BaseException) -> str:

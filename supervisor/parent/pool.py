@@ -27,6 +27,7 @@ from supervisor.parent.process import WorkerProcess, WorkerState
 from supervisor.parent.stats import Stats
 from workers.protocol import slots
 from workers.protocol.slots import SlotTable
+from workers.runtime.pulls import BUFFER_REQUESTS
 
 log = logging.getLogger("supervisor")
 
@@ -106,8 +107,9 @@ class Pool:
                   extra={"event": "spawn_failed", "slot": w.slot, "cause": cause, "delay": delay})
 
     def table_entries(self) -> int:
-        # Pulled + running (concurrency + one batch), and as many again awaiting ack confirmation.
-        return 2 * (self.cfg.workers.concurrency + self.cfg.workers.batch)
+        # Pulled + running (concurrency + the largest buffer), and as many again awaiting ack confirmation.
+        w = self.cfg.workers
+        return 2 * (w.concurrency + min(BUFFER_REQUESTS * w.batch, self.cfg.consumer.max_ack_pending))
 
     def reply_bytes(self) -> int:
         return 256 + len(self.cfg.stream.name) + len(self.cfg.consumer.name)

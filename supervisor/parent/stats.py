@@ -12,6 +12,7 @@ from collections.abc import Callable
 from supervisor.core import liveness
 from supervisor.parent.process import WorkerProcess
 from workers.protocol import slots
+from workers.runtime.pulls import residual
 
 
 @dataclasses.dataclass
@@ -59,6 +60,17 @@ class Stats:
                 "nak": self.totals.naked + sum(w.table.header(slots.NAKED_N) for w in live),
                 "term": self.totals.termed + sum(w.table.header(slots.TERMED_N) for w in live),
                 "duplicate": self.totals.duplicates + sum(w.table.header(slots.DUPLICATE_N) for w in live)}
+
+    def share_spread(self) -> float:
+        """Pull sizing's fleet-wide view (workers/runtime/pulls.py): every living worker's recent
+        job times pooled into one residual, written back to each. A worker that has not met a
+        long job yet then stops buffering short jobs ahead of its first one, like the rest."""
+        live = self.living()
+        sums = [w.table.spread() for w in live]
+        fleet = residual(sum(a for a, _ in sums), sum(b for _, b in sums))
+        for w in live:
+            w.table.set_fleet_residual(fleet)
+        return fleet
 
     def slowest_job(self) -> float:
         return max([self.totals.max_duration, *(w.table.max_duration() for w in self.living())])

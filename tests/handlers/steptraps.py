@@ -31,6 +31,7 @@ TARGETS = {
     "nats_back": ("supervisor.parent.pool", "Pool", "nats_back"),
     "inspect": ("supervisor.parent.safety.watch", "Watch", "inspect"),
     "watchdog": ("supervisor.parent.systemd", "Notifier", "watchdog"),
+    "spread": ("supervisor.parent.stats", "Stats", "share_spread"),
     "recycle": ("supervisor.parent.pool", "Pool", "recycle"),
     "autoscale": ("supervisor.parent.scaler", "Scaler", "tick"),
     "boot_halt": ("supervisor.parent.arbiter", "Arbiter", "check_boot_failures"),

@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import psutil
 import pytest
-from harness import child_env, wait_until
+from harness import child_env, publish_now, wait_until
 from natsauth import first_pick_taken
+
+from bench.handlers import HOLD
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE_TIMEOUT = 170.0
@@ -45,7 +49,30 @@ def stop_bench(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> tuple[dict, Path]:
-    out = tmp_path_factory.mktemp("bench")
+    """`python -m bench --smoke`, once per test session: under xdist the first worker to get here
+    runs it (under a lock in the session's shared temp root) and the others read its results.
+    Each worker ran the whole bench before. (`xdist_group` cannot do it here: pytest-xdist 3.8
+    marks a grouped test through a nodeid field pytest 9 no longer reads, so `--dist loadgroup`
+    groups nothing.)"""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent                   # popen-gwN's parent: every worker's
+    out, failed = shared / "bench-smoke", shared / "bench-smoke.failed"
+    with open(shared / "bench-smoke.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)         # the others wait here while one runs it
+        if failed.exists():
+            raise AssertionError(f"the smoke benchmark failed in another worker: {failed.read_text()}")
+        if not (out / "results.json").exists():
+            try:
+                run_smoke(out)
+            except AssertionError as exc:
+                failed.write_text(str(exc)[-6000:])
+                raise
+    return json.loads((out / "results.json").read_text()), out
+
+
+def run_smoke(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     proc = start_bench(["--smoke", "--out", str(out)], out / "tmp")
     try:
         stdout, stderr = proc.communicate(timeout=SMOKE_TIMEOUT)
@@ -57,7 +84,6 @@ def smoke(tmp_path_factory) -> tuple[dict, Path]:
             stop_bench(proc)
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     assert list((out / "tmp").glob("jsbench-*")) == [], "the bench removes its workdir"
-    return json.loads((out / "results.json").read_text()), out
 
 
 def bench_family(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -75,8 +101,20 @@ def cmdlines(family: list[psutil.Process]) -> str:
     return " | ".join(out)
 
 
-def gone(family: list[psutil.Process]) -> bool:
-    return not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+def living(family: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for p in family:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+    return alive
+
+
+def all_gone(family: list[psutil.Process], timeout: float) -> None:
+    try:
+        wait_until(lambda: not living(family), timeout=timeout, what="the bench's nats-server and contenders gone")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; still running: {cmdlines(living(family))}") from None
 
 
 def running_bench(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
@@ -92,34 +130,74 @@ def running_bench(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
     return proc, wait_until(up, timeout=60, what="the bench's nats-server, supervisor and workers")
 
 
+def hold_a_job(tmp_path, rundir: str = "crash-ours", timeout: float = 30) -> None:
+    """A hold job of our own in one of the bench's crash workers (or loops), started: it never ends
+    (the bench kills only the holders of the jobs it published), so a stop finds one busy, the
+    worst case (the bench kills its holders within milliseconds, but its death may fall in them)."""
+    [config] = wait_until(lambda: list((tmp_path / "tmp").glob("jsbench-*/*-crash-ours/config.toml")),
+                          timeout=30, what="the crash scenario's supervisor config")
+    [where] = wait_until(lambda: list((tmp_path / "tmp").glob(f"jsbench-*/*-{rundir}")), timeout=timeout,
+                         what=f"the bench's {rundir} run")
+    [seq] = publish_now(tomllib.loads(config.read_text())["nats"]["servers"][0], count=1, data=HOLD.decode())
+    journal = where / "journal.txt"
+    wait_until(lambda: journal.exists() and any(line.split()[:2] == [str(seq), "1"]
+                                                for line in journal.read_text().splitlines()),
+               timeout=timeout, what=f"the hold job seq {seq} started")
+
+
+def clean_up(proc: subprocess.Popen, family: list[psutil.Process]) -> None:
+    """Whatever a failed test left: every process it saw, then the bench."""
+    for p in family:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
+
+
 def test_a_sigkilled_bench_takes_its_processes_with_it(tmp_path):
+    """The bench's children get SIGTERM at its death (PDEATHSIG): a supervisor then stops
+    gracefully, waiting workers.graceful_timeout for a running job. The bench gives its crash
+    supervisors CRASH_GRACE_S (their hold jobs never end), so everything is gone well within 20 s;
+    at the default 30 s it was not (the CI time-out)."""
     proc, family = running_bench(tmp_path)
     try:
+        hold_a_job(tmp_path)
         proc.kill()                          # what a timeout does: the bench alone, no cleanup of its own
         proc.wait()
-        wait_until(lambda: gone(family), timeout=30, what="the bench's nats-server and contenders gone")
+        all_gone(family, 20)
     finally:
-        for p in family:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        proc.communicate()
+        clean_up(proc, family)
+
+
+def test_a_sigkilled_bench_takes_its_loops_with_it_while_one_holds_a_job(tmp_path):
+    """The crash baseline's seed loops, one running a hold job (a blocking sleep on the loop's
+    thread, where its SIGTERM handler cannot run): at the bench's death their launcher passes the
+    SIGTERM on, then SIGKILLs what is left after LAUNCH_GRACE_S; everything is gone within 20 s."""
+    proc = start_bench(["--smoke", "--only", "crash", "--out", str(tmp_path / "out")], tmp_path / "tmp")
+    family: list[psutil.Process] = []
+    try:
+        hold_a_job(tmp_path, "crash-baseline", timeout=90)
+        family = bench_family(proc)
+        assert "bench.contenders seed" in cmdlines(family), cmdlines(family)
+        proc.kill()
+        proc.wait()
+        all_gone(family, 20)
+    finally:
+        clean_up(proc, family)
 
 
 def test_a_sigtermed_bench_stops_everything_and_removes_its_workdir(tmp_path):
     proc, family = running_bench(tmp_path)
     try:
         assert list((tmp_path / "tmp").glob("jsbench-*")), "the workdir exists while it runs"
+        hold_a_job(tmp_path)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 128 + signal.SIGTERM
-        wait_until(lambda: gone(family), timeout=30, what="the bench's nats-server and contenders gone")
+        all_gone(family, 30)
         assert list((tmp_path / "tmp").glob("jsbench-*")) == []
     finally:
-        for p in family:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
+        clean_up(proc, family)
 
 
 def test_a_bench_nats_server_port_taken_before_it_binds_is_picked_again(tmp_path, monkeypatch):
@@ -224,11 +302,38 @@ def test_guard_cost_figures_are_sane(smoke):
     assert base["vs_no_guard"] == 1.0 and base["extra_us_per_job"] == 0
 
 
+def test_latency_figures_are_sane(smoke):
+    results, _ = smoke
+    lat = results["latency"]
+    assert lat["contenders"] == ["supervisor-sync", "plain"]          # the smoke run's two: ours and the yardstick
+    expected = int(lat["rate"] * lat["load_s"])
+    for run in lat["runs"]:
+        assert run["jobs"] == expected and run["timed"] == expected, run        # every job timed once
+        assert 0 < run["p50_s"] <= run["p99_s"] <= run["max_s"], run
+    plain = next(r for r in lat["summary"] if r["contender"] == "plain")
+    assert plain["p99_vs_plain"] == 1.0
+    for row in lat["summary"]:
+        assert positive(row["p99_vs_plain"]), row
+
+
+def test_fairness_figures_are_sane(smoke):
+    results, _ = smoke
+    fair = results["fairness"]
+    assert fair["contenders"] == ["supervisor-sync", "plain"]
+    shorts = int(fair["rate"] * fair["load_s"])
+    for run in fair["runs"]:
+        assert run["timed"] == run["jobs"] == shorts + int(fair["load_s"] / fair["long_every"]), run
+        m, w = run["measured"], run["warmup"]
+        assert m["jobs"] + w["jobs"] == shorts and m["jobs"] > 0, run
+        assert 0 < m["p50_s"] <= m["p99_s"] <= m["max_s"], run
+        assert 0 <= m["behind_long"] <= m["jobs"] and 0 <= m["over_limit"] <= m["jobs"], run
+
+
 def test_report_is_written(smoke):
     results, out = smoke
     text = (out / "tables.md").read_text()
-    for heading in ("Throughput", "CPU-bound", "seed experiment", "Crash recovery", "Footprint", "supervisor publish",
-                    "guard's cost", "tuned", "Targets"):
+    for heading in ("Throughput", "CPU-bound", "seed experiment", "Latency", "Fairness", "Crash recovery", "Footprint",
+                    "supervisor publish", "guard's cost", "tuned", "Targets"):
         assert heading in text
     assert results["targets"] and all("met" in t for t in results["targets"])
     if importlib.util.find_spec("matplotlib"):

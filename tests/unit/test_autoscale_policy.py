@@ -16,7 +16,15 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from supervisor.core.autoscale import PROBE_MAX_S, Autoscaler, Decision, Inputs, Params
+from supervisor.core.autoscale import (
+    MEASURE_JOBS,
+    MEASURE_MAX_SAMPLES,
+    PROBE_MAX_S,
+    Autoscaler,
+    Decision,
+    Inputs,
+    Params,
+)
 from supervisor.core.lag import LagAnalyzer, Sample
 
 DT = 0.05               # simulation step (s)
@@ -237,9 +245,11 @@ def test_free_work_scales_to_max_with_a_backlog_and_back_to_min_after():
     down = sim.first_time(lambda n: n == 1, after=sim.emptied_at)
     assert down is not None and down - sim.emptied_at <= 60, sim.timeline()
     assert sim.direction_changes() == 1, sim.timeline()       # up, then down: no oscillation
-    # One step at a time both ways, and never faster than the dwell.
+    # Up by doubling steps while each pays (1, 2, 4, then max), down one at a time, and never
+    # faster than the dwell.
     changes = list(zip(sim.history, sim.history[1:]))
-    assert all(abs(b - a) == 1 for (_, a), (_, b) in changes)
+    assert [n for _, n in sim.history[:4]] == [1, 2, 4, 6], sim.timeline()
+    assert all(a - b == 1 for (_, a), (_, b) in changes if b < a)
     assert all(t2 - t1 >= sim.params.step_s - 1e-6 for (t1, _), (t2, _) in changes[1:])
 
 
@@ -254,14 +264,15 @@ def test_free_work_at_a_steady_rate_settles_where_it_keeps_up():
 
 
 def test_pool_of_two_settles_at_two_and_probes_rarely():
-    """0.1 s jobs behind 2 connections: 3 workers add nothing, the step is undone, the plateau
-    remembered; probes past it come after 60 s, then 120 s, then 240 s."""
+    """0.1 s jobs behind 2 connections: 1 -> 2 paid, so the next step doubles; 4 workers add
+    nothing, the step is undone, the plateau remembered; probes past it (one worker) come after
+    60 s, then 120 s, then 240 s."""
     sim = Sim(pool(2), backlog(100_000), params()).run(600)
-    assert max(sim.targets()) == 3, sim.timeline()
+    assert sim.targets()[:4] == [1, 2, 4, 2] and max(sim.targets()) == 4, sim.timeline()
     assert sim.settled()[0] == 2 and sim.first_undo() <= 15, sim.timeline()
     assert sim.first_time(lambda n: n != 2, after=sim.first_undo()) >= 60, "held until the first probe"
     assert sim.direction_changes(until=60) == 1, sim.timeline()
-    probes = sum(1 for (_, a), (_, b) in zip(sim.history, sim.history[1:]) if (a, b) == (2, 3)) - 1
+    probes = sum(1 for (_, a), (_, b) in zip(sim.history, sim.history[1:]) if (a, b) == (2, 3))
     assert 2 <= probes <= 3, sim.timeline()
     assert sim.direction_changes() == 1 + 2 * probes, sim.timeline()
     plateau = [d for _, d in sim.decisions if d.kind == "plateau" and d.changes]
@@ -274,7 +285,18 @@ def test_pool_of_two_settles_at_two_and_probes_rarely():
 def test_pool_of_four_settles_at_four():
     sim = Sim(pool(4), backlog(100_000), params(hi=8)).run(60)
     assert sim.settled()[0] == 4, sim.timeline()
-    assert max(sim.targets()) == 5
+    assert sim.targets()[:5] == [1, 2, 4, 8, 4], sim.timeline()
+
+
+@pytest.mark.parametrize("k", [3, 5, 6])
+def test_a_step_of_several_keeps_the_workers_its_gain_paid_for(k):
+    """A pool of k: the doubling step past it keeps the workers that added throughput (4 -> 8
+    behind 5 or 6 connections gains one or two workers' worth: 5 or 6), and holds there."""
+    sim = Sim(pool(k), backlog(100_000), params(hi=8)).run(60)
+    assert sim.settled()[0] == k and sim.policy.plateau == k, sim.timeline()
+    trimmed = next(d for _, d in sim.decisions if d.kind == "plateau" and d.changes)
+    assert ("keeping the" in trimmed.reason) is (trimmed.target > trimmed.workers // 2), trimmed.reason
+    assert "probing again in" in trimmed.reason
 
 
 def test_cpu_bound_on_two_cores_holds_at_the_core_count():
@@ -289,7 +311,7 @@ def test_cpu_bound_without_per_worker_cpu_finds_the_plateau_from_the_rate_alone(
     """Where /proc/<pid>/task/*/schedstat is unreadable the rates alone still stop it at 2."""
     service = replace(cpu_bound(cores=2), worker_cpu=None)
     sim = Sim(service, backlog(100_000), params()).run(60)
-    assert sim.settled()[0] == 2 and max(sim.targets()) == 3, sim.timeline()
+    assert sim.settled()[0] == 2 and max(sim.targets()) == 4, sim.timeline()
     plateau = next(d for _, d in sim.decisions if d.kind == "plateau")
     assert "CPUs are full" in plateau.reason, plateau.reason
 
@@ -325,13 +347,26 @@ def test_a_big_burst_scales_up_then_back_down_once():
 def test_noisy_service_still_settles_without_flapping(seed):
     """15 % noise per 50 ms step on the service rate (the real box's jitter is of that order)."""
     sim = Sim(pool(2), backlog(100_000), params(), noise=0.15, seed=seed).run(50)
-    assert sim.settled()[0] == 2 and max(sim.targets()) == 3, sim.timeline()
+    assert sim.settled()[0] == 2 and max(sim.targets()) == 4, sim.timeline()
     assert sim.direction_changes() == 1, sim.timeline()
     free_sim = Sim(free(), backlog(3000), params(), noise=0.15, seed=seed).run(40)
     assert free_sim.first_time(lambda n: n >= 5) <= 30 and free_sim.direction_changes() == 0, free_sim.timeline()
 
 
-def test_default_interval_is_just_slower():
+def test_the_defaults_get_a_free_work_backlog_its_workers_within_30_s():
+    """Every [autoscale] key at its default but enabled (1 s decisions, max 8): a backlog that
+    needs 5 or more workers has them within 30 s, and the count is back at 1 once it is gone."""
+    from supervisor.config import Config
+
+    p = Params.from_config(Config().replace(autoscale={"enabled": True}))
+    sim = Sim(free(), backlog(5000), p).run(200)
+    up = sim.first_time(lambda n: n >= 5)
+    assert up is not None and up <= 30, sim.timeline()
+    assert max(sim.targets()) == 8 and sim.direction_changes() == 1, sim.timeline()
+    assert sim.emptied_at is not None and sim.settled()[0] == 1, sim.timeline()
+
+
+def test_an_interval_of_5_s_is_just_slower():
     """interval 5 s (the default): the same shapes, five times slower."""
     p = params(interval=5.0)
     sim = Sim(pool(2), backlog(100_000), p).run(300)
@@ -405,7 +440,7 @@ def test_a_step_pays_at_a_quarter_of_a_worker(rate3, helped):
     d = feed(p, 0, 4)
     assert (d.kind, d.target) == ("up", 3)
     d = feed(p, 4, 4, workers=3, ready=3, completed=rate3, busy=3.0, running=3)
-    assert (d.target == 4) is helped and (d.target == 2) is not helped, d
+    assert (d.target > 3) is helped and (d.target == 2) is not helped, d
     if not helped:
         assert d.kind == "plateau" and p.plateau == 2
 
@@ -438,13 +473,13 @@ def test_probe_waits_double_after_each_failure_and_reset_after_a_success():
     (dict(ready=1), "settling", "waiting for 1 of 2"),
     (dict(lag_state="unknown"), "waiting", "no lag analysis"),
     (dict(lag_state="stuck"), "stuck", "lag is stuck"),
-    (dict(completed=0.0), "stalled", "acked nothing"),
+    (dict(completed=0.0), "stalled", "acked nothing"),        # once MEASURE_MAX_SAMPLES found no finished job
 ])
 def test_holds(kw, kind, words):
     p = Autoscaler(params())
-    d = feed(p, 0, 8, **kw)
+    d = feed(p, 0, MEASURE_MAX_SAMPLES + 1, **kw)
     assert d.kind == kind and words in d.reason and d.target == 2, d
-    assert feed(p, 8, 8, **kw) == d, "a hold is stable"
+    assert feed(p, 40, 8, **kw) == d, "a hold is stable"
     assert feed(Autoscaler(params()), 0, 4).kind == "up", "while the same inputs with a backlog go up"
 
 
@@ -471,7 +506,7 @@ def test_decisions_are_never_more_frequent_than_consumer_info_polls():
     cfg = Config().replace(autoscale={"interval": 0.2, "min": 2, "max": 5}, monitor={"interval": 1.5})
     p = Params.from_config(cfg)
     assert (p.min, p.max, p.interval, p.step_s, p.eta_up) == (2, 5, 1.5, 6.0, 18.0)
-    assert Params.from_config(Config()).interval == 5.0
+    assert Params.from_config(Config()).interval == 1.0
 
 
 def test_someone_else_changing_the_count_restarts_the_measurement_and_is_not_judged():
@@ -481,3 +516,37 @@ def test_someone_else_changing_the_count_restarts_the_measurement_and_is_not_jud
     assert d.kind == "settling" and "0 of 3" in d.reason
     d = feed(p, 5, 4, workers=5, ready=5, completed=20.0)          # 5 workers no faster than 2 ...
     assert d.kind != "plateau" and p.plateau is None                # ... but we did not add them
+
+
+def test_slow_jobs_are_measured_longer_before_a_step_up():
+    """10 s jobs on one worker finish 0.1 a second: three samples hold no rate worth judging. The
+    step up waits until the samples hold MEASURE_JOBS jobs, or MEASURE_MAX_SAMPLES were taken."""
+    p = Autoscaler(params())
+    kw = dict(workers=1, ready=1, completed=0.1, busy=1.0, running=1, job_time=10.0, pending=100)
+    d = feed(p, 0, 4, **kw)
+    assert d.kind == "settling" and f"of {MEASURE_JOBS} jobs finished" in d.reason, d
+    d = feed(p, 4, MEASURE_MAX_SAMPLES - 3, **kw)
+    assert (d.kind, d.target) == ("up", 2), d
+    # a rate with enough jobs in it goes at once
+    assert feed(Autoscaler(params()), 0, 4, workers=1, ready=1, completed=10.0, busy=1.0, running=1).kind == "up"
+
+
+def test_the_step_up_is_no_larger_than_the_backlog_needs():
+    """The doubling is capped by the count that would keep up and drain the backlog within eta_up."""
+    p = Autoscaler(params(hi=64))
+    d = feed(p, 0, 4, workers=2, ready=2, completed=20.0, busy=2.0, running=2)
+    assert (d.kind, d.target) == ("up", 3)
+    # 3 paid in full: growth 2. 150 waiting, not draining, 10 jobs/s per worker: keeping up
+    # with ~30/s and draining 150 in 12 s takes ceil((30 + 12.5) / 10) = 5 workers: +2.
+    d = feed(p, 4, 4, workers=3, ready=3, completed=30.0, busy=3.0, running=3, pending=150)
+    assert (d.kind, d.target) == ("up", 5), d
+    # 5 paid in full: growth 4, but 150 waiting and 50 jobs/s need ceil((50 + 12.7) / 10) = 7: +2.
+    d = feed(p, 8, 4, workers=5, ready=5, completed=50.0, busy=5.0, running=5, pending=150)
+    assert (d.kind, d.target) == ("up", 7), d
+
+
+def test_a_hold_between_steps_up_starts_the_growth_over():
+    p = Autoscaler(params(hi=64))
+    feed(p, 0, 4)                                                       # 2 -> 3
+    feed(p, 4, 4, workers=3, ready=3, completed=30.0, busy=3.0, running=3, pending=0)   # judged? no: drained
+    assert p.growth == 1

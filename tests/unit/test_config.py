@@ -105,6 +105,7 @@ DEVIATIONS = {
     ("workers", "batch"): (16, 256, "issue 11: pulls are sized from the work; batch is only their ceiling"),
     ("workers", "retry_backoff"): ([1.0, 5.0, 30.0], [], "issue 24: [retry] replaces it (doubling, jitter); the "
                                                           "old list, when set, still gives the delays exactly"),
+    ("autoscale", "interval"): (5.0, 1.0, "issue 25: a step every 4 s (one ConsumerInfo poll per decision), not 20 s"),
 }
 
 

@@ -7,7 +7,18 @@ from __future__ import annotations
 
 import pytest
 
-from workers.runtime.pulls import DEPTH, IDLE_STALE, MIN_SPAN, RTT_CAP, RTT_SAMPLES, PullSizer, fair_share
+from workers.runtime.pulls import (
+    BACKLOG_RUN,
+    BUFFER_REQUESTS,
+    DEPTH,
+    IDLE_STALE,
+    MIN_SPAN,
+    RTT_CAP,
+    RTT_SAMPLES,
+    SPREAD_JOBS,
+    PullSizer,
+    fair_share,
+)
 
 NOW = 1000.0
 
@@ -30,10 +41,11 @@ def test_a_fresh_worker_asks_for_one_job_per_handler():
 
 
 def test_short_jobs_get_a_deep_buffer_and_large_pulls():
-    s = sizer(job=0.00002, rtt=0.002)                  # 20 µs jobs, 2 ms round trip: capped by the ceiling
-    assert s.capacity(NOW) == 1 + 256
-    assert s.size(NOW, outstanding=0, credits=0, free_entries=600) == 256
-    assert s.size(NOW, outstanding=1, credits=0, free_entries=600) == 256
+    s = sizer(job=0.00001, rtt=0.01, share=5000)       # 10 µs jobs, 10 ms round trip: capped by the ceiling
+    assert s.capacity(NOW) == 1 + BUFFER_REQUESTS * 256                     # several requests' worth ...
+    assert s.size(NOW, outstanding=0, credits=0, free_entries=3000) == 256  # ... each of one batch at most
+    assert s.size(NOW, outstanding=1, credits=0, free_entries=3000) == 256
+    assert sizer(job=0.00001, rtt=0.01).capacity(NOW) == 1000               # and within the fair share
 
 
 def test_slow_jobs_hoard_nothing():
@@ -98,29 +110,34 @@ def test_the_fair_share_of_max_ack_pending_caps_everything():
 
 def test_the_ceiling_caps_prefetch_and_each_request():
     s = sizer(ceiling=16, job=0.00001, rtt=0.01)
-    assert s.prefetch(NOW) == 16 and s.capacity(NOW) == 17
+    assert s.prefetch(NOW) == BUFFER_REQUESTS * 16 and s.capacity(NOW) == 1 + BUFFER_REQUESTS * 16
     assert s.size(NOW, outstanding=0, credits=0, free_entries=100) == 16
 
 
 def test_the_slot_table_and_max_jobs_limit_the_request():
-    s = sizer(job=0.00001, rtt=0.01)                     # capacity 257
-    assert s.size(NOW, outstanding=0, credits=0, free_entries=200) == 200
-    assert s.size(NOW, outstanding=0, credits=100, free_entries=200) == 0    # room 100 < half of 257
+    s = sizer(ceiling=64, job=0.00001, rtt=0.01)         # capacity 1 + 4 x 64 = 257
+    assert s.size(NOW, outstanding=0, credits=0, free_entries=200) == 64    # a batch at a time
+    assert s.size(NOW, outstanding=0, credits=0, free_entries=150) == 64
+    assert s.size(NOW, outstanding=100, credits=0, free_entries=110) == 0   # room 110 < half of 257
+    assert s.size(NOW, outstanding=100, credits=100, free_entries=200) == 0  # room 100 < half of 257
     assert s.size(NOW, outstanding=0, credits=0, free_entries=200, jobs_left=3) == 3
     assert s.size(NOW, outstanding=0, credits=0, free_entries=200, jobs_left=0) == 0
 
 
 def test_after_an_idle_spell_the_job_time_is_stale_until_a_new_job_finishes():
-    s = sizer(job=0.00001, rtt=0.01)
+    s = sizer(ceiling=64, job=0.00001, rtt=0.01)         # capacity 257
     assert s.capacity(NOW + IDLE_STALE - 1) == 257
     later = NOW + IDLE_STALE + 1
     assert s.capacity(later) == 1                        # the idle worker's renewed request: one job
-    s.message(later)                                     # a new burst: still one until a job of it is timed
+    s.message(later, pending=50)                         # a new burst: still one until a job of it is timed
     assert s.capacity(later) == 1
     s.job_done(0.5)                                      # a slow one: replaces the estimate outright
     assert s.job_time == 0.5 and s.capacity(later) == 1
     for _ in range(100):                                 # then fast ones win it back, slowly
         s.job_done(0.00001)
+    assert s.capacity(later) == 1                        # (a backlog of one message: not yet a backlog)
+    for _ in range(BACKLOG_RUN - 1):
+        s.message(later, pending=50)
     assert s.capacity(later) == 257
 
 
@@ -142,3 +159,153 @@ def test_jobs_longer_than_the_outcome_batching_go_back_alone_and_buy_no_buffer()
     s.job_done(0.05)                                          # the crash test's 50 ms jobs
     assert s.rtt == pytest.approx(2 * 0.004)
     assert s.prefetch(NOW) == 0 and s.capacity(NOW) == 1     # what a death leaves: the running job
+
+
+# -- the spread of job times (issue 25): buffer nothing a handler may not start soon
+
+def mixed(s: PullSizer, short: float, long: float, every: int, jobs: int) -> None:
+    """`jobs` job times: `short` ones, and one `long` among every `every`."""
+    for k in range(jobs):
+        s.job_done(long if k % every == every // 2 else short)
+
+
+def test_uniform_jobs_are_sized_by_the_mean_alone_the_spread_rule_never_binds():
+    # The residual of uniform jobs is half a job: its threshold is the formula's own, so for every
+    # job time, round trip and concurrency the spread rule only ever agrees with it.
+    for concurrency in (1, 2, 4):
+        for rtt in (0.001, 0.004, 0.02):
+            for job in (0.00001, 0.001, 0.003, 0.01, 0.015, 0.02, 0.05, 0.2, 1.0):
+                s = sizer(concurrency=concurrency, job=job, rtt=rtt)
+                for _ in range(50):
+                    s.job_done(job)
+                by_mean = min(BUFFER_REQUESTS * 256, int(concurrency * DEPTH * s.rtt / job + 0.5))
+                assert s.prefetch(NOW) == by_mean, (concurrency, rtt, job)
+                assert s.residual == pytest.approx(job / 2)
+
+
+def test_one_long_job_among_short_ones_stops_the_buffer():
+    # The fairness scenario's mix: 10 ms jobs, one of 2 s among every 200. The mean alone buffers
+    # two short jobs; the residual (about 0.5 s) says a buffered job would wait behind a long one.
+    s = sizer(job=0.01, rtt=0.005)
+    for _ in range(100):
+        s.job_done(0.01)
+    assert s.prefetch(NOW) == 1 and not s.spread()
+    mixed(s, 0.01, 2.0, 200, 1000)
+    assert s.residual > 0.3 and s.spread()
+    assert s.prefetch(NOW) == 0 and s.capacity(NOW) == 1
+    assert s.size(NOW, outstanding=1, credits=0, free_entries=100) == 0      # running one: ask for nothing
+
+
+def test_the_spread_is_remembered_for_thousands_of_jobs_then_forgotten():
+    s = sizer(job=0.01, rtt=0.005)
+    mixed(s, 0.01, 2.0, 200, 1000)
+    for _ in range(SPREAD_JOBS):                       # a thousand short jobs after the last long one
+        s.job_done(0.01)
+    assert s.spread()
+    for _ in range(5 * SPREAD_JOBS):
+        s.job_done(0.01)
+    assert not s.spread() and s.prefetch(NOW) == 1     # uniform again: the mean's buffer is back
+
+
+def test_short_hiccups_among_no_op_jobs_keep_the_buffer():
+    # A no-op timed at 20 ms once in a thousand (a thread descheduled on a busy box) is no reason
+    # to stop buffering: the residual stays far below the buffer's span.
+    s = sizer(job=0.00001, rtt=0.005)
+    mixed(s, 0.00001, 0.02, 1000, 5000)
+    assert not s.spread() and s.prefetch(NOW) >= 256
+
+
+def test_more_handlers_share_the_wait_behind_a_long_job():
+    # With 8 handlers a buffered job waits for the first of them to free: the same mix that stops
+    # one handler's buffer (residual ~50 ms against 2 x 5 ms) still buffers at 8 (against 8 x 10 ms).
+    one, eight = sizer(concurrency=1, rtt=0.005), sizer(concurrency=8, rtt=0.005)
+    for s in (one, eight):
+        mixed(s, 0.001, 0.2, 100, 2000)
+    assert one.spread() and one.prefetch(NOW) == 0
+    assert not eight.spread() and eight.prefetch(NOW) > 0
+
+
+def test_without_a_buffer_a_free_handler_asks_at_once():
+    # Slow jobs, 4 handlers, nothing buffered: one free handler is worth a request (the half-free
+    # rule is for buffers; here it would leave the handler idle until a second one finished).
+    s = sizer(concurrency=4, job=0.2, rtt=0.002)
+    assert s.prefetch(NOW) == 0
+    assert s.size(NOW, outstanding=3, credits=0, free_entries=100) == 1
+    assert s.size(NOW, outstanding=4, credits=0, free_entries=100) == 0
+
+
+def test_with_a_backlog_the_buffer_stays_whatever_the_spread():
+    # Every free handler finds work at once and a job waits in the stream if not in a buffer: the
+    # buffer only saves round trips. One message saying more were pending is not a backlog yet
+    # (a burst that other workers' requests are about to take); BACKLOG_RUN in a row are.
+    s = sizer(job=0.01, rtt=0.005)
+    mixed(s, 0.01, 2.0, 200, 1000)
+    for k in range(BACKLOG_RUN):
+        assert s.spread() and s.prefetch(NOW) == 0, k
+        s.message(NOW, pending=100)
+    assert not s.spread() and s.prefetch(NOW) == 1
+    s.message(NOW, pending=0)                          # drained: fair again
+    assert s.spread() and s.prefetch(NOW) == 0
+
+
+def test_a_new_burst_after_an_idle_spell_starts_the_spread_over():
+    s = sizer(job=0.01, rtt=0.005)
+    mixed(s, 0.01, 2.0, 200, 1000)
+    assert s.spread()
+    later = NOW + IDLE_STALE + 1
+    s.message(later)
+    s.job_done(0.01)
+    assert s.residual == pytest.approx(0.005) and not s.spread()
+
+
+def test_a_worker_that_has_not_met_a_long_job_learns_the_spread_from_the_fleet():
+    # Worker A ran the mix, worker B only short jobs so far: B alone would buffer. Through their
+    # slot tables the parent pools both (Stats.share_spread) and B stops buffering too.
+    from types import SimpleNamespace
+
+    from supervisor.parent.stats import Stats
+    from workers.protocol.slots import SlotTable
+
+    a, b = sizer(job=0.01, rtt=0.005), sizer(job=0.01, rtt=0.005)
+    mixed(a, 0.01, 2.0, 200, 1000)
+    for _ in range(1000):
+        b.job_done(0.01)
+    assert a.spread() and not b.spread() and b.prefetch(NOW) == 1
+    tables = [SlotTable(8, 64), SlotTable(8, 64)]
+    try:
+        for s, t in zip((a, b), tables):
+            t.share_spread(*s.shared(NOW))
+        fleet = Stats(lambda: [SimpleNamespace(table=t) for t in tables]).share_spread()
+        assert a.residual > fleet > b.residual
+        b.fleet_residual = tables[1].fleet_residual()
+        assert b.fleet_residual == fleet and b.spread() and b.prefetch(NOW) == 0
+    finally:
+        for t in tables:
+            t.close()
+
+
+def test_an_idle_worker_shares_nothing_of_its_last_burst():
+    s = sizer(job=0.01, rtt=0.005)
+    mixed(s, 0.01, 2.0, 200, 1000)
+    assert s.shared(NOW) == (s.spent, s.spent_sq)
+    assert s.shared(NOW + IDLE_STALE + 1) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("concurrency, batch, max_ack_pending, count",
+                         [(1, 256, 1000, 1), (1, 256, 1000, 8), (4, 16, 100_000, 2), (1, 1, 1000, 1), (8, 1024, 20_000, 1)])
+def test_the_slot_table_holds_the_largest_buffer_twice(concurrency, batch, max_ack_pending, count):
+    # Every pulled message is recorded before anything else; a full table NAKs (a delivery spent).
+    # The parent sizes the table for the largest capacity a worker can reach, and as many again
+    # for acked entries waiting for their fence.
+    from types import SimpleNamespace
+
+    from supervisor.config import Config
+    from supervisor.parent.pool import Pool
+
+    cfg = Config().replace(workers={"concurrency": concurrency, "batch": batch, "count": count},
+                           consumer={"max_ack_pending": max_ack_pending})
+    s = PullSizer(concurrency, batch, fair_share(max_ack_pending, count))
+    s.message(NOW)
+    s.round_trip(RTT_CAP)
+    s.job_done(1e-6)                                   # the deepest buffer there is
+    assert Pool.table_entries(SimpleNamespace(cfg=cfg)) >= 2 * s.capacity(NOW)

@@ -39,9 +39,11 @@ ENTRY_STATES = {HELD: "held", RUNNING: "running", ACKED: "acked", SETTLED: "sett
 # parent can tell a beating worker whose connection has gone half-open from a healthy one, and
 # which deliveries a worker has surely read (supervisor/parent/safety/in_transit.py).
 # DUPLICATE_N: jobs acked without running because their key was already done ([idempotency]).
+# SPENT, SPENT_SQ: the worker's recent job times, summed and squared (workers/runtime/pulls.py, the
+# spread); FLEET_RESIDUAL: what the parent made of every worker's (the one word it writes here).
 (PID, STATE, HEARTBEAT, ACKED_N, NAKED_N, TERMED_N, STARTED_N, CREDITS, HIGH_WATER,
- MAX_DURATION, DURATION_SUM, SERVER_SEEN, DUPLICATE_N) = range(13)
-BUCKETS_AT = 13
+ MAX_DURATION, DURATION_SUM, SERVER_SEEN, DUPLICATE_N, SPENT, SPENT_SQ, FLEET_RESIDUAL) = range(16)
+BUCKETS_AT = 16
 HEADER_WORDS = BUCKETS_AT + len(DURATION_BUCKETS) + 1
 
 # Entry words.
@@ -157,6 +159,13 @@ class SlotTable:
     def set_credits(self, n: int) -> None:
         self.q[CREDITS] = n
 
+    def share_spread(self, spent: float, spent_sq: float) -> None:
+        d = self.d
+        d[SPENT], d[SPENT_SQ] = spent, spent_sq
+
+    def fleet_residual(self) -> float:
+        return self.d[FLEET_RESIDUAL]
+
     # ------------------------------------------------------------ parent side (readers)
 
     def header(self, word: int) -> int:
@@ -170,6 +179,13 @@ class SlotTable:
 
     def max_duration(self) -> float:
         return self.d[MAX_DURATION]
+
+    def spread(self) -> tuple[float, float]:
+        """The worker's recent job times: (sum, sum of squares), as it last shared them."""
+        return self.d[SPENT], self.d[SPENT_SQ]
+
+    def set_fleet_residual(self, seconds: float) -> None:
+        self.d[FLEET_RESIDUAL] = seconds
 
     def histogram(self) -> tuple[list[int], float]:
         """Per-bucket counts (not cumulative, +Inf last) and the sum of durations."""

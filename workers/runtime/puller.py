@@ -52,7 +52,6 @@ class Puller:
         self.last_sent = 0.0             # when the last one was sent ...
         self.read_by: float | None = None    # ... and by when the server had surely read it (server_read)
         self.pull_sent = 0.0             # when a request left alone towards a backlog (its round trip)
-        self.backlog = False             # the last message said more were pending
         self.received = 0                # messages received, ever (max_jobs caps what we ask for) ...
         self.given_back = 0              # ... less those settled without running (see not_started)
         self.last_refusal = ("", 0.0)
@@ -87,7 +86,7 @@ class Puller:
         now = time.monotonic()
         # Nothing else on its way and a backlog to serve it at once: its first message
         # times a round trip (a request the server holds until a publish times nothing).
-        self.pull_sent = now if not self.credits and self.backlog else 0.0
+        self.pull_sent = now if not self.credits and self.sizer.pending_run else 0.0
         credits, deadline, sent, read_by = self.credits, self.pull_deadline, self.last_sent, self.read_by
         self.credits += n
         w.table.set_credits(self.credits)
@@ -148,11 +147,14 @@ class Puller:
             self.forget()
 
     def pull_size(self) -> int:
+        now, table = time.monotonic(), self.owner.table
+        table.share_spread(*self.sizer.shared(now))        # the fleet's spread, through the parent
+        self.sizer.fleet_residual = table.fleet_residual()
         outstanding = self.owner.outstanding() + self.credits
         # A worker due for recycling takes no job it will not run: what it may still start is the
         # limit less what it started or still may (received, not given back) and what is on its way.
         jobs_left = self.job_limit - (self.received - self.given_back) - self.credits if self.job_limit else None
-        return self.sizer.size(time.monotonic(), outstanding, self.credits, self.owner.table.free_entries(), jobs_left)
+        return self.sizer.size(now, outstanding, self.credits, table.free_entries(), jobs_left)
 
     def not_started(self, n: int = 1) -> None:
         """A message received and settled without running: its handler was never called because a
@@ -190,8 +192,7 @@ class Puller:
         """Feed pull sizing: a message arrived (idleness); whether more are pending; the round
         trip of a request sent alone while they were."""
         now = time.monotonic()
-        self.sizer.message(now)
-        self.backlog = pending_after(reply) > 0
+        self.sizer.message(now, pending_after(reply))
         if self.pull_sent:
             self.sizer.round_trip(now - self.pull_sent)
             self.pull_sent = 0.0

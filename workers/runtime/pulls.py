@@ -12,19 +12,41 @@ threads' outcome batching for jobs shorter than it (their finished jobs reach th
 between a thread and the loop waits for the GIL as a round trip does: the measured round trip
 includes that wait).
 
-It asks again once half of its capacity (running + buffered) is free, so a buffer of DEPTH round
-trips still holds about one round trip of jobs when the next request leaves. The prefetch is
-rounded: a worker buffers a job once a round trip is a quarter of a job or more (without it, its
-handler would sit idle a fifth of the time or more). Short jobs get a deep buffer and large pulls, hence few
-requests (no-op jobs: hundreds per request); slow jobs get none (0.2 s jobs with a 1 ms round
-trip: prefetch 0, each worker asks for a job only when a handler is free).
+It asks again once half of its buffer is free (or a handler, when it buffers nothing), so a
+buffer of DEPTH round trips still holds about one round trip of jobs when the next request
+leaves. The prefetch is rounded: a worker buffers a job once a round trip is a quarter of a job
+or more (without it, its handler would sit idle a fifth of the time or more). Short jobs get a
+deep buffer and large pulls, hence few requests (no-op jobs: hundreds per request); slow jobs get
+none (0.2 s jobs with a 1 ms round trip: prefetch 0, each worker asks for a job only when a
+handler is free).
+
+The mean is not enough when job times vary. A buffered job waits for a handler to free, i.e. for
+the rest of the job running when it came: E[T^2] / 2 E[T] on average (the residual; a moment
+taken at random falls in a long job more often than its share of the count says). With 10 ms
+jobs and one of 2 s among every 200, the mean is 20 ms but the residual 0.5 s: a short job that
+joins a buffer waits behind the long one while another worker may be free. So while the stream
+has no backlog, the worker buffers only while the residual, shared among its handlers, is within
+what the buffer is sized to hide (concurrency x DEPTH round trips); beyond it, it takes only
+what it can start now, and each job goes to whichever worker has a handler free. Not taking is
+preferred to handing a buffered job back: a NAK spends a delivery attempt. For uniform jobs the
+threshold is the formula's own (prefetch >= 1 when a job is at most 2 x DEPTH round trips, and
+their residual is half a job), so they are sized as before. With a backlog (the last BACKLOG_RUN
+messages each said more were pending: one alone may be a burst that other workers' requests are
+about to take) the buffer is kept whatever the spread: every free handler then finds work at
+once, a job waits in the stream if not in a buffer, and the buffer saves round trips.
+The residual is averaged over about SPREAD_JOBS recent jobs (a count, not a time: it outlasts
+the gaps between a worker's long jobs), and starts over with a new burst after IDLE_STALE. Each
+worker shares its sums in its slot table and the parent hands back the fleet's residual
+(supervisor/parent/stats.py share_spread): the worse of the two counts, so a worker that has not
+met a long job yet learns from those that have, within a tick of the parent's loop.
 
 Both figures are measured, not configured: the job time is the handler's own duration (an
 average that takes a slower job into account at once and forgets it slowly, since hoarding
 costs more than a short wait), and the round trip is the worst of the last RTT_SAMPLES PING/PONGs
 and pull requests answered from a backlog (it includes the loop and GIL latency of a busy
 machine, which is what the buffer must hide). The bounds:
-  - `workers.batch` caps the prefetch and each request;
+  - `workers.batch` caps each request, and BUFFER_REQUESTS of them the prefetch (one batch of
+    no-op jobs lasts less than a round trip on a busy box: the buffer must hold several);
   - a fair share of `consumer.max_ack_pending` (divided by `workers.count`): one worker never
     takes what the server would let its peers have, however small that is (at least one job);
   - a round trip counts at most RTT_CAP, so the buffer never holds more than DEPTH x RTT_CAP of
@@ -47,6 +69,9 @@ RTT_CAP = 0.2          # ... and at most this one: never hoard more than DEPTH x
 RTT_SAMPLES = 8        # the round trip is the worst of this many recent samples (2 s of PING/PONGs)
 UP, DOWN = 0.5, 0.1    # job-time average weights: a slower job counts at once, faster ones slowly
 IDLE_STALE = 5.0       # seconds without a message before the job time is no longer trusted
+SPREAD_JOBS = 1000     # the residual is an average over about this many recent jobs
+BACKLOG_RUN = 3        # a backlog: this many messages in a row said more were pending
+BUFFER_REQUESTS = 4    # the buffer holds at most this many requests of workers.batch (within the fair share)
 
 
 class PullSizer:
@@ -60,8 +85,11 @@ class PullSizer:
         self.ceiling = max(1, ceiling)
         self.share = max(1, share)
         self.job_time: float | None = None    # seconds per job, per handler
+        self.spent = self.spent_sq = 0.0      # sums of T and T^2 over the recent jobs (SPREAD_JOBS), decayed
+        self.fleet_residual = 0.0             # every worker's, from the parent
         self.rtts: deque[float] = deque(maxlen=RTT_SAMPLES)
-        self.last_message = 0.0                # when the last message arrived
+        self.last_message = 0.0                # when the last message arrived ...
+        self.pending_run = 0                   # ... and how many in a row said more were pending
         self.stale = False                     # idle too long: job_time describes the last burst
 
     # -- what the worker observes
@@ -70,7 +98,11 @@ class PullSizer:
         seconds = max(seconds, 1e-6)
         if self.job_time is None or self.stale:
             self.job_time, self.stale = seconds, False
+            self.spent, self.spent_sq = seconds, seconds * seconds
         else:
+            keep = 1.0 - 1.0 / SPREAD_JOBS
+            self.spent = self.spent * keep + seconds
+            self.spent_sq = self.spent_sq * keep + seconds * seconds
             weight = UP if seconds > self.job_time else DOWN
             self.job_time += weight * (seconds - self.job_time)
 
@@ -84,16 +116,39 @@ class PullSizer:
         refill = self.hops * max(self.rtts, default=0.0) + self.wait_for_batch()
         return min(max(refill, MIN_SPAN), RTT_CAP)
 
+    @property
+    def residual(self) -> float:
+        """How long a job that joins the buffer waits, on average, for the job running when it
+        came: E[T^2] / 2 E[T] over the recent jobs (0 before any)."""
+        return residual(self.spent, self.spent_sq)
+
+    def shared(self, now: float) -> tuple[float, float]:
+        """The sums this worker shares with the fleet: none once idle (its last burst says
+        nothing of the next)."""
+        return (0.0, 0.0) if self.idle(now) else (self.spent, self.spent_sq)
+
+    def spread(self) -> bool:
+        """The job times vary too much to buffer while there is no backlog: a buffered job would
+        wait longer for a handler than the buffer is sized to hide (see the module's docstring)."""
+        worst = max(self.residual, self.fleet_residual)
+        return not self.backlog and worst > self.concurrency * DEPTH * self.rtt
+
     def wait_for_batch(self) -> float:
         """How late a finished job's outcome reaches the loop: a handler thread hands outcomes back
         once the oldest would be `batching` old by the end of the next job, so a job that long or
         longer goes back alone, at once (a 50 ms job must not buy a buffered job for 20 ms)."""
         return max(0.0, self.batching - (self.job_time or 0.0))
 
-    def message(self, now: float) -> None:
+    def message(self, now: float, pending: int = 0) -> None:
+        """A message arrived; `pending`: how many more the stream held for the consumer then."""
         if self.idle(now):
             self.stale = True
         self.last_message = now
+        self.pending_run = self.pending_run + 1 if pending > 0 else 0
+
+    @property
+    def backlog(self) -> bool:
+        return self.pending_run >= BACKLOG_RUN
 
     def idle(self, now: float) -> bool:
         return now - self.last_message > IDLE_STALE
@@ -102,9 +157,9 @@ class PullSizer:
 
     def prefetch(self, now: float) -> int:
         """Jobs to hold beyond those running."""
-        if self.job_time is None or self.stale or self.idle(now):
+        if self.job_time is None or self.stale or self.idle(now) or self.spread():
             return 0
-        return min(self.ceiling, int(self.concurrency * DEPTH * self.rtt / self.job_time + 0.5))
+        return min(BUFFER_REQUESTS * self.ceiling, int(self.concurrency * DEPTH * self.rtt / self.job_time + 0.5))
 
     def capacity(self, now: float) -> int:
         """Jobs running, buffered and asked for, at most."""
@@ -117,12 +172,18 @@ class PullSizer:
         not in use; `jobs_left`: jobs this worker may still take (max_jobs), None for no limit."""
         capacity = self.capacity(now)
         room = min(capacity - outstanding, free_entries - credits)
-        # Top up only once half the capacity is free: few, large requests, no dribbling.
-        if room < max(1, capacity // 2):
+        # Top up only once half the buffer is free: few, large requests, no dribbling. With no
+        # buffer, as soon as a handler is free: it would otherwise wait for another to finish.
+        if room < max(1, (capacity - self.concurrency + 1) // 2):
             return 0
         if jobs_left is not None:
             room = min(room, jobs_left)
         return max(0, min(room, self.ceiling))
+
+
+def residual(spent: float, spent_sq: float) -> float:
+    """E[T^2] / 2 E[T] from the sums of job times and of their squares (0 when there are none)."""
+    return spent_sq / (2 * spent) if spent > 0 else 0.0
 
 
 def fair_share(max_ack_pending: int, workers: int) -> int:
