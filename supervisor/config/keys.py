@@ -10,6 +10,7 @@ these declarations, so the example config can never drift from the code.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import typing
 from collections.abc import Iterator, Mapping
@@ -161,6 +162,17 @@ class MonitorConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    enabled: bool = key(False, "true: a span per delivery, exported from each worker (needs the otel extra; "
+                               "README: Tracing)", reload=REPLACE)
+    exporter: str = key("otlp", "otlp (OTLP/HTTP protobuf) or console (stdout)", reload=REPLACE,
+                        choices=("otlp", "console"))
+    endpoint: str = key("http://127.0.0.1:4318", "the collector's OTLP/HTTP base URL (/v1/traces is added); "
+                                                 "OTEL_EXPORTER_OTLP_ENDPOINT wins when set", reload=REPLACE)
+    service_name: str = key("jetstream-supervisor", "the spans' service.name", reload=REPLACE)
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = key("info", "debug, info, warning or error", reload=LIVE,
                      choices=("debug", "info", "warning", "error"))
@@ -206,6 +218,7 @@ class Config:
     fleet: FleetConfig = FleetConfig()
     autoscale: AutoscaleConfig = AutoscaleConfig()
     monitor: MonitorConfig = MonitorConfig()
+    tracing: TracingConfig = TracingConfig()
     log: LogConfig = LogConfig()
     schedules: Mapping[str, ScheduleConfig] = field(default_factory=lambda: Entries())
     limits: Mapping[str, LimitConfig] = field(default_factory=lambda: Entries())
@@ -385,6 +398,9 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
     if cfg.consumer.filter_subject and not any(subject_matches(p, cfg.consumer.filter_subject) or
                                                 p == cfg.consumer.filter_subject for p in cfg.stream.subjects):
         fail("consumer.filter_subject", f"{cfg.consumer.filter_subject!r} is not within stream.subjects")
+    if cfg.tracing.enabled and (missing := otel_missing()):
+        fail("tracing.enabled", f"needs the otel extra: {missing} is not installed "
+                                "(pip install 'jetstream-supervisor[otel]')")
     dlq = cfg.restart.dead_letter_subject
     if dlq and not valid_subject(dlq, wildcards=False):
         fail("restart.dead_letter_subject", f"{dlq!r} must be a plain subject (no spaces, no wildcards)")
@@ -402,3 +418,19 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
     for server in cfg.nats.servers:
         if not server or " " in server:
             fail("nats.servers", "each server must be a URL like nats://host:4222")
+
+
+OTEL_MODULES = {"opentelemetry-sdk": "opentelemetry.sdk.trace",
+                "opentelemetry-exporter-otlp-proto-http": "opentelemetry.exporter.otlp.proto.http.trace_exporter"}
+
+
+def otel_missing() -> str:
+    """The otel extra's package that cannot be found ("" when all are), without importing any:
+    the parent never loads the SDK (its exporters start in the workers, after fork)."""
+    for package, module in OTEL_MODULES.items():
+        try:
+            if importlib.util.find_spec(module) is None:
+                return package
+        except ImportError:              # a parent package is missing altogether
+            return package
+    return ""
