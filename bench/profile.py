@@ -36,6 +36,9 @@ class Profile:
     # 5. the [idempotency] guard's cost (sync no-op, with and without the guard)
     guard_jobs: int = 20_000
     guard_workers: int = 2
+    # 9. [tracing]'s cost (no-op, sync and async, tracing off and on)
+    tracing_jobs: int = 20_000
+    tracing_workers: int = 2
 
 
 PROFILES = {
@@ -49,5 +52,6 @@ PROFILES = {
     "smoke": Profile("smoke", repeats=1, jobs=400, workers=(1,), tuned_workers=(1,), cpu_jobs=40, cpu_job_s=0.001,
                      cpu_workers=(1, 2), kills=2, ack_wait=2.0, paced_rate=500, paced_s=1.5,
                      idle_workers=2, many_workers=4, seed_jobs=6, seed_job_s=0.05, publish_count=500,
-                     settle_s=0.2, idle_s=0.5, with_faststream=False, guard_jobs=400),
+                     settle_s=0.2, idle_s=0.5, with_faststream=False, guard_jobs=400,
+                     tracing_jobs=400),
 }

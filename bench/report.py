@@ -240,6 +240,10 @@ def render(results: dict) -> str:
     if "tuned" in results:
         parts += ["### 8. Throughput, no-op handler, tuned", configuration(results["tuned"]),
                   throughput_table(results["tuned"])]
+    if "tracing" in results:
+        from .tracing_cost import tracing_table
+        parts += [f"### 9. [tracing]'s cost ({results['tracing'].get('jobs', 0):,} jobs, defaults, OTLP/HTTP to a "
+                  "local receiver)", tracing_table(results["tracing"])]
     parts += ["### Targets", targets_table(targets(results))]
     return "\n\n".join(parts) + "\n"
 

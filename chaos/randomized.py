@@ -40,6 +40,8 @@ from typing import Any
 import psutil
 import tomli_w
 from harness import SupervisorProc, wait_until
+from natsauth import free_port
+from otlp import Receiver
 
 from .checker import VERDICTS
 from .core import Result, run_with
@@ -64,6 +66,9 @@ class Setting:
     draw: Callable[[random.Random, Cfg], Any]
     needs: Callable[[Cfg], bool] = always
     hup: bool = False            # a SIGHUP fault may redraw it (a LIVE or REPLACE key)
+    # Drawn from a stream of its own (the seed's, as draw_config found it, and the key): a row
+    # added this way leaves every other draw of every seed as it was (the pinned seeds' too).
+    own: bool = False
 
 
 def fleet(c: Cfg) -> bool:
@@ -94,6 +99,10 @@ SETTINGS: list[Setting] = [
     Setting("autoscale.min", lambda r, c: max(1, c["workers.count"] - 1), needs=lambda c: c["autoscale.enabled"]),
     Setting("autoscale.max", lambda r, c: c["workers.count"] + r.randint(1, 2), needs=lambda c: c["autoscale.enabled"]),
     Setting("autoscale.interval", lambda r, c: 1.0, needs=lambda c: c["autoscale.enabled"]),
+    # A span per delivery (issue 29), to a collector that is up (an OTLP receiver of the run's) or down.
+    Setting("tracing.enabled", lambda r, c: r.random() < 0.3, own=True),
+    Setting("chaos.collector", lambda r, c: weighted(r, [("up", 3), ("down", 1)]), needs=lambda c: c["tracing.enabled"],
+            own=True),
     Setting("fleet.heartbeat", lambda r, c: r.choice([0.5, 1.0, 2.0]), needs=fleet),
     Setting("fleet.release_lost", lambda r, c: r.random() < 0.7, needs=fleet),
     # The job mix: shares of each kind of job (the rest are short sleeps).
@@ -110,14 +119,16 @@ SETTINGS: list[Setting] = [
 
 # Runner knobs that are not drawn, and what a key not drawn falls back to.
 DEFAULTS: Cfg = {"workers.max_jobs_jitter": 0, "autoscale.enabled": False, "chaos.beyond_ackwait": False,
+                 "tracing.enabled": False, "chaos.collector": "up",
                  "chaos.grow": 0.0, "chaos.republish": 0.0, "fleet.heartbeat": 2.0, "fleet.release_lost": True}
 
 
 def draw_config(rng: random.Random) -> Cfg:
     c: Cfg = dict(DEFAULTS)
+    mark = ",".join(map(str, rng.getstate()[1][:8]))         # the seed's stream, not consumed
     for s in SETTINGS:
         if s.needs(c):
-            c[s.key] = s.draw(rng, c)
+            c[s.key] = s.draw(random.Random(f"{mark}:{s.key}") if s.own else rng, c)
     return c
 
 
@@ -593,6 +604,7 @@ def execute(run: Run, plan: Plan) -> None:
     url = run.start_proxy(server).url if plan.proxy else server.url
     run.ack_wait = plan.config["consumer.ack_wait"]
     cfg = sections(plan.config)
+    cfg["tracing"] = {**cfg.get("tracing", {}), "endpoint": collector(run, plan)}
     for i in range(plan.config["chaos.supervisors"]):
         name = f"chaos-{'ab'[i]}"
         per = {**cfg, "nats": {"name": name}, "fleet": {**cfg.get("fleet", {}), "name": name}}
@@ -621,6 +633,30 @@ def execute(run: Run, plan: Plan) -> None:
         t.join(600)
     if errors:
         raise errors[0]
+
+
+def collector(run: Run, plan: Plan) -> str:
+    """[tracing]'s endpoint: an OTLP receiver of the run's when the collector is up, and after the
+    settle every span that says "ack" must be a delivery the journal saw done by that pid; when
+    it is down, a port nobody listens on (the exporter's failures must cost no job)."""
+    if plan.config["chaos.collector"] == "down" or not plan.config.get("tracing.enabled"):
+        return f"http://127.0.0.1:{free_port()}"
+    receiver = Receiver().start()
+    run.undo.append(receiver.stop)
+
+    def check_spans() -> None:
+        run.tail.poll()
+        done = {(r.pid, r.seq, r.delivery) for r in run.tail.recs if r.event == "D"}
+        spans = receiver.consumer_spans()
+        wrong = [s for s in spans if s.attributes.get("supervisor.outcome") == "ack" and
+                 (s.resource.get("process.pid"), s.attributes["jetstream.stream_seq"],
+                  s.attributes["jetstream.delivery"]) not in done]
+        run.notes.append(f"tracing: {len(spans)} spans received ({receiver.requests} export requests)")
+        if wrong:
+            raise AssertionError(f"tracing: {len(wrong)} span(s) say ack for a delivery the journal never saw "
+                                 f"done, e.g. {wrong[0].attributes}")
+    run.after_settle.append(check_spans)
+    return receiver.endpoint
 
 
 def play(act: Act, step: Step, start: float, lock: threading.Lock, errors: list[BaseException]) -> None:

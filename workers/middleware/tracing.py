@@ -2,11 +2,11 @@
 
 The span is `process <subject>`, a child of the W3C `traceparent` header the job was published
 with (a root when it has none), with the messaging conventions (messaging.system = "nats",
-messaging.destination.name, messaging.message.id, messaging.operation.type = "process") and
-ours: jetstream.stream, jetstream.stream_seq, jetstream.consumer_seq, jetstream.delivery,
-supervisor.worker, supervisor.outcome ("ack", "retry", "reject", "fail", "duplicate", or
-"abandoned": still running when the worker exited). A failure records its exception and sets
-the span's status to ERROR; so does a Reject.
+messaging.destination.name, messaging.message.id, messaging.operation.type = "process",
+messaging.consumer.group.name: the durable) and ours: jetstream.stream, jetstream.stream_seq,
+jetstream.delivery, supervisor.worker, supervisor.outcome ("ack", "retry", "reject", "fail",
+"duplicate", or "abandoned": still running when the worker exited). A failure records its
+exception and sets the span's status to ERROR; so does a Reject.
 
 Where it sits: the outermost built-in (outside workers.middleware and the [idempotency] guard),
 so a delivery the guard acks unrun or a hook retries gets its span too, with the outcome the
@@ -142,9 +142,9 @@ class Tracing(Middleware):
         cfg: Config = ctx.cfg
         self.provider = make_provider(cfg.tracing, **{"supervisor.worker": ctx.slot, "process.pid": ctx.pid})
         self.tracer = self.provider.get_tracer(TRACER)
+        # Few attributes: each costs the SDK's checks and the exporter's encoding on every span.
         self.static = {"messaging.system": "nats", "messaging.operation.type": "process",
-                       "messaging.operation.name": "process", "messaging.consumer.group.name": cfg.consumer.name,
-                       "supervisor.worker": ctx.slot}
+                       "messaging.consumer.group.name": cfg.consumer.name, "supervisor.worker": ctx.slot}
 
     async def before_job(self, job: Job) -> None:
         self.start(job)
@@ -156,9 +156,7 @@ class Tracing(Middleware):
         parent = propagate.extract(job.headers, getter=HEADERS) if job.headers else otel_context.Context()
         span = self.tracer.start_span(f"process {job.subject}", context=parent, kind=SpanKind.CONSUMER, attributes={
             **self.static, "messaging.destination.name": job.subject, "messaging.message.id": job.key,
-            "messaging.message.body.size": len(job.data), "jetstream.stream": job.stream,
-            "jetstream.stream_seq": job.stream_seq, "jetstream.consumer_seq": job.consumer_seq,
-            "jetstream.delivery": job.delivery})
+            "jetstream.stream": job.stream, "jetstream.stream_seq": job.stream_seq, "jetstream.delivery": job.delivery})
         if job.delivery > 1 and self.crashes is not None:
             crash = self.crashes.lookup(job.stream_seq)
             if crash is not None and crash.delivery < job.delivery:
