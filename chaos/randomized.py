@@ -475,8 +475,12 @@ def scale(act: Act, p: dict) -> None:
     if not act.live(sup):
         return
     how = p["how"]
-    if how == "ttou" and len(sup.worker_pids()) <= max(1, act.plan.config["workers.count"] - 1):
-        how = "ttin"                  # never below the pool the load is sized for (rate_for)
+    # Never below the pool the load is sized for (rate_for). The parent's target, not its
+    # processes: during a recycle the old worker and its replacement are both alive, and
+    # counting them let a SIGTTOU take a one-worker pool to none (seed 5, tracing's runs).
+    status = sup.try_status()
+    if how == "ttou" and (status is None or status["workers"]["target"] <= max(1, act.plan.config["workers.count"] - 1)):
+        how = "ttin"
     op(act, {"ttin": "SIGTTIN", "ttou": "SIGTTOU"}.get(how, f"POST /scale?workers={p['n']}"))
     if how == "post":
         req = urllib.request.Request(f"http://{sup.http}/scale?workers={p['n']}", method="POST")

@@ -25,7 +25,7 @@ Exporters start after fork: the provider and its batch processor (a thread) are 
 `setup`, in the worker; the parent never makes one (its fork would copy a processor's queue and
 lock into every child). A worker that exits by recycling, retiring or draining flushes what it
 holds in `close`, after its last ack (bounded by FLUSH_TIMEOUT: an unreachable collector must
-not hold a drain). A worker that crashes loses the spans its batch still held: at most the
+not hold a drain past the parent's patience). A worker that crashes loses the spans its batch still held: at most the
 schedule delay's worth (OTEL_BSP_SCHEDULE_DELAY, 5 s by default).
 
 This module imports the OpenTelemetry SDK: it is loaded only with [tracing] enabled (builtin.py,
@@ -58,7 +58,10 @@ from workers.protocol.crashes import CrashBoard
 
 log = logging.getLogger("worker")
 
-FLUSH_TIMEOUT = 5.0          # seconds a worker's exit waits for its last spans to be exported
+# Seconds a worker's exit waits for its last spans to be exported: a live collector takes
+# milliseconds; a dead one would hold the exit for the exporter's own 10 s of retries, past the
+# parent's DRAIN_MARGIN (5 s after graceful_timeout, shared with the fence of the last acks).
+FLUSH_TIMEOUT = 2.0
 TRACER = "jetstream-supervisor"
 
 
@@ -78,10 +81,19 @@ class HeaderGetter(Getter[Mapping[str, str]]):
 HEADERS = HeaderGetter()
 
 
+def preload() -> None:
+    """In the parent, before any fork: import the exporter (it brings requests and protobuf), so
+    a worker's start does not pay for it. Over a second on a loaded 2-core box with a few
+    workers starting at once, and a worker's start must fit in workers.heartbeat_timeout (chaos
+    seed 0: every worker killed before ready at 2.4 s). An import starts no thread and no
+    exporter (checked: no thread, no at-fork hook of the SDK's)."""
+    from opentelemetry.exporter.otlp.proto.http import trace_exporter  # noqa: F401
+
+
 def exporter(tcfg: TracingConfig) -> SpanExporter:
     if tcfg.exporter == "console":
         return ConsoleSpanExporter()
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # requests, protobuf
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # preloaded by the parent
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         return OTLPSpanExporter()         # it reads them itself (a base URL gets /v1/traces)
     return OTLPSpanExporter(endpoint=tcfg.endpoint.rstrip("/") + "/v1/traces")
@@ -159,7 +171,7 @@ class Tracing(Middleware):
             "jetstream.stream": job.stream, "jetstream.stream_seq": job.stream_seq, "jetstream.delivery": job.delivery})
         if job.delivery > 1 and self.crashes is not None:
             crash = self.crashes.lookup(job.stream_seq)
-            if crash is not None and crash.delivery < job.delivery:
+            if crash is not None and crash.delivery == job.delivery - 1:    # not a later retry's delivery
                 span.set_attribute("supervisor.redelivered_after", "crash")
                 span.add_event("worker crash", {
                     "supervisor.crash.death": crash.death, "supervisor.crash.worker": crash.slot,
