@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.render:
         results = scenarios.resummarize(json.loads(args.render.read_text()))
+        tracing_cost.resummarize(results)
         results["targets"] = report.targets(results)
     else:
         started = time.monotonic()

@@ -272,9 +272,6 @@ def resummarize(results: dict) -> dict:
         results["publish"]["summary"] = summarize_publish(results["publish"]["runs"])
     if "guard" in results:
         results["guard"]["summary"] = summarize_guard(results["guard"]["runs"], results["guard"]["workers"])
-    if results.get("tracing", {}).get("runs"):
-        from .tracing_cost import summarize_tracing
-        results["tracing"]["summary"] = summarize_tracing(results["tracing"]["runs"], results["tracing"]["workers"])
     return results
 
 

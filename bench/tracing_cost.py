@@ -111,12 +111,6 @@ def summarize_tracing(runs: list[dict], n: int) -> list[dict]:
     return rows
 
 
-def tracing_table(res: dict) -> str:
-    from .report import num, table
-    if res.get("skipped"):
-        return f"skipped: {res['skipped']}"
-    rows = [[r["variant"], str(r["workers"]), num(r["jobs_per_s"]), num(r["vs_off"], ".2f", "x"),
-             num(r["extra_us_per_job"], ".0f"), num(r["cpu_ms_per_1k_jobs"], ".0f"), num(r["spans_per_job"], ".2f"),
-             " ".join(num(v) for v in r["jobs_per_s_all"])] for r in res["summary"]]
-    return table(["no-op, tracing", "N", "jobs/s", "vs off", "extra µs/job", "CPU ms/1k jobs", "spans/job",
-                  "each repeat"], rows)
+def resummarize(results: dict) -> None:
+    if results.get("tracing", {}).get("runs"):
+        results["tracing"]["summary"] = summarize_tracing(results["tracing"]["runs"], results["tracing"]["workers"])
