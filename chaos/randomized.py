@@ -66,9 +66,9 @@ class Setting:
     draw: Callable[[random.Random, Cfg], Any]
     needs: Callable[[Cfg], bool] = always
     hup: bool = False            # a SIGHUP fault may redraw it (a LIVE or REPLACE key)
-    # Drawn from a stream of its own (the seed's, as draw_config found it, and the key): a row
-    # added this way leaves every other draw of every seed as it was (the pinned seeds' too).
-    own: bool = False
+    # A row added after seeds were recorded: drawn from the seed's second generator, so every row
+    # before it draws as it did and a recorded seed keeps its configuration and its faults.
+    later: bool = False
 
 
 def fleet(c: Cfg) -> bool:
@@ -99,10 +99,6 @@ SETTINGS: list[Setting] = [
     Setting("autoscale.min", lambda r, c: max(1, c["workers.count"] - 1), needs=lambda c: c["autoscale.enabled"]),
     Setting("autoscale.max", lambda r, c: c["workers.count"] + r.randint(1, 2), needs=lambda c: c["autoscale.enabled"]),
     Setting("autoscale.interval", lambda r, c: 1.0, needs=lambda c: c["autoscale.enabled"]),
-    # A span per delivery (issue 29), to a collector that is up (an OTLP receiver of the run's) or down.
-    Setting("tracing.enabled", lambda r, c: r.random() < 0.3, own=True),
-    Setting("chaos.collector", lambda r, c: weighted(r, [("up", 3), ("down", 1)]), needs=lambda c: c["tracing.enabled"],
-            own=True),
     Setting("fleet.heartbeat", lambda r, c: r.choice([0.5, 1.0, 2.0]), needs=fleet),
     Setting("fleet.release_lost", lambda r, c: r.random() < 0.7, needs=fleet),
     # The job mix: shares of each kind of job (the rest are short sleeps).
@@ -113,22 +109,32 @@ SETTINGS: list[Setting] = [
     Setting("chaos.retry", lambda r, c: weighted(r, [(0.0, 1), (round(r.uniform(0.01, 0.1), 3), 1)])),
     Setting("chaos.cpu", lambda r, c: weighted(r, [(0.0, 1), (round(r.uniform(0.05, 0.3), 3), 1)])),
     Setting("chaos.grow", lambda r, c: round(r.uniform(0.02, 0.1), 3), needs=lambda c: c["workers.max_rss_mb"] > 0),
+    # Delayed and recurring jobs (NATS message schedules): a share of the jobs published with a
+    # delay (`publish --delay`), and a [schedules.tick] firing every N seconds.
+    Setting("chaos.delayed", lambda r, c: weighted(r, [(0.0, 1), (round(r.uniform(0.05, 0.2), 3), 1)]), later=True),
+    Setting("chaos.delay", lambda r, c: round(r.uniform(0.5, 4.0), 2), needs=lambda c: c["chaos.delayed"] > 0,
+            later=True),
+    Setting("chaos.tick", lambda r, c: weighted(r, [(0, 1), (r.choice([1, 2, 3]), 1)]), later=True),
+    # A span per delivery (issue 29), to a collector that is up (an OTLP receiver of the run's) or down.
+    Setting("tracing.enabled", lambda r, c: r.random() < 0.3, later=True),
+    Setting("chaos.collector", lambda r, c: weighted(r, [("up", 3), ("down", 1)]), needs=lambda c: c["tracing.enabled"],
+            later=True),
     Setting("chaos.utilization", lambda r, c: round(r.uniform(0.15, 0.4), 2)),
     Setting("chaos.fault_every", lambda r, c: round(r.uniform(3.0, 9.0), 1)),     # mean seconds between faults
 ]
 
 # Runner knobs that are not drawn, and what a key not drawn falls back to.
-DEFAULTS: Cfg = {"workers.max_jobs_jitter": 0, "autoscale.enabled": False, "chaos.beyond_ackwait": False,
+DEFAULTS: Cfg = {"chaos.delayed": 0.0, "chaos.delay": 0.0, "chaos.tick": 0,
+                 "workers.max_jobs_jitter": 0, "autoscale.enabled": False, "chaos.beyond_ackwait": False,
                  "tracing.enabled": False, "chaos.collector": "up",
                  "chaos.grow": 0.0, "chaos.republish": 0.0, "fleet.heartbeat": 2.0, "fleet.release_lost": True}
 
 
-def draw_config(rng: random.Random) -> Cfg:
+def draw_config(rng: random.Random, later: random.Random | None = None) -> Cfg:
     c: Cfg = dict(DEFAULTS)
-    mark = ",".join(map(str, rng.getstate()[1][:8]))         # the seed's stream, not consumed
     for s in SETTINGS:
         if s.needs(c):
-            c[s.key] = s.draw(random.Random(f"{mark}:{s.key}") if s.own else rng, c)
+            c[s.key] = s.draw(later or rng if s.later else rng, c)
     return c
 
 
@@ -141,6 +147,8 @@ def sections(c: Cfg) -> dict[str, dict[str, Any]]:
             out.setdefault(section, {})[name] = value
     out["workers"]["handler"] = "chaos.handlers:journal_async" if c["chaos.handler"] == "async" else \
         "chaos.handlers:journal"
+    if c["chaos.tick"]:
+        out["schedules"] = {"tick": {"every": float(c["chaos.tick"]), "subject": "jobs.chaos", "data": "tick:0.01"}}
     return out
 
 
@@ -184,10 +192,20 @@ def republished(jobs: list[str], rate: float, c: Cfg, rng: random.Random) -> lis
     return out
 
 
+def delayed(jobs: list[str], c: Cfg, rng: random.Random) -> list[str]:
+    """A share of the jobs published as delayed jobs (`~SECONDS~ACTIONS`: a message schedule each,
+    due SECONDS after it is stored); never a key published again (its first copy may be late)."""
+    if not c["chaos.delayed"]:
+        return jobs
+    return [f"~{c['chaos.delay']}~{j}" if "=" not in j and rng.random() < c["chaos.delayed"] else j for j in jobs]
+
+
 def kind_of(actions: str) -> str:
-    """fail, retry, grow, cpu, long (1 s or more), short, or again (a key published again)."""
+    """fail, retry, grow, cpu, long (1 s or more), short, again (a key published again), or delayed."""
     if "=" in actions:
         return "again"
+    if actions.startswith("~"):
+        return "delayed"
     first = actions.split(":")[0]
     word = first.strip("0123456789.")
     return word or ("long" if float(first) >= 1.0 else "short")
@@ -271,13 +289,14 @@ class Plan:
 def draw(seed: int, minutes: float) -> Plan:
     """The whole run from the seed: a pure function (no clock, no environment)."""
     rng = random.Random(seed)
-    c = draw_config(rng)
+    c = draw_config(rng, random.Random(f"later:{seed}"))
     load_s = max(10.0, minutes * 60 * 0.75)
     jobs_rng = random.Random(rng.random())
     sample = [job_action(random.Random(jobs_rng.random()), c) for _ in range(200)]
     rate = rate_for(c, sum(s for _, s in sample) / len(sample))
     n = int(rate * load_s)
     jobs = republished(spaced([job_action(jobs_rng, c) for _ in range(n)], rate, slots_of(c)), rate, c, jobs_rng)
+    jobs = delayed(jobs, c, random.Random(f"delayed:{seed}"))
     plan = Plan(seed, minutes, c, jobs, rate, load_s)
     kinds = [k for k in FAULTS if k.needs(c)]
     t = 0.1 * load_s

@@ -26,7 +26,7 @@ POLLED_KEYS = ("num_pending", "num_ack_pending", "num_redelivered", "num_waiting
 
 def consumer_dict(info: Any) -> dict[str, Any]:
     """`leader`: the server that answered (in a cluster, the consumer leader; None on a single
-    server); `created` tells a recreated consumer from a leader move (supervisor/parent/monitor.py)."""
+    server); `created` tells a recreated consumer from a leader move (supervisor/parent/tasks/monitor.py)."""
     return {"stream": info.stream_name, "name": info.name, "num_pending": info.num_pending or 0,
             "num_ack_pending": info.num_ack_pending or 0, "num_redelivered": info.num_redelivered or 0,
             "num_waiting": info.num_waiting or 0, "delivered_consumer_seq": info.delivered.consumer_seq,

@@ -124,3 +124,4 @@ class Snapshot:
     advisories: Mapping[str, int]
     fleet: Mapping[str, Any]
     raised: tuple[Alert, ...] = field(default=())  # alerts the loop raised (deaths, halts, ...)
+    schedules: Mapping[str, Any] = field(default_factory=dict)   # what start's reconcile did (nats/schedules.py)

@@ -33,6 +33,7 @@ def build_status(snap: Snapshot) -> dict[str, Any]:
         "idempotency": idempotency_block(snap.cfg),
         "advisories": dict(snap.advisories),
         "fleet": dict(snap.fleet),
+        "schedules": dict(snap.schedules),
         "alerts": [{"kind": a.kind, "message": a.message} for a in alerts(snap)],
         "headline": headline(lag, consumer),
     }
@@ -93,6 +94,9 @@ def alerts(snap: Snapshot) -> list[Alert]:
         out.append(Alert("consumer_unavailable", snap.consumer.error))
     if not snap.nats.connected:
         out.append(Alert("nats_disconnected", "the supervisor's NATS connection is down"))
+    if snap.schedules.get("refused") or snap.schedules.get("error"):
+        out.append(Alert("schedules_refused" if snap.schedules.get("refused") else "schedules_failed",
+                         f"[schedules] not applied: {snap.schedules.get('refused') or snap.schedules.get('error')}"))
     return out
 
 
