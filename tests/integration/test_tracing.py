@@ -111,6 +111,23 @@ def test_a_crash_redelivered_jobs_second_span_names_the_crash(nats_server, super
                                 "supervisor.crash.delivery": 1, "supervisor.crash.cause": death["cause"]}
 
 
+def test_a_delayed_job_keeps_its_producers_trace(nats_server, supervisor_factory, receiver, tmp_path):
+    """`publish --delay` (a message schedule the server fires later) with tracing on: the
+    traceparent rides on the schedule, and the job the server fires is still a child of the
+    PRODUCER span (the server copies the schedule's own headers onto the job it stores)."""
+    sup = traced(supervisor_factory, nats_server, receiver)
+    sup.wait_ready(1)
+    out = publish(nats_server.url, count=1, data="0", tmp=tmp_path,
+                  extra=("--config", str(sup.config_path), "--delay", "0.5"))
+    wait_until(lambda: len(sup.jobs.done()) == 1, what="the delayed job done")
+    sup.stop()
+    [producer] = [s for s in receiver.all() if s.kind == "PRODUCER"]
+    assert producer.trace_id in out
+    [consumer] = receiver.consumer_spans()
+    assert (consumer.trace_id, consumer.parent_id) == (producer.trace_id, producer.span_id)
+    assert consumer.attributes["supervisor.outcome"] == "ack"
+
+
 def test_every_span_of_a_recycled_or_drained_worker_arrives(nats_server, supervisor_factory, receiver):
     """Workers recycled after 4 jobs, a 10 ms job each, concurrency 2; the batch processor never
     exports on its timer here (OTEL_BSP_SCHEDULE_DELAY: 10 minutes), so every span that arrives
