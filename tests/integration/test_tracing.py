@@ -15,7 +15,8 @@ import sys
 
 import nats
 import pytest
-from harness import child_env, publish, wait_until
+from harness import child_env, publish, publish_now, wait_until
+from natsauth import free_port
 from otlp import Receiver
 
 JSON_LOGS = ("--log-format", "json")
@@ -126,6 +127,20 @@ def test_a_delayed_job_keeps_its_producers_trace(nats_server, supervisor_factory
     [consumer] = receiver.consumer_spans()
     assert (consumer.trace_id, consumer.parent_id) == (producer.trace_id, producer.span_id)
     assert consumer.attributes["supervisor.outcome"] == "ack"
+
+
+def test_otel_exporter_otlp_endpoint_wins_over_the_configured_endpoint(nats_server, supervisor_factory, receiver):
+    """[tracing] endpoint names a port nobody listens on; OTEL_EXPORTER_OTLP_ENDPOINT in the
+    supervisor's environment names the receiver: the worker's span arrives there."""
+    sup = supervisor_factory(nats_server, args=JSON_LOGS, env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint},
+                             workers={"count": 1, "handler": "tracehandlers:logs"},
+                             tracing={"enabled": True, "endpoint": f"http://127.0.0.1:{free_port()}"})
+    sup.wait_ready(1)
+    [seq] = publish_now(nats_server.url, count=1)
+    wait_until(lambda: len(sup.jobs.done()) == 1, what="the job done")
+    sup.stop()
+    [span] = receiver.consumer_spans()
+    assert span.attributes["jetstream.stream_seq"] == seq
 
 
 def test_every_span_of_a_recycled_or_drained_worker_arrives(nats_server, supervisor_factory, receiver):
