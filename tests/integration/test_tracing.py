@@ -143,6 +143,20 @@ def test_otel_exporter_otlp_endpoint_wins_over_the_configured_endpoint(nats_serv
     assert span.attributes["jetstream.stream_seq"] == seq
 
 
+def test_the_console_exporter_prints_each_span(nats_server, supervisor_factory):
+    """exporter = "console": the worker prints its spans (the SDK's JSON) to its stdout, which
+    the supervisor's own stdout is; no collector needed."""
+    sup = supervisor_factory(nats_server, workers={"count": 1, "handler": "tracehandlers:logs"},
+                             tracing={"enabled": True, "exporter": "console"})
+    sup.wait_ready(1)
+    [seq] = publish_now(nats_server.url, count=1)
+    wait_until(lambda: len(sup.jobs.done()) == 1, what="the job done")
+    sup.stop()
+    out = sup.log()
+    assert '"name": "process jobs.new"' in out and '"kind": "SpanKind.CONSUMER"' in out
+    assert f'"jetstream.stream_seq": {seq}' in out
+
+
 def test_every_span_of_a_recycled_or_drained_worker_arrives(nats_server, supervisor_factory, receiver):
     """Workers recycled after 4 jobs, a 10 ms job each, concurrency 2; the batch processor never
     exports on its timer here (OTEL_BSP_SCHEDULE_DELAY: 10 minutes), so every span that arrives
