@@ -15,6 +15,7 @@ import sys
 
 import nats
 import pytest
+import tomli_w
 from harness import child_env, publish, publish_now, wait_until
 from natsauth import free_port
 from otlp import Receiver
@@ -155,6 +156,26 @@ def test_the_console_exporter_prints_each_span(nats_server, supervisor_factory):
     out = sup.log()
     assert '"name": "process jobs.new"' in out and '"kind": "SpanKind.CONSUMER"' in out
     assert f'"jetstream.stream_seq": {seq}' in out
+
+
+def test_sighup_turns_tracing_on_in_the_replacement_workers(nats_server, supervisor_factory, receiver):
+    """tracing.enabled reloads by replacing workers: the parent imports the SDK then (before the
+    replacements fork), and the new workers' spans arrive; the old ones made none."""
+    sup = supervisor_factory(nats_server, workers={"count": 1, "handler": "tracehandlers:logs"},
+                             tracing={"enabled": False, "endpoint": receiver.endpoint})
+    sup.wait_ready(1)
+    [before] = publish_now(nats_server.url, count=1)
+    wait_until(lambda: len(sup.jobs.done()) == 1, what="the first job done")
+    old = sup.worker_pids()
+    sup.config["tracing"]["enabled"] = True
+    sup.config_path.write_text(tomli_w.dumps(sup.config))
+    sup.signal(signal.SIGHUP)
+    wait_until(lambda: not (sup.worker_pids() & old) and sup.wait_ready(1), what="the worker replaced")
+    [after] = publish_now(nats_server.url, count=1)
+    wait_until(lambda: len(sup.jobs.done()) == 2, what="the second job done")
+    assert sup.stop() == 0
+    assert [s.attributes["jetstream.stream_seq"] for s in receiver.consumer_spans()] == [after]
+    assert after != before
 
 
 def test_every_span_of_a_recycled_or_drained_worker_arrives(nats_server, supervisor_factory, receiver):
