@@ -198,6 +198,25 @@ def test_every_span_of_a_recycled_or_drained_worker_arrives(nats_server, supervi
     assert len(spans) == len(sup.jobs.started())     # one span per delivery, none lost, none twice
 
 
+def test_a_retired_workers_spans_arrive_when_it_exits(nats_server, supervisor_factory, receiver):
+    """Scale down (SIGTTOU) retires a worker: with the batch timer off, its spans can only have
+    come from its own flush on the way out, and they are there before the supervisor stops."""
+    sup = traced(supervisor_factory, nats_server, receiver, env=NO_PERIODIC_EXPORT,
+                 workers={"count": 2, "batch": 1})
+    sup.wait_ready(2)
+    publish(nats_server.url, count=20, data="0.05")
+    wait_until(lambda: len(sup.jobs.done_seqs()) == 20, what="every job done")
+    both = sup.worker_pids()
+    sup.signal(signal.SIGTTOU)
+    wait_until(lambda: len(sup.worker_pids()) == 1, what="a worker retired")
+    [retired] = both - sup.worker_pids()
+    ran = {r.seq for r in sup.jobs.done() if r.pid == retired}
+    assert ran, "the retired worker ran jobs"
+    wait_until(lambda: {s.attributes["jetstream.stream_seq"] for s in receiver.consumer_spans()
+                        if s.resource.get("process.pid") == retired} == ran, what="the retired worker's spans")
+    assert sup.stop() == 0
+
+
 @pytest.mark.parametrize("fmt", ["text", "json"])
 def test_the_handlers_own_log_line_carries_its_job_without_tracing(nats_server, supervisor_factory, fmt):
     """Log context needs no tracing: the handler's `logging` call, in its handler thread, carries
