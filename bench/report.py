@@ -166,6 +166,16 @@ def guard_table(res: dict) -> str:
                   "each repeat"], rows)
 
 
+def tracing_table(res: dict) -> str:
+    if res.get("skipped"):
+        return f"skipped: {res['skipped']}"
+    rows = [[r["variant"], str(r["workers"]), num(r["jobs_per_s"]), num(r["vs_off"], ".2f", "x"),
+             num(r["extra_us_per_job"], ".0f"), num(r["cpu_ms_per_1k_jobs"], ".0f"), num(r["spans_per_job"], ".2f"),
+             " ".join(num(v) for v in r["jobs_per_s_all"])] for r in res["summary"]]
+    return table(["no-op, tracing", "N", "jobs/s", "vs off", "extra µs/job", "CPU ms/1k jobs", "spans/job",
+                  "each repeat"], rows)
+
+
 # ---------------------------------------------------------------- targets
 
 def targets(results: dict) -> list[dict]:
@@ -290,6 +300,9 @@ def render(results: dict) -> str:
     if "tuned" in results:
         parts += ["### 10. Throughput, no-op handler, tuned", configuration(results["tuned"]),
                   throughput_table(results["tuned"])]
+    if "tracing" in results:
+        parts += [f"### 9. [tracing]'s cost ({results['tracing'].get('jobs', 0):,} jobs, defaults, OTLP/HTTP to a "
+                  "local receiver)", tracing_table(results["tracing"])]
     parts += ["### Targets", targets_table(targets(results))]
     return "\n\n".join(parts) + "\n"
 

@@ -40,6 +40,8 @@ from typing import Any
 import psutil
 import tomli_w
 from harness import SupervisorProc, wait_until
+from natsauth import free_port
+from otlp import Receiver
 
 from .checker import VERDICTS
 from .core import Result, run_with
@@ -113,6 +115,10 @@ SETTINGS: list[Setting] = [
     Setting("chaos.delay", lambda r, c: round(r.uniform(0.5, 4.0), 2), needs=lambda c: c["chaos.delayed"] > 0,
             later=True),
     Setting("chaos.tick", lambda r, c: weighted(r, [(0, 1), (r.choice([1, 2, 3]), 1)]), later=True),
+    # A span per delivery (issue 29), to a collector that is up (an OTLP receiver of the run's) or down.
+    Setting("tracing.enabled", lambda r, c: r.random() < 0.3, later=True),
+    Setting("chaos.collector", lambda r, c: weighted(r, [("up", 3), ("down", 1)]), needs=lambda c: c["tracing.enabled"],
+            later=True),
     Setting("chaos.utilization", lambda r, c: round(r.uniform(0.15, 0.4), 2)),
     Setting("chaos.fault_every", lambda r, c: round(r.uniform(3.0, 9.0), 1)),     # mean seconds between faults
     # Issue 24's job policies. A rule for the jobs that fail on purpose, with a jittered backoff
@@ -136,6 +142,7 @@ def retry_rules(r: random.Random) -> list[dict[str, Any]]:
 # Runner knobs that are not drawn, and what a key not drawn falls back to.
 DEFAULTS: Cfg = {"chaos.delayed": 0.0, "chaos.delay": 0.0, "chaos.tick": 0, "workers.soft_timeout": 0.0,
                  "workers.max_jobs_jitter": 0, "autoscale.enabled": False, "chaos.beyond_ackwait": False,
+                 "tracing.enabled": False, "chaos.collector": "up",
                  "chaos.grow": 0.0, "chaos.republish": 0.0, "fleet.heartbeat": 2.0, "fleet.release_lost": True}
 
 
@@ -503,8 +510,12 @@ def scale(act: Act, p: dict) -> None:
     if not act.live(sup):
         return
     how = p["how"]
-    if how == "ttou" and len(sup.worker_pids()) <= max(1, act.plan.config["workers.count"] - 1):
-        how = "ttin"                  # never below the pool the load is sized for (rate_for)
+    # Never below the pool the load is sized for (rate_for). The parent's target, not its
+    # processes: during a recycle the old worker and its replacement are both alive, and
+    # counting them let a SIGTTOU take a one-worker pool to none (seed 5, tracing's runs).
+    status = sup.try_status()
+    if how == "ttou" and (status is None or status["workers"]["target"] <= max(1, act.plan.config["workers.count"] - 1)):
+        how = "ttin"
     op(act, {"ttin": "SIGTTIN", "ttou": "SIGTTOU"}.get(how, f"POST /scale?workers={p['n']}"))
     if how == "post":
         req = urllib.request.Request(f"http://{sup.http}/scale?workers={p['n']}", method="POST")
@@ -632,6 +643,7 @@ def execute(run: Run, plan: Plan) -> None:
     url = run.start_proxy(server).url if plan.proxy else server.url
     run.ack_wait = plan.config["consumer.ack_wait"]
     cfg = sections(plan.config)
+    cfg["tracing"] = {**cfg.get("tracing", {}), "endpoint": collector(run, plan)}
     for i in range(plan.config["chaos.supervisors"]):
         name = f"chaos-{'ab'[i]}"
         per = {**cfg, "nats": {"name": name}, "fleet": {**cfg.get("fleet", {}), "name": name}}
@@ -660,6 +672,30 @@ def execute(run: Run, plan: Plan) -> None:
         t.join(600)
     if errors:
         raise errors[0]
+
+
+def collector(run: Run, plan: Plan) -> str:
+    """[tracing]'s endpoint: an OTLP receiver of the run's when the collector is up, and after the
+    settle every span that says "ack" must be a delivery the journal saw done by that pid; when
+    it is down, a port nobody listens on (the exporter's failures must cost no job)."""
+    if plan.config["chaos.collector"] == "down" or not plan.config.get("tracing.enabled"):
+        return f"http://127.0.0.1:{free_port()}"
+    receiver = Receiver().start()
+    run.undo.append(receiver.stop)
+
+    def check_spans() -> None:
+        run.tail.poll()
+        done = {(r.pid, r.seq, r.delivery) for r in run.tail.recs if r.event == "D"}
+        spans = receiver.consumer_spans()
+        wrong = [s for s in spans if s.attributes.get("supervisor.outcome") == "ack" and
+                 (s.resource.get("process.pid"), s.attributes["jetstream.stream_seq"],
+                  s.attributes["jetstream.delivery"]) not in done]
+        run.notes.append(f"tracing: {len(spans)} spans received ({receiver.requests} export requests)")
+        if wrong:
+            raise AssertionError(f"tracing: {len(wrong)} span(s) say ack for a delivery the journal never saw "
+                                 f"done, e.g. {wrong[0].attributes}")
+    run.after_settle.append(check_spans)
+    return receiver.endpoint
 
 
 def play(act: Act, step: Step, start: float, lock: threading.Lock, errors: list[BaseException]) -> None:

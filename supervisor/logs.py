@@ -1,4 +1,7 @@
-"""Logging: text for a terminal, JSON lines for collectors, no doubled timestamps under journald."""
+"""Logging: text for a terminal, JSON lines for collectors, no doubled timestamps under journald.
+A record logged while a job runs in a worker carries the job (supervisor/logcontext.py): a
+`[w2 seq=42 #1]` prefix in text, `job_seq`, `job_delivery`, `job_subject`, `worker` (and
+`trace_id`) fields in JSON. The workers inherit these formatters across fork."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ import logging
 import os
 import sys
 import time
+
+from supervisor.logcontext import CURRENT
 
 # Attributes every LogRecord has; anything else on a record came from `extra={...}`.
 STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
@@ -35,7 +40,9 @@ class TextFormatter(logging.Formatter):
         self.journald = journald
 
     def format(self, record: logging.LogRecord) -> str:
-        text = f"{record.levelname.lower():7} {record.name}: {record.getMessage()}"
+        job = CURRENT.get()
+        where = f"{job.prefix()} " if job is not None else ""
+        text = f"{record.levelname.lower():7} {record.name}: {where}{record.getMessage()}"
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         if self.journald:            # journald stamps the time itself
@@ -54,6 +61,9 @@ class JsonFormatter(logging.Formatter):
                "message": record.getMessage()}
         if not self.journald:
             out = {"ts": round(record.created, 3), **out}
+        job = CURRENT.get()
+        if job is not None:
+            out.update(job.fields())
         # extra={"event": "worker_ready", "slot": 0, "pid": 123}: what programs and tests read
         # instead of the wording, which stays free to change.
         out.update({k: v for k, v in vars(record).items() if k not in STANDARD_ATTRS and k not in out})

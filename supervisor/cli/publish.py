@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import math
 import time
@@ -67,21 +68,29 @@ def cmd_publish(args: argparse.Namespace) -> int:
     if later and not any(subject_matches(p, subject) for p in cfg.stream.subjects):
         raise ConfigError("--subject", f"{subject!r} is not a job subject of the stream "
                                        f"(stream.subjects: {', '.join(cfg.stream.subjects)})")
-    stored, dups = uvloop.run(publish(cfg, subject, args.count, args.data, args.msg_id, args.rate, later))
+    traced: contextlib.AbstractContextManager[tuple[dict[str, str], str]] = contextlib.nullcontext(({}, ""))
+    if cfg.tracing.enabled:              # the SDK is loaded only then (config loading checked it is there)
+        from workers.middleware.tracing import producer_span
+        traced = producer_span(cfg.tracing, subject, args.count)
+    with traced as (trace_headers, trace_id):
+        stored, dups = uvloop.run(publish(cfg, subject, args.count, args.data, args.msg_id, args.rate, later,
+                                          trace_headers))
     when = f", {later.said()}" if later else ""
-    print(f"published {args.count} to {subject}{when}: {stored} stored, {dups} duplicates")
+    print(f"published {args.count} to {subject}{when}: {stored} stored, {dups} duplicates"
+          + (f" (trace {trace_id})" if trace_id else ""))
     return EXIT_OK
 
 
 async def publish(cfg: Config, subject: str, count: int, data: str, msg_id: str | None,
-                  rate: float | None, later: Later | None = None) -> tuple[int, int]:
+                  rate: float | None, later: Later | None = None,
+                  trace_headers: dict[str, str] | None = None) -> tuple[int, int]:
     """Publish with up to PUBLISH_WINDOW PubAcks outstanding; (stored, duplicates). The stream is
     ensured first (as `start` would), so jobs published before the supervisor starts wait for it.
 
     nats-py's publish_async, as a hand-written loop would use it: each message goes out without
     waiting and its PubAck resolves a future, counted when it leaves the window. The window is
     ours (we wait for half of it at a time, with a timeout), so publish_async's own semaphore
-    never blocks.
+    never blocks. `trace_headers` (a traceparent: [tracing]) go on every job.
     (Awaiting js.publish in a window of tasks ran at 0.55x a plain publish_async loop: a task per
     message and asyncio.wait over the whole window each time one PubAck came back.)
 
@@ -105,7 +114,7 @@ async def publish(cfg: Config, subject: str, count: int, data: str, msg_id: str 
             if len(window) >= PUBLISH_WINDOW:
                 await acks_until(window, PUBLISH_WINDOW // 2, tally)
             body = data.replace("{i}", str(i)).encode() if numbered else payload
-            headers = {"Nats-Msg-Id": f"{msg_id}-{i}"} if msg_id else None
+            headers = {**(trace_headers or {}), **({"Nats-Msg-Id": f"{msg_id}-{i}"} if msg_id else {})} or None
             to = subject
             if later and facts:
                 job = sched.ScheduleMsg(sched.delayed_subject(cfg.stream.name, f"{msg_id}-{i}" if msg_id else None),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import re
 import types
@@ -194,6 +195,17 @@ class MonitorConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    enabled: bool = key(False, "true: a span per delivery, exported from each worker (needs the otel extra; "
+                               "README: Tracing)", reload=REPLACE)
+    exporter: str = key("otlp", "otlp (OTLP/HTTP protobuf) or console (stdout)", reload=REPLACE,
+                        choices=("otlp", "console"))
+    endpoint: str = key("http://127.0.0.1:4318", "the collector's OTLP/HTTP base URL (/v1/traces is added); "
+                                                 "OTEL_EXPORTER_OTLP_ENDPOINT wins when set", reload=REPLACE)
+    service_name: str = key("jetstream-supervisor", "the spans' service.name", reload=REPLACE)
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = key("info", "debug, info, warning or error", reload=LIVE,
                      choices=("debug", "info", "warning", "error"))
@@ -241,6 +253,7 @@ class Config:
     fleet: FleetConfig = FleetConfig()
     autoscale: AutoscaleConfig = AutoscaleConfig()
     monitor: MonitorConfig = MonitorConfig()
+    tracing: TracingConfig = TracingConfig()
     log: LogConfig = LogConfig()
     schedules: Mapping[str, ScheduleConfig] = field(default_factory=lambda: Entries())
     limits: Mapping[str, LimitConfig] = field(default_factory=lambda: Entries())
@@ -469,6 +482,9 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
     if cfg.consumer.filter_subject and not any(subject_matches(p, cfg.consumer.filter_subject) or
                                                 p == cfg.consumer.filter_subject for p in cfg.stream.subjects):
         fail("consumer.filter_subject", f"{cfg.consumer.filter_subject!r} is not within stream.subjects")
+    if cfg.tracing.enabled and (missing := otel_missing()):
+        fail("tracing.enabled", f"needs the otel extra: {missing} is not installed "
+                                "(pip install 'jetstream-supervisor[otel]')")
     dlq = cfg.restart.dead_letter_subject
     if dlq and not valid_subject(dlq, wildcards=False):
         fail("restart.dead_letter_subject", f"{dlq!r} must be a plain subject (no spaces, no wildcards)")
@@ -525,3 +541,19 @@ def _check_retry(cfg: Config, fail: Callable[[str, str], None], sources: Mapping
         base = r.base if rule.base is None else rule.base
         if (rule.max if rule.max is not None else r.max) < base:
             fail(f"{where}.max", f"must be >= its base ({base:g})")
+
+
+OTEL_MODULES = {"opentelemetry-sdk": "opentelemetry.sdk.trace",
+                "opentelemetry-exporter-otlp-proto-http": "opentelemetry.exporter.otlp.proto.http.trace_exporter"}
+
+
+def otel_missing() -> str:
+    """The otel extra's package that cannot be found ("" when all are), without importing any:
+    the parent never loads the SDK (its exporters start in the workers, after fork)."""
+    for package, module in OTEL_MODULES.items():
+        try:
+            if importlib.util.find_spec(module) is None:
+                return package
+        except ImportError:              # a parent package is missing altogether
+            return package
+    return ""

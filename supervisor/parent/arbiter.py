@@ -45,6 +45,7 @@ from supervisor.parent.scaler import Scaler
 from supervisor.parent.stats import Stats
 from supervisor.parent.systemd import Notifier
 from workers.protocol import slots
+from workers.protocol.crashes import CrashBoard
 from workers.protocol.events import AcksResent, Event, Ready, RecycleDue, Redelivered, Settled, Unsent
 from workers.protocol.exits import CHILD_EXIT_REASONS, EXIT_CONNECT_FAILED, Kill, KillCause
 from workers.runtime.solo import SuspectBoard
@@ -85,7 +86,8 @@ class Arbiter:
         self.alerts: collections.deque = collections.deque(maxlen=50)
         self.steps = LoopSteps(self.alert)
         self.suspects = SuspectBoard()      # jobs on poison probation, run alone by every worker (workers/runtime/solo.py)
-        self.deaths = Deaths(cfg, nc, self.ledger, self.peers, self.alert, self.suspects)
+        self.crashes = CrashBoard()         # the death each redelivery comes back from (workers/protocol/crashes.py)
+        self.deaths = Deaths(cfg, nc, self.ledger, self.peers, self.alert, self.suspects, self.crashes)
         self.stats = Stats(self.living)
         self.pool = Pool(cfg, self.fork, self.restarts, self.stats, self.alert)
         self.watch = Watch(cfg, nc, self.ledger, self.deaths, self.stats, self.alert)
@@ -325,7 +327,8 @@ class Arbiter:
         return ChildSpec(slot=w.slot, parent_pid=os.getpid(), table=w.table, events_fd=events_fd, cfg=self.cfg,
                          handler=self.handler, init=self.init, middleware=self.middleware,
                          connect=lambda: self.connect_worker(w.slot),
-                         job_limit=w.job_limit, suspects=self.suspects, graceful_timeout=w.graceful_timeout,
+                         job_limit=w.job_limit, suspects=self.suspects, crashes=self.crashes,
+                         graceful_timeout=w.graceful_timeout,
                          server_dies_with_parent=self.server_dies_with_parent)
 
     # ================================================================ events from workers

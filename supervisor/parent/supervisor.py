@@ -69,7 +69,12 @@ Middlewares = tuple[tuple[str, type[Middleware]], ...]
 
 def load_middleware(cfg: Config, handler: Callable) -> Middlewares:
     """Import and check each workers.middleware entry: a workers.Middleware subclass that can be
-    made with no arguments, whose `around` suits the handler's kind; anything else is exit 3."""
+    made with no arguments, whose `around` suits the handler's kind; anything else is exit 3.
+    With [tracing] on, its SDK and exporter are imported here too, before any fork (no exporter
+    starts: workers/middleware/tracing.py preload)."""
+    if cfg.tracing.enabled:
+        from workers.middleware import tracing
+        tracing.preload()
     out = []
     for k, spec in enumerate(cfg.workers.middleware):
         key = f"workers.middleware[{k}]"
@@ -306,7 +311,8 @@ class Supervisor:
             cfg = change.effective
             check_retry_rules(cfg)
             code = None                   # (handler, init, middleware) when one of them changed
-            if any(k in ("workers.handler", "workers.init", "workers.middleware") for k, _, _ in change.changed):
+            if any(k in ("workers.handler", "workers.init", "workers.middleware", "tracing.enabled")
+                   for k, _, _ in change.changed):
                 handler = load_callable(cfg.workers.handler, "workers.handler")
                 init = load_callable(cfg.workers.init, "workers.init") if cfg.workers.init else None
                 code = (handler, init, load_middleware(cfg, handler))

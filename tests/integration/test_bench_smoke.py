@@ -329,11 +329,21 @@ def test_fairness_figures_are_sane(smoke):
         assert 0 <= m["behind_long"] <= m["jobs"] and 0 <= m["over_limit"] <= m["jobs"], run
 
 
+def test_tracing_cost_figures_are_sane(smoke):
+    """Each traced run counted a span per job at the receiver (else its figure is not tracing's cost)."""
+    results, _ = smoke
+    rows = {r["variant"]: r for r in results["tracing"]["summary"]}
+    assert set(rows) == {"sync, off", "sync, on", "async, off", "async, on"}
+    for name, row in rows.items():
+        assert positive(row["jobs_per_s"]) and positive(row["vs_off"]), row
+        assert row["spans_per_job"] == (1.0 if name.endswith("on") else 0.0), row
+
+
 def test_report_is_written(smoke):
     results, out = smoke
     text = (out / "tables.md").read_text()
     for heading in ("Throughput", "CPU-bound", "seed experiment", "Latency", "Fairness", "Crash recovery", "Footprint",
-                    "supervisor publish", "guard's cost", "tuned", "Targets"):
+                    "supervisor publish", "guard's cost", "tuned", "[tracing]'s cost", "Targets"):
         assert heading in text
     assert results["targets"] and all("met" in t for t in results["targets"])
     if importlib.util.find_spec("matplotlib"):

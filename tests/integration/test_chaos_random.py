@@ -37,7 +37,7 @@ def run_seed(seed: int, tmp_path, known: set[str] = frozenset()) -> None:
     # new supervisor at once, the server SIGSTOPped with a worker SIGKILLed meanwhile, a SIGHUP
     # (failed on R3 until its fix: the orphans' jobs waited for AckWait; then now and then on F7)
     (18, set()),
-    # sync, 2 workers, idempotency + max_jobs 20: a worker SIGSTOPped past heartbeat_timeout
+    # sync, 2 workers, idempotency + max_jobs 20 + tracing: a worker SIGSTOPped past heartbeat_timeout
     (40, set()),
     # a fleet of two, async, double_ack, max_jobs 40: a worker's link cut, the server SIGKILLed
     (46, set()),

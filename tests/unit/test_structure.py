@@ -20,13 +20,17 @@ MAX_FOLDER_MODULES = 15
 # Each layer and the layers it may import (its own modules always). What crosses fork() is in
 # workers.protocol, which imports nothing of ours; the worker side never imports the parent's
 # side (only the config tree both read); the views (observe) read a Snapshot and never the parent.
-BASE = {"supervisor", "supervisor.errors", "supervisor.logs"}
+# supervisor.logcontext is the job a log record belongs to: set by the worker side, read by the
+# formatters (supervisor.logs) the workers inherit; it imports nothing, so both sides may import it.
+BASE = {"supervisor", "supervisor.errors", "supervisor.logs", "supervisor.logcontext"}
 LAYERS: dict[str, set[str]] = {
     "workers.protocol": set(),
     "workers": {"workers.protocol"},
-    "workers.middleware": {"workers", "workers.protocol", "supervisor.config", "supervisor.errors"},
+    "workers.middleware": {"workers", "workers.protocol", "supervisor.config", "supervisor.errors",
+                           "supervisor.logcontext"},
     "workers.runtime": {"workers", "workers.middleware", "workers.protocol", "supervisor.config", "supervisor.errors"},
-    "supervisor": set(), "supervisor.errors": set(), "supervisor.logs": set(), "supervisor.__main__": {"supervisor.cli"},
+    "supervisor": set(), "supervisor.errors": set(), "supervisor.logcontext": set(),
+    "supervisor.logs": {"supervisor.logcontext"}, "supervisor.__main__": {"supervisor.cli"},
     "supervisor.config": {"supervisor.errors"},
     "supervisor.core": {"supervisor.config", "supervisor.errors", "workers.protocol"},
     "supervisor.nats": {"supervisor.config", "workers.protocol", *BASE},
@@ -35,7 +39,7 @@ LAYERS: dict[str, set[str]] = {
                           "workers.middleware", "workers.protocol", "workers.runtime", *BASE},
     "supervisor.demo": {"supervisor.cli", "supervisor.config", "supervisor.nats", "workers.protocol", *BASE},
     "supervisor.cli": {"supervisor.config", "supervisor.core", "supervisor.demo", "supervisor.nats", "supervisor.parent",
-                       "workers.runtime", *BASE},
+                       "workers.middleware", "workers.runtime", *BASE},     # middleware: publish's producer span
 }
 LONG_CLASS_REASON = "Long because"          # the docstring phrase that explains a longer class
 

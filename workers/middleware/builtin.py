@@ -1,7 +1,7 @@
-"""A worker's middleware, made after fork: the `workers.middleware` entries (classes the parent
-imported and checked before forking) in list order, outermost first, then the built-ins the
-config turns on, innermost (closest to the handler): the [idempotency] guard, then the soft time
-limit, which wraps the handler alone."""
+"""A worker's middleware, made after fork: [tracing] outermost when the config turns it on, then
+the `workers.middleware` entries (classes the parent imported and checked before forking) in
+list order, then the built-ins the config turns on: the [idempotency] guard, [log context]
+(always), and innermost the soft time limit, which wraps the handler alone."""
 
 from __future__ import annotations
 
@@ -10,16 +10,24 @@ from collections.abc import Sequence
 from supervisor.config import Config
 from workers.middleware.base import Middleware
 from workers.middleware.guard import IdempotencyGuard
+from workers.middleware.joblog import JobLog
 from workers.middleware.retries import Policy
 from workers.middleware.timeouts import soft_timeout
+from workers.protocol.crashes import CrashBoard
 
 
-def instances(entries: Sequence[tuple[str, type[Middleware]]], cfg: Config, is_async: bool
-              ) -> list[tuple[str, Middleware]]:
+def instances(entries: Sequence[tuple[str, type[Middleware]]], cfg: Config, is_async: bool,
+              crashes: CrashBoard | None = None) -> list[tuple[str, Middleware]]:
     """(name, instance) for each middleware of one worker, outermost first."""
-    chain = [(name, cls()) for name, cls in entries]
+    tracing = None
+    if cfg.tracing.enabled:                        # issue 29: a span per delivery; loads the SDK, so only then
+        from workers.middleware.tracing import Tracing
+        tracing = Tracing(crashes)
+    chain: list[tuple[str, Middleware]] = [("[tracing]", tracing)] if tracing is not None else []
+    chain += [(name, cls()) for name, cls in entries]
     if cfg.idempotency.enabled:                    # issue 10: done-markers and leases
         chain.append(("[idempotency]", IdempotencyGuard(cfg.idempotency.bucket, Policy.from_config(cfg).delay)))
+    chain.append(("[log context]", JobLog(tracing)))   # issue 29: every record logged in a job names it
     if cfg.workers.soft_timeout:
         chain.append(("workers.soft_timeout", soft_timeout(cfg.workers.soft_timeout, is_async)))
     return chain

@@ -8,6 +8,7 @@ from typing import Any
 
 from supervisor.config import Config
 from workers import Job, Middleware
+from workers.protocol.crashes import CrashBoard
 from workers.protocol.slots import SlotTable
 from workers.runtime.solo import SuspectBoard
 
@@ -27,6 +28,7 @@ class ChildSpec:
     middleware: tuple[tuple[str, type[Middleware]], ...] = ()
     job_limit: int = 0                         # tell the parent once this many jobs started (max_jobs)
     suspects: SuspectBoard | None = None       # jobs to run alone (workers/runtime/solo.py), written by the parent
+    crashes: CrashBoard | None = None          # the deaths redeliveries come back from (workers/protocol/crashes.py)
     graceful_timeout: float = 30.0             # workers.graceful_timeout as it was at fork: the parent's too
     server_dies_with_parent: bool = False      # the embedded nats-server: an orphan has nobody to settle with
     keep_fds: tuple[int, ...] = ()

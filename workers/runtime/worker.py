@@ -170,7 +170,8 @@ class Worker:
         self.table.server_answered(time.monotonic())
         loop = asyncio.get_running_loop()
         try:
-            await self.chain.setup(instances(self.spec.middleware, self.spec.cfg, self.is_async),    # made here, after fork
+            await self.chain.setup(instances(self.spec.middleware, self.spec.cfg, self.is_async,
+                                             self.spec.crashes),                  # made here, after fork
                                    Context(self.spec.slot, os.getpid(), self.nc, loop, self.spec.cfg, self.is_async))
         except Exception as exc:          # read by the parent like a failing init hook
             log.error("worker %d: starting workers.middleware raised %s", self.spec.slot, describe_exception(exc))

@@ -26,6 +26,7 @@ from supervisor.parent.process import WorkerProcess
 from supervisor.parent.safety.peers import Peers
 from workers import Job
 from workers.protocol import slots
+from workers.protocol.crashes import Crash, CrashBoard
 from workers.runtime.deadletter import dead_letter
 from workers.runtime.solo import SuspectBoard
 
@@ -54,9 +55,11 @@ class HeldBack:
 
 class Deaths:
     def __init__(self, cfg: Config, nc: Any, ledger: CrashLedger, peers: Peers,
-                 alert: Callable[[str, str], None], suspects: SuspectBoard | None = None):
+                 alert: Callable[[str, str], None], suspects: SuspectBoard | None = None,
+                 crashes: CrashBoard | None = None):
         self.cfg, self.nc, self.ledger, self.peers, self.alert = cfg, nc, ledger, peers, alert
         self.suspects = suspects
+        self.crashes = crashes             # which death each redelivery comes back from, for its span
         self.pinged: dict[tuple[int, int], float] = {}     # (pid, seq) -> our last +WPI for it
         self.renak: dict[int, SentNak] = {}                # a dead worker's job NAKed, by stream seq
         self.held_back: list[HeldBack] = []
@@ -91,11 +94,14 @@ class Deaths:
         nak = [self.nak_guard(w.pid, e, now) for e in entries]
         if not clean:
             held = [(e.stream_seq, e.delivery, slots.ENTRY_STATES[e.state], n) for e, n in zip(entries, nak)]
-            self.ledger.record_death(now, w.slot, w.pid, cause, held, in_transit=w.table.header(slots.CREDITS),
-                                     job_to_blame=w.kill is None or w.kill.cause.blames_jobs,
-                                     blame=w.kill.blame if w.kill else None, in_transit_since=w.table.server_seen())
+            death = self.ledger.record_death(now, w.slot, w.pid, cause, held, in_transit=w.table.header(slots.CREDITS),
+                                             job_to_blame=w.kill is None or w.kill.cause.blames_jobs,
+                                             blame=w.kill.blame if w.kill else None, in_transit_since=w.table.server_seen())
             if self.suspects is not None:     # on the board before the NAKs bring the suspects back
                 self.suspects.show(self.ledger.on_probation())
+            if self.crashes is not None:      # likewise: their next spans name this death
+                for e in entries:
+                    self.crashes.post(Crash(e.stream_seq, e.delivery, death.id, w.slot, w.pid, time.time(), cause))
         for e, n in zip(entries, nak):
             if clean:         # no death in the ledger: what it left (NAKed now, or after AckWait) explains its rerun
                 self.ledger.expect(e.stream_seq, f"left {slots.ENTRY_STATES[e.state]} by worker {w.slot} "
