@@ -27,7 +27,8 @@ from typing import Any
 
 import uvloop
 
-from . import procs, report, scenarios, tracing_cost, waits
+from . import procs, report, scenarios, waits
+from .costs import tracing
 from .natsenv import STOPPING, NatsServer
 from .profile import PROFILES
 
@@ -36,7 +37,7 @@ SCENARIOS = {"throughput": scenarios.throughput, "cpu": scenarios.cpu_bound, "se
              "latency": waits.latency, "fairness": waits.fairness, "crash": scenarios.crash_recovery,
              "footprint": scenarios.footprint,
              "publish": scenarios.publish_throughput, "guard": scenarios.guard_cost, "tuned": scenarios.tuned,
-             "tracing": tracing_cost.tracing_cost}
+             "tracing": tracing.tracing_cost}
 
 
 def machine() -> dict[str, Any]:
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.render:
         results = waits.resummarize(scenarios.resummarize(json.loads(args.render.read_text())))
-        tracing_cost.resummarize(results)
+        tracing.resummarize(results)
         results["targets"] = report.targets(results)
     else:
         started = time.monotonic()

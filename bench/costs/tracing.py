@@ -13,7 +13,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from .scenarios import Ctx, fmt, measured_drain, median, rotated
+from ..scenarios import Ctx, fmt, measured_drain, median, rotated
 
 VARIANTS = {"sync, off": ("supervisor-sync", False), "sync, on": ("supervisor-sync", True),
             "async, off": ("supervisor", False), "async, on": ("supervisor", True)}
