@@ -229,8 +229,10 @@ def test_a_stop_during_an_outage_sends_the_nak_it_held_back_once_nats_is_back(na
 # ---------------------------------------------------------------- R11a: a missed MAX_DELIVERIES advisory
 
 def test_a_job_given_up_while_the_parent_was_away_is_still_dead_lettered(nats_server, supervisor_factory):
-    """consumer.max_deliver 2, a handler that always fails. The parent's link is refused while the
-    job fails its second delivery, so the MAX_DELIVERIES advisory (core NATS) is lost. Once the
+    """consumer.max_deliver 2, a handler that asks for a retry at every delivery (Retry, a plain NAK:
+    a job that fails is dead-lettered by its worker at its last attempt since [retry], issue 24, so
+    only the server gives this one up). The parent's link is refused while the job is NAKed at its
+    second delivery, so the MAX_DELIVERIES advisory (core NATS) is lost. Once the
     parent is back, it finds the job in the stream below what the consumer will ever deliver
     again and dead-letters it; the work queue is empty."""
     import test_crash_safety
@@ -238,11 +240,11 @@ def test_a_job_given_up_while_the_parent_was_away_is_still_dead_lettered(nats_se
 
     proxy = Refuse(nats_server.port).start()
     try:
-        sup = supervisor_factory(nats_server, workers={"count": 1, "retry_backoff": [2.0]},
+        sup = supervisor_factory(nats_server, workers={"count": 1},
                                  consumer={"ack_wait": ACK_WAIT, "max_deliver": 2}, nats={"servers": [proxy.url]},
                                  args=JSON_LOGS)
         sup.wait_ready(1)
-        seq = publish_now(nats_server.url, count=1, data="fail")[0]
+        seq = publish_now(nats_server.url, count=1, data="retry-always:2.0")[0]
         wait_until(lambda: [r for r in sup.jobs.started() if r.seq == seq], what="the first delivery")
         proxy.refuse("jetstream-supervisor")
         wait_until(lambda: not sup.status()["nats"]["connected"], what="the parent disconnected")
