@@ -76,6 +76,10 @@ def on_the_wire_to_a_stopped_worker(server: NatsServer, sup: SupervisorProc, jou
     seq = publish_now(server.url, count=1, data=f"j{attempt}:retry0.5:0.01", subject="jobs.found")[0]
     wait_until(lambda: (s := sup.try_status()) and s["jobs"]["nak"] >= attempt, 30, "the handler's NAK sent",
                interval=0.005)
+    # The worker asks again only after its NAK: stopped before that, it has no request at the
+    # server for the redelivery to go out on (the job then waits in the queue, which proves nothing).
+    wait_until(lambda: server.consumer()["num_waiting"] >= 1, 5, "the worker's next pull request at the server",
+               interval=0.005)
     os.kill(pid, signal.SIGSTOP)
     try:
         wait_until(lambda: server.consumer()["num_redelivered"] >= attempt, 5, "the NAKed job redelivered")
