@@ -41,6 +41,11 @@ def test_a_retry_on_its_way_to_a_worker_that_dies_comes_back_at_once(tmp_path):
     sup = SupervisorProc(tmp_path, cfg, env={"CHAOS_JOURNAL": str(journal)}).start()
     try:
         sup.wait_ready()
+        # A death in the supervisor's first moments waits for AckWait by design (it cannot tell yet
+        # that no other supervisor shares the consumer, nor read the consumer from before the death):
+        # the case here starts once it can (seen under load: a kill 0.5 s after the start).
+        wait_until(lambda: (s := sup.try_status()) and s["peers"]["alone"] and s["consumer"]["num_pending"] is not None,
+                   30, "the supervisor sure it is alone, with a ConsumerInfo reading")
         for attempt in range(1, 6):
             seq, pid = on_the_wire_to_a_stopped_worker(server, sup, journal, attempt)
             if seq is None:
