@@ -218,3 +218,67 @@ def test_pause_and_resume_from_the_command_line(nats_server, supervisor_factory,
     wait_until(lambda: sup.status()["paused_until"] is None, what="resumed on /status")
     r = run_cli("pause", "--config", str(cfg), "--for", "-1", tmp=tmp_path)
     assert r.returncode == 2 and "--for" in r.stderr
+
+
+# ---------------------------------------------------------------- the bucket away
+
+def test_without_its_bucket_a_limited_job_waits_and_never_runs_unlimited(nats_server, supervisor_factory):
+    """The limits bucket deleted under a running supervisor: limited jobs wait (a warning says
+    why, /status alerts), free jobs still run; the bucket back, the limited jobs run."""
+    sup = supervisor_factory(nats_server, workers={"count": 2}, limits=DB, args=("--log-format", "json"))
+    sup.wait_ready()
+
+    async def bucket(create: bool) -> None:
+        nc = await nats.connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+            if create:
+                await js.create_key_value(bucket="SUPERVISOR_LIMITS", history=1)
+            else:
+                await js.delete_key_value("SUPERVISOR_LIMITS")
+        finally:
+            await nc.close()
+    asyncio.run(bucket(create=False))
+    limited = publish_to(nats_server.url, "jobs.db.write", ["db:0"] * 3)
+    sup.wait_event("limit_unavailable", limit="db")
+    free = publish_to(nats_server.url, "jobs.free.x", ["free:0"] * 3)
+    wait_until(lambda: all_done([sup], free), what="free jobs run while the bucket is away")
+    assert not [r for r in sup.jobs.records() if r.data.startswith("db")], "a limited job ran without its limit"
+    kinds = {a["kind"] for a in wait_until(lambda: sup.status()["alerts"] or None, what="an alert")}
+    assert "limits_unavailable" in kinds
+    asyncio.run(bucket(create=True))
+    wait_until(lambda: all_done([sup], limited), what="limited jobs run once the bucket is back")
+    assert {r.delivery for r in sup.jobs.records()} == {1}
+
+
+# ---------------------------------------------------------------- beside recycling and a drain
+
+def test_limits_beside_recycling_and_concurrency(nats_server, supervisor_factory):
+    """Workers recycled every 2 jobs, 2 handlers each, concurrency 1 across them: still one at a
+    time, every job at its first delivery (a retiring worker runs what it parked), and the slot
+    free at the end."""
+    one = {"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}
+    sup = supervisor_factory(nats_server, workers={"count": 2, "concurrency": 2, "max_jobs": 2}, limits=one)
+    sup.wait_ready()
+    seqs = publish_to(nats_server.url, "jobs.db.write", ["0.05"] * 12)
+    wait_until(lambda: all_done([sup], seqs), what="12 jobs done through recycling")
+    recs = sup.jobs.records()
+    assert most_at_once(recs) == 1 and {r.delivery for r in recs} == {1}
+    assert len({r.pid for r in recs}) >= 4, "workers were not recycled"
+    wait_until(lambda: sup.status()["limits"]["db"]["in_use"] == 0, what="the slot free")
+
+
+def test_a_drain_gives_back_parked_jobs_and_their_limits(nats_server, supervisor_factory):
+    """SIGTERM while jobs wait for the limit: the supervisor exits 0, what waited is NAKed (not
+    run), what ran gave its slot back; a new supervisor runs the rest, one at a time."""
+    one = {"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}
+    first = supervisor_factory(nats_server, workers={"count": 3}, limits=one)
+    first.wait_ready()
+    seqs = publish_to(nats_server.url, "jobs.db.write", ["0.5"] * 6)
+    wait_until(lambda: first.jobs.started() and first.status()["limits"]["db"]["waiting"] >= 2,
+               what="jobs waiting for the limit")
+    assert first.stop() == 0
+    second = supervisor_factory(nats_server, workers={"count": 3}, limits=one)
+    wait_until(lambda: all_done([first, second], seqs), what="every job done by the second supervisor")
+    assert most_at_once(records(first, second)) == 1
+    wait_until(lambda: second.status()["limits"]["db"]["in_use"] == 0, what="the slot free")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from supervisor.core.autoscale import PROBE_MAX_S, Autoscaler, Decision, Inputs, Params
+from supervisor.core.autoscale import PROBE_MAX_S, Autoscaler, Decision, Inputs, Params, limit_binds
 from supervisor.core.lag import LagAnalyzer, Sample
 
 DT = 0.05               # simulation step (s)
@@ -439,6 +439,8 @@ def test_probe_waits_double_after_each_failure_and_reset_after_a_success():
     (dict(lag_state="unknown"), "waiting", "no lag analysis"),
     (dict(lag_state="stuck"), "stuck", "lag is stuck"),
     (dict(completed=0.0), "stalled", "acked nothing"),
+    (dict(limited="limit db is full (3/3 in use, 4 job(s) here waiting for it)"), "limit",
+     "but limit db is full (3/3 in use, 4 job(s) here waiting for it): more workers would only wait"),
 ])
 def test_holds(kw, kind, words):
     p = Autoscaler(params())
@@ -481,3 +483,11 @@ def test_someone_else_changing_the_count_restarts_the_measurement_and_is_not_jud
     assert d.kind == "settling" and "0 of 3" in d.reason
     d = feed(p, 5, 4, workers=5, ready=5, completed=20.0)          # 5 workers no faster than 2 ...
     assert d.kind != "plateau" and p.plateau is None                # ... but we did not add them
+
+
+def test_a_limit_binds_only_when_jobs_wait_for_it_and_the_fleet_has_used_it_up():
+    assert limit_binds([("db", 3, 3, 0, None, 2)]) == "limit db is full (3/3 in use, 2 job(s) here waiting for it)"
+    assert limit_binds([("db", 3, 3, 0, None, 0)]) == ""          # full, but nobody of ours waits
+    assert limit_binds([("db", 3, 2, 0, None, 2)]) == ""          # a slot is free: waiting is brief
+    assert limit_binds([("db", 3, None, 0, None, 2)]) == ""       # not read yet: no claim either way
+    assert "rate is used up" in limit_binds([("db", 3, 1, 0, None, 0), ("api", 0, None, 10, 10, 5)])

@@ -32,11 +32,12 @@ waits where it is, held (and kept alive by the parent's +WPI like any held job).
 
 Whole-job limits do not take a handler while they wait (`Limits.park`): a pulled job that needs
 one is parked (it stays in the slot table, HELD) until it has them, then goes first in the
-worker's queue; jobs that need none go on past it. Parked jobs count towards the worker's pulls
-only while they try for their limits and beyond `workers.concurrency` of them waiting (`occupying`): a worker never holds more than
-`concurrency` jobs waiting for a limit on top of what it can run, so it stops pulling what it
-could not start. A drain NAKs parked jobs at once (they never started); a retirement lets them
-wait, within graceful_timeout.
+worker's queue; jobs that need none go on past it. A parked job counts as taking a handler
+(for pull sizing: `occupying`) while it tries for its limits (most get them at once, and would
+find the handler given away), and again beyond `workers.concurrency` of them waiting: a worker
+holds at most `concurrency` jobs waiting for a limit on top of what it can run, and stops
+pulling what it could not start. A drain NAKs parked jobs at once (they never started); a
+retirement lets them wait, within graceful_timeout.
 """
 
 from __future__ import annotations
