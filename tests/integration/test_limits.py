@@ -282,3 +282,41 @@ def test_a_drain_gives_back_parked_jobs_and_their_limits(nats_server, supervisor
     wait_until(lambda: all_done([first, second], seqs), what="every job done by the second supervisor")
     assert most_at_once(records(first, second)) == 1
     wait_until(lambda: second.status()["limits"]["db"]["in_use"] == 0, what="the slot free")
+
+
+# ---------------------------------------------------------------- the dashboard
+
+def test_the_dashboard_shows_limits_in_use_and_a_pause_in_chromium(nats_server, supervisor_factory, tmp_path):
+    import pytest
+    from browser import Browser, chromium_binary
+
+    binary = chromium_binary()
+    if binary is None:
+        pytest.skip("chromium is not installed: the dashboard was not rendered in a browser")
+    gate = tmp_path / "gate"
+    one = {"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}, "api": {"rate": 2.5}}
+    sup = supervisor_factory(nats_server, workers={"count": 3}, limits=one)
+    sup.wait_ready()
+    publish_to(nats_server.url, "jobs.db.write", [f"until:{gate}"] * 3)
+    wait_until(lambda: (db := sup.status()["limits"]["db"])["in_use"] == 1 and db["waiting"] == 2, what="1 held, 2 wait")
+    cfg = tmp_path / "cli.toml"
+    cfg.write_text(f'[nats]\nservers = ["{nats_server.url}"]\n')
+    assert run_cli("pause", "--config", str(cfg), "--for", "600", "--reason", "db maintenance").returncode == 0
+    wait_until(lambda: sup.status()["headline"]["state"] == "paused", what="paused on /status")
+    b = Browser(binary)
+    try:
+        page = b.new_page(1000, 1200)
+        page.goto(f"http://{sup.http}/")
+        page.wait_for("Number(document.body.dataset.renders) >= 2", what="two renders")
+        assert page.evaluate("document.getElementById('limits').hidden") is False
+        rows = page.evaluate("Array.from(document.querySelectorAll('#limits-table tbody tr'), "
+                             "r => Array.from(r.cells, c => c.textContent))")
+        assert rows == [["db", "1 / 1", "none", "2", rows[0][4]], ["api", "no cap", rows[1][2], "0", rows[1][4]]]
+        assert rows[1][2].endswith("/ 5 per 2.0 s") or "/ 5 per" in rows[1][2], rows[1][2]
+        assert page.evaluate("document.getElementById('hl-word').textContent") == "Paused"
+        assert "db maintenance" in page.evaluate("document.getElementById('hl-reason').textContent")
+        page.screenshot(tmp_path / "dashboard-limits.png")
+    finally:
+        b.close()
+        gate.write_text("go")
+        run_cli("resume", "--config", str(cfg))
