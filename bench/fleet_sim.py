@@ -4,14 +4,14 @@ N hosts x W workers against one consumer, counting what each design asks of the 
 Two designs:
 - `naive`: what one supervisor per host does on its own: every parent polls ConsumerInfo every
   `monitor.interval` and watches every heartbeat in the fleet bucket.
-- `elected` (what supervisor/parent/fleet.py does): one poller per fleet, elected through a lease key
+- `elected` (what supervisor/parent/tasks/fleet.py does): one poller per fleet, elected through a lease key
   (a fake KV below with the real semantics: create-if-absent, revision-checked renew, a
   per-message TTL). Only it polls ConsumerInfo and watches the heartbeats; it broadcasts each
   sample (core NATS) to everybody. A member polls itself only when no sample came for
   SAMPLE_FRESH intervals (the poller died: the lease must expire first).
 
 Every host heartbeats. Ledger announcements per crash are counted by running the real
-supervisor/parent/peers.py `Peers` over a counting connection: a worker dies holding jobs (one "naks"
+supervisor/parent/safety/peers.py `Peers` over a counting connection: a worker dies holding jobs (one "naks"
 message), one of them lands on another host ("seen"), is acked there ("settled"). Each message
 goes to every other supervisor, and so does each supervisor's "hello" every HELLO_EVERY seconds
 (how a supervisor knows it is alone, for the in-transit reconciliation).
@@ -34,8 +34,8 @@ from typing import Any
 
 from supervisor.core.fleetview import LOST_AFTER, Fallback, lease_ttl
 from supervisor.core.ledger import CrashLedger
-from supervisor.parent.fleet import SAMPLE_FRESH
-from supervisor.parent.peers import HELLO_EVERY, Peers
+from supervisor.parent.safety.peers import HELLO_EVERY, Peers
+from supervisor.parent.tasks.fleet import SAMPLE_FRESH
 
 # Cluster CPU per operation (microseconds, all three nodes together), from `python -m bench.fleet costs`.
 COSTS_US = {"consumer_info": 480.0, "kv_put": 545.0, "kv_delivery": 51.0, "core_delivery": 1.3}

@@ -37,6 +37,9 @@ the journal, not trusted). Per job (stream sequence):
   that is outside its control for started jobs may be inside for unstarted ones, or the other
   way round (chaos/facts.py Fault.unstarted_in_control).
 - unacked: still in the work-queue stream at the end (an ack that never landed).
+- ticks_extra: firings of the drawn `[schedules.tick]` beyond one per period over the time it
+  could exist (from the first supervisor's start to its removal when the load ends): a schedule
+  doubled by two supervisors, or by a restart.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ VERDICTS = {
     "jobs": None, "lost": 0, "vanished": 0, "dead_lettered": 0, "deduplicated": None, "dup": None,
     "dup_unexplained": 0, "redelivered": None, "bounced": None, "unexplained": 0,
     "ackwait": 0, "ackwait_outside": None, "unacked": 0, "sup_unexplained": 0, "sup_open": 0,
-    "sup_died": 0, "exit": 0, "healthz_s": None,
+    "sup_died": 0, "exit": 0, "healthz_s": None, "ticks_extra": 0,
 }
 
 
@@ -102,6 +105,7 @@ class Evidence:
     sup_died: int = 0
     bad_exits: int = 0                          # supervisors that did not exit 0 when stopped
     healthz_s: float | None = None
+    ticks_extra: int = 0                        # [schedules.tick] firings beyond one per period (rig.py)
 
 
 @dataclass
@@ -188,6 +192,7 @@ class Checker:
             for i, run in enumerate(runs):
                 if i > 0 or run.delivery > 1:
                     self.redelivery(seq, runs[:i], run, c)
+        c["ticks_extra"] = self.ev.ticks_extra
         c["unacked"] = len(self.ev.unacked)
         for seq in self.ev.unacked:
             self.find("unacked", seq, "still in the work-queue stream at the end: no ack landed")

@@ -70,6 +70,9 @@ class Setting:
     # leaves every other row's draw, the jobs and the schedule of older seeds as they were
     # while it draws its "off" value.
     own: bool = False
+    # A row added after seeds were recorded: drawn from the seed's second generator, so every row
+    # before it draws as it did and a recorded seed keeps its configuration and its faults.
+    later: bool = False
 
 
 def fleet(c: Cfg) -> bool:
@@ -110,6 +113,12 @@ SETTINGS: list[Setting] = [
     Setting("chaos.retry", lambda r, c: weighted(r, [(0.0, 1), (round(r.uniform(0.01, 0.1), 3), 1)])),
     Setting("chaos.cpu", lambda r, c: weighted(r, [(0.0, 1), (round(r.uniform(0.05, 0.3), 3), 1)])),
     Setting("chaos.grow", lambda r, c: round(r.uniform(0.02, 0.1), 3), needs=lambda c: c["workers.max_rss_mb"] > 0),
+    # Delayed and recurring jobs (NATS message schedules): a share of the jobs published with a
+    # delay (`publish --delay`), and a [schedules.tick] firing every N seconds.
+    Setting("chaos.delayed", lambda r, c: weighted(r, [(0.0, 1), (round(r.uniform(0.05, 0.2), 3), 1)]), later=True),
+    Setting("chaos.delay", lambda r, c: round(r.uniform(0.5, 4.0), 2), needs=lambda c: c["chaos.delayed"] > 0,
+            later=True),
+    Setting("chaos.tick", lambda r, c: weighted(r, [(0, 1), (r.choice([1, 2, 3]), 1)]), later=True),
     Setting("chaos.utilization", lambda r, c: round(r.uniform(0.15, 0.4), 2)),
     Setting("chaos.fault_every", lambda r, c: round(r.uniform(3.0, 9.0), 1)),     # mean seconds between faults
     # [limits.chaos] over every job (issue 26): a fleet-wide cap, a rate, or both; pauses.
@@ -121,16 +130,17 @@ SETTINGS: list[Setting] = [
 
 # Runner knobs that are not drawn, and what a key not drawn falls back to.
 DEFAULTS: Cfg = {"chaos.limit": 0, "chaos.limit_rate": 0.0, "chaos.pause": False,
+                 "chaos.delayed": 0.0, "chaos.delay": 0.0, "chaos.tick": 0,
                  "workers.max_jobs_jitter": 0, "autoscale.enabled": False, "chaos.beyond_ackwait": False,
                  "chaos.grow": 0.0, "chaos.republish": 0.0, "fleet.heartbeat": 2.0, "fleet.release_lost": True}
 
 
-def draw_config(rng: random.Random) -> Cfg:
+def draw_config(rng: random.Random, later: random.Random | None = None) -> Cfg:
     c: Cfg = dict(DEFAULTS)
     base = "-".join(map(str, rng.getstate()[1][:4]))        # the seed's, without drawing from it
     for s in SETTINGS:
         if s.needs(c):
-            c[s.key] = s.draw(random.Random(f"{base}:{s.key}") if s.own else rng, c)
+            c[s.key] = s.draw(random.Random(f"{base}:{s.key}") if s.own else (later or rng) if s.later else rng, c)
     return c
 
 
@@ -146,6 +156,8 @@ def sections(c: Cfg) -> dict[str, dict[str, Any]]:
     if c["chaos.limit"] or c["chaos.limit_rate"]:
         out["limits"] = {"chaos": {"concurrency": c["chaos.limit"], "rate": c["chaos.limit_rate"],
                                    "subjects": ["jobs.>"]}}
+    if c["chaos.tick"]:
+        out["schedules"] = {"tick": {"every": float(c["chaos.tick"]), "subject": "jobs.chaos", "data": "tick:0.01"}}
     return out
 
 
@@ -189,10 +201,20 @@ def republished(jobs: list[str], rate: float, c: Cfg, rng: random.Random) -> lis
     return out
 
 
+def delayed(jobs: list[str], c: Cfg, rng: random.Random) -> list[str]:
+    """A share of the jobs published as delayed jobs (`~SECONDS~ACTIONS`: a message schedule each,
+    due SECONDS after it is stored); never a key published again (its first copy may be late)."""
+    if not c["chaos.delayed"]:
+        return jobs
+    return [f"~{c['chaos.delay']}~{j}" if "=" not in j and rng.random() < c["chaos.delayed"] else j for j in jobs]
+
+
 def kind_of(actions: str) -> str:
-    """fail, retry, grow, cpu, long (1 s or more), short, or again (a key published again)."""
+    """fail, retry, grow, cpu, long (1 s or more), short, again (a key published again), or delayed."""
     if "=" in actions:
         return "again"
+    if actions.startswith("~"):
+        return "delayed"
     first = actions.split(":")[0]
     word = first.strip("0123456789.")
     return word or ("long" if float(first) >= 1.0 else "short")
@@ -281,13 +303,14 @@ class Plan:
 def draw(seed: int, minutes: float) -> Plan:
     """The whole run from the seed: a pure function (no clock, no environment)."""
     rng = random.Random(seed)
-    c = draw_config(rng)
+    c = draw_config(rng, random.Random(f"later:{seed}"))
     load_s = max(10.0, minutes * 60 * 0.75)
     jobs_rng = random.Random(rng.random())
     sample = [job_action(random.Random(jobs_rng.random()), c) for _ in range(200)]
     rate = rate_for(c, sum(s for _, s in sample) / len(sample))
     n = int(rate * load_s)
     jobs = republished(spaced([job_action(jobs_rng, c) for _ in range(n)], rate, slots_of(c)), rate, c, jobs_rng)
+    jobs = delayed(jobs, c, random.Random(f"delayed:{seed}"))
     plan = Plan(seed, minutes, c, jobs, rate, load_s)
     kinds = [k for k in FAULTS if k.needs(c)]
     t = 0.1 * load_s

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import os
 import random
 import shutil
@@ -31,7 +32,8 @@ from harness import NatsServer, SupervisorProc, base_config, wait_until
 from nats.js.errors import NotFoundError
 from natscluster import NatsCluster
 
-from supervisor.parent.peers import SUSPECT_GRACE
+from supervisor.config import schedules as sched
+from supervisor.parent.safety.peers import SUSPECT_GRACE
 from workers.runtime.deadletter import DLQ_HEADER
 
 from .checker import Evidence, Report, check
@@ -42,6 +44,12 @@ STREAM, CONSUMER, SUBJECT, DLQ_STREAM = "JOBS", "workers", "jobs.chaos", "JOBS_D
 ACK_WAIT = 30.0             # long: an expiry (AckWait wait) cannot be mistaken for a prompt NAK
 STALLED = 10.0              # nothing in flight and nothing moving this long: the run is over
 NATS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, OSError)
+
+
+def named_schedule(subject: str) -> bool:
+    """A recurring schedule's own message (it lives in the stream); a delayed job's counts as a job."""
+    kind = (sched.parse_subject(STREAM, subject) or ("", ""))[0]
+    return kind in sched.NAMED_KINDS
 
 
 class Background:
@@ -155,6 +163,8 @@ class Publisher:
     def __init__(self, run: Run):
         self.run = run
         self.stored: dict[int, Stored] = {}
+        self.delayed: dict[str, Stored] = {}          # key -> its schedule's seq, when it is due
+        self.schedules_from = self.schedules_until = 0.0   # while [schedules.tick] could fire (monotonic)
         self.next = 0
         self.failures = 0
         self.futures: list[Any] = []
@@ -191,20 +201,67 @@ class Publisher:
     async def publish(self, i: int, what: str) -> None:
         # `jN=ACTIONS`: publish job N's key again (its Nats-Msg-Id too), as a publisher retrying
         # after the stream's duplicate window does; the idempotency guard must skip it.
+        delay = 0.0
+        if what.startswith("~"):          # `~SECONDS~ACTIONS`: published as a delayed job (a message schedule)
+            _, seconds, what = what.split("~", 2)
+            delay = float(seconds)
         key, again, rest = what.partition("=")
         key, what = (key, rest) if again else (f"j{i}", what)
         js = self.run.nc.jetstream()
         while True:
             sent = time.monotonic()       # the job exists from here on at the earliest: a PubAck read
+            subject, headers = SUBJECT, {"Nats-Msg-Id": f"chaos-{key}"}
+            if delay:
+                due = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=delay)
+                subject = sched.delayed_subject(STREAM, f"chaos-{key}")
+                headers.update({sched.PATTERN: sched.at_pattern(due), sched.TARGET: SUBJECT})
             try:                          # late on a busy box must not make a drain look later than it
-                ack = await js.publish(SUBJECT, f"{key}:{what}".encode(), timeout=2.0,
-                                       headers={"Nats-Msg-Id": f"chaos-{key}"})
+                ack = await js.publish(subject, f"{key}:{what}".encode(), timeout=2.0, headers=headers)
             except NATS_ERRORS:
                 self.failures += 1        # server down or unreachable: the same id again shortly
                 await asyncio.sleep(0.25)
                 continue
-            self.stored[ack.seq] = Stored(ack.seq, key, sent)
+            if delay:
+                self.delayed[key] = Stored(ack.seq, key, sent + delay)
+            else:
+                self.stored[ack.seq] = Stored(ack.seq, key, sent)
             return
+
+    async def end_schedules(self) -> None:
+        """The load is over: a recurring schedule stops here, or it would store jobs after the
+        supervisors stop (not lost: never meant to run). A start may add it back: faults are over."""
+        with contextlib.suppress(*NATS_ERRORS):
+            await self.run.nc.jetstream().purge_stream(STREAM, subject=f"{sched.space(STREAM)}.config.>")
+        self.schedules_until = time.monotonic()
+
+    def ticks_beyond(self, ticks: int) -> int:
+        """Firings of [schedules.tick] beyond one per period while it could exist: from the first
+        supervisor's start (none could make it before) to its removal (none fires after)."""
+        every = (self.run.sups[0].config.get("schedules", {}).get("tick", {}) if self.run.sups else {}).get("every")
+        if not every or not self.schedules_from or not self.schedules_until:
+            return 0
+        return max(0, ticks - int((self.schedules_until - self.schedules_from) / every + 1))
+
+    def fired(self, journal: list[Rec], notes: list[str], origin: float) -> dict[int, Stored]:
+        """The jobs the server stored for schedules, by their seq in the journal: each delayed job
+        (stored when due; one never seen run is its schedule's seq, so the checker finds it lost or
+        still in the stream) and each tick of [schedules.tick] (stored by its first start)."""
+        seen: dict[str, set[int]] = {}
+        first: dict[int, float] = {}
+        for r in journal:
+            seen.setdefault(r.key, set()).add(r.seq)
+            first[r.seq] = min(first.get(r.seq, r.t), r.t)
+        out = {}
+        for key, s in self.delayed.items():
+            for seq in seen.get(key, {s.seq}):
+                out[seq] = Stored(seq, key, s.t)
+        ticks = sorted(first[seq] for seq in seen.get("tick", ()))
+        for seq in seen.get("tick", ()):
+            out[seq] = Stored(seq, "tick", first[seq])
+        if ticks:
+            notes.append(f"[schedules.tick]: {len(ticks)} firings, first started +{ticks[0] - origin:.1f}s, "
+                         f"last +{ticks[-1] - origin:.1f}s; beyond one per period: {self.ticks_beyond(len(ticks))}")
+        return out
 
     def wait(self, timeout: float) -> None:
         for fut in self.futures:
@@ -283,6 +340,7 @@ class Run:
         for section, values in [*defaults.items(), *sections.items()]:
             cfg.setdefault(section, {}).update(values)
         sup = SupervisorProc(sub, cfg, env={"CHAOS_JOURNAL": str(self.journal), **(env or {})})
+        self.publisher.schedules_from = self.publisher.schedules_from or time.monotonic()
         self.sups.append(sup)
         sup.start()
         if ready:
@@ -326,11 +384,12 @@ class Run:
         """(messages in the stream, pending, ack pending), or None while the server does not answer."""
         js = self.nc.jetstream()
         try:
-            si = await js.stream_info(STREAM)
+            si = await js.stream_info(STREAM, subjects_filter=">")
             ci = await js.consumer_info(STREAM, CONSUMER, timeout=2)
         except NATS_ERRORS:
             return None
-        return si.state.messages, ci.num_pending or 0, ci.num_ack_pending or 0
+        waiting = sum(n for subj, n in (si.state.subjects or {}).items() if not named_schedule(subj))
+        return waiting, ci.num_pending or 0, ci.num_ack_pending or 0
 
     # ------------------------------------------------------------ faults
 
@@ -389,6 +448,7 @@ class Run:
         Stop early when nothing can change any more: no supervisor left, or nothing ack pending
         (so no AckWait timer runs) and nothing moved for STALLED seconds."""
         self.publisher.wait(timeout=600)
+        self.bg.call(self.publisher.end_schedules())
         last = max([self.publisher.finished_at, *(f.t1 for f in self.faults)])
         deadline = last + 1.5 * self.ack_wait + 10.0
         seen, moved = None, time.monotonic()
@@ -419,8 +479,9 @@ class Run:
                 self.stop_supervisor(s)
         unacked = self.bg.call(self.unacked())
         dead = self.bg.call(self.dead_letters())
-        stored = dict(self.publisher.stored)
-        ev = Evidence(stored=stored, journal=self.tail.poll(), faults=self.faults, ack_wait=self.ack_wait,
+        stored = {**self.publisher.stored, **self.publisher.fired(self.tail.poll(), self.notes, self.origin)}
+        ticks = self.publisher.ticks_beyond(sum(s.key == "tick" for s in stored.values()))
+        ev = Evidence(ticks_extra=ticks, stored=stored, journal=self.tail.poll(), faults=self.faults, ack_wait=self.ack_wait,
                       origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead,
                       status=self.status, statuses=[s for s in statuses if s],
                       sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), drains=self.drains,
@@ -458,6 +519,8 @@ class Run:
                 msg = await js.get_msg(STREAM, seq)
             except NotFoundError:
                 continue
+            if named_schedule(msg.subject):
+                continue                  # [schedules.tick] stays in the stream by design
             left.append(seq)
             key = (msg.data or b"").decode(errors="replace").partition(":")[0]
             self.publisher.stored.setdefault(seq, Stored(seq, key, self.origin))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from supervisor import __version__, config, logs
-from supervisor.cli import dlq, fleet_status, lag, pause, publish, status
+from supervisor.cli import dlq, fleet_status, lag, pause, publish, schedule, status
 from supervisor.demo import crash as demo
 from supervisor.demo import once as demo_once
 from supervisor.errors import EXIT_BUG, EXIT_OK, ConfigError, SupervisorError
@@ -73,6 +73,8 @@ examples:
   supervisor publish                                 # one job, payload job-1
   supervisor publish --count 40 --data 0.5           # 40 jobs (sleep_job sleeps float(payload) seconds)
   supervisor publish --count 1000 --rate 50 --msg-id batch7   # deduplicated by the server if re-run
+  supervisor publish --delay 600 --data report-42    # stored now, delivered in ten minutes
+  supervisor publish --at 2026-12-24T18:00:00Z       # delivered then (the server's clock)
 """,
     "lag": """\
 examples:
@@ -146,6 +148,34 @@ examples:
   supervisor dlq replay --seq 3                      # N: the number in the first column of `dlq list`
   supervisor dlq replay --all
   supervisor dlq replay --all --subject jobs.retry
+""",
+    "schedule": """\
+A schedule is kept in the stream and fired by the server, once per period for the whole fleet:
+no beat process, and two supervisors never double it. [schedules.NAME] in the config is what
+`start` makes the server hold (added, changed, removed); `schedule add` makes one by hand that
+`start` leaves alone.
+
+examples:
+  supervisor schedule list
+  supervisor schedule add cleanup --every 300 --subject jobs.cleanup
+  supervisor schedule add report --cron "0 7 * * 1-5" --data weekly     # 07:00 UTC, Monday to Friday
+  supervisor schedule rm cleanup
+""",
+    "schedule list": """\
+MADE BY is config ([schedules.NAME], reconciled by `start`) or cli (`schedule add`).
+
+examples:
+  supervisor schedule list
+  supervisor schedule list --json
+""",
+    "schedule add": """\
+examples:
+  supervisor schedule add cleanup --every 300 --subject jobs.cleanup
+  supervisor schedule add nightly --cron "30 2 * * *" --header "Tenant: acme"
+""",
+    "schedule rm": """\
+example:
+  supervisor schedule rm cleanup
 """,
     "demo": """\
 Starts its own supervisor on an embedded nats-server in a temporary directory (free ports, removed
@@ -223,6 +253,11 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--msg-id", metavar="PREFIX", help="set Nats-Msg-Id: PREFIX-<i>, so the server drops a job "
                                                       "published twice (within stream.duplicate_window)")
     p.add_argument("--rate", type=float, metavar="PER_S", help="publish at most this many per second")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--delay", type=float, metavar="SECONDS", help="store now, deliver SECONDS later (a NATS "
+                                                                    "message schedule; stream.allow_schedules)")
+    when.add_argument("--at", metavar="TIME", help="store now, deliver at TIME, RFC 3339 with its offset "
+                                                  "(2026-12-01T09:30:00Z)")
 
     p = command("lag", "print the consumer's numbers: pending, ackPending, redelivered, delivered, ackFloor")
     p.add_argument("--stream", help="stream (default stream.name)")
@@ -269,6 +304,22 @@ def build_parser() -> ArgumentParser:
                    help="resume by itself after SECONDS (default: until `supervisor resume`)")
     p.add_argument("--reason", metavar="TEXT", help="what /status and the logs say (pause_reason)")
     command("resume", "end a pause of the consumer now")
+    p = command("schedule", "list, add or remove recurring jobs the server fires (NATS message schedules)")
+    ssub = p.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=ArgumentParser)
+    lp = command("list", "list the named schedules on the stream and the delayed jobs waiting", ssub, "schedule list")
+    lp.add_argument("--json", action="store_true", help="print JSON")
+    ap = command("add", "add (or replace) a schedule made by hand; `start` leaves it alone", ssub, "schedule add")
+    ap.add_argument("name", metavar="NAME", help="letters, digits, _ and -")
+    period = ap.add_mutually_exclusive_group(required=True)
+    period.add_argument("--every", type=float, metavar="SECONDS", help="fire every SECONDS (at least 1)")
+    period.add_argument("--cron", metavar="EXPR", help="fire on a cron line, UTC: \"MIN HOUR DAY MONTH WEEKDAY\" "
+                                                       "(6 fields: seconds first)")
+    ap.add_argument("--subject", metavar="S", help="where each firing publishes a job (default: as `publish`)")
+    ap.add_argument("--data", default="", metavar="TEXT", help="the job's payload (default empty)")
+    ap.add_argument("--header", action="append", metavar="'NAME: VALUE'", help="a header each job carries "
+                                                                              "(repeatable)")
+    rp = command("rm", "remove a schedule by name", ssub, "schedule rm")
+    rp.add_argument("name", metavar="NAME", help="the schedule's name (see `schedule list`)")
 
     p = command("demo", "watch a worker crash while holding a job, and the job come back at once")
     p.add_argument("--workers", type=int, default=3, metavar="N", help="worker processes (default 3)")
@@ -348,5 +399,6 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "dlq": dlq.cmd_dlq,
     "pause": pause.cmd_pause,
     "resume": pause.cmd_resume,
+    "schedule": schedule.cmd_schedule,
     "demo": lambda args: (demo_once if args.scenario == "once" else demo).cmd_demo(args),
 }

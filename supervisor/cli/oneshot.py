@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from supervisor.config import Config
+from supervisor.config import Config, subjects
 from supervisor.errors import NatsUnavailable
 from supervisor.nats import connect as natsconn
 
@@ -26,8 +26,7 @@ async def connect_oneshot(cfg: Config, purpose: str) -> Any:
 
 
 def default_subject(cfg: Config) -> str:
-    first = cfg.stream.subjects[0]
-    return ".".join("new" if t == ">" else "any" if t == "*" else t for t in first.split("."))
+    return subjects.default_subject(cfg.stream.subjects)
 
 
 

@@ -16,7 +16,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     """`supervisor status [--url URL] [--json]`: a running supervisor's /status, for people or scripts.
 
     Exit 0 when the supervisor answered; 1 when nothing (or no supervisor) answers at the URL,
-    in one line; 2 when the URL itself is malformed. (`--fleet` is supervisor/parent/fleet.py's.)"""
+    in one line; 2 when the URL itself is malformed. (`--fleet` is supervisor/parent/tasks/fleet.py's.)"""
     base = supervisor_url(args)
     code, body = http_call(base, "GET", "/status")
     if code != 200:

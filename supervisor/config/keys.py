@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from supervisor.config.schedules import ROOT, entry_problems, in_space
 from supervisor.config.subjects import parse_hostport, subject_matches, valid_subject
 from supervisor.errors import ConfigError
 
@@ -76,6 +77,9 @@ class StreamConfig:
     retention: str = key("workqueue", "workqueue, limits or interest", reload=RESTART,
                          choices=("workqueue", "limits", "interest"))
     duplicate_window: float = key(120.0, "seconds a Nats-Msg-Id is remembered", reload=RESTART, lo=0.0)
+    allow_schedules: bool = key(True, "a stream we create allows NATS message schedules (publish --delay/--at, "
+                                      "[schedules.NAME]; nats-server 2.12+); an existing one is never changed",
+                                reload=RESTART)
 
 
 @dataclass(frozen=True)
@@ -180,10 +184,11 @@ NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    every: float = key(0.0, "seconds between firings (this or cron)", reload=LIVE, lo=0.0)
-    cron: str = key("", "5 fields, UTC, as crontab (6: seconds first)", reload=LIVE)
-    subject: str = key("", "where each firing publishes a job", reload=LIVE)
+    every: float = key(0.0, "seconds between firings, at least 1 (this or cron)", reload=LIVE)
+    cron: str = key("", "\"MIN HOUR DAY MONTH WEEKDAY\", UTC, as crontab (6 fields: seconds first)", reload=LIVE)
+    subject: str = key("", "where each firing publishes a job; \"\": as `publish` (e.g. jobs.new)", reload=LIVE)
     data: str = key("", "the job's payload", reload=LIVE)
+    headers: tuple[str, ...] = key((), "\"Name: value\" headers each job carries", reload=LIVE)
 
 
 @dataclass(frozen=True)
@@ -408,6 +413,7 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
         if not server or " " in server:
             fail("nats.servers", "each server must be a URL like nats://host:4222")
     _check_limits(cfg, fail)
+    _check_schedules(cfg, fail)
 
 
 def _check_limits(cfg: Config, fail: Any) -> None:
@@ -419,3 +425,18 @@ def _check_limits(cfg: Config, fail: Any) -> None:
                 fail(f"limits.{name}.subjects", f"not a valid subject: {s!r}")
             if not any(subject_matches(p, s) or subject_matches(s, p) or p == s for p in cfg.stream.subjects):
                 fail(f"limits.{name}.subjects", f"{s!r} is not within stream.subjects: no job would hold it")
+
+
+def _check_schedules(cfg: Config, fail: Any) -> None:
+    if any(in_space(s) for s in cfg.stream.subjects):
+        fail("stream.subjects", f"{ROOT}.> is where message schedules are kept; job subjects go elsewhere")
+    wide = [s for s in cfg.stream.subjects if subject_matches(s, f"{ROOT}.{cfg.stream.name}.probe")]
+    if cfg.stream.allow_schedules and wide:
+        fail("stream.subjects", f"{wide[0]!r} also captures {ROOT}.{cfg.stream.name}.>, where message schedules are "
+                                "kept (out of the workers' way): narrow it, or set stream.allow_schedules = false")
+    for name, entry in cfg.schedules.items():
+        if not cfg.stream.allow_schedules:
+            fail(f"schedules.{name}", "needs stream.allow_schedules = true")
+        for problem_key, problem in entry_problems(every=entry.every, cron=entry.cron, subject=entry.subject,
+                                                             headers=entry.headers, stream_subjects=cfg.stream.subjects):
+            fail(f"schedules.{name}.{problem_key}", problem)

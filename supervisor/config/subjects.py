@@ -30,3 +30,8 @@ def parse_hostport(text: str, name: str, source: str = "") -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(name, f"expected HOST:PORT, got {text!r}", source)
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def default_subject(stream_subjects: tuple[str, ...]) -> str:
+    """A plain subject inside the stream's first pattern: `jobs.>` -> `jobs.new`, `a.*` -> `a.any`."""
+    return ".".join("new" if t == ">" else "any" if t == "*" else t for t in stream_subjects[0].split("."))

@@ -1,7 +1,7 @@
 """The fleet seen from one supervisor, as pure decisions with the time passed in: which peers
 are ok or lost (FleetView), when a fleet without a poller polls ConsumerInfo itself (Fallback),
 and which of a lost peer's jobs may be NAKed now (plan_release). The task that feeds them is
-supervisor/parent/fleet.py, whose docstring tells the whole story."""
+supervisor/parent/tasks/fleet.py, whose docstring tells the whole story."""
 
 from __future__ import annotations
 

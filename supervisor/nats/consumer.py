@@ -27,7 +27,7 @@ POLLED_KEYS = ("num_pending", "num_ack_pending", "num_redelivered", "num_waiting
 
 def consumer_dict(info: Any) -> dict[str, Any]:
     """`leader`: the server that answered (in a cluster, the consumer leader; None on a single
-    server); `created` tells a recreated consumer from a leader move (supervisor/parent/monitor.py);
+    server); `created` tells a recreated consumer from a leader move (supervisor/parent/tasks/monitor.py);
     `paused_until`: the consumer's PauseUntil while it is paused, else None (its reason, from the
     limits bucket, is the monitor's to add: supervisor/nats/limits.py)."""
     return {"stream": info.stream_name, "name": info.name, "num_pending": info.num_pending or 0,

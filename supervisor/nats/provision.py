@@ -17,6 +17,7 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from supervisor.config import Config
+from supervisor.config import schedules as sched
 from supervisor.errors import ConfigError, NatsUnavailable
 from supervisor.nats import connect as natsconn
 
@@ -28,7 +29,7 @@ RETENTION = {"workqueue": api.RetentionPolicy.WORK_QUEUE, "limits": api.Retentio
              "interest": api.RetentionPolicy.INTEREST}
 STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
 # Consumer settings a running server lets us update in place.
-CONSUMER_UPDATABLE = ("ack_wait", "max_deliver", "max_ack_pending", "backoff", "filter_subject")
+CONSUMER_UPDATABLE = ("ack_wait", "max_deliver", "max_ack_pending", "backoff", "filter_subject", "filter_subjects")
 VALID_BUCKET = re.compile(r"[a-zA-Z0-9_-]+")
 
 
@@ -52,24 +53,39 @@ async def connect_until(cfg: Config, *, name: str, **options: Any) -> Any:
 
 
 def stream_config(cfg: Config) -> api.StreamConfig:
+    """The stream we create. With stream.allow_schedules it also captures the schedule space
+    (config/schedules.py) and allows message schedules, which need rollup headers (the server
+    would turn them on itself)."""
     s = cfg.stream
-    return api.StreamConfig(name=s.name, subjects=list(s.subjects), retention=RETENTION[s.retention],
-                            storage=STORAGE[s.storage], num_replicas=s.replicas, duplicate_window=s.duplicate_window)
+    extra: dict[str, Any] = {}
+    subjects = list(s.subjects)
+    if s.allow_schedules:
+        subjects.append(sched.space_filter(s.name))
+        extra = {"allow_msg_schedules": True, "allow_rollup_hdrs": True}
+    return api.StreamConfig(name=s.name, subjects=subjects, retention=RETENTION[s.retention],
+                            storage=STORAGE[s.storage], num_replicas=s.replicas, duplicate_window=s.duplicate_window,
+                            **extra)
 
 
-def consumer_config(cfg: Config) -> api.ConsumerConfig:
+def consumer_config(cfg: Config, stream_subjects: list[str] | None = None) -> api.ConsumerConfig:
+    """The work consumer. On a stream holding schedules its filter names the job subjects, so a
+    schedule message is never delivered as a job (and acked away); elsewhere "" is every subject."""
     c = cfg.consumer
+    subjects = list(stream_config(cfg).subjects or ()) if stream_subjects is None else stream_subjects
+    filters = sched.job_filters(c.filter_subject, subjects, sched.space_filter(cfg.stream.name) in subjects)
     return api.ConsumerConfig(durable_name=c.name, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=c.ack_wait,
                               max_deliver=c.max_deliver, max_ack_pending=c.max_ack_pending,
-                              backoff=list(c.backoff) or None, filter_subject=c.filter_subject or None,
+                              backoff=list(c.backoff) or None, filter_subject=filters[0] if len(filters) == 1 else None,
+                              filter_subjects=list(filters) if len(filters) > 1 else None,
                               deliver_policy=api.DeliverPolicy.ALL)
 
 
 async def ensure(nc: Any, cfg: Config) -> None:
     js = nc.jetstream()
     try:
-        await ensure_stream(js, stream_config(cfg), cfg.stream.create, "stream")
-        await ensure_consumer(js, cfg)
+        stream = await ensure_stream(js, stream_config(cfg), cfg.stream.create, "stream")
+        warn_schedules(cfg, stream)
+        await ensure_consumer(js, cfg, list(stream.subjects or ()))
         if cfg.restart.dead_letter_stream and cfg.restart.dead_letter_subject:
             dlq = api.StreamConfig(name=cfg.restart.dead_letter_stream, subjects=[cfg.restart.dead_letter_subject],
                                    retention=api.RetentionPolicy.LIMITS, storage=STORAGE[cfg.stream.storage],
@@ -125,7 +141,7 @@ async def ensure_limits_bucket(js: Any, cfg: Config) -> None:
 
 
 async def ensure_fleet_bucket(js: Any, cfg: Config) -> None:
-    """The KV bucket of fleet heartbeats (supervisor/parent/fleet.py): one value per key, kept for
+    """The KV bucket of fleet heartbeats (supervisor/parent/tasks/fleet.py): one value per key, kept for
     FLEET_KEEP_S after its last write (so a lost supervisor stays visible a while), as many
     replicas as the stream. Not fatal: without it the work goes on, only the fleet view is off."""
     from nats.js.errors import BucketNotFoundError
@@ -151,26 +167,45 @@ async def ensure_fleet_bucket(js: Any, cfg: Config) -> None:
         log.warning("cannot create KV bucket %s: %s; the fleet view is off", bucket, _describe(exc))
 
 
-async def ensure_stream(js: Any, want: api.StreamConfig, create: bool, key: str) -> None:
+async def ensure_stream(js: Any, want: api.StreamConfig, create: bool, key: str) -> api.StreamConfig:
+    """The stream as the server has it (created from `want` when missing and `create`)."""
     try:
         have = (await js.stream_info(want.name)).config
     except NotFoundError:
         if not create:
             raise NatsUnavailable(f"{key}: stream {want.name} does not exist and stream.create is false") from None
-        await js.add_stream(want)
-        log.info("created stream %s (subjects %s, %s, %s storage)", want.name, ", ".join(want.subjects or ()),
+        made = (await js.add_stream(want)).config
+        log.info("created stream %s (subjects %s, %s, %s storage%s)", want.name, ", ".join(want.subjects or ()),
                  getattr(want.retention, "value", "?"), getattr(want.storage, "value", "?"),
+                 ", message schedules" if made.allow_msg_schedules else "",
                  extra={"event": "stream_created", "stream": want.name})
-        return
-    for name, had, wanted in _differences(have, want, ("subjects", "retention", "storage", "num_replicas",
-                                                       "duplicate_window")):
+        return made
+    # The schedule space is compared on its own (warn_schedules): an older stream lacks it by design.
+    space = sched.space_filter(want.name or "")
+    plain = dataclasses.replace(want, subjects=[s for s in want.subjects or () if s != space])
+    seen = dataclasses.replace(have, subjects=[s for s in have.subjects or () if s != space])
+    for name, had, wanted in _differences(seen, plain, ("subjects", "retention", "storage", "num_replicas",
+                                                        "duplicate_window")):
         log.warning("stream %s exists with %s=%s (config: %s); left as it is", want.name, name, had, wanted,
                     extra={"event": "stream_differs", "stream": want.name, "setting": name, "have": had,
                            "want": wanted})
+    return have
 
 
-async def ensure_consumer(js: Any, cfg: Config) -> None:
-    want = consumer_config(cfg)
+def warn_schedules(cfg: Config, have: api.StreamConfig) -> None:
+    """Once at start: an existing stream that cannot hold schedules (publish --delay and
+    [schedules] are refused when used, naming stream.allow_schedules)."""
+    if cfg.stream.allow_schedules and not (have.allow_msg_schedules and
+                                           sched.space_filter(cfg.stream.name) in (have.subjects or ())):
+        log.warning("stream %s cannot hold message schedules (created before stream.allow_schedules, or by hand): "
+                    "publish --delay/--at and [schedules] are refused until it can (README: Later and every)",
+                    cfg.stream.name, extra={"event": "stream_without_schedules", "stream": cfg.stream.name})
+
+
+async def ensure_consumer(js: Any, cfg: Config, stream_subjects: list[str] | None = None) -> None:
+    if stream_subjects is None:
+        stream_subjects = list((await js.stream_info(cfg.stream.name)).config.subjects or ())
+    want = consumer_config(cfg, stream_subjects)
     try:
         have = (await js.consumer_info(cfg.stream.name, cfg.consumer.name)).config
     except NotFoundError:

@@ -142,3 +142,4 @@ class Snapshot:
     raised: tuple[Alert, ...] = field(default=())  # alerts the loop raised (deaths, halts, ...)
     limits: tuple[LimitView, ...] = field(default=())   # [limits.NAME], in the config's order
     limits_error: str = ""                 # the limits bucket did not answer the last read
+    schedules: Mapping[str, Any] = field(default_factory=dict)   # what start's reconcile did (nats/schedules.py)

@@ -37,6 +37,7 @@ def build_status(snap: Snapshot) -> dict[str, Any]:
         "limits": {v.name: limit_block(v) for v in snap.limits},
         "paused_until": consumer.get("paused_until"),
         "pause_reason": (consumer.get("pause_reason") or "") if consumer.get("paused_until") else None,
+        "schedules": dict(snap.schedules),
         "alerts": [{"kind": a.kind, "message": a.message} for a in alerts(snap)],
         "headline": headline(lag, consumer),
     }
@@ -108,6 +109,9 @@ def alerts(snap: Snapshot) -> list[Alert]:
         out.append(Alert("nats_disconnected", "the supervisor's NATS connection is down"))
     if snap.limits_error:
         out.append(Alert("limits_unavailable", f"{snap.limits_error}: jobs needing a limit wait (none runs without it)"))
+    if snap.schedules.get("refused") or snap.schedules.get("error"):
+        out.append(Alert("schedules_refused" if snap.schedules.get("refused") else "schedules_failed",
+                         f"[schedules] not applied: {snap.schedules.get('refused') or snap.schedules.get('error')}"))
     return out
 
 

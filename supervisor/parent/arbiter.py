@@ -35,16 +35,16 @@ from supervisor.core.liveness import DRAIN_MARGIN, Limits
 from supervisor.core.policy import RestartPolicy
 from supervisor.errors import EXIT_HALTED, EXIT_OK
 from supervisor.nats import limits
-from supervisor.parent.deaths import Deaths
-from supervisor.parent.in_transit import SLACK, InTransit
 from supervisor.parent.loopsteps import PAUSE, LoopSteps
-from supervisor.parent.peers import SUSPECT_GRACE, Peers
 from supervisor.parent.pool import Pool
 from supervisor.parent.process import WorkerProcess
+from supervisor.parent.safety.deaths import Deaths
+from supervisor.parent.safety.in_transit import SLACK, InTransit
+from supervisor.parent.safety.peers import SUSPECT_GRACE, Peers
+from supervisor.parent.safety.watch import Watch
 from supervisor.parent.scaler import Scaler
 from supervisor.parent.stats import Stats
 from supervisor.parent.systemd import Notifier
-from supervisor.parent.watch import Watch
 from workers.protocol import slots
 from workers.protocol.events import AcksResent, Event, PauseAsked, Ready, RecycleDue, Redelivered, Settled, Unsent
 from workers.protocol.exits import CHILD_EXIT_REASONS, EXIT_CONNECT_FAILED, Kill, KillCause

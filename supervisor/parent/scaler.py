@@ -53,7 +53,7 @@ class Host(Protocol):
 
 
 class LagSource(Protocol):
-    """What it reads of the monitor (parent/monitor.py): the consumer's numbers and lag state."""
+    """What it reads of the monitor (parent/tasks/monitor.py): the consumer's numbers and lag state."""
     consumer: dict[str, Any] | None
     polled_at: float | None
     analyzer: LagAnalyzer

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from supervisor import __version__
@@ -23,16 +24,17 @@ from supervisor.observe.snapshot import (
     WorkerView,
 )
 from supervisor.parent.arbiter import Arbiter
-from supervisor.parent.fleet import Fleet
-from supervisor.parent.monitor import Monitor
 from supervisor.parent.pool import rss_of
 from supervisor.parent.process import WorkerProcess, WorkerState
+from supervisor.parent.tasks.fleet import Fleet
+from supervisor.parent.tasks.monitor import Monitor
 from workers.protocol import slots
 
 HELD_STATES = (slots.HELD, slots.RUNNING, slots.ACKED)
 
 
-def take(arbiter: Arbiter, monitor: Monitor | None, fleet: Fleet | None, nc: Any, embedded: bool) -> Snapshot:
+def take(arbiter: Arbiter, monitor: Monitor | None, fleet: Fleet | None, nc: Any, embedded: bool,
+         schedules: Mapping[str, Any] | None = None) -> Snapshot:
     now = time.monotonic()
     cfg, ledger = arbiter.cfg, arbiter.ledger
     return Snapshot(
@@ -49,7 +51,8 @@ def take(arbiter: Arbiter, monitor: Monitor | None, fleet: Fleet | None, nc: Any
         fleet=fleet.status() if fleet else {"name": cfg.fleet.name, "peers": None},
         raised=(*(Alert(a["kind"], a["message"], a["t"]) for a in arbiter.alerts),
                 *(Alert(a["kind"], a["message"]) for a in (fleet.alerts() if fleet else ()))),
-        limits=limit_views(arbiter, monitor), limits_error=monitor.limits_error if monitor else "")
+        limits=limit_views(arbiter, monitor), limits_error=monitor.limits_error if monitor else "",
+        schedules=dict(schedules or {}))
 
 
 def limit_views(arbiter: Arbiter, monitor: Monitor | None) -> tuple[LimitView, ...]:

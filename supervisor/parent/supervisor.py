@@ -25,16 +25,16 @@ from supervisor import logs
 from supervisor.config import Config, parse_hostport, reload, with_servers
 from supervisor.errors import EXIT_HALTED, ConfigError, Halted, HandlerError, SupervisorError
 from supervisor.nats import connect as natsconn
-from supervisor.nats import provision
+from supervisor.nats import provision, schedules
 from supervisor.nats.embedded import EmbeddedServer
 from supervisor.observe.http import HttpServer
 from supervisor.observe.snapshot import Snapshot
 from supervisor.observe.status import title
 from supervisor.parent import snapshots
 from supervisor.parent.arbiter import Arbiter
-from supervisor.parent.fleet import Fleet
-from supervisor.parent.monitor import Monitor
 from supervisor.parent.systemd import Notifier
+from supervisor.parent.tasks.fleet import Fleet
+from supervisor.parent.tasks.monitor import Monitor
 from workers import Middleware
 from workers.middleware.chain import around_mismatch
 
@@ -168,6 +168,7 @@ class Supervisor:
         self.fleet: Fleet | None = None
         self.http: HttpServer | None = None
         self.notifier = Notifier()
+        self.schedules: dict[str, Any] = {}          # what the last reconcile did (/status schedules)
 
     def run(self) -> int:
         cfg = self.cfg
@@ -196,6 +197,7 @@ class Supervisor:
         tasks: list[asyncio.Task] = []
         try:
             await provision.ensure(self.nc, cfg)
+            await self.apply_schedules(cfg)
             self.arbiter = Arbiter(cfg, self.nc, handler, init, self.connect_worker, self.notifier,
                                    middleware=middleware, reload_config=self.reload if self.reload_source else None,
                                    server_dies_with_parent=self.embedded is not None)
@@ -226,6 +228,31 @@ class Supervisor:
             if self.http:
                 await self.http.close()
             await self.close()
+
+    async def apply_schedules(self, cfg: Config) -> None:
+        """Make the server's config-made schedules the config's (nats/schedules.py). A stream or
+        server that cannot hold them is a logged refusal and a /status alert, never the end of
+        the run: the jobs already queued still need their workers."""
+        try:
+            done = await schedules.reconcile(self.nc, cfg)
+        except ConfigError as exc:
+            log.error("[schedules] refused: %s", exc, extra={"event": "schedules_refused", "reason": str(exc)})
+            self.schedules = {"allowed": False, "refused": str(exc)}
+            return
+        except Exception as exc:          # NATS away or slow: say so; a SIGHUP tries again
+            why = str(exc) if isinstance(exc, SupervisorError) else f"{type(exc).__name__}: {exc}"
+            log.error("cannot make the server's schedules match [schedules]: %s", why,
+                      extra={"event": "schedules_failed", "reason": why})
+            self.schedules = {"allowed": None, "error": why}
+            return
+        self.schedules = done
+        for verb in ("added", "changed", "removed"):
+            for name in done.get(verb, ()):
+                log.info("schedule %s %s (config)", name, verb, extra={"event": f"schedule_{verb}", "schedule": name})
+        for name in done.get("shadowed", ()):
+            log.warning("schedule %s is in the config and was also made by `schedule add`: both fire; "
+                        "`supervisor schedule rm %s` removes the other one", name, name,
+                        extra={"event": "schedule_shadowed", "schedule": name})
 
     def parts(self) -> tuple[Arbiter, Monitor, Fleet]:
         """What serve() made; the reload and the title task run only once it exists."""
@@ -269,6 +296,8 @@ class Supervisor:
                 await provision.ensure_consumer(self.nc.jetstream(), cfg)
             if cfg.idempotency.enabled and not self.cfg.idempotency.enabled:    # the new workers need the bucket
                 await provision.ensure_idempotency(self.nc.jetstream(), cfg)
+            if any(k.startswith("schedules") for k, _, _ in change.changed) or "error" in self.schedules:
+                await self.apply_schedules(cfg)
         except Exception as exc:      # whatever went wrong, the running config stays
             why = str(exc) if isinstance(exc, SupervisorError) else f"{type(exc).__name__}: {exc}"
             log.error("reload failed; still running on the previous config: %s", why,
@@ -318,7 +347,7 @@ class Supervisor:
 
     def snapshot(self) -> Snapshot:
         arbiter, monitor, fleet = self.parts()
-        return snapshots.take(arbiter, monitor, fleet, self.nc, self.embedded is not None)
+        return snapshots.take(arbiter, monitor, fleet, self.nc, self.embedded is not None, self.schedules)
 
     def history(self, after: int) -> dict[str, Any] | None:
         if self.monitor is None or self.arbiter is None:

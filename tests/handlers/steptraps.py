@@ -26,15 +26,15 @@ TARGETS = {
     "sleep": ("supervisor.parent.arbiter", "Arbiter", "sleep_timeout"),
     "signals": ("supervisor.parent.arbiter", "Arbiter", "dispatch_signals"),
     "posted": ("supervisor.parent.arbiter", "Arbiter", "apply_posted"),
-    "reap": ("supervisor.parent.deaths", "Deaths", "settle"),               # the NATS side of a death
-    "held_back_naks": ("supervisor.parent.deaths", "Deaths", "send_held_back"),
+    "reap": ("supervisor.parent.safety.deaths", "Deaths", "settle"),               # the NATS side of a death
+    "held_back_naks": ("supervisor.parent.safety.deaths", "Deaths", "send_held_back"),
     "nats_back": ("supervisor.parent.pool", "Pool", "nats_back"),
-    "inspect": ("supervisor.parent.watch", "Watch", "inspect"),
+    "inspect": ("supervisor.parent.safety.watch", "Watch", "inspect"),
     "watchdog": ("supervisor.parent.systemd", "Notifier", "watchdog"),
     "recycle": ("supervisor.parent.pool", "Pool", "recycle"),
     "autoscale": ("supervisor.parent.scaler", "Scaler", "tick"),
     "boot_halt": ("supervisor.parent.arbiter", "Arbiter", "check_boot_failures"),
-    "audit": ("supervisor.parent.deaths", "Deaths", "renak_unseen"),
+    "audit": ("supervisor.parent.safety.deaths", "Deaths", "renak_unseen"),
 }
 
 

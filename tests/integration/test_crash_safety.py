@@ -13,7 +13,7 @@ import nats
 import psutil
 from harness import publish, wait_until
 
-from supervisor.parent.peers import SUSPECT_GRACE
+from supervisor.parent.safety.peers import SUSPECT_GRACE
 
 ACK_WAIT = 60.0      # far longer than any wait below: a job back within seconds was NAKed, not expired
 NAKED_WITHIN = 10.0  # a job NAKed at a death is back within this (AckWait 30 s in the tests that use it)

@@ -1,4 +1,4 @@
-"""R10: releasing a lost host's jobs (supervisor/parent/fleet.py) must not release a live host's.
+"""R10: releasing a lost host's jobs (supervisor/parent/tasks/fleet.py) must not release a live host's.
 
 Two ways a live host went silent, each made real here: a heartbeat too big for the server's
 max_payload (nats-py refuses it before sending: MaxPayloadError, on every beat), and heartbeats
@@ -20,7 +20,7 @@ from nats.js.errors import APIError
 from test_fleet_cluster import fleet_view
 
 from supervisor.config import Config
-from supervisor.parent.fleet import Fleet, cap_held
+from supervisor.parent.tasks.fleet import Fleet, cap_held
 
 ACK_WAIT = 300.0      # a second run within the test is a release, never an expiry
 JSON_LOGS = ("--log-format", "json")

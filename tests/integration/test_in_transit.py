@@ -1,5 +1,5 @@
 """Issue 22 item 5: the NAKs built from a stream sequence alone (the in-transit check,
-supervisor/parent/in_transit.py; the re-NAK, Deaths.renak_unseen) NAK whoever holds the job now
+supervisor/parent/safety/in_transit.py; the re-NAK, Deaths.renak_unseen) NAK whoever holds the job now
 (nats-server processNak checks only that the sequence is pending). Each test forces one way such
 a NAK could hit a live holder's delivery, or miss a job that was really lost, against a real
 nats-server: a peer whose parent is paused or that cannot be heard (R4a), a worker's NAK the
@@ -26,8 +26,8 @@ from supervisor.config import Config
 from supervisor.core.ledger import CrashLedger
 from supervisor.nats import provision
 from supervisor.nats.fix import Client
-from supervisor.parent.in_transit import SLACK, InTransit
-from supervisor.parent.peers import LISTEN_FIRST, PEER_QUIET, Peers
+from supervisor.parent.safety.in_transit import SLACK, InTransit
+from supervisor.parent.safety.peers import LISTEN_FIRST, PEER_QUIET, Peers
 from workers.protocol import slots
 from workers.runtime.puller import PULL_EXPIRES, PULL_MARGIN
 from workers.runtime.worker import Worker

@@ -286,7 +286,8 @@ def test_sighup_leaves_nats_embedded_and_stream_changes_for_a_restart(nats_serve
                                                  "stream.subjects"]
     assert sup.events("reload_applied") == []
     stream = asyncio.run(stream_config(nats_server.url))
-    assert stream.subjects == ["jobs.>"] and stream.duplicate_window == 120.0, "the stream left as it is"
+    assert stream.subjects == ["jobs.>", "_sched.JOBS.>"] and stream.duplicate_window == 120.0, \
+        "the stream left as it is (as created: the job subjects and the schedule space)"
     names = {c.get("name") for c in connz(nats_server)}
     assert "renamed" not in names and "jetstream-supervisor" in names, names
     publish(nats_server.url, count=3, data="0")

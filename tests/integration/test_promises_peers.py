@@ -3,7 +3,7 @@ nats-server with real workers, so that breaking the promise turns the test red.
 
 - "with several supervisors on one consumer they come back after AckWait": a supervisor whose
   worker died with a pull request outstanding must not NAK, as lost in transit, a job that a
-  peer supervisor's worker is running (supervisor/parent/in_transit.py runs only when Peers.alone()).
+  peer supervisor's worker is running (supervisor/parent/safety/in_transit.py runs only when Peers.alone()).
 - "If the done-marker cannot be written after the handler returned, the job is acked anyway":
   the KV bucket is deleted for real while the job runs (workers/middleware/guard.py Guard.after).
 

@@ -1,5 +1,5 @@
-"""Unit tests for the fleet's pure parts (supervisor/parent/fleet.py, the ledger's lost-peer hooks,
-supervisor/parent/peers.py's lost-supervisor messages, supervisor/parent/monitor.py's SampleGuard).
+"""Unit tests for the fleet's pure parts (supervisor/parent/tasks/fleet.py, the ledger's lost-peer hooks,
+supervisor/parent/safety/peers.py's lost-supervisor messages, supervisor/parent/tasks/monitor.py's SampleGuard).
 
 Every time is a number passed in: no sleeps, no server. The cluster tests are in
 tests/integration/test_fleet_cluster.py.
@@ -17,8 +17,8 @@ from supervisor.cli.fleet_status import fleet_rows, render_fleet
 from supervisor.core.fleetview import FleetView, beat_key, lease_ttl, plan_release, unlisted_window
 from supervisor.core.lag import LagAnalyzer, Sample
 from supervisor.core.ledger import HOLD_MAX, CrashLedger
-from supervisor.parent.monitor import ACCEPT_AFTER, SampleGuard
-from supervisor.parent.peers import Peers
+from supervisor.parent.safety.peers import Peers
+from supervisor.parent.tasks.monitor import ACCEPT_AFTER, SampleGuard
 
 OWN = "sup.me.1.aaaaaa"
 PEER = "sup.alpha.2.bbbbbb"

@@ -22,7 +22,7 @@ from supervisor.observe.snapshot import (
     WorkerView,
 )
 from supervisor.observe.status import build_status, health, title
-from supervisor.parent.fleet import build_beat
+from supervisor.parent.tasks.fleet import build_beat
 from workers.protocol import slots
 
 LEDGER = {"crashes": 1, "crashes_holding_jobs": 1, "jobs_held_at_crash": 2, "held_jobs_naked": 2,

@@ -37,7 +37,7 @@ ENTRY_STATES = {HELD: "held", RUNNING: "running", ACKED: "acked", SETTLED: "sett
 # time the PONG came, since nats-py runs on_message for the MSGs ahead of a PONG before flush()
 # returns, and a PONG read late by a stalled loop must not vouch for what came after it), so the
 # parent can tell a beating worker whose connection has gone half-open from a healthy one, and
-# which deliveries a worker has surely read (supervisor/parent/in_transit.py).
+# which deliveries a worker has surely read (supervisor/parent/safety/in_transit.py).
 # DUPLICATE_N: jobs acked without running because their key was already done ([idempotency]).
 (PID, STATE, HEARTBEAT, ACKED_N, NAKED_N, TERMED_N, STARTED_N, CREDITS, HIGH_WATER,
  MAX_DURATION, DURATION_SUM, SERVER_SEEN, DUPLICATE_N) = range(13)

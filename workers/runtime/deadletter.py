@@ -11,6 +11,11 @@ from workers import Job
 dead_log = logging.getLogger("supervisor.dead_letter")   # worker Rejects, poison jobs, max deliveries
 
 DLQ_HEADER = "Supervisor-Dead-Letter-"
+# Headers the server acts on when a client publishes them, so a copy must not carry them: a job a
+# message schedule fired has Nats-Scheduler and Nats-Schedule-Next, which a client may publish
+# only to purge that schedule (anything else the server refuses: the copy failed, and a Reject
+# became a NAK for ever). The schedule that fired the job is kept under our own name.
+SERVER_ACTS_ON = ("Nats-Msg-Id", "Nats-Scheduler", "Nats-Schedule-Next", "Nats-TTL", "Nats-Rollup")
 
 
 async def dead_letter(nc: Any, cfg: Any, job: Job, reason: str, extra: dict[str, str] | None = None) -> None:
@@ -21,9 +26,11 @@ async def dead_letter(nc: Any, cfg: Any, job: Job, reason: str, extra: dict[str,
     subject = cfg.restart.dead_letter_subject
     if not subject:
         return
-    headers = {k: v for k, v in job.headers.items() if k != "Nats-Msg-Id"}
+    headers = {k: v for k, v in job.headers.items() if k not in SERVER_ACTS_ON and not k.startswith("Nats-Expected-")}
     if job.msg_id:
         headers[DLQ_HEADER + "Msg-Id"] = job.msg_id
+    if job.headers.get("Nats-Scheduler"):
+        headers[DLQ_HEADER + "Scheduler"] = job.headers["Nats-Scheduler"]
     headers.update({
         DLQ_HEADER + "Stream": cfg.stream.name,
         DLQ_HEADER + "Sequence": str(job.stream_seq),

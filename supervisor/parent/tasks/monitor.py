@@ -6,7 +6,7 @@ crashes nothing: the numbers age (`poll_age_s`) until the lag state turns `unkno
 Advisories: MAX_DELIVERIES means the server gave up on a job; it is still in the stream, so it is
 copied to the dead-letter subject and nothing vanishes silently. MSG_TERMINATED is counted.
 
-In a fleet (supervisor/parent/fleet.py) only the elected poller asks the server; the others take its
+In a fleet (supervisor/parent/tasks/fleet.py) only the elected poller asks the server; the others take its
 samples and ask themselves only when those stop coming. In a cluster ConsumerInfo comes from the
 consumer leader, whichever node that is now; `SampleGuard` keeps an answer that cannot be right
 (a leader still catching up after a move, reporting consumer sequences that went backwards)
@@ -27,13 +27,14 @@ from typing import Any
 from nats.js.errors import NotFoundError
 
 from supervisor.config import Config
+from supervisor.config.schedules import job_subjects
 from supervisor.core.fleetview import ack_wait_range
 from supervisor.core.lag import LagAnalyzer, Sample
 from supervisor.nats import limits
 from supervisor.nats.consumer import consumer_dict
 from supervisor.observe.history import History
 from supervisor.parent.arbiter import Arbiter
-from supervisor.parent.fleet import Fleet
+from supervisor.parent.tasks.fleet import Fleet
 from workers import Job
 from workers.runtime.deadletter import dead_letter
 
@@ -184,7 +185,7 @@ class Monitor:
         self.polled_at = now
         self.note_pause(consumer)
         beat = self.arbiter.stats.progress_beat(self.arbiter.cfg.workers.job_timeout)
-        # In a fleet, progress anywhere counts (supervisor/parent/fleet.py Fleet.progress).
+        # In a fleet, progress anywhere counts (supervisor/parent/tasks/fleet.py Fleet.progress).
         fleet_acked, fleet_busy = self.fleet.progress() if self.fleet else (0, False)
         self.analyzer.add(Sample(t=self.polled_at, num_pending=consumer["num_pending"],
                                  num_ack_pending=consumer["num_ack_pending"],
@@ -352,18 +353,25 @@ class Monitor:
             return
         self.given_up_due, self.reconnects_seen = now + GIVEN_UP_EVERY, reconnects
         bound = consumer["delivered_stream_seq"] if consumer["num_ack_pending"] == 0 else consumer["ack_floor_stream_seq"]
-        seq = 1
+        # Job subjects only: a schedule (or a delayed job waiting) below the bound was never the consumer's.
+        for subject in job_subjects(c):
+            if not await self.given_up_on(js, subject, bound):
+                return
+
+    async def given_up_on(self, js: Any, subject: str, bound: int) -> bool:
+        """find_given_up on one subject; False when the search must stop here (an error)."""
+        c, seq = self.cfg, 1
         for _ in range(GIVEN_UP_BATCH):
             try:
-                raw = await js.get_msg(c.stream.name, seq=seq, subject=c.consumer.filter_subject or ">", next=True)
+                raw = await js.get_msg(c.stream.name, seq=seq, subject=subject, next=True)
             except NotFoundError:
-                return              # nothing stored from seq on
+                return True         # nothing stored from seq on
             except Exception as exc:
                 log.info("looking for jobs the consumer gave up on: %s; again at the next poll", exc)
                 self.given_up_due = 0.0
-                return
+                return False
             if raw.seq > bound:
-                return
+                return True
             if raw.seq not in self.copied:
                 log.warning("job seq=%d is in the stream below the consumer's ack floor: it reached max_deliver "
                             "while no supervisor saw the advisory; copying it to %s", raw.seq,
@@ -373,3 +381,4 @@ class Monitor:
                                    f"max deliveries reached ({c.consumer.max_deliver}); found in the stream below the "
                                    "consumer's ack floor (its advisory was missed, or the server lost an ack's removal)")
             seq = raw.seq + 1
+        return True

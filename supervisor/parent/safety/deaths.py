@@ -22,8 +22,8 @@ from supervisor.config import Config
 from supervisor.core import liveness
 from supervisor.core.ledger import CrashLedger
 from supervisor.core.policy import ack_wait_for, nak_is_safe, nak_safe_until
-from supervisor.parent.peers import Peers
 from supervisor.parent.process import WorkerProcess
+from supervisor.parent.safety.peers import Peers
 from workers import Job
 from workers.protocol import slots
 from workers.runtime.deadletter import dead_letter

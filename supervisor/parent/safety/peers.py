@@ -9,11 +9,11 @@ redelivery nothing explains stays a suspect for SUSPECT_GRACE before it counts. 
 share the redeliveries their workers receive and how those ended, so a job held by host A's dead
 worker and redone on host B shows as redelivered and acked in A's cross-check too.
 
-A whole host lost (supervisor/parent/fleet.py) is announced by the fleet's poller, which alone watches
+A whole host lost (supervisor/parent/tasks/fleet.py) is announced by the fleet's poller, which alone watches
 the heartbeats: the jobs the lost supervisor's last heartbeat listed, and a window of time with a
 count for the jobs it took after that heartbeat (they come back when their AckWait runs out).
 
-`alone()` decides whether the NAKs built from a sequence alone (supervisor/parent/in_transit.py, the
+`alone()` decides whether the NAKs built from a sequence alone (supervisor/parent/safety/in_transit.py, the
 re-NAK in deaths.py) are safe: they NAK whoever holds the job, a peer's live worker included. A
 peer's jobs are held by its workers, on their own connections, while only its parent speaks
 here; a parent that is paused, starved, disconnected or half-open goes quiet while its workers

@@ -19,7 +19,7 @@ or a leader election that silences everybody declares nobody lost. Ages are meas
 server's timestamps, so no two hosts' clocks are compared. Then, in this order:
   1. It writes the mark into the lost peer's own entry with a revision check. If the peer beat
      again in the meantime, the check fails and nothing else happens.
-  2. It tells every supervisor (supervisor/parent/peers.py) which jobs the lost peer held, so a
+  2. It tells every supervisor (supervisor/parent/safety/peers.py) which jobs the lost peer held, so a
      redelivery of one is explained "held by lost supervisor X", and when its jobs taken after
      its last heartbeat will come back (an AckWait window and a count), so those are too.
   3. It NAKs ("releases") the lost peer's held jobs so they are redelivered now instead of after
@@ -550,7 +550,7 @@ class Fleet:
     def hold_suspects(self) -> None:
         """While a peer is silent but not yet lost, a redelivery of a job it held must not be
         called unexplained: the ledger waits, at most until the peer is resolved."""
-        from supervisor.parent.peers import SUSPECT_GRACE
+        from supervisor.parent.safety.peers import SUSPECT_GRACE
 
         silent = self.view.counts(time.monotonic())["silent"] if self.view else self.summary.get("silent", 0)
         if silent:

@@ -48,6 +48,7 @@ from typing import Any
 from nats.js.errors import NotFoundError
 
 from supervisor.config import Config, subject_matches
+from supervisor.config.schedules import job_subjects
 from supervisor.core.ledger import FOUND_IN_TRANSIT
 from supervisor.core.policy import ack_wait_for, nak_is_safe
 
@@ -230,7 +231,7 @@ class InTransit:
         if last - first + 1 > MAX_SCAN:
             return f"too many messages to scan ({last - first + 1}, at most {MAX_SCAN})"
         js, found = self.nc.jetstream(), []
-        wanted = self.cfg.consumer.filter_subject
+        wanted = job_subjects(self.cfg)           # a schedule stored in between is no job in transit
         for seq in range(first, last + 1):
             if self.ledger.expecting(seq):
                 continue
@@ -240,7 +241,7 @@ class InTransit:
                 continue                    # acked (a work queue deletes it) or never stored
             except Exception as exc:        # timeout, no responders, a leader election: AckWait, not a dead parent
                 return f"cannot read seq {seq} from the stream: {exc or type(exc).__name__}"
-            if not wanted or subject_matches(wanted, msg.subject) or wanted == msg.subject:
+            if any(subject_matches(w, msg.subject) or w == msg.subject for w in wanted):
                 found.append(seq)
         return found
 

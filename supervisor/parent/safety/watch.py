@@ -20,8 +20,8 @@ from supervisor.config import Config
 from supervisor.core import liveness
 from supervisor.core.ledger import CrashLedger
 from supervisor.core.liveness import Limits
-from supervisor.parent.deaths import Deaths
 from supervisor.parent.process import WorkerProcess
+from supervisor.parent.safety.deaths import Deaths
 from supervisor.parent.stats import Stats
 from workers.protocol import slots
 from workers.protocol.exits import Kill
