@@ -25,14 +25,15 @@ from typing import Any
 
 import uvloop
 
-from . import procs, report, scenarios
+from . import limits, procs, report, scenarios
 from .natsenv import STOPPING, NatsServer
 from .profile import PROFILES
 
 # Everything with the supervisor's defaults first; the tuned variants last.
 SCENARIOS = {"throughput": scenarios.throughput, "cpu": scenarios.cpu_bound, "seed": scenarios.seed_experiment,
              "crash": scenarios.crash_recovery, "footprint": scenarios.footprint,
-             "publish": scenarios.publish_throughput, "guard": scenarios.guard_cost, "tuned": scenarios.tuned}
+             "publish": scenarios.publish_throughput, "guard": scenarios.guard_cost, "tuned": scenarios.tuned,
+             "limits": limits.limit_cost}
 
 
 def machine() -> dict[str, Any]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from . import limits
+
 LABELS = {
     "supervisor": "jetstream-supervisor, async no-op",
     "supervisor-sync": "jetstream-supervisor, sync no-op",
@@ -240,6 +242,9 @@ def render(results: dict) -> str:
     if "tuned" in results:
         parts += ["### 8. Throughput, no-op handler, tuned", configuration(results["tuned"]),
                   throughput_table(results["tuned"])]
+    if "limits" in results:
+        parts += [f"### 9. A limit's cost ({results['limits']['jobs']:,} jobs, defaults), and a rate held",
+                  limits.table(results["limits"])]
     parts += ["### Targets", targets_table(targets(results))]
     return "\n\n".join(parts) + "\n"
 

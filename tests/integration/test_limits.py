@@ -16,6 +16,7 @@ from datetime import datetime
 import nats
 from harness import publish_now, run_cli, wait_until
 
+from bench.limits import most_in_window
 from workers.protocol.limitkeys import LEASE_TTL
 
 DB = {"db": {"concurrency": 3, "subjects": ["jobs.db.>"]}}
@@ -154,20 +155,11 @@ def test_rate_bounds_starts_in_every_second(nats_server, supervisor_factory):
     starts = sorted(r.t for r in records(*sups) if r.event == "start")
     # A start is counted when the worker takes it; the handler's first line comes a few ms
     # later (admission, the queue, a thread): JITTER of that is allowed for at the handlers.
-    assert max_in_window(starts, 1.0 - JITTER) <= 10
+    assert most_in_window(starts, 1.0 - JITTER) <= 10
     assert starts[-1] - starts[0] >= 3.0, "40 starts at 10/s take 3 s at least"
 
 
 JITTER = 0.05
-
-
-def max_in_window(times: list[float], window: float) -> int:
-    best, lo = 0, 0
-    for hi, t in enumerate(times):
-        while t - times[lo] >= window:
-            lo += 1
-        best = max(best, hi - lo + 1)
-    return best
 
 
 # ---------------------------------------------------------------- pause

@@ -102,9 +102,11 @@ class Gate:
         self.freed = asyncio.Event()
         self.hints: set[int] = set()          # slots someone said were freed
         self.scan_due = True                  # look at SCAN slots, not only the hinted ones
+        self.roomy = False                    # the last look found a free slot: look every time
         self.spare: int | None = None         # a slot taken, waiting for a start
         self.held: dict[int, int] = {}        # our slots: index -> revision
-        self.starts_free: dict[int, float] = {}   # rate key -> when it frees (monotonic, estimated)
+        self.starts_free: dict[int, float] = {}   # rate key -> when it frees (monotonic, estimated) ...
+        self.cursor = random.randrange(self.keys) if self.keys else 0     # ... and where to look next
 
     # -- for the waiters
 
@@ -206,24 +208,31 @@ class Gate:
     # -- concurrency slots
 
     async def take_slot(self) -> int | None:
-        for k in self.candidates():
+        hinted, looks = self.candidates()
+        for k in hinted + looks:
             try:
                 revision = await self.limiter.create(slot_key(self.name, k), LEASE_TTL)
             except Conflict:
                 continue
             self.held[k] = revision
+            if k not in hinted:
+                self.roomy = True
             return k
+        if looks:
+            self.roomy = False                # all it looked at is taken: wait for a word, or POLL
         return None
 
-    def candidates(self) -> list[int]:
-        """Slots worth a try: the ones said to be freed, and when a look is due SCAN others."""
+    def candidates(self) -> tuple[list[int], list[int]]:
+        """Slots worth a try: the ones said to be freed, and SCAN others when a look is due or
+        the last look found room. (Waiting for a word while the limit has room would make every
+        take wait for the last holder's release: measured, `python -m bench --only limits`.)"""
         hinted = [k for k in self.hints if k not in self.held and k < self.concurrency]
         self.hints.clear()
-        if not self.scan_due:
-            return hinted
+        if not (self.scan_due or self.roomy):
+            return hinted, []
         self.scan_due = False
-        others = [k for k in range(self.concurrency) if k not in self.held and k not in hinted]
-        return hinted + random.sample(others, min(SCAN, len(others)))
+        looks = random.sample(range(self.concurrency), min(SCAN, self.concurrency))   # O(SCAN), any size
+        return hinted, [k for k in looks if k not in self.held and k not in hinted]
 
     async def wait_freed(self) -> None:
         if self.hints:
@@ -241,13 +250,7 @@ class Gate:
     # -- rate starts
 
     async def take_start(self) -> bool:
-        now = time.monotonic()
-        order = list(range(self.keys))
-        random.shuffle(order)                     # equals in a random order: workers spread out
-        order.sort(key=lambda k: self.starts_free.get(k, 0.0))
-        for k in order[:SCAN]:
-            if self.starts_free.get(k, 0.0) > now:
-                break
+        for k in self.start_candidates(time.monotonic()):
             key = rate_key(self.name, k)
             try:
                 await self.limiter.create(key, self.window)
@@ -255,8 +258,17 @@ class Gate:
                 self.starts_free[k] = await self.limiter.frees_at(key, self.window)
                 continue
             self.starts_free[k] = time.monotonic() + self.window
+            self.cursor = (k + 1) % self.keys
             return True
         return False
+
+    def start_candidates(self, now: float) -> list[int]:
+        """Start keys worth a try, not known to be taken: a few keys from where this worker's
+        cursor stands (workers start at random places, so they seldom collide), any number of
+        keys in all. What is known to free later is forgotten once it has."""
+        self.starts_free = {k: t for k, t in self.starts_free.items() if t > now}
+        ahead = [(self.cursor + i) % self.keys for i in range(min(self.keys, 4 * SCAN))]
+        return [k for k in ahead if k not in self.starts_free][:SCAN]
 
     async def wait_start(self) -> None:
         soonest = min(self.starts_free.values(), default=0.0) - time.monotonic()
