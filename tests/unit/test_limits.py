@@ -82,3 +82,42 @@ def test_metrics_of_limits():
     assert found[(p + "limit_wait_seconds_total", "db")] == 33.25
     assert found[(p + "limit_taken_total", "db")] == 120
     assert found[(p + "consumer_paused", None)] == 0
+
+
+class FakeBucket:
+    """The Limiter's bucket calls, in memory: create-if-absent; which keys were asked."""
+
+    def __init__(self, taken: set[str] = frozenset()):
+        self.keys, self.asked = set(taken), []
+        self.table = None
+
+    async def create(self, key: str, ttl: int) -> int:
+        from workers.middleware.guard import Conflict
+        self.asked.append(key)
+        if key in self.keys:
+            raise Conflict(key)
+        self.keys.add(key)
+        return len(self.asked)
+
+
+def test_a_take_looks_again_while_the_limit_had_room_and_waits_once_it_is_full():
+    """With room to spare, each take finds a slot itself (before: only the first did; the next
+    waited for the last holder's release word). Once a look finds every slot it tried taken, a
+    take tries only the slots a word named, until a poll is due."""
+    import asyncio
+
+    from workers.middleware.limits import Gate
+
+    async def run() -> None:
+        roomy = FakeBucket()
+        gate = Gate(roomy, 0, "db", concurrency=1000, rate=0.0)     # type: ignore[arg-type]
+        assert [await gate.take_slot() is not None for _ in range(5)] == [True] * 5
+
+        full = FakeBucket({slot_key("db", k) for k in range(3)})
+        gate = Gate(full, 0, "db", concurrency=3, rate=0.0)        # type: ignore[arg-type]
+        assert await gate.take_slot() is None and len(full.asked) == 3
+        assert await gate.take_slot() is None and len(full.asked) == 3, "looked again while full, no word"
+        full.keys.discard(slot_key("db", 1))
+        gate.on_freed(1)
+        assert await gate.take_slot() == 1 and full.asked[-1] == slot_key("db", 1)
+    asyncio.run(run())
