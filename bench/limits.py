@@ -103,17 +103,3 @@ async def rate_holds(ctx: Any) -> dict:
             f"{out['most_in_1s']} in any 1 s ({out['most_in_0.95s']} in any 0.95 s)")
     return out
 
-
-def table(res: dict) -> str:
-    from .report import num
-    from .report import table as render
-
-    rows = [[r["variant"], str(r["workers"]), num(r["jobs_per_s"]), num(r["vs_no_limit"], ".2f", "x"),
-             num(r["extra_us_per_job"], ".0f"), num(r["cpu_ms_per_1k_jobs"]), num(r["server_cpu_ms_per_1k_jobs"])]
-            for r in res["summary"]]
-    text = render(["sync no-op", "N", "jobs/s", "vs no limit", "extra µs/job", "CPU ms/1k jobs", "server CPU ms/1k"],
-                  rows)
-    r = res["rate"]
-    return text + (f"\n\nrate = {r['rate']:g}/s, {r['starts']} starts over {r['span_s']} s: {r['achieved_per_s']}/s "
-                   f"achieved; at most {r['most_in_1s']} starts in any one-second window "
-                   f"({r['most_in_0.95s']} in any 0.95 s).")
