@@ -28,7 +28,7 @@ from typing import Any
 import uvloop
 
 from . import procs, report, scenarios, waits
-from .costs import tracing
+from .costs import limits, tracing
 from .natsenv import STOPPING, NatsServer
 from .profile import PROFILES
 
@@ -37,7 +37,8 @@ SCENARIOS = {"throughput": scenarios.throughput, "cpu": scenarios.cpu_bound, "se
              "latency": waits.latency, "fairness": waits.fairness, "crash": scenarios.crash_recovery,
              "footprint": scenarios.footprint,
              "publish": scenarios.publish_throughput, "guard": scenarios.guard_cost, "tuned": scenarios.tuned,
-             "tracing": tracing.tracing_cost}
+             "tracing": tracing.tracing_cost,
+             "limits": limits.limit_cost}
 
 
 def machine() -> dict[str, Any]:

@@ -275,6 +275,19 @@ def targets_table(rows: list[dict]) -> str:
                                                      for r in rows])
 
 
+def limits_table(res: dict) -> str:
+    """bench/costs/limits.py's: the cost of each variant, then the rate held."""
+    rows = [[r["variant"], str(r["workers"]), num(r["jobs_per_s"]), num(r["vs_no_limit"], ".2f", "x"),
+             num(r["extra_us_per_job"], ".0f"), num(r["cpu_ms_per_1k_jobs"]), num(r["server_cpu_ms_per_1k_jobs"])]
+            for r in res["summary"]]
+    text = table(["sync no-op", "N", "jobs/s", "vs no limit", "extra µs/job", "CPU ms/1k jobs", "server CPU ms/1k"],
+                  rows)
+    r = res["rate"]
+    return text + (f"\n\nrate = {r['rate']:g}/s, {r['starts']} starts over {r['span_s']} s: {r['achieved_per_s']}/s "
+                   f"achieved; at most {r['most_in_1s']} starts in any one-second window "
+                   f"({r['most_in_0.95s']} in any 0.95 s).")
+
+
 def render(results: dict) -> str:
     parts = []
     if "throughput" in results:
@@ -303,6 +316,9 @@ def render(results: dict) -> str:
     if "tracing" in results:
         parts += [f"### 9. [tracing]'s cost ({results['tracing'].get('jobs', 0):,} jobs, defaults, OTLP/HTTP to a "
                   "local receiver)", tracing_table(results["tracing"])]
+    if "limits" in results:
+        parts += [f"### 10. A limit's cost ({results['limits']['jobs']:,} jobs, defaults), and a rate held",
+                  limits_table(results["limits"])]
     parts += ["### Targets", targets_table(targets(results))]
     return "\n\n".join(parts) + "\n"
 

@@ -234,7 +234,7 @@ class Checker:
             extra += 1
             # Whatever ran it next (a server that lost its consumer state redelivers at delivery 1).
             redo = min([r.start for r in runs if r.start > earlier.start], default=earlier.done)
-            faults = self.touching(earlier.pid, earlier.start, redo)
+            faults = self.touching(earlier.pid, earlier.start, redo) or self.state_lost(seq, earlier, runs)
             if not faults:
                 unexplained += 1
                 again = [r for r in done if r is not earlier and r.start >= earlier.start]
@@ -247,6 +247,18 @@ class Checker:
                 self.find("dup", seq, f"completed at delivery {earlier.delivery} by pid {earlier.pid} and again: "
                                       f"{faults[0].name(self.ev.origin)}")
         return extra, unexplained
+
+    def state_lost(self, seq: int, earlier: RunOfJob, runs: list[RunOfJob]) -> list[Fault]:
+        """The server SIGKILLed after the job was stored and before this run of it completed, and
+        the next run at delivery 1: the restarted server had not persisted the delivery (or the
+        ack) and handed the job out as new. The delivery can be long before the handler's start
+        line: a job held waiting for a [limits] slot, or buffered by the pull."""
+        stored, after = self.ev.stored.get(seq), [r for r in runs if r.start > earlier.start]
+        if stored is None or not after or after[0].delivery != 1:
+            return []
+        end = earlier.done if earlier.done is not None else earlier.start
+        return [f for f in self.ev.faults if f.kind.startswith("nats-server SIGKILL")
+                and stored.t - SLACK <= f.t0 <= end + SLACK]
 
     def redelivery(self, seq: int, before: list[RunOfJob], run: RunOfJob, c: dict) -> None:
         """A job run again (or first seen at delivery > 1): why, and how long after it was free?"""

@@ -39,9 +39,11 @@ from typing import Any
 
 import psutil
 import tomli_w
-from harness import SupervisorProc, wait_until
+from harness import SupervisorProc, run_cli, wait_until
 from natsauth import free_port
 from otlp import Receiver
+
+from workers.protocol.limitkeys import LEASE_TTL, RENEW_EVERY
 
 from .checker import VERDICTS
 from .core import Result, run_with
@@ -66,6 +68,10 @@ class Setting:
     draw: Callable[[random.Random, Cfg], Any]
     needs: Callable[[Cfg], bool] = always
     hup: bool = False            # a SIGHUP fault may redraw it (a LIVE or REPLACE key)
+    # Drawn from a generator of its own (seeded by the seed's and its key): a row added later
+    # leaves every other row's draw, the jobs and the schedule of older seeds as they were
+    # while it draws its "off" value.
+    own: bool = False
     # A row added after seeds were recorded: drawn from the seed's second generator, so every row
     # before it draws as it did and a recorded seed keeps its configuration and its faults.
     later: bool = False
@@ -131,6 +137,11 @@ SETTINGS: list[Setting] = [
             needs=lambda c: c["chaos.handler"] == "async", hup=True, later=True),
     Setting("workers.middleware", lambda r, c: weighted(r, [([], 2), (["chaos.handlers:Hops"], 1)]), hup=True,
             later=True),
+    # [limits.chaos] over every job (issue 26): a fleet-wide cap, a rate, or both; pauses.
+    Setting("chaos.limit", lambda r, c: weighted(r, [(0, 3), (r.randint(1, max(1, slots_of(c) // 2)), 1)]),
+            own=True),
+    Setting("chaos.limit_rate", lambda r, c: weighted(r, [(0.0, 4), (float(r.choice([5, 10, 20])), 1)]), own=True),
+    Setting("chaos.pause", lambda r, c: r.random() < 0.3, own=True),
 ]
 
 
@@ -140,7 +151,8 @@ def retry_rules(r: random.Random) -> list[dict[str, Any]]:
 
 
 # Runner knobs that are not drawn, and what a key not drawn falls back to.
-DEFAULTS: Cfg = {"chaos.delayed": 0.0, "chaos.delay": 0.0, "chaos.tick": 0, "workers.soft_timeout": 0.0,
+DEFAULTS: Cfg = {"chaos.limit": 0, "chaos.limit_rate": 0.0, "chaos.pause": False,
+                 "chaos.delayed": 0.0, "chaos.delay": 0.0, "chaos.tick": 0, "workers.soft_timeout": 0.0,
                  "workers.max_jobs_jitter": 0, "autoscale.enabled": False, "chaos.beyond_ackwait": False,
                  "tracing.enabled": False, "chaos.collector": "up",
                  "chaos.grow": 0.0, "chaos.republish": 0.0, "fleet.heartbeat": 2.0, "fleet.release_lost": True}
@@ -148,9 +160,10 @@ DEFAULTS: Cfg = {"chaos.delayed": 0.0, "chaos.delay": 0.0, "chaos.tick": 0, "wor
 
 def draw_config(rng: random.Random, later: random.Random | None = None) -> Cfg:
     c: Cfg = dict(DEFAULTS)
+    base = "-".join(map(str, rng.getstate()[1][:4]))        # the seed's, without drawing from it
     for s in SETTINGS:
         if s.needs(c):
-            c[s.key] = s.draw(later or rng if s.later else rng, c)
+            c[s.key] = s.draw(random.Random(f"{base}:{s.key}") if s.own else (later or rng) if s.later else rng, c)
     return c
 
 
@@ -163,6 +176,9 @@ def sections(c: Cfg) -> dict[str, dict[str, Any]]:
             out.setdefault(section, {})[name] = value
     out["workers"]["handler"] = "chaos.handlers:journal_async" if c["chaos.handler"] == "async" else \
         "chaos.handlers:journal"
+    if c["chaos.limit"] or c["chaos.limit_rate"]:
+        out["limits"] = {"chaos": {"concurrency": c["chaos.limit"], "rate": c["chaos.limit_rate"],
+                                   "subjects": ["jobs.>"]}}
     if c["chaos.tick"]:
         out["schedules"] = {"tick": {"every": float(c["chaos.tick"]), "subject": "jobs.chaos", "data": "tick:0.01"}}
     return out
@@ -228,13 +244,18 @@ def kind_of(actions: str) -> str:
 
 
 def slots_of(c: Cfg) -> int:
-    """Jobs the smallest pool the schedule can leave runs at once."""
-    return max(1, c["workers.count"] - 1) * c["workers.concurrency"] * c["chaos.supervisors"]
+    """Jobs the smallest pool the schedule can leave runs at once (within the drawn limit)."""
+    pool = max(1, c["workers.count"] - 1) * c["workers.concurrency"] * c["chaos.supervisors"]
+    return min(pool, c["chaos.limit"]) if c.get("chaos.limit") else pool
 
 
 def rate_for(c: Cfg, mean_s: float) -> float:
-    """Jobs/s: the drawn share of what the smallest pool the schedule can leave would drain."""
-    return round(min(40.0, max(2.0, c["chaos.utilization"] * slots_of(c) / max(mean_s, 0.005))), 1)
+    """Jobs/s: the drawn share of what the smallest pool the schedule can leave would drain (and
+    of the drawn limit's rate)."""
+    rate = c["chaos.utilization"] * slots_of(c) / max(mean_s, 0.005)
+    if c.get("chaos.limit_rate"):
+        rate = min(rate, 1.5 * c["chaos.utilization"] * c["chaos.limit_rate"])
+    return round(min(40.0, max(2.0, rate)), 1)
 
 
 def spaced(jobs: list[tuple[str, float]], rate: float, slots: int) -> list[str]:
@@ -525,6 +546,39 @@ def scale(act: Act, p: dict) -> None:
         sup.signal(signal.SIGTTIN if how == "ttin" else signal.SIGTTOU)
 
 
+def pause(act: Act, p: dict) -> None:
+    """`supervisor pause --for S` (the server's consumer pause, fleet-wide): nothing is delivered
+    meanwhile; it resumes by itself. Touches no worker: it must explain nothing."""
+    sup = act.sup(p)
+    op(act, f"supervisor pause --for {p['seconds']:g}")
+    r = run_cli("pause", "--config", str(sup.config_path), "--for", str(p["seconds"]), "--reason", "chaos")
+    if r.returncode != 0:
+        act.run.notes.append(f"{act.run.at()}: supervisor pause failed ({r.returncode}): {r.stderr.strip()[:200]}")
+
+
+def over_limit(run: Run, limit: int) -> list[str]:
+    """Moments more than `limit` jobs ran at once by the journal (a run ends at its D or R line,
+    or when its worker died), outside the faults that cut a worker off from NATS longer than a
+    slot's lease (LEASE_TTL - RENEW_EVERY): its slot then expires while its job runs on
+    (README: Protecting what is behind the workers)."""
+    lives, recs = run.watcher.lives, run.tail.poll()
+    ends = {(r.pid, r.seq, r.delivery): r.t for r in recs if r.event in "DR"}
+    edges: list[tuple[float, int]] = []
+    for r in recs:
+        if r.event == "S":
+            life = lives.get(r.pid)
+            end = ends.get((r.pid, r.seq, r.delivery), life.died if life and life.died else math.inf)
+            edges += [(r.t, 1), (end, -1)]
+    excused = [(f.t0, f.t1) for f in run.faults if "connection" in f.kind and "worker" in f.kind
+               and f.t1 - f.t0 > LEASE_TTL - RENEW_EVERY]
+    out, now = [], 0
+    for t, step in sorted(edges, key=lambda e: (e[0], e[1])):
+        now += step
+        if now > limit and not any(t0 <= t <= t1 + LEASE_TTL for t0, t1 in excused):
+            out.append(f"{run.at(t)}: {now} jobs ran at once (limit {limit})")
+    return out
+
+
 def hup_params(rng: random.Random, c: Cfg) -> dict:
     choices = [s for s in SETTINGS if s.hup and s.needs(c) and not s.key.startswith("chaos.")]
     s = rng.choice(choices)
@@ -591,6 +645,7 @@ FAULTS: list[FaultKind] = [
               proxy=True, outside=outside, holds=worker_links_of, needs=others_carry_on),
     FaultKind("parent-kill", 1, parent_kill, holds=parent),
     FaultKind("hup", 2, hup, hup_params, holds=parent),
+    FaultKind("pause", 1, pause, seconds(0.5, 4.0), holds=lambda p: "pause", needs=lambda c: c["chaos.pause"]),
     FaultKind("scale", 2, scale, lambda r, c: {"how": r.choice(["ttin", "ttou", "post"]),
                                                "n": r.randint(max(1, c["workers.count"] - 1),
                                                               c["workers.count"] + 2)}, holds=parent),
@@ -747,8 +802,18 @@ def expectations(plan: Plan) -> dict[str, Any]:
 
 def run_random(seed: int, minutes: float, workdir: Any, logs_to: Any = None) -> Result:
     plan = draw(seed, minutes)
-    return run_with(f"random-{seed}", seed, lambda run: execute(run, plan), expectations(plan), workdir,
-                    logs_to=logs_to, plan=plan.describe())
+    over: list[str] = []
+
+    def play_plan(run: Run) -> None:
+        if plan.config["chaos.limit"]:          # judged from the journal once the run settled
+            run.after_settle.append(lambda: over.extend(over_limit(run, plan.config["chaos.limit"])))
+        execute(run, plan)
+    result = run_with(f"random-{seed}", seed, play_plan, expectations(plan), workdir, logs_to=logs_to,
+                      plan=plan.describe())
+    if over:
+        result.failures.append(f"over_limit={len(over)} (must be 0): {over[0]}")
+        result.passed = False
+    return result
 
 
 def parse_seeds(text: str) -> list[int]:

@@ -7,6 +7,8 @@
 
 Return to ack; raise Retry(delay=s) to NAK with a delay; raise Reject("why") to terminate the
 job and copy it to the dead-letter subject; any other exception NAKs with workers.retry_backoff.
+raise Pause(seconds, "why") when what is behind the workers is down: NAK with that delay and the
+consumer paused for the whole fleet until then. `with limit("NAME"):` holds [limits.NAME].
 `class M(Middleware)` listed in workers.middleware wraps every job (workers/middleware/).
 
 Delivery is at least once: a job can run twice (a worker died after its side effect, before its
@@ -14,6 +16,7 @@ ack). `with once(job, conn) as fresh:` makes a database side effect happen once 
 """
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from workers.middleware.base import Context, Duplicate, Middleware
 from workers.once import once
@@ -57,6 +60,23 @@ class SoftTimeout(Exception):
         super().__init__(message)
 
 
+class Pause(Retry):
+    """A downstream is down: NAK the job with a delay of `seconds`, and pause the consumer for the
+    whole fleet until then (the server's consumer pause: nothing is delivered to any worker of any
+    supervisor; it resumes by itself). `reason` is what the log and /status `pause_reason` say."""
+
+    def __init__(self, seconds: float, reason: str = ""):
+        super().__init__(seconds, reason or f"paused for {float(seconds):g}s")
+        self.reason = reason or str(self)
+
+
+def limit(name: str) -> Any:
+    """`with limit("NAME"):` (a sync handler) / `async with limit("NAME"):` (an async one): hold
+    the fleet-wide limit [limits.NAME] for the block (workers/middleware/limits.py)."""
+    from workers.middleware.limits import limit as holder  # `import workers` stays light
+    return holder(name)
+
+
 class Reject(Exception):
     """Terminate the job (+TERM) and copy it to restart.dead_letter_subject."""
 
@@ -65,4 +85,5 @@ class Reject(Exception):
         self.reason = reason
 
 
-__all__ = ["Job", "Retry", "Reject", "SoftTimeout", "once", "Middleware", "Context", "Duplicate"]
+__all__ = ["Job", "Retry", "Reject", "SoftTimeout", "Pause", "limit", "once", "Middleware", "Context",
+           "Duplicate"]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from supervisor import __version__, config, logs
-from supervisor.cli import dlq, fleet_status, lag, publish, schedule, status
+from supervisor.cli import dlq, fleet_status, lag, pause, publish, schedule, status
 from supervisor.demo import crash as demo
 from supervisor.demo import once as demo_once
 from supervisor.errors import EXIT_BUG, EXIT_OK, ConfigError, SupervisorError
@@ -88,6 +88,11 @@ examples:
   supervisor status                                  # the supervisor at monitor.http of the config
   supervisor status --url 127.0.0.1:9520 --json
   supervisor status --fleet                          # every supervisor on the consumer, from NATS
+""",
+    "pause": """\
+examples:
+  supervisor pause --for 300 --reason "payments API down"   # every supervisor on the consumer
+  supervisor pause                                   # until `supervisor resume`
 """,
     "scale": """\
 examples:
@@ -294,6 +299,11 @@ def build_parser() -> ArgumentParser:
                                                                        "of `dlq list`)")
     rp.add_argument("--subject", metavar="S", help="publish to S instead of each job's original subject")
 
+    p = command("pause", "pause the consumer for the whole fleet (nothing is delivered until it resumes)")
+    p.add_argument("--for", dest="seconds", type=float, metavar="SECONDS",
+                   help="resume by itself after SECONDS (default: until `supervisor resume`)")
+    p.add_argument("--reason", metavar="TEXT", help="what /status and the logs say (pause_reason)")
+    command("resume", "end a pause of the consumer now")
     p = command("schedule", "list, add or remove recurring jobs the server fires (NATS message schedules)")
     ssub = p.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=ArgumentParser)
     lp = command("list", "list the named schedules on the stream and the delayed jobs waiting", ssub, "schedule list")
@@ -388,6 +398,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": lambda args: (fleet_status.cmd_status_fleet if args.fleet else status.cmd_status)(args),
     "scale": status.cmd_scale,
     "dlq": dlq.cmd_dlq,
+    "pause": pause.cmd_pause,
+    "resume": pause.cmd_resume,
     "schedule": schedule.cmd_schedule,
     "demo": lambda args: (demo_once if args.scenario == "once" else demo).cmd_demo(args),
 }

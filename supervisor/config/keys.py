@@ -176,6 +176,8 @@ class FleetConfig:
     heartbeat: float = key(2.0, "seconds between heartbeats; lost after 3 missed", reload=LIVE, lo=0.1)
     release_lost: bool = key(True, "NAK a lost supervisor's held jobs now, not after AckWait (README: partitions)",
                              reload=LIVE)
+    limits_bucket: str = key("SUPERVISOR_LIMITS", "KV bucket of [limits.NAME] slots and pause reasons, shared by "
+                                                  "every supervisor", reload=RESTART)
 
 
 @dataclass(frozen=True)
@@ -232,9 +234,12 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class LimitConfig:
-    concurrency: int = key(0, "jobs holding it at once across the fleet (0 = no cap)", reload=LIVE, lo=0)
-    rate: float = key(0.0, "acquisitions per second across the fleet (0 = none)", reload=LIVE, lo=0.0)
-    subjects: tuple[str, ...] = key((), "jobs on these subjects hold it for their whole run", reload=LIVE)
+    # Workers take limits (workers/middleware/limits.py) with the config they were forked with.
+    concurrency: int = key(0, "jobs holding it at once across the fleet (0 = no cap)", reload=REPLACE, lo=0,
+                           hi=100000)
+    rate: float = key(0.0, "acquisitions per second across the fleet (0 = none)", reload=REPLACE, lo=0.0)
+    subjects: tuple[str, ...] = key((), "jobs on these subjects hold it for their whole run (README: Protecting "
+                                        "what is behind the workers)", reload=REPLACE)
 
 
 NAMED: dict[str, type] = {"schedules": ScheduleConfig, "limits": LimitConfig}
@@ -502,7 +507,19 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
     for server in cfg.nats.servers:
         if not server or " " in server:
             fail("nats.servers", "each server must be a URL like nats://host:4222")
+    _check_limits(cfg, fail)
     _check_schedules(cfg, fail)
+
+
+def _check_limits(cfg: Config, fail: Any) -> None:
+    for name, lim in cfg.limits.items():
+        if not lim.concurrency and not lim.rate:
+            fail(f"limits.{name}", "needs concurrency or rate (or both) above 0")
+        for s in lim.subjects:
+            if not valid_subject(s, wildcards=True):
+                fail(f"limits.{name}.subjects", f"not a valid subject: {s!r}")
+            if not any(subject_matches(p, s) or subject_matches(s, p) or p == s for p in cfg.stream.subjects):
+                fail(f"limits.{name}.subjects", f"{s!r} is not within stream.subjects: no job would hold it")
 
 
 def _check_schedules(cfg: Config, fail: Any) -> None:

@@ -60,7 +60,8 @@ def plan(old: Config, new: Config) -> Plan:
     keep: dict[str, dict[str, Any]] = {}
     for dotted, _, _ in p.changed:
         section, name = dotted.split(".")[:2]
-        if section in NAMED:          # applied live as a whole (none of their keys is RESTART yet)
+        if section in NAMED:          # applied as a whole (none of their keys is RESTART yet) ...
+            p.replace_workers |= how(dotted) == REPLACE     # ... by new workers, for what workers read
             continue
         if how(dotted) == RESTART:
             p.needs_restart.append(dotted)

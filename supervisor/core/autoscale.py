@@ -145,6 +145,7 @@ class Inputs:
     cpu: float                  # fraction of the box's cores busy over the interval
     worker_cpu: float | None    # fraction of the workers' time on a CPU or queued for one
     cores: int
+    limited: str = ""           # why a [limits.NAME] would keep more workers waiting ("" = none does)
 
     @property
     def work(self) -> int:
@@ -344,6 +345,8 @@ class Autoscaler:
                                                f"more would not either")
             if n >= p.max:
                 return self.hold(x, "max", f"{want}; at autoscale.max = {p.max}")
+            if x.limited:
+                return self.hold(x, "limit", f"{want}, but {x.limited}: more workers would only wait for it")
             if m.cpus_full(p):
                 return self.hold(x, "cpu", f"{want}, but the CPUs are full: box {m.cpu:.0%} busy and workers "
                                            f"{m.worker_cpu:.0%} of their time on or queued for a CPU "
@@ -427,3 +430,17 @@ class Autoscaler:
             self.growth = 1                # growing needs one step up after another
         self.last = Decision(x.workers, x.workers, kind, reason)
         return self.last
+
+
+def limit_binds(rows: list[tuple[str, int, int | None, int, int | None, int]]) -> str:
+    """Why a fleet-wide limit keeps more workers from helping, or "": jobs of ours wait for it
+    while it is used up across the fleet. Each row: (name, concurrency, slots in use fleet-wide,
+    starts its rate allows per window, starts in the window now, jobs of ours waiting for it)."""
+    for name, concurrency, in_use, window, starts, waiting in rows:
+        if waiting <= 0:
+            continue
+        if concurrency and in_use is not None and in_use >= concurrency:
+            return f"limit {name} is full ({in_use}/{concurrency} in use, {waiting} job(s) here waiting for it)"
+        if window and starts is not None and starts >= window:
+            return f"limit {name}'s rate is used up ({starts} starts in its window, {waiting} job(s) here waiting)"
+    return ""

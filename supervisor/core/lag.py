@@ -101,6 +101,7 @@ class Sample:
     local_acked: int  # jobs acked by this supervisor's workers since it started
     progress_alive: bool  # a live, heart-beating worker runs a job within its job_timeout
     progress_at: float | None = None  # that worker's last heartbeat (monotonic); None: use t
+    paused: bool = False  # the consumer is paused on purpose (its PauseUntil): nothing is delivered
 
     @property
     def work(self) -> int:
@@ -378,7 +379,9 @@ class LagAnalyzer:
             s.ack_floor_consumer_seq != prev.ack_floor_consumer_seq
             or s.local_acked != prev.local_acked
         )
-        if moved or s.work == 0:
+        # A paused consumer delivers nothing on purpose (workers.Pause, `supervisor pause`):
+        # waiting work is not a stall, and a pause longer than AckWait is not `stuck`.
+        if moved or s.work == 0 or s.paused:
             self._stall_since = s.t
         elif s.progress_alive:
             beat = s.t if s.progress_at is None else min(s.progress_at, s.t)

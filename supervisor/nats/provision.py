@@ -99,6 +99,45 @@ async def ensure(nc: Any, cfg: Config) -> None:
         raise NatsUnavailable(f"cannot ensure stream {cfg.stream.name} / consumer {cfg.consumer.name}: "
                               f"{_describe(exc)}") from None
     await ensure_fleet_bucket(js, cfg)
+    await ensure_limits_bucket(js, cfg)
+
+
+async def ensure_limits_bucket(js: Any, cfg: Config) -> None:
+    """The KV bucket of [limits.NAME] slots and pause reasons (workers/protocol/limitkeys.py):
+    history 1, per-message TTLs, as many replicas as the stream (a limit must hold through a KV
+    leader's death). Needed when limits are configured (workers wait for it, never run without
+    it); otherwise only pause reasons are kept there, and its absence is a warning."""
+    bucket, needed = cfg.fleet.limits_bucket, bool(cfg.limits)
+    if not VALID_BUCKET.fullmatch(bucket):
+        raise ConfigError("fleet.limits_bucket", f"{bucket!r} is not a KV bucket name (letters, digits, _ and - only)")
+    try:
+        have = (await js.stream_info(f"KV_{bucket}")).config
+    except NotFoundError:
+        have = None
+    except Exception as exc:
+        if needed:
+            raise NatsUnavailable(f"fleet.limits_bucket: KV bucket {bucket}: {_describe(exc)}") from None
+        log.warning("limits bucket %s: %s; pause reasons are not kept", bucket, _describe(exc))
+        return
+    if have is not None:
+        if not have.allow_msg_ttl and needed:
+            raise NatsUnavailable(f"fleet.limits_bucket: KV bucket {bucket} does not allow per-message TTLs, which "
+                                  "limit slots need (recreate it)")
+        return
+    if not cfg.stream.create:
+        if needed:
+            raise NatsUnavailable(f"fleet.limits_bucket: KV bucket {bucket} does not exist and stream.create is false")
+        return
+    try:
+        await js.create_key_value(bucket=bucket, history=1, replicas=cfg.stream.replicas,
+                                  storage=STORAGE[cfg.stream.storage],
+                                  description="jetstream-supervisor limit slots and pause reasons")
+    except Exception as exc:
+        if needed:
+            raise NatsUnavailable(f"fleet.limits_bucket: cannot create KV bucket {bucket}: {_describe(exc)}") from None
+        log.warning("cannot create KV bucket %s: %s; pause reasons are not kept", bucket, _describe(exc))
+        return
+    log.info("created KV bucket %s (limit slots and pause reasons, %d replica(s))", bucket, cfg.stream.replicas)
 
 
 async def ensure_fleet_bucket(js: Any, cfg: Config) -> None:

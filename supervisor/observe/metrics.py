@@ -32,6 +32,7 @@ class Collector:
         yield self.durations(pool)
         yield from self.consumer(self.snap)
         yield from self.crosscheck(self.snap)
+        yield from self.limits(self.snap)
 
     def workers(self, snap: Snapshot) -> Iterator[Metric]:
         pool = snap.pool
@@ -55,6 +56,24 @@ class Collector:
         for step, n in snap.loop.get("step_failures", {}).items():
             failures.add_metric([step], n)
         yield failures
+
+    def limits(self, snap: Snapshot) -> Iterator[Metric]:
+        """[limits.NAME]: held across the fleet; this supervisor's waiting jobs and waits."""
+        in_use = GaugeMetricFamily(P + "limit_in_use", "Slots of the limit held across the fleet", labels=["limit"])
+        waiting = GaugeMetricFamily(P + "limit_waiting", "This supervisor's jobs waiting for the limit now",
+                                    labels=["limit"])
+        waited = CounterMetricFamily(P + "limit_wait_seconds", "Seconds this supervisor's jobs spent waiting for "
+                                     "the limit", labels=["limit"])
+        taken = CounterMetricFamily(P + "limit_taken", "Times this supervisor's jobs took the limit", labels=["limit"])
+        for v in snap.limits:
+            if v.in_use is not None:
+                in_use.add_metric([v.name], v.in_use)
+            waiting.add_metric([v.name], v.waiting)
+            waited.add_metric([v.name], v.wait_s)
+            taken.add_metric([v.name], v.taken)
+        yield from (in_use, waiting, waited, taken)
+        yield GaugeMetricFamily(P + "consumer_paused", "1 while the consumer is paused (its PauseUntil)",
+                                value=int(bool(snap.consumer.values.get("paused_until"))))
 
     def durations(self, pool: PoolView) -> Metric:
         buckets, running = [], 0

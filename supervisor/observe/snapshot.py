@@ -96,6 +96,22 @@ class ConsumerView:
 
 
 @dataclass(frozen=True)
+class LimitView:
+    """One [limits.NAME]: its settings, what the fleet holds (from the limits bucket), and what
+    this supervisor's workers hold and wait for (their slot tables)."""
+    name: str
+    concurrency: int                       # 0: no cap
+    rate: float                            # starts per second; 0: none
+    subjects: tuple[str, ...]
+    in_use: int | None                     # slots held across the fleet (None: not read yet)
+    starts: int | None                     # starts within the rate's window, across the fleet
+    waiting: int                           # this supervisor's jobs waiting for it now
+    held_here: int                         # slots this supervisor's workers hold now
+    taken: int                             # times they took it, since start
+    wait_s: float                          # seconds their jobs spent waiting for it, since start
+
+
+@dataclass(frozen=True)
 class Alert:
     kind: str
     message: str
@@ -124,4 +140,6 @@ class Snapshot:
     advisories: Mapping[str, int]
     fleet: Mapping[str, Any]
     raised: tuple[Alert, ...] = field(default=())  # alerts the loop raised (deaths, halts, ...)
+    limits: tuple[LimitView, ...] = field(default=())   # [limits.NAME], in the config's order
+    limits_error: str = ""                 # the limits bucket did not answer the last read
     schedules: Mapping[str, Any] = field(default_factory=dict)   # what start's reconcile did (nats/schedules.py)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from supervisor.observe.snapshot import Alert, ConsumerView, Snapshot, WorkerView
+from supervisor.observe.snapshot import Alert, ConsumerView, LimitView, Snapshot, WorkerView
+from workers.protocol.limitkeys import rate_window
 
 OUTSTANDING_GRACE = 2.0      # poll intervals past AckWait before a missing held job raises an alert
 UNKNOWN_LAG = {"state": "unknown"}
@@ -33,6 +34,9 @@ def build_status(snap: Snapshot) -> dict[str, Any]:
         "idempotency": idempotency_block(snap.cfg),
         "advisories": dict(snap.advisories),
         "fleet": dict(snap.fleet),
+        "limits": {v.name: limit_block(v) for v in snap.limits},
+        "paused_until": consumer.get("paused_until"),
+        "pause_reason": (consumer.get("pause_reason") or "") if consumer.get("paused_until") else None,
         "schedules": dict(snap.schedules),
         "alerts": [{"kind": a.kind, "message": a.message} for a in alerts(snap)],
         "headline": headline(lag, consumer),
@@ -48,6 +52,15 @@ def worker_block(w: WorkerView) -> dict[str, Any]:
             "jobs_duplicate": c.duplicate, "restarts": w.restarts, "rss_bytes": w.rss_bytes,
             "heartbeat_age_s": None if w.heartbeat_age_s is None else round(w.heartbeat_age_s, 3),
             "uptime_s": round(w.uptime_s, 3), "retiring": w.retiring, "in_flight": in_flight}
+
+
+def limit_block(v: LimitView) -> dict[str, Any]:
+    """One [limits.NAME]: `in_use` and `starts` across the fleet (null until the bucket is read);
+    `waiting`, `held_here`, `taken`, `wait_s`: this supervisor's workers."""
+    keys, seconds = rate_window(v.rate) if v.rate else (0, 0)
+    return {"concurrency": v.concurrency, "in_use": v.in_use, "rate": v.rate, "waiting": v.waiting,
+            "starts": v.starts, "rate_window": {"starts": keys, "seconds": seconds} if v.rate else None,
+            "held_here": v.held_here, "taken": v.taken, "wait_s": round(v.wait_s, 3), "subjects": list(v.subjects)}
 
 
 def idempotency_block(cfg: Any) -> dict[str, Any]:
@@ -94,6 +107,8 @@ def alerts(snap: Snapshot) -> list[Alert]:
         out.append(Alert("consumer_unavailable", snap.consumer.error))
     if not snap.nats.connected:
         out.append(Alert("nats_disconnected", "the supervisor's NATS connection is down"))
+    if snap.limits_error:
+        out.append(Alert("limits_unavailable", f"{snap.limits_error}: jobs needing a limit wait (none runs without it)"))
     if snap.schedules.get("refused") or snap.schedules.get("error"):
         out.append(Alert("schedules_refused" if snap.schedules.get("refused") else "schedules_failed",
                          f"[schedules] not applied: {snap.schedules.get('refused') or snap.schedules.get('error')}"))
@@ -107,6 +122,7 @@ HEADLINES = {
     "growing": "Jobs arrive faster than the workers finish them: pending rises across the window.",
     "stuck": "Work is waiting, but nothing has been acked for longer than AckWait.",
     "unknown": "No fresh numbers from the consumer.",
+    "paused": "The consumer is paused on purpose: nothing is delivered until it resumes.",
 }
 
 
@@ -114,6 +130,9 @@ def headline(lag: dict[str, Any], consumer: dict[str, Any]) -> dict[str, str]:
     """The lag state said for the queue: `ok` with work waiting or in flight is draining, `ok`
     with none is idle; growing, stuck and unknown are themselves."""
     state = lag.get("state", "unknown")
+    if consumer.get("paused_until") and state != "unknown":
+        reason = consumer.get("pause_reason") or "no reason given"
+        return {"state": "paused", "text": HEADLINES["paused"], "reason": f"until {consumer['paused_until']}: {reason}"}
     if state == "ok":
         work = (consumer.get("num_pending") or 0) + (consumer.get("num_ack_pending") or 0)
         state = "draining" if work else "idle"

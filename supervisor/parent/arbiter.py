@@ -34,6 +34,7 @@ from supervisor.core.ledger import CrashLedger
 from supervisor.core.liveness import DRAIN_MARGIN, Limits
 from supervisor.core.policy import RestartPolicy
 from supervisor.errors import EXIT_HALTED, EXIT_OK
+from supervisor.nats import limits
 from supervisor.parent.loopsteps import PAUSE, LoopSteps
 from supervisor.parent.pool import Pool
 from supervisor.parent.process import WorkerProcess
@@ -46,7 +47,7 @@ from supervisor.parent.stats import Stats
 from supervisor.parent.systemd import Notifier
 from workers.protocol import slots
 from workers.protocol.crashes import CrashBoard
-from workers.protocol.events import AcksResent, Event, Ready, RecycleDue, Redelivered, Settled, Unsent
+from workers.protocol.events import AcksResent, Event, PauseAsked, Ready, RecycleDue, Redelivered, Settled, Unsent
 from workers.protocol.exits import CHILD_EXIT_REASONS, EXIT_CONNECT_FAILED, Kill, KillCause
 from workers.runtime.solo import SuspectBoard
 from workers.runtime.spec import ChildSpec
@@ -378,6 +379,21 @@ class Arbiter:
             case RecycleDue(jobs):           # its last job has started: start its replacement
                 w.recycle_reason = f"ran {jobs} jobs (workers.max_jobs)"
                 w.last_job_started = True
+            case PauseAsked(seconds, reason, seq):   # a handler raised workers.Pause
+                self.spawn_task(self.pause(seconds, reason, f"worker {w.slot} (pid {w.pid}), job seq={seq}"))
+
+    async def pause(self, seconds: float, reason: str, by: str) -> None:
+        """Pause the consumer fleet-wide (supervisor/nats/limits.py); the monitor logs it once
+        every supervisor sees it in ConsumerInfo."""
+        try:
+            until, moved = await limits.pause(self.nc, self.cfg, seconds, reason, by)
+        except Exception as exc:          # the job was NAKed with its delay anyway
+            log.warning("cannot pause consumer %s as %s asked: %s", self.cfg.consumer.name, by, exc,
+                        extra={"event": "pause_failed"})
+            return
+        if moved:
+            log.warning("pausing consumer %s until %s, as %s asked: %s", self.cfg.consumer.name, until, by, reason,
+                        extra={"event": "pause_asked", "until": until, "reason": reason, "by": by})
 
     def check_all_ready(self) -> None:
         """The first time every worker is ready: state running, READY=1 to systemd."""
@@ -420,6 +436,8 @@ class Arbiter:
                                       w.table.server_seen(), {e.stream_seq for e in w.table.snapshot()})
             await self.deaths.settle(w, cause, clean)
         with step("reap"):
+            self.release_limits(w, clean)
+        with step("reap"):
             self.stats.carry(w)
         finished = w.jobs_finished          # read before forget() unmaps its table
         with step("reap"):
@@ -430,6 +448,21 @@ class Arbiter:
                 # no outage to wait out, and its crash loop must still halt.
                 nats_down = code == EXIT_CONNECT_FAILED and bool(self.nc and self.nc.is_reconnecting)
                 self.pool.plan_restart(w, cause, finished, bool(self.stopping), nats_down)
+
+    def release_limits(self, w: WorkerProcess, clean: bool) -> None:
+        """A dead worker's limit slots go back now, not after their TTL: any death but a clean
+        exit that gave them back itself (its table says it holds none)."""
+        caps = [k for k, name in enumerate(w.limit_names) if name in self.cfg.limits and self.cfg.limits[name].concurrency]
+        if not caps or (clean and not any(w.table.limit(k)[0] for k in caps)):
+            return
+        self.spawn_task(self.release_slots(w.pid, w.slot))
+
+    async def release_slots(self, pid: int, slot: int) -> None:
+        try:
+            await limits.release_worker(self.nc, self.cfg, pid, slot)
+        except Exception as exc:          # they free themselves within LEASE_TTL
+            log.warning("worker %d (pid %d): its limit slots were not released (%s); they free themselves within "
+                        "%ds", slot, pid, exc, limits.LEASE_TTL, extra={"event": "limit_release_failed"})
 
     @staticmethod
     def exited_cleanly(w: WorkerProcess) -> bool:

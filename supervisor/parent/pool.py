@@ -80,9 +80,10 @@ class Pool:
         self.waiting_for_nats.clear()
 
     def spawn(self, slot: int) -> WorkerProcess | None:
-        table = SlotTable(self.table_entries(), self.reply_bytes())
+        table = SlotTable(self.table_entries(), self.reply_bytes(), len(self.cfg.limits))
         table.set_state(slots.STARTING)        # before the fork: the child may be READY before we return
         w = WorkerProcess(slot, table)
+        w.limit_names = tuple(self.cfg.limits)
         w.job_limit = job_limit(self.cfg.workers.max_jobs, self.cfg.workers.max_jobs_jitter)
         w.graceful_timeout = self.cfg.workers.graceful_timeout
         try:

@@ -47,6 +47,7 @@ class WorkerProcess:
         self.drain_deadline: float | None = None
         self.job_limit = 0               # recycle after this many jobs (0 = never)
         self.graceful_timeout = 0.0      # the one it was forked with (it reads the key at fork)
+        self.limit_names: tuple[str, ...] = ()   # its table's per-limit blocks, in this order ([limits.NAME])
         self.recycle_reason = ""         # why it is due for replacement (max_jobs, RSS, a config roll)
         self.last_job_started = False    # it started its max_jobs-th job and will take no other
         self.status: int | None = None   # wait status once reaped

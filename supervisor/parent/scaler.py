@@ -32,11 +32,12 @@ from typing import Any, Protocol
 import psutil
 
 from supervisor.config import Config
-from supervisor.core.autoscale import MANUAL_PAUSE_S, Autoscaler, Decision, Inputs, Params
+from supervisor.core.autoscale import MANUAL_PAUSE_S, Autoscaler, Decision, Inputs, Params, limit_binds
 from supervisor.core.lag import LagAnalyzer
 from supervisor.parent.pool import Pool
 from supervisor.parent.stats import Stats
 from workers.protocol import slots
+from workers.protocol.limitkeys import rate_window
 
 log = logging.getLogger("supervisor.autoscale")
 
@@ -56,6 +57,7 @@ class LagSource(Protocol):
     consumer: dict[str, Any] | None
     polled_at: float | None
     analyzer: LagAnalyzer
+    limits: dict[str, dict[str, int]]    # [limits.NAME] in use fleet-wide
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,16 @@ class Scaler:
                       lag_state=lag_state, pending=consumer.get("num_pending", 0),
                       in_flight=consumer.get("num_ack_pending", 0), polled_at=mon.polled_at if mon else None,
                       completed=r.completed, job_time=r.job_time,
-                      busy=r.busy, running=running, cpu=r.cpu, worker_cpu=r.worker_cpu, cores=self.cores)
+                      busy=r.busy, running=running, cpu=r.cpu, worker_cpu=r.worker_cpu, cores=self.cores,
+                      limited=self.limited())
+
+    def limited(self) -> str:
+        """A limit our jobs wait for while the fleet uses it up (core/autoscale.py limit_binds)."""
+        cfg, here = self.arb.cfg, self.arb.stats.limits()
+        fleet = self.monitor.limits if self.monitor else {}
+        return limit_binds([(name, lim.concurrency, fleet.get(name, {}).get("in_use"),
+                             rate_window(lim.rate)[0] if lim.rate else 0, fleet.get(name, {}).get("starts"),
+                             int(here.get(name, {}).get("waiting", 0))) for name, lim in cfg.limits.items()])
 
     def apply(self, d: Decision) -> None:
         extra = {"event": "autoscale", "kind": d.kind, "workers": d.workers, "target": d.target, "reason": d.reason}

@@ -17,6 +17,7 @@ from supervisor.observe.snapshot import (
     ConsumerView,
     Counters,
     JobView,
+    LimitView,
     NatsView,
     PoolView,
     Snapshot,
@@ -50,7 +51,20 @@ def take(arbiter: Arbiter, monitor: Monitor | None, fleet: Fleet | None, nc: Any
         fleet=fleet.status() if fleet else {"name": cfg.fleet.name, "peers": None},
         raised=(*(Alert(a["kind"], a["message"], a["t"]) for a in arbiter.alerts),
                 *(Alert(a["kind"], a["message"]) for a in (fleet.alerts() if fleet else ()))),
+        limits=limit_views(arbiter, monitor), limits_error=monitor.limits_error if monitor else "",
         schedules=dict(schedules or {}))
+
+
+def limit_views(arbiter: Arbiter, monitor: Monitor | None) -> tuple[LimitView, ...]:
+    here, fleet = arbiter.stats.limits(), monitor.limits if monitor else {}
+    out = []
+    for name, lim in arbiter.cfg.limits.items():
+        mine, theirs = here.get(name, {}), fleet.get(name)
+        out.append(LimitView(name=name, concurrency=lim.concurrency, rate=lim.rate, subjects=lim.subjects,
+                             in_use=theirs["in_use"] if theirs else None, starts=theirs["starts"] if theirs else None,
+                             waiting=int(mine.get("waiting", 0)), held_here=int(mine.get("held", 0)),
+                             taken=int(mine.get("taken", 0)), wait_s=float(mine.get("wait_s", 0.0))))
+    return tuple(out)
 
 
 def nats_view(nc: Any, servers: tuple[str, ...], embedded: bool) -> NatsView:

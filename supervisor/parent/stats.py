@@ -28,6 +28,8 @@ class Totals:
     buckets: list = dataclasses.field(default_factory=lambda: [0] * (len(slots.DURATION_BUCKETS) + 1))
     duration_sum: float = 0.0
     max_duration: float = 0.0
+    limit_taken: dict[str, int] = dataclasses.field(default_factory=dict)      # [limits.NAME]: times taken ...
+    limit_waited: dict[str, float] = dataclasses.field(default_factory=dict)   # ... and seconds waited
 
 
 class Stats:
@@ -47,6 +49,10 @@ class Stats:
         self.totals.buckets = [a + b for a, b in zip(self.totals.buckets, buckets)]
         self.totals.duration_sum += total
         self.totals.max_duration = max(self.totals.max_duration, t.max_duration())
+        for k, name in enumerate(w.limit_names):
+            _, _, taken, waited = t.limit(k)
+            self.totals.limit_taken[name] = self.totals.limit_taken.get(name, 0) + taken
+            self.totals.limit_waited[name] = self.totals.limit_waited.get(name, 0.0) + waited
 
     def restarted(self, slot: int) -> None:
         self.totals.restarts += 1
@@ -71,6 +77,23 @@ class Stats:
         for w in live:
             w.table.set_fleet_residual(fleet)
         return fleet
+
+    def limits(self) -> dict[str, dict[str, float]]:
+        """Per limit, this supervisor's workers: slots held and jobs waiting now; times taken and
+        seconds waited since start (exited workers' too)."""
+        out: dict[str, dict[str, float]] = {}
+        for name in set(self.totals.limit_taken) | set(self.totals.limit_waited):
+            out[name] = {"held": 0, "waiting": 0, "taken": self.totals.limit_taken.get(name, 0),
+                         "wait_s": self.totals.limit_waited.get(name, 0.0)}
+        for w in self.living():
+            for k, name in enumerate(w.limit_names):
+                held, waiting, taken, waited = w.table.limit(k)
+                row = out.setdefault(name, {"held": 0, "waiting": 0, "taken": 0, "wait_s": 0.0})
+                row["held"] += held
+                row["waiting"] += waiting
+                row["taken"] += taken
+                row["wait_s"] += waited
+        return out
 
     def slowest_job(self) -> float:
         return max([self.totals.max_duration, *(w.table.max_duration() for w in self.living())])

@@ -24,6 +24,7 @@ from supervisor.core.autoscale import (
     Decision,
     Inputs,
     Params,
+    limit_binds,
 )
 from supervisor.core.lag import LagAnalyzer, Sample
 
@@ -474,6 +475,8 @@ def test_probe_waits_double_after_each_failure_and_reset_after_a_success():
     (dict(lag_state="unknown"), "waiting", "no lag analysis"),
     (dict(lag_state="stuck"), "stuck", "lag is stuck"),
     (dict(completed=0.0), "stalled", "acked nothing"),        # once MEASURE_MAX_SAMPLES found no finished job
+    (dict(limited="limit db is full (3/3 in use, 4 job(s) here waiting for it)"), "limit",
+     "but limit db is full (3/3 in use, 4 job(s) here waiting for it): more workers would only wait"),
 ])
 def test_holds(kw, kind, words):
     p = Autoscaler(params())
@@ -550,3 +553,11 @@ def test_a_hold_between_steps_up_starts_the_growth_over():
     feed(p, 0, 4)                                                       # 2 -> 3
     feed(p, 4, 4, workers=3, ready=3, completed=30.0, busy=3.0, running=3, pending=0)   # judged? no: drained
     assert p.growth == 1
+
+
+def test_a_limit_binds_only_when_jobs_wait_for_it_and_the_fleet_has_used_it_up():
+    assert limit_binds([("db", 3, 3, 0, None, 2)]) == "limit db is full (3/3 in use, 2 job(s) here waiting for it)"
+    assert limit_binds([("db", 3, 3, 0, None, 0)]) == ""          # full, but nobody of ours waits
+    assert limit_binds([("db", 3, 2, 0, None, 2)]) == ""          # a slot is free: waiting is brief
+    assert limit_binds([("db", 3, None, 0, None, 2)]) == ""       # not read yet: no claim either way
+    assert "rate is used up" in limit_binds([("db", 3, 1, 0, None, 0), ("api", 0, None, 10, 10, 5)])

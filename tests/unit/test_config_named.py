@@ -70,7 +70,10 @@ def test_reload_names_each_changed_key_and_whole_entries():
     new = Config().replace(limits={"db": {"concurrency": 5}, "mail": {"concurrency": 1}})
     assert changes_of(old, new) == {"limits.api", "limits.db.concurrency", "limits.mail"}
     p = plan(old, new)
-    assert p.effective.limits == new.limits and not p.needs_restart and not p.replace_workers
+    # Workers take limits with the config they were forked with: a change replaces them.
+    assert p.effective.limits == new.limits and not p.needs_restart and p.replace_workers
+    schedules = plan(Config(), Config().replace(schedules={"nightly": {"every": 60, "subject": "jobs.x"}}))
+    assert not schedules.replace_workers and not schedules.needs_restart
 
 
 def test_no_named_key_needs_a_restart():

@@ -3,10 +3,22 @@ the pipe as itself, and anything else is a ValueError that says what is wrong.""
 
 import pytest
 
-from workers.protocol.events import KINDS, AcksResent, Ready, RecycleDue, Redelivered, Settled, Unsent, decode, encode
+from workers.protocol.events import (
+    KINDS,
+    AcksResent,
+    PauseAsked,
+    Ready,
+    RecycleDue,
+    Redelivered,
+    Settled,
+    Unsent,
+    decode,
+    encode,
+)
 
 EVERY = [Ready(), Redelivered(42, 2), Settled(42, 2, "nak", "table full"), Settled(7, 1, "ack"),
-         Unsent(3, 1, "ack", "OutboundBufferLimitError"), AcksResent("leader elected", 5, 4, (11, 12)), RecycleDue(3)]
+         Unsent(3, 1, "ack", "OutboundBufferLimitError"), AcksResent("leader elected", 5, 4, (11, 12)), RecycleDue(3),
+         PauseAsked(30.0, "payments API down", 17)]
 
 
 def test_every_kind_is_tested():

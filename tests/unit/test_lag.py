@@ -6,6 +6,7 @@ outpaces the workers, a worker crash that pins the ack floor, and hung workers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -558,3 +559,15 @@ def test_reports_are_deterministic():
         an = LagAnalyzer(window=60, ack_wait=ACK_WAIT)
         return [r.as_dict() for r in feed(an, steady_climb(seed=2))]
     assert run() == run()
+
+
+def test_a_paused_consumer_is_never_stuck_and_a_stall_after_it_counts_from_the_resume():
+    """Work waits and nothing is acked for longer than AckWait while the consumer is paused on
+    purpose (workers.Pause, `supervisor pause`): not stuck. Once it resumes, the stall clock
+    starts again from there."""
+    an = LagAnalyzer(window=60, ack_wait=ACK_WAIT)
+    paused = [dataclasses.replace(s, paused=True) for s in hung(0.0, 40.0, pending=5, ack_pending=0)]
+    reps = feed(an, paused)
+    assert {r.state for r in reps[2:]} == {"ok"}
+    after = feed(an, hung(41.0, 75.0, pending=5, ack_pending=0))
+    assert after[29].state == "ok" and after[-1].state == "stuck"     # 30 s after the resume: AckWait

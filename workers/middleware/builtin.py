@@ -1,7 +1,8 @@
 """A worker's middleware, made after fork: [tracing] outermost when the config turns it on, then
 the `workers.middleware` entries (classes the parent imported and checked before forking) in
-list order, then the built-ins the config turns on: the [idempotency] guard, [log context]
-(always), and innermost the soft time limit, which wraps the handler alone."""
+list order, then the built-ins the config turns on: [limits] (workers/middleware/limits.py), then
+the [idempotency] guard (so a job holds its limits before the guard takes its lease), [log
+context] (always), and innermost the soft time limit, which wraps the handler alone."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from supervisor.config import Config
 from workers.middleware.base import Middleware
 from workers.middleware.guard import IdempotencyGuard
 from workers.middleware.joblog import JobLog
+from workers.middleware.limits import Limits
 from workers.middleware.retries import Policy
 from workers.middleware.timeouts import soft_timeout
 from workers.protocol.crashes import CrashBoard
@@ -25,6 +27,8 @@ def instances(entries: Sequence[tuple[str, type[Middleware]]], cfg: Config, is_a
         tracing = Tracing(crashes)
     chain: list[tuple[str, Middleware]] = [("[tracing]", tracing)] if tracing is not None else []
     chain += [(name, cls()) for name, cls in entries]
+    if cfg.limits:                                 # issue 26: fleet-wide limits, outside the guard
+        chain.append(("[limits]", Limits(cfg)))
     if cfg.idempotency.enabled:                    # issue 10: done-markers and leases
         chain.append(("[idempotency]", IdempotencyGuard(cfg.idempotency.bucket, Policy.from_config(cfg).delay)))
     chain.append(("[log context]", JobLog(tracing)))   # issue 29: every record logged in a job names it

@@ -70,6 +70,15 @@ class RecycleDue:
     jobs: int
 
 
+@dataclass(frozen=True)
+class PauseAsked:
+    """A handler raised workers.Pause: the parent pauses the consumer fleet-wide until then."""
+    kind: ClassVar[str] = "pause_asked"
+    seconds: float
+    reason: str
+    seq: int
+
+
 def ledger_subject(stream: str, consumer: str) -> str:
     """Where the supervisors of one consumer share their ledgers (supervisor/parent/peers.py), and
     where an orphaned worker, whose parent can no longer announce anything, announces its own
@@ -77,8 +86,9 @@ def ledger_subject(stream: str, consumer: str) -> str:
     return f"supervisor.ledger.{stream}.{consumer}"
 
 
-Event = Ready | Redelivered | Settled | Unsent | AcksResent | RecycleDue
-KINDS: dict[str, type[Event]] = {cls.kind: cls for cls in (Ready, Redelivered, Settled, Unsent, AcksResent, RecycleDue)}
+Event = Ready | Redelivered | Settled | Unsent | AcksResent | RecycleDue | PauseAsked
+KINDS: dict[str, type[Event]] = {cls.kind: cls for cls in (Ready, Redelivered, Settled, Unsent, AcksResent, RecycleDue,
+                                                           PauseAsked)}
 
 
 def encode(event: Event) -> bytes:
@@ -97,9 +107,9 @@ def decode(line: bytes) -> Event:
     except TypeError as exc:
         raise ValueError(f"{cls.kind}: {exc}") from None
     for f in dataclasses.fields(event):
-        want = int if f.type == "int" else str if f.type == "str" else None
+        want: Any = int if f.type == "int" else str if f.type == "str" else (int, float) if f.type == "float" else None
         if want is not None and not isinstance(getattr(event, f.name), want):
-            raise ValueError(f"{cls.kind}.{f.name}: expected {want.__name__}, got {getattr(event, f.name)!r}")
+            raise ValueError(f"{cls.kind}.{f.name}: expected {f.type}, got {getattr(event, f.name)!r}")
     if isinstance(event, AcksResent):
         event = dataclasses.replace(event, unconfirmed=tuple(int(s) for s in event.unconfirmed))
     return event

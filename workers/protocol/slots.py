@@ -46,6 +46,12 @@ ENTRY_STATES = {HELD: "held", RUNNING: "running", ACKED: "acked", SETTLED: "sett
 BUCKETS_AT = 16
 HEADER_WORDS = BUCKETS_AT + len(DURATION_BUCKETS) + 1
 
+# Per-limit words, after the entries (one block per [limits.NAME], in the config's order):
+# slots this worker holds now, its jobs waiting for the limit now, how many times it took the
+# limit, and the seconds its jobs spent waiting for it (a double). workers/middleware/limits.py.
+LIMIT_IN_USE, LIMIT_WAITING, LIMIT_TAKEN, LIMIT_WAITED = range(4)
+LIMIT_WORDS = 4
+
 # Entry words.
 VER, ESTATE, SSEQ, CSEQ, DELIVERY, T_HELD, T_STARTED, REPLY_LEN = range(8)
 ENTRY_FIXED_WORDS = 8
@@ -64,11 +70,13 @@ class Entry:
 
 
 class SlotTable:
-    def __init__(self, entries: int, reply_bytes: int):
+    def __init__(self, entries: int, reply_bytes: int, limits: int = 0):
         self.entries = entries
+        self.limits = limits
         self.reply_words = (reply_bytes + 7) // 8
         self.entry_words = ENTRY_FIXED_WORDS + self.reply_words
-        size = 8 * (HEADER_WORDS + entries * self.entry_words)
+        self.limits_at = HEADER_WORDS + entries * self.entry_words
+        size = 8 * (self.limits_at + limits * LIMIT_WORDS)
         self._mm = mmap.mmap(-1, size)
         self.q = memoryview(self._mm).cast("q")
         self.d = memoryview(self._mm).cast("d")
@@ -166,7 +174,20 @@ class SlotTable:
     def fleet_residual(self) -> float:
         return self.d[FLEET_RESIDUAL]
 
+    def limit_add(self, k: int, word: int, n: int = 1) -> None:
+        """Limit k's LIMIT_IN_USE / LIMIT_WAITING / LIMIT_TAKEN moved by n (the worker's loop is
+        its one writer)."""
+        self.q[self.limits_at + k * LIMIT_WORDS + word] += n
+
+    def limit_waited(self, k: int, seconds: float) -> None:
+        self.d[self.limits_at + k * LIMIT_WORDS + LIMIT_WAITED] += seconds
+
     # ------------------------------------------------------------ parent side (readers)
+
+    def limit(self, k: int) -> tuple[int, int, int, float]:
+        """Limit k as this worker sees it: (in use, waiting, taken, seconds waited)."""
+        at = self.limits_at + k * LIMIT_WORDS
+        return self.q[at + LIMIT_IN_USE], self.q[at + LIMIT_WAITING], self.q[at + LIMIT_TAKEN], self.d[at + LIMIT_WAITED]
 
     def header(self, word: int) -> int:
         return self.q[word]

@@ -47,6 +47,9 @@ class ShutdownHost(Protocol):
     threads: HandlerThreads
 
     def set_mode(self, mode: str) -> None: ...
+    def parked(self) -> int: ...           # jobs waiting for their limits (workers/middleware/limits.py)
+    def take_parked(self) -> list[tuple[Any, int, Job]]: ...
+    def release_limits(self, job: Job) -> None: ...
 
 
 class Shutdown:
@@ -71,7 +74,7 @@ class Shutdown:
             if w.mode == STOPPING:
                 await self.nak_queued()
             now, deadline = time.monotonic(), self.deadline     # hurry() may bring it forward
-            busy = bool(w.running or w.queue)
+            busy = bool(w.running or w.queue or w.parked())
             if busy and now >= deadline:
                 await self.abandon()
                 busy = False
@@ -112,11 +115,14 @@ class Shutdown:
             await asyncio.gather(*(chain.leave(job, chain.outer, given_back) for _, _, job in admitted))
         admitted.extend(w.queue)
         w.queue.clear()
+        admitted.extend(w.take_parked())          # still waiting for their limits
         for _, i, job in admitted:
             await self.nak_unstarted_job(i, job)
 
     async def nak_unstarted_job(self, i: int, job: Job) -> None:
-        """A shutdown gives back a job it never started, with a delay (SHUTDOWN_NAK_DELAY)."""
+        """A shutdown gives back a job it never started, with a delay (SHUTDOWN_NAK_DELAY), and
+        the limits it held for it."""
+        self.owner.release_limits(job)
         await self.owner.settler.settle(i, job, nak_payload(SHUTDOWN_NAK_DELAY), "nak", "not started before shutdown")
 
     async def abandon(self) -> None:

@@ -32,11 +32,12 @@ from typing import Any, NoReturn
 
 import setproctitle
 
-from workers import Context, Job
+from workers import Context, Job, Pause
 from workers.middleware.builtin import instances
 from workers.middleware.chain import Chain
+from workers.middleware.limits import Limits
 from workers.protocol import slots
-from workers.protocol.events import Event, Ready, RecycleDue, Redelivered, Settled
+from workers.protocol.events import Event, PauseAsked, Ready, RecycleDue, Redelivered, Settled
 from workers.protocol.exits import EXIT_CONNECT_FAILED, EXIT_CRASHED, EXIT_DRAINED, EXIT_INIT_FAILED
 from workers.protocol.fork import neutralise_inherited_fds, scrub_child_env, set_parent_death_signal
 from workers.protocol.modes import RETIRING, SERVING, STOPPING
@@ -151,6 +152,7 @@ class Worker:
         # shutdown has NAKed what runs, no handler thread can start another job behind its back.
         self.start_lock = threading.Lock()
         self.chain = Chain(spec.handler)  # every job runs through it: workers/middleware/chain.py
+        self.limits: Limits | None = None  # [limits]: jobs waiting for theirs are parked there
         self.gate = AsyncGate(spec.suspects)   # suspects run alone (workers/runtime/solo.py)
         self.threads = HandlerThreads(self, self.start_lock, self.wcfg.concurrency, spec.job_limit)
         self.shutdown = Shutdown(self, spec.slot)
@@ -170,9 +172,14 @@ class Worker:
         self.table.server_answered(time.monotonic())
         loop = asyncio.get_running_loop()
         try:
-            await self.chain.setup(instances(self.spec.middleware, self.spec.cfg, self.is_async,
-                                             self.spec.crashes),                  # made here, after fork
-                                   Context(self.spec.slot, os.getpid(), self.nc, loop, self.spec.cfg, self.is_async))
+            middleware = instances(self.spec.middleware, self.spec.cfg, self.is_async,   # made here, after fork
+                                   self.spec.crashes)
+            self.limits = next((mw for _, mw in middleware if isinstance(mw, Limits)), None)
+            if self.limits is not None:
+                self.limits.table = self.table    # its waits and holdings, for the parent's /status
+                self.limits.wake_pull = self.wake_pull.set    # a parked job that waits frees its handler
+            await self.chain.setup(middleware, Context(self.spec.slot, os.getpid(), self.nc, loop, self.spec.cfg,
+                                                       self.is_async))
         except Exception as exc:          # read by the parent like a failing init hook
             log.error("worker %d: starting workers.middleware raised %s", self.spec.slot, describe_exception(exc))
             log.debug("workers.middleware traceback", exc_info=True)
@@ -291,8 +298,21 @@ class Worker:
     # -- receiving (the requests themselves: workers/runtime/puller.py)
 
     def outstanding(self) -> int:
-        """Jobs pulled and not finished: what pull sizing counts besides the credits."""
-        return len(self.queue) + self.running
+        """Jobs pulled and not finished: what pull sizing counts besides the credits. Jobs parked
+        for a limit take no handler once they wait, up to `concurrency` of them
+        (workers/middleware/limits.py)."""
+        return len(self.queue) + self.running + (self.limits.occupying() if self.limits else 0)
+
+    def parked(self) -> int:
+        """Jobs pulled and waiting for their limits: not started, not queued."""
+        return len(self.limits.parked) if self.limits else 0
+
+    def take_parked(self) -> list[tuple[Any, int, Job]]:
+        return self.limits.take_parked() if self.limits else []
+
+    def release_limits(self, job: Job) -> None:
+        if self.limits is not None:
+            self.limits.finished(job)
 
     async def on_message(self, msg: Any) -> None:
         if not msg.reply:
@@ -313,9 +333,20 @@ class Worker:
             self.emit(Settled(job.stream_seq, job.delivery, "nak", "table full"))
             await self.nc.publish(msg.reply, b"-NAK")
             return
+        if self.limits is not None and self.limits.needs(job):
+            self.limits.park((msg, i, job), job, self.admitted)   # it waits for its limits without a handler
+            self.changed.set()           # a shutdown NAKs it at once; a retirement lets it wait
+            return
         self.queue.append((msg, i, job))
         self.wake_run.set()
         self.changed.set()               # a shutdown NAKs it at once; a retirement runs it
+
+    def admitted(self, item: tuple[Any, int, Job]) -> None:
+        """A parked job has its limits: it goes first, so they are held idle as briefly as can be."""
+        self.queue.appendleft(item)
+        self.wake_run.set()
+        self.changed.set()
+        self.wake_pull.set()             # it no longer counts as parked
 
     # -- running jobs
 
@@ -363,7 +394,11 @@ class Worker:
     async def finish(self, i: int, job: Job, exc: BaseException | None, elapsed: float, started: bool = True) -> None:
         """Ack, NAK or TERM by the outcome of the job's chain (its handler's, or a hook's). A job
         whose handler never ran (a duplicate, a hook's Retry) is not one of max_jobs (R1), nor a
-        sample of how long jobs take."""
+        sample of how long jobs take. Its limits go back whichever hook stopped it. A Pause
+        (workers.Pause) is NAKed like a Retry, and the parent pauses the consumer."""
+        self.release_limits(job)
+        if isinstance(exc, Pause):
+            self.emit(PauseAsked(exc.delay, exc.reason, job.stream_seq))
         if started:
             self.table.observe(elapsed)
             self.pulls.sizer.job_done(elapsed)

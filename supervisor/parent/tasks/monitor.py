@@ -30,6 +30,7 @@ from supervisor.config import Config
 from supervisor.config.schedules import job_subjects
 from supervisor.core.fleetview import ack_wait_range
 from supervisor.core.lag import LagAnalyzer, Sample
+from supervisor.nats import limits
 from supervisor.nats.consumer import consumer_dict
 from supervisor.observe.history import History
 from supervisor.parent.arbiter import Arbiter
@@ -115,6 +116,9 @@ class Monitor:
         self.copied: set[int] = set()       # stream seqs given up on and dead-lettered by us
         self.given_up_due = 0.0             # next search for jobs the consumer gave up on (find_given_up) ...
         self.reconnects_seen = -1           # ... and at once after a reconnect
+        self.limits: dict[str, dict[str, int]] = {}   # [limits.NAME] in use fleet-wide (supervisor/nats/limits.py)
+        self.limits_error = ""
+        self.paused_until: str | None = None          # as last seen, to log a pause once
 
     def apply_config(self, cfg: Config) -> None:
         old, self.cfg = self.cfg, cfg
@@ -128,6 +132,7 @@ class Monitor:
         while True:
             started = time.monotonic()
             await self.poll()
+            await self.poll_limits()
             self.after_poll()
             await asyncio.sleep(max(0.0, self.cfg.monitor.interval - (time.monotonic() - started)))
 
@@ -154,6 +159,8 @@ class Monitor:
             self.failed(time.monotonic(), f"ConsumerInfo failed: {type(exc).__name__}: {exc}"[:200])
             return
         consumer, self.source = consumer_dict(info), "self"
+        if consumer["paused_until"]:     # shared with the fleet in the sample
+            consumer["pause_reason"] = await limits.pause_reason(js, self.cfg)
         if await self.accept(js, consumer, asked=now):
             if self.fleet:
                 await self.fleet.share(consumer)
@@ -176,6 +183,7 @@ class Monitor:
             self.leader_moved(self.consumer, consumer, self.polled_at, now)
         self.consumer = consumer
         self.polled_at = now
+        self.note_pause(consumer)
         beat = self.arbiter.stats.progress_beat(self.arbiter.cfg.workers.job_timeout)
         # In a fleet, progress anywhere counts (supervisor/parent/tasks/fleet.py Fleet.progress).
         fleet_acked, fleet_busy = self.fleet.progress() if self.fleet else (0, False)
@@ -185,7 +193,8 @@ class Monitor:
                                  delivered_consumer_seq=consumer["delivered_consumer_seq"],
                                  ack_floor_consumer_seq=consumer["ack_floor_consumer_seq"],
                                  local_acked=self.arbiter.stats.worker_counters()["ack"] + fleet_acked,
-                                 progress_alive=beat is not None or fleet_busy, progress_at=beat))
+                                 progress_alive=beat is not None or fleet_busy, progress_at=beat,
+                                 paused=bool(consumer.get("paused_until"))))
         self.history.add(self.polled_at, consumer, self.analyzer.report(self.polled_at).state)
         ledger, c, t = self.arbiter.ledger, consumer, self.polled_at
 
@@ -199,6 +208,34 @@ class Monitor:
                                                           c["delivered_consumer_seq"]))
         await self.resolve_acks_in_doubt(js)
         return True
+
+    def note_pause(self, consumer: dict[str, Any]) -> None:
+        """Say once when the consumer is paused (by anyone in the fleet) and when it resumes."""
+        until = consumer.get("paused_until")
+        if until == self.paused_until:
+            return
+        name = self.cfg.consumer.name
+        if until:
+            log.warning("consumer %s is paused until %s: %s", name, until, consumer.get("pause_reason") or
+                        "no reason given", extra={"event": "consumer_paused", "until": until,
+                                                  "reason": consumer.get("pause_reason", "")})
+        else:
+            log.info("consumer %s resumed", name, extra={"event": "consumer_resumed"})
+        self.paused_until = until
+
+    async def poll_limits(self) -> None:
+        """[limits.NAME] in use across the fleet, for /status and autoscaling."""
+        if not self.cfg.limits:
+            return
+        try:
+            self.limits = await limits.in_use(self.nc.jetstream(), self.cfg)
+        except Exception as exc:
+            error = f"limits bucket {self.cfg.fleet.limits_bucket}: {type(exc).__name__}: {exc}"[:200]
+            if error != self.limits_error:
+                log.warning("%s", error)
+            self.limits_error = error
+            return
+        self.limits_error = ""
 
     def leader_moved(self, before: dict, after: dict, t_before: float, now: float) -> None:
         start, end, budget = lost_ack_window(before, after, t_before, now, ack_wait_range(self.cfg))

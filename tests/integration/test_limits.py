@@ -1,0 +1,314 @@
+"""[limits.NAME] and pauses against real servers, supervisors and workers (issue 26): the handlers'
+own journals (tests/handlers/testhandlers.py, limithandlers.py) say how many jobs ran at once,
+across every supervisor; the logs and /status say why.
+
+The rate over 30 s and more lives in bench (`python -m bench --only limits`, bench/costs/limits.py);
+the randomized fault suite draws limits and pauses too (chaos/, docs/RELIABILITY.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from datetime import datetime
+
+import nats
+from harness import publish_now, run_cli, wait_until
+
+from bench.costs.limits import most_in_window
+from workers.protocol.limitkeys import LEASE_TTL
+
+DB = {"db": {"concurrency": 3, "subjects": ["jobs.db.>"]}}
+
+
+def records(*sups):
+    return sorted((r for s in sups for r in s.jobs.records()), key=lambda r: r.t)
+
+
+def most_at_once(recs, data_prefix: str = "") -> int:
+    """The largest number of jobs between their start and done lines at one moment."""
+    now = best = 0
+    for r in recs:
+        if not r.data.startswith(data_prefix):
+            continue
+        now += 1 if r.event == "start" else -1
+        best = max(best, now)
+    return best
+
+
+def busy_time(recs, data_prefix: str = "") -> tuple[float, float]:
+    """(seconds of job run time summed, first start to last done) for jobs whose data starts so."""
+    starts = {(r.pid, r.seq, r.delivery): r.t for r in recs if r.event == "start" and r.data.startswith(data_prefix)}
+    dones = {(r.pid, r.seq, r.delivery): r.t for r in recs if r.event == "done" and r.data.startswith(data_prefix)}
+    total = sum(dones[k] - starts[k] for k in dones if k in starts)
+    return total, max(dones.values()) - min(starts.values())
+
+
+def publish_to(url: str, subject: str, datas: list[str]) -> list[int]:
+    async def run() -> list[int]:
+        nc = await nats.connect(url)
+        try:
+            js = nc.jetstream()
+            return [(await js.publish(subject, d.encode())).seq for d in datas]
+        finally:
+            await nc.close()
+    return asyncio.run(run())
+
+
+def all_done(sups, seqs) -> bool:
+    return set(seqs) <= set().union(*(s.jobs.done_seqs() for s in sups))
+
+
+# ---------------------------------------------------------------- concurrency across the fleet
+
+def test_two_supervisors_never_run_more_than_the_limit_and_use_all_of_it(nats_server, supervisor_factory):
+    """concurrency = 3 shared by two supervisors of 3 workers each (6 handlers): never more than
+    3 jobs at once by the journals, at least two thirds of the limit busy on average, and no
+    delivery spent on waiting (every job ran at its first delivery)."""
+    sups = [supervisor_factory(nats_server, workers={"count": 3}, limits=DB, args=("--log-format", "json"))
+            for _ in range(2)]
+    for s in sups:
+        s.wait_ready()
+    seqs = publish_to(nats_server.url, "jobs.db.write", ["0.2"] * 45)
+    wait_until(lambda: all_done(sups, seqs), what="45 limited jobs done")
+    recs = records(*sups)
+    assert most_at_once(recs) == 3, "the limit was never reached or was exceeded"
+    busy, span = busy_time(recs)
+    assert busy / span >= 2.0, f"the limit was under-used: {busy / span:.2f} of 3 busy on average"
+    assert {r.delivery for r in recs} == {1}, "a job waiting for its limit spent a delivery"
+    assert {r.pid for r in recs} & {w.pid for w in sups[0].workers()} and \
+        {r.pid for r in recs} & {w.pid for w in sups[1].workers()}, "one supervisor took every slot"
+    status = sups[0].status()["limits"]["db"]
+    assert status["concurrency"] == 3 and status["taken"] > 0 and status["waiting"] == 0
+
+
+def test_jobs_needing_no_limit_go_past_jobs_waiting_for_one(nats_server, supervisor_factory):
+    """Six limited jobs (1 s each, concurrency 3) fill every handler of 6 workers, then 12 short
+    free jobs come: the waiting three are parked without a handler, so the free jobs all finish
+    before the second round of limited jobs even starts. Waiting inside the handler instead (no
+    parking) leaves the free jobs behind the first round."""
+    sups = [supervisor_factory(nats_server, workers={"count": 3}, limits=DB) for _ in range(2)]
+    for s in sups:
+        s.wait_ready()
+    db = publish_to(nats_server.url, "jobs.db.write", ["db:1.0"] * 6)
+    wait_until(lambda: len(records(*sups)) >= 3, what="the first limited jobs started")
+    free = publish_to(nats_server.url, "jobs.free.x", ["free:0.05"] * 12)
+    wait_until(lambda: all_done(sups, db + free), what="every job done")
+    recs = records(*sups)
+    last_free = max(r.t for r in recs if r.event == "done" and r.data.startswith("free"))
+    db_starts = sorted(r.t for r in recs if r.event == "start" and r.data.startswith("db"))
+    assert last_free < db_starts[3], "free jobs waited behind the limited ones"
+    assert most_at_once(recs, "db") == 3
+
+
+def test_a_limit_held_for_part_of_a_job(nats_server, supervisor_factory, tmp_path):
+    """`with limit("db"):` in a sync handler and `async with` in an async one: the blocks, not
+    the jobs, are limited (the jobs' subjects match no limit)."""
+    for handler in ("limithandlers:partial", "limithandlers:partial_async"):
+        sup = supervisor_factory(nats_server, workers={"count": 3, "handler": handler, "concurrency": 2},
+                                 limits={"db": {"concurrency": 2}})
+        sup.wait_ready()
+        seqs = publish_to(nats_server.url, "jobs.new", ["0.1"] * 20)
+        wait_until(lambda: all_done([sup], seqs), what=f"20 jobs done ({handler})")
+        assert most_at_once(sup.jobs.records()) == 2, handler
+        sup.stop()
+
+
+# ---------------------------------------------------------------- a worker that dies holding a slot
+
+def test_a_worker_killed_holding_a_slot_frees_it_at_once(nats_server, supervisor_factory, tmp_path):
+    """concurrency = 1: a job holds the slot until the test lets it go; its worker is SIGKILLed.
+    The parent releases the dead worker's slot (event limit_released naming its pid), so the
+    job, NAKed and redelivered, takes the slot again well before the slot's own TTL would have
+    freed it."""
+    gate = tmp_path / "gate"
+    sup = supervisor_factory(nats_server, workers={"count": 2}, limits={"db": {"concurrency": 1,
+                                                                              "subjects": ["jobs.db.>"]}},
+                             args=("--log-format", "json"))
+    sup.wait_ready()
+    publish_to(nats_server.url, "jobs.db.write", [f"until:{gate}"])
+    first = wait_until(lambda: sup.jobs.started(), what="the job started")[0]
+    killed_at = time.time()
+    os.kill(first.pid, signal.SIGKILL)
+    released = sup.wait_event("limit_released", worker_pid=first.pid)
+    assert released["released"] == ["db slot 0"]
+    again = wait_until(lambda: [r for r in sup.jobs.started() if r.delivery == 2], what="the job ran again")[0]
+    assert again.t - killed_at < LEASE_TTL, "the slot came back only by its TTL"
+    gate.write_text("go")
+    wait_until(lambda: sup.jobs.done(), what="the job done")
+    s = wait_until(lambda: (st := sup.status())["limits"]["db"]["in_use"] == 0 and st, what="the slot free")
+    assert s["limits"]["db"]["waiting"] == 0
+
+
+# ---------------------------------------------------------------- rate
+
+def test_rate_bounds_starts_in_every_second(nats_server, supervisor_factory):
+    """rate = 10 shared by two supervisors: in no one-second window more than 10 starts (by the
+    journals, whose clock is the server host's), and the rate is used (40 jobs in about 4 s)."""
+    rate = {"api": {"rate": 10.0, "subjects": ["jobs.api.>"]}}
+    sups = [supervisor_factory(nats_server, workers={"count": 3, "concurrency": 4}, limits=rate) for _ in range(2)]
+    for s in sups:
+        s.wait_ready()
+    seqs = publish_to(nats_server.url, "jobs.api.call", ["0"] * 40)
+    wait_until(lambda: all_done(sups, seqs), what="40 rate-limited jobs done")
+    starts = sorted(r.t for r in records(*sups) if r.event == "start")
+    # A start is counted when the worker takes it; the handler's first line comes a few ms
+    # later (admission, the queue, a thread): JITTER of that is allowed for at the handlers.
+    assert most_in_window(starts, 1.0 - JITTER) <= 10
+    assert starts[-1] - starts[0] >= 3.0, "40 starts at 10/s take 3 s at least"
+
+
+JITTER = 0.05
+
+
+# ---------------------------------------------------------------- pause
+
+def rfc3339_to_epoch(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def test_pause_from_a_handler_stops_every_supervisor_and_resumes_by_itself(nats_server, supervisor_factory):
+    """A handler raises Pause(3, reason): the consumer is paused until then for both supervisors
+    (no job published meanwhile starts before the pause ends, by the journals), /status says
+    until when and why, /healthz stays 200, and work resumes by itself."""
+    sups = [supervisor_factory(nats_server, workers={"count": 2, "handler": "limithandlers:pauser"},
+                               args=("--log-format", "json")) for _ in range(2)]
+    for s in sups:
+        s.wait_ready()
+    publish_to(nats_server.url, "jobs.new", ["pause:3"])
+    status = wait_until(lambda: (st := sups[1].try_status()) and st["paused_until"] and st, what="paused on /status")
+    until = rfc3339_to_epoch(status["paused_until"])
+    assert status["pause_reason"] == "the database is down (test)"
+    assert status["headline"]["state"] == "paused"
+    seqs = publish_to(nats_server.url, "jobs.new", ["0"] * 6)
+    assert sups[0].get("/healthz")[0] == 200
+    wait_until(lambda: all_done(sups, seqs), what="work resumed after the pause")
+    starts = [r for r in records(*sups) if r.event == "start"]
+    assert min(r.t for r in starts) >= until, "a job started while the consumer was paused"
+    for s in sups:
+        s.wait_event("consumer_paused")
+        wait_until(lambda s=s: s.events("consumer_resumed"), what="resume logged")
+
+
+def test_pause_and_resume_from_the_command_line(nats_server, supervisor_factory, tmp_path):
+    sup = supervisor_factory(nats_server, workers={"count": 1})
+    sup.wait_ready()
+    cfg = tmp_path / "cli.toml"
+    cfg.write_text(f'[nats]\nservers = ["{nats_server.url}"]\n')
+    r = run_cli("pause", "--config", str(cfg), "--reason", "deploying the API", tmp=tmp_path)
+    assert r.returncode == 0 and "until `supervisor resume`" in r.stdout, r.stderr
+    status = wait_until(lambda: (st := sup.status())["paused_until"] and st, what="paused")
+    assert status["pause_reason"] == "deploying the API"
+    seqs = publish_now(nats_server.url, count=3)
+    r = run_cli("pause", "--config", str(cfg), "--for", "5", tmp=tmp_path)      # never shortens a pause
+    assert r.returncode == 0 and "already paused" in r.stdout, r.stdout
+    assert not sup.jobs.started()
+    r = run_cli("resume", "--config", str(cfg), tmp=tmp_path)
+    assert r.returncode == 0 and "resumed" in r.stdout, r.stderr
+    wait_until(lambda: all_done([sup], seqs), what="jobs after the resume")
+    wait_until(lambda: sup.status()["paused_until"] is None, what="resumed on /status")
+    r = run_cli("pause", "--config", str(cfg), "--for", "-1", tmp=tmp_path)
+    assert r.returncode == 2 and "--for" in r.stderr
+
+
+# ---------------------------------------------------------------- the bucket away
+
+def test_without_its_bucket_a_limited_job_waits_and_never_runs_unlimited(nats_server, supervisor_factory):
+    """The limits bucket deleted under a running supervisor: limited jobs wait (a warning says
+    why, /status alerts), free jobs still run; the bucket back, the limited jobs run."""
+    sup = supervisor_factory(nats_server, workers={"count": 2}, limits=DB, args=("--log-format", "json"))
+    sup.wait_ready()
+
+    async def bucket(create: bool) -> None:
+        nc = await nats.connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+            if create:
+                await js.create_key_value(bucket="SUPERVISOR_LIMITS", history=1)
+            else:
+                await js.delete_key_value("SUPERVISOR_LIMITS")
+        finally:
+            await nc.close()
+    asyncio.run(bucket(create=False))
+    limited = publish_to(nats_server.url, "jobs.db.write", ["db:0"] * 3)
+    sup.wait_event("limit_unavailable", limit="db")
+    free = publish_to(nats_server.url, "jobs.free.x", ["free:0"] * 3)
+    wait_until(lambda: all_done([sup], free), what="free jobs run while the bucket is away")
+    assert not [r for r in sup.jobs.records() if r.data.startswith("db")], "a limited job ran without its limit"
+    kinds = {a["kind"] for a in wait_until(lambda: sup.status()["alerts"] or None, what="an alert")}
+    assert "limits_unavailable" in kinds
+    asyncio.run(bucket(create=True))
+    wait_until(lambda: all_done([sup], limited), what="limited jobs run once the bucket is back")
+    assert {r.delivery for r in sup.jobs.records()} == {1}
+
+
+# ---------------------------------------------------------------- beside recycling and a drain
+
+def test_limits_beside_recycling_and_concurrency(nats_server, supervisor_factory):
+    """Workers recycled every 2 jobs, 2 handlers each, concurrency 1 across them: still one at a
+    time, every job at its first delivery (a retiring worker runs what it parked), and the slot
+    free at the end."""
+    one = {"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}
+    sup = supervisor_factory(nats_server, workers={"count": 2, "concurrency": 2, "max_jobs": 2}, limits=one)
+    sup.wait_ready()
+    seqs = publish_to(nats_server.url, "jobs.db.write", ["0.05"] * 12)
+    wait_until(lambda: all_done([sup], seqs), what="12 jobs done through recycling")
+    recs = sup.jobs.records()
+    assert most_at_once(recs) == 1 and {r.delivery for r in recs} == {1}
+    assert len({r.pid for r in recs}) >= 4, "workers were not recycled"
+    wait_until(lambda: sup.status()["limits"]["db"]["in_use"] == 0, what="the slot free")
+
+
+def test_a_drain_gives_back_parked_jobs_and_their_limits(nats_server, supervisor_factory):
+    """SIGTERM while jobs wait for the limit: the supervisor exits 0, what waited is NAKed (not
+    run), what ran gave its slot back; a new supervisor runs the rest, one at a time."""
+    one = {"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}
+    first = supervisor_factory(nats_server, workers={"count": 3}, limits=one)
+    first.wait_ready()
+    seqs = publish_to(nats_server.url, "jobs.db.write", ["0.5"] * 6)
+    wait_until(lambda: first.jobs.started() and first.status()["limits"]["db"]["waiting"] >= 2,
+               what="jobs waiting for the limit")
+    assert first.stop() == 0
+    second = supervisor_factory(nats_server, workers={"count": 3}, limits=one)
+    wait_until(lambda: all_done([first, second], seqs), what="every job done by the second supervisor")
+    assert most_at_once(records(first, second)) == 1
+    wait_until(lambda: second.status()["limits"]["db"]["in_use"] == 0, what="the slot free")
+
+
+# ---------------------------------------------------------------- the dashboard
+
+def test_the_dashboard_shows_limits_in_use_and_a_pause_in_chromium(nats_server, supervisor_factory, tmp_path):
+    import pytest
+    from browser import Browser, chromium_binary
+
+    binary = chromium_binary()
+    if binary is None:
+        pytest.skip("chromium is not installed: the dashboard was not rendered in a browser")
+    gate = tmp_path / "gate"
+    one = {"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}, "api": {"rate": 2.5}}
+    sup = supervisor_factory(nats_server, workers={"count": 3}, limits=one)
+    sup.wait_ready()
+    publish_to(nats_server.url, "jobs.db.write", [f"until:{gate}"] * 3)
+    wait_until(lambda: (db := sup.status()["limits"]["db"])["in_use"] == 1 and db["waiting"] == 2, what="1 held, 2 wait")
+    cfg = tmp_path / "cli.toml"
+    cfg.write_text(f'[nats]\nservers = ["{nats_server.url}"]\n')
+    assert run_cli("pause", "--config", str(cfg), "--for", "600", "--reason", "db maintenance").returncode == 0
+    wait_until(lambda: sup.status()["headline"]["state"] == "paused", what="paused on /status")
+    b = Browser(binary)
+    try:
+        page = b.new_page(1000, 1200)
+        page.goto(f"http://{sup.http}/")
+        page.wait_for("Number(document.body.dataset.renders) >= 2", what="two renders")
+        assert page.evaluate("document.getElementById('limits').hidden") is False
+        rows = page.evaluate("Array.from(document.querySelectorAll('#limits-table tbody tr'), "
+                             "r => Array.from(r.cells, c => c.textContent))")
+        assert rows == [["db", "1 / 1", "none", "2", rows[0][4]], ["api", "no cap", rows[1][2], "0", rows[1][4]]]
+        assert rows[1][2].endswith("/ 5 per 2.0 s") or "/ 5 per" in rows[1][2], rows[1][2]
+        assert page.evaluate("document.getElementById('hl-word').textContent") == "Paused"
+        assert "db maintenance" in page.evaluate("document.getElementById('hl-reason').textContent")
+        page.screenshot(tmp_path / "dashboard-limits.png")
+    finally:
+        b.close()
+        gate.write_text("go")
+        run_cli("resume", "--config", str(cfg))

@@ -1,0 +1,123 @@
+"""[limits.NAME] and pauses without a server: the KV layout both sides read
+(workers/protocol/limitkeys.py), the config's rules, and the views of a literal Snapshot."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from test_views import snapshot
+
+from supervisor.config import Config, ConfigError
+from supervisor.observe import metrics
+from supervisor.observe.snapshot import LimitView
+from supervisor.observe.status import build_status, health
+from workers.protocol.limitkeys import Holder, parse_key, rate_key, rate_window, slot_key
+
+
+@pytest.mark.parametrize("rate, window", [(10, (10, 1)), (2.5, (5, 2)), (0.1, (1, 10)), (1 / 3, (1, 3)),
+                                          (0.5, (1, 2)), (100, (100, 1)), (0.001, (1, 1000)),
+                                          (7.123456, (427, 60))])
+def test_a_rate_is_a_whole_number_of_starts_in_whole_seconds_never_above_it(rate, window):
+    keys, seconds = rate_window(rate)
+    assert (keys, seconds) == window
+    assert keys / seconds <= rate + 1e-9
+
+
+def test_keys_and_holders_read_back():
+    assert parse_key(slot_key("db-main", 3)) == ("db-main", "c", 3)
+    assert parse_key(rate_key("api_1", 0)) == ("api_1", "r", 0)
+    assert parse_key("pause.JOBS.workers") is None and parse_key("db.x.1") is None
+    h = Holder("host-a", 100, 200, "ab12")
+    assert Holder.parse(h.value(job=7)) == h
+    assert Holder.parse(b"done seq=3") is None
+
+
+@pytest.mark.parametrize("limits, key, problem", [
+    ({"db": {}}, "limits.db", "needs concurrency or rate"),
+    ({"db": {"concurrency": 2, "subjects": ["orders.>"]}}, "limits.db.subjects", "not within stream.subjects"),
+    ({"db": {"rate": 1, "subjects": ["jobs..x"]}}, "limits.db.subjects", "not a valid subject"),
+])
+def test_a_limit_that_could_never_work_is_a_config_error(limits, key, problem):
+    with pytest.raises(ConfigError) as err:
+        Config().replace(limits=limits)
+    assert err.value.key == key and problem in str(err.value)
+
+
+DB = LimitView(name="db", concurrency=3, rate=0.0, subjects=("jobs.db.>",), in_use=3, starts=0, waiting=4,
+               held_here=2, taken=120, wait_s=33.25)
+API = LimitView(name="api", concurrency=0, rate=2.5, subjects=(), in_use=None, starts=None, waiting=0,
+                held_here=0, taken=0, wait_s=0.0)
+
+
+def test_status_shows_each_limit_and_the_pause():
+    snap = snapshot(limits=(DB, API))
+    s = build_status(snap)
+    assert s["limits"]["db"] == {"concurrency": 3, "in_use": 3, "rate": 0.0, "waiting": 4, "starts": 0,
+                                 "rate_window": None, "held_here": 2, "taken": 120, "wait_s": 33.25,
+                                 "subjects": ["jobs.db.>"]}
+    assert s["limits"]["api"]["rate_window"] == {"starts": 5, "seconds": 2} and s["limits"]["api"]["in_use"] is None
+    assert s["paused_until"] is None and s["pause_reason"] is None
+    values = {**snap.consumer.values, "paused_until": "2030-01-01T00:00:00Z", "pause_reason": "db down"}
+    paused = snapshot(consumer=dataclasses.replace(snap.consumer, values=values))
+    s = build_status(paused)
+    assert (s["paused_until"], s["pause_reason"]) == ("2030-01-01T00:00:00Z", "db down")
+    assert s["headline"]["state"] == "paused" and "db down" in s["headline"]["reason"]
+    assert health(paused) == (True, "ok")
+
+
+def test_an_unreadable_limits_bucket_is_an_alert():
+    kinds = [a["kind"] for a in build_status(snapshot(limits=(DB,), limits_error="limits bucket X: timeout"))["alerts"]]
+    assert "limits_unavailable" in kinds
+
+
+def test_metrics_of_limits():
+    text = metrics.render(snapshot(limits=(DB, API))).decode()
+    found = {(s.name, s.labels.get("limit")): s.value for fam in text_string_to_metric_families(text)
+             for s in fam.samples}
+    p = "jetstream_supervisor_"
+    assert found[(p + "limit_in_use", "db")] == 3 and (p + "limit_in_use", "api") not in found
+    assert found[(p + "limit_waiting", "db")] == 4
+    assert found[(p + "limit_wait_seconds_total", "db")] == 33.25
+    assert found[(p + "limit_taken_total", "db")] == 120
+    assert found[(p + "consumer_paused", None)] == 0
+
+
+class FakeBucket:
+    """The Limiter's bucket calls, in memory: create-if-absent; which keys were asked."""
+
+    def __init__(self, taken: set[str] = frozenset()):
+        self.keys, self.asked = set(taken), []
+        self.table = None
+
+    async def create(self, key: str, ttl: int) -> int:
+        from workers.middleware.guard import Conflict
+        self.asked.append(key)
+        if key in self.keys:
+            raise Conflict(key)
+        self.keys.add(key)
+        return len(self.asked)
+
+
+def test_a_take_looks_again_while_the_limit_had_room_and_waits_once_it_is_full():
+    """With room to spare, each take finds a slot itself (before: only the first did; the next
+    waited for the last holder's release word). Once a look finds every slot it tried taken, a
+    take tries only the slots a word named, until a poll is due."""
+    import asyncio
+
+    from workers.middleware.limits import Gate
+
+    async def run() -> None:
+        roomy = FakeBucket()
+        gate = Gate(roomy, 0, "db", concurrency=1000, rate=0.0)     # type: ignore[arg-type]
+        assert [await gate.take_slot() is not None for _ in range(5)] == [True] * 5
+
+        full = FakeBucket({slot_key("db", k) for k in range(3)})
+        gate = Gate(full, 0, "db", concurrency=3, rate=0.0)        # type: ignore[arg-type]
+        assert await gate.take_slot() is None and len(full.asked) == 3
+        assert await gate.take_slot() is None and len(full.asked) == 3, "looked again while full, no word"
+        full.keys.discard(slot_key("db", 1))
+        gate.on_freed(1)
+        assert await gate.take_slot() == 1 and full.asked[-1] == slot_key("db", 1)
+    asyncio.run(run())
