@@ -115,6 +115,28 @@ def test_a_limit_held_for_part_of_a_job(nats_server, supervisor_factory, tmp_pat
         sup.stop()
 
 
+def test_a_soft_timeout_while_waiting_in_a_limit_block_gives_its_slot_back(nats_server, supervisor_factory):
+    """workers.soft_timeout beside `with limit()`: B waits in the block while A holds the only slot
+    past B's soft limit, so SoftTimeout is raised in B's thread inside the wait. The take goes on
+    on the loop; once A is done it gets the slot for nobody. That grant must go back (before: held
+    and renewed for good, so B's retry and every later block waited forever)."""
+    sup = supervisor_factory(nats_server, workers={"count": 1, "handler": "limithandlers:partial", "concurrency": 2,
+                                                   "soft_timeout": 0.5, "retry_backoff": [0.2]},
+                             limits={"db": {"concurrency": 1}}, args=("--log-format", "json"))
+    sup.wait_ready()
+    [a] = publish_to(nats_server.url, "jobs.new", ["1.5"])
+    wait_until(lambda: sup.jobs.started(), what="A in the block")
+    [b] = publish_to(nats_server.url, "jobs.new", ["0.01"])
+    failed = sup.wait_event("handler_failed", seq=b)
+    assert failed["error"] == "workers.SoftTimeout" and failed["delivery"] == 1, failed
+    wait_until(lambda: {a, b} <= sup.jobs.done_seqs(), timeout=30, what="A done, then B's retry in the block")
+    [c] = publish_to(nats_server.url, "jobs.new", ["0.01"])
+    wait_until(lambda: c in sup.jobs.done_seqs(), timeout=30, what="a later block")
+    assert [r.delivery for r in sup.jobs.started() if r.seq == b] == [2], "B ran its block only at its retry"
+    wait_until(lambda: sup.status()["limits"]["db"]["held_here"] == 0, what="no slot held once all is done")
+    assert sup.stop() == 0
+
+
 # ---------------------------------------------------------------- a worker that dies holding a slot
 
 def test_a_worker_killed_holding_a_slot_frees_it_at_once(nats_server, supervisor_factory, tmp_path):

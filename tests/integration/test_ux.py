@@ -369,8 +369,8 @@ def all_parsers(parser: argparse.ArgumentParser, name: str = "supervisor"):
 
 def test_every_option_has_help_and_every_command_examples():
     parsers = list(all_parsers(cli.build_parser()))
-    assert len(parsers) == 18          # supervisor, 9 commands, config init|show|check, dlq list|replay,
-    #                                    schedule list|add|rm
+    assert len(parsers) == 20          # supervisor, 11 commands (pause and resume the latest), config
+    #                                    init|show|check, dlq list|replay, schedule list|add|rm
     for name, p in parsers:
         for action in p._actions:
             if not isinstance(action, argparse._SubParsersAction):

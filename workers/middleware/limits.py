@@ -43,6 +43,7 @@ retirement lets them wait, within graceful_timeout.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -503,6 +504,12 @@ class Limits(Middleware):
         return len(self.parked) - len(self.waiting) + max(0, len(self.waiting) - self.allowance)
 
 
+def _give_back_unused(taking: concurrent.futures.Future) -> None:
+    if not taking.cancelled() and taking.exception() is None:
+        grant = taking.result()
+        grant.gate.limiter.loop.call_soon_threadsafe(grant.gate.give_back, grant)
+
+
 class limit:  # noqa: N801 (used like a function: `with limit("db"):`)
     """Hold the limit NAME ([limits.NAME]) for a block: `with limit("db"):` in a sync handler (its
     thread waits), `async with limit("db"):` in an async one. Waiting spends no delivery attempt.
@@ -517,7 +524,15 @@ class limit:  # noqa: N801 (used like a function: `with limit("db"):`)
         if _on_the_loop(limiter.loop):
             raise RuntimeError("`with limit()` would block the worker's loop: in an async handler use "
                                "`async with limit()`")
-        self.grant = asyncio.run_coroutine_threadsafe(self._take(limiter), limiter.loop).result()
+        taking = asyncio.run_coroutine_threadsafe(self._take(limiter), limiter.loop)
+        try:
+            self.grant = taking.result()
+        except BaseException:
+            # Raised in this thread while it waited (workers.soft_timeout's SoftTimeout): the take
+            # goes on on the loop, and a grant it gets would be held by nobody, renewed for good.
+            taking.cancel()
+            taking.add_done_callback(_give_back_unused)
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
