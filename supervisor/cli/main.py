@@ -94,6 +94,11 @@ examples:
   supervisor pause --for 300 --reason "payments API down"   # every supervisor on the consumer
   supervisor pause                                   # until `supervisor resume`
 """,
+    "resume": """\
+examples:
+  supervisor resume                                  # deliveries start again now, fleet-wide
+  supervisor --server nats://nats-1:4222 resume      # a fleet's consumer, from any host
+""",
     "scale": """\
 examples:
   supervisor scale 8                                 # 8 workers from now on (until a restart)
