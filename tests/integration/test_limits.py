@@ -133,10 +133,12 @@ def test_a_soft_timeout_while_waiting_in_a_limit_block_gives_its_slot_back(nats_
     publish_to(nats_server.url, "jobs.hold", [f"until:{gate}"])
     wait_until(lambda: holder.jobs.started(), what="A in its block")
     [b] = publish_to(nats_server.url, "jobs.new", ["0.01"])
-    failed = sup.wait_event("handler_failed", seq=b)
-    assert failed["error"] == "workers.SoftTimeout", failed
+    wait_until(lambda: sup.status()["limits"]["db"]["waiting"] == 1, what="B waiting in its block")
+    sup.wait_event("soft_timeout", seq=b)       # pending in B's thread, which waits in C for the grant
     gate.touch()
     wait_until(lambda: b in sup.jobs.done_seqs(), timeout=30, what="A done, then B's retry through the block")
+    failed = sup.events("handler_failed", seq=b)
+    assert failed and failed[0]["error"] == "workers.SoftTimeout", failed
     [c] = publish_to(nats_server.url, "jobs.new", ["0.01"])
     wait_until(lambda: c in sup.jobs.done_seqs(), timeout=30, what="a later block")
     wait_until(lambda: sup.status()["limits"]["db"]["held_here"] == 0, what="no slot held once all is done")

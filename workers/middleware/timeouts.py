@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import math
 import threading
 import time
@@ -30,6 +31,8 @@ from typing import Any
 
 from workers import Job, SoftTimeout
 from workers.middleware.base import Context, Middleware
+
+log = logging.getLogger("worker")
 
 
 def raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
@@ -45,7 +48,7 @@ class Watchdog:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
         self.cond = threading.Condition()
-        self.armed: dict[int, tuple[float, int]] = {}      # token -> (deadline, thread id)
+        self.armed: dict[int, tuple[float, int, int]] = {}   # token -> (deadline, thread id, seq)
         self.tokens = 0
         self.stopped = False
         self.fired = 0
@@ -59,14 +62,14 @@ class Watchdog:
             self.stopped = True
             self.cond.notify()
 
-    def arm(self, seconds: float) -> int:
-        """In the handler's thread, just before the handler."""
+    def arm(self, seconds: float, seq: int = 0) -> int:
+        """In the handler's thread, just before the handler (of the job at stream seq `seq`)."""
         with self.cond:
             self.tokens += 1
             deadline = self.clock() + seconds
-            if deadline < min((d for d, _ in self.armed.values()), default=math.inf):
+            if deadline < min((d for d, _, _ in self.armed.values()), default=math.inf):
                 self.cond.notify()                         # earlier than what the watchdog waits for
-            self.armed[self.tokens] = (deadline, threading.get_ident())
+            self.armed[self.tokens] = (deadline, threading.get_ident(), seq)
             return self.tokens
 
     def disarm(self, token: int) -> None:
@@ -79,11 +82,15 @@ class Watchdog:
         with self.cond:
             while not self.stopped:
                 now = self.clock()
-                for token in [t for t, (d, _) in self.armed.items() if d <= now]:
-                    _, thread_id = self.armed.pop(token)
+                for token in [t for t, (d, _, _) in self.armed.items() if d <= now]:
+                    _, thread_id, seq = self.armed.pop(token)
                     self.fired += 1
                     raise_in(thread_id, SoftTimeout)
-                earliest = min((d for d, _ in self.armed.values()), default=None)
+                    # Raised at the thread's next bytecode: a thread blocked in C (a sleep, a
+                    # lock, `with limit()` waiting) sees it only when that call returns.
+                    log.info("worker: seq=%d past workers.soft_timeout: SoftTimeout raised in its thread", seq,
+                             extra={"event": "soft_timeout", "seq": seq})
+                earliest = min((d for d, _, _ in self.armed.values()), default=None)
                 self.cond.wait(None if earliest is None else max(0.0, earliest - now))
 
 
@@ -96,7 +103,7 @@ class SoftTimeoutSync(Middleware):
         self.watchdog.start()
 
     def around(self, job: Job, call_next: Callable[[], Any]) -> Any:
-        token = self.watchdog.arm(self.seconds)
+        token = self.watchdog.arm(self.seconds, job.stream_seq)
         try:
             return call_next()
         finally:
