@@ -51,7 +51,7 @@ def test_a_deadline_passing_as_the_handler_returns_surfaces_in_the_around_not_af
     class FiresAtDisarm(Watchdog):
         def disarm(self, token: int) -> None:
             with self.cond:              # what run() does at the deadline, at the worst moment
-                _, thread_id = self.armed.pop(token)
+                _, thread_id, _ = self.armed.pop(token)
                 raise_in(thread_id, SoftTimeout)
             super().disarm(token)
 
