@@ -293,7 +293,7 @@ class Supervisor:
         # Whatever was delivered before now is no in-transit candidate later (in_transit.py): a
         # previous run's Retry(delay) NAKs stay pending, unheld, and must keep their delay (R12).
         arbiter.in_transit.observed(asked, time.monotonic(), info.delivered.stream_seq or 0, info.num_waiting or 0,
-                                    info.delivered.consumer_seq or 0)
+                                    info.delivered.consumer_seq or 0, bool(getattr(info, "paused", False)))
 
     async def reload(self) -> None:
         """SIGHUP: re-read the config; apply what can change live; keep running on the old

@@ -93,3 +93,18 @@ def test_a_nak_still_in_the_dead_workers_table_is_dropped():
     naks = naks_with()
     naks.died("w", credits=2, held={7})
     assert 7 not in naks.naks
+
+
+def test_a_paused_consumers_waiting_requests_prove_no_delivery():
+    """The server keeps pull requests waiting while the consumer is paused (workers.Pause,
+    `supervisor pause`) and hands nothing out: such a reading must not prove that a NAKed job left
+    the redelivery queue, or the check would NAK a delivery a live worker is about to get."""
+    from supervisor.config import Config
+    from supervisor.core.ledger import CrashLedger
+    from supervisor.parent.safety.in_transit import InTransit
+
+    it = InTransit(Config(), None, CrashLedger(30.0, 3))
+    it.observed(10.0, 10.01, 100, waiting=2, consumer_seq=200, paused=True)
+    assert it.waiting_since(9.0) is None
+    it.observed(11.0, 11.01, 100, waiting=2, consumer_seq=200)
+    assert it.waiting_since(9.0).asked == 11.0

@@ -199,9 +199,11 @@ class InTransit:
             self.worker_naks.sent(seq, WorkerNak(delivery, earliest, delay, now))
 
     def observed(self, asked: float, answered: float, delivered_stream_seq: int, waiting: int = 0,
-                 consumer_seq: int = 0) -> None:
-        """A ConsumerInfo reading (the monitor's polls, ours): lower bounds for later deaths."""
-        self.readings.append(Reading(asked, answered, delivered_stream_seq, waiting, consumer_seq))
+                 consumer_seq: int = 0, paused: bool = False) -> None:
+        """A ConsumerInfo reading (the monitor's polls, ours): lower bounds for later deaths. A
+        paused consumer (workers.Pause, `supervisor pause`) keeps pull requests waiting and hands
+        nothing out, so its waiting requests prove no delivery (waiting_since): counted as none."""
+        self.readings.append(Reading(asked, answered, delivered_stream_seq, 0 if paused else waiting, consumer_seq))
 
     def waiting_since(self, t: float) -> Reading | None:
         """The first reading asked after `t` with a pull request waiting: a job NAKed before `t`

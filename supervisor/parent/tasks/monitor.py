@@ -205,7 +205,7 @@ class Monitor:
         if asked is not None:            # bounds what a later death can have had in transit (in_transit.py)
             in_transit = self.arbiter.in_transit
             self.arbiter.post(lambda: in_transit.observed(asked, t, c["delivered_stream_seq"], c["num_waiting"],
-                                                          c["delivered_consumer_seq"]))
+                                                          c["delivered_consumer_seq"], c["paused_until"] is not None))
         await self.resolve_acks_in_doubt(js)
         return True
 
