@@ -201,12 +201,14 @@ def rfc3339_to_epoch(text: str) -> float:
 def test_pause_from_a_handler_stops_every_supervisor_and_resumes_by_itself(nats_server, supervisor_factory):
     """A handler raises Pause(3, reason): the consumer is paused until then for both supervisors
     (no job published meanwhile starts before the pause ends, by the journals), /status says
-    until when and why, /healthz stays 200, and work resumes by itself."""
+    until when and why, /healthz stays 200, and work resumes by itself. The pausing job itself is
+    NAKed with the pause's delay, also past retry.republish_after (1 s here): never re-published
+    as a copy for later (it runs again as delivery 2 of its own sequence)."""
     sups = [supervisor_factory(nats_server, workers={"count": 2, "handler": "limithandlers:pauser"},
-                               args=("--log-format", "json")) for _ in range(2)]
+                               retry={"republish_after": 1.0}, args=("--log-format", "json")) for _ in range(2)]
     for s in sups:
         s.wait_ready()
-    publish_to(nats_server.url, "jobs.new", ["pause:3"])
+    [pausing] = publish_to(nats_server.url, "jobs.new", ["pause:3"])
     status = wait_until(lambda: (st := sups[1].try_status()) and st["paused_until"] and st, what="paused on /status")
     until = rfc3339_to_epoch(status["paused_until"])
     assert status["pause_reason"] == "the database is down (test)"
@@ -219,6 +221,8 @@ def test_pause_from_a_handler_stops_every_supervisor_and_resumes_by_itself(nats_
     for s in sups:
         s.wait_event("consumer_paused")
         wait_until(lambda s=s: s.events("consumer_resumed"), what="resume logged")
+    wait_until(lambda: all_done(sups, [pausing]), what="the pausing job run again")
+    assert [r.delivery for r in records(*sups) if r.seq == pausing and r.event == "start"] == [2]
 
 
 def test_pause_and_resume_from_the_command_line(nats_server, supervisor_factory, tmp_path):

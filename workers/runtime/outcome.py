@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from supervisor.config import Config
-from workers import Duplicate, Job, Reject, Retry
+from workers import Duplicate, Job, Pause, Reject, Retry
 from workers.middleware.chain import HookFailed, user_traceback
 from workers.middleware.retries import Decision, Policy, attempt_of, qualified
 from workers.protocol.exits import EXIT_CRASHED
@@ -44,8 +44,10 @@ class Outcomes:
             await self.settler.ack(i, job)
         elif isinstance(exc, Duplicate):
             await self.settler.ack(i, job, "duplicate")
-        elif isinstance(exc, Retry):
-            await self.retry(i, job, exc.delay, attempt_of(job.headers, job.delivery), str(exc))
+        elif isinstance(exc, Retry):         # a Pause too: NAKed with its delay, never re-published for
+            #                                  later (the consumer is paused as long, the NAK keeps its place)
+            await self.retry(i, job, exc.delay, attempt_of(job.headers, job.delivery), str(exc),
+                             later=not isinstance(exc, Pause))
         elif isinstance(exc, Reject):
             await self.reject(i, job, exc.reason)
         elif isinstance(exc, HookFailed):
@@ -78,10 +80,10 @@ class Outcomes:
                    DLQ_HEADER + "Attempts": str(decision.attempt)}
         await self.reject(i, job, decision.reason, headers, by="[retry]")
 
-    async def retry(self, i: int, job: Job, delay: float, attempt: int, reason: str) -> None:
+    async def retry(self, i: int, job: Job, delay: float, attempt: int, reason: str, later: bool = True) -> None:
         """A NAK with the delay; past retry.republish_after, a copy stored for later and an ack, so
         no ack-pending slot is held while it waits (workers/runtime/later.py)."""
-        if self.later.wanted(delay) and await self.later.usable(self.nc()):
+        if later and self.later.wanted(delay) and await self.later.usable(self.nc()):
             try:
                 await republish_later(self.nc(), self.cfg, job, delay, attempt, reason)
             except Exception as exc:
