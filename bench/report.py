@@ -314,10 +314,10 @@ def render(results: dict) -> str:
         parts += ["### 10. Throughput, no-op handler, tuned", configuration(results["tuned"]),
                   throughput_table(results["tuned"])]
     if "tracing" in results:
-        parts += [f"### 9. [tracing]'s cost ({results['tracing'].get('jobs', 0):,} jobs, defaults, OTLP/HTTP to a "
+        parts += [f"### 11. [tracing]'s cost ({results['tracing'].get('jobs', 0):,} jobs, defaults, OTLP/HTTP to a "
                   "local receiver)", tracing_table(results["tracing"])]
     if "limits" in results:
-        parts += [f"### 10. A limit's cost ({results['limits']['jobs']:,} jobs, defaults), and a rate held",
+        parts += [f"### 12. A limit's cost ({results['limits']['jobs']:,} jobs, defaults), and a rate held",
                   limits_table(results["limits"])]
     parts += ["### Targets", targets_table(targets(results))]
     return "\n\n".join(parts) + "\n"
