@@ -785,25 +785,34 @@ async def drop_stream(url: str, name: str) -> None:
         await nc.close()
 
 
-def summarize_guard(runs: list[dict], n: int) -> list[dict]:
-    """Per variant: median jobs/s, and against "no guard" of the same repeat: the ratio and the
-    extra wall time per job (1/rate - 1/base, at n workers)."""
+def cost_row(runs: list[dict], name: str, base: str, n: int, vs: str) -> dict:
+    """Variant `name` of a feature-cost scenario (the guard's, tracing's, a limit's): median jobs/s
+    and CPU; against variant `base` of the same repeat, the ratio (key `vs`) and the extra wall
+    time per job (1/rate - 1/base, at n workers). Repeat by repeat, since a busy box moves both."""
     by = {(r["extra"]["variant"], r["extra"]["repeat"]): r for r in runs}
     repeats = sorted({r["extra"]["repeat"] for r in runs})
-    rows = []
-    for name in GUARD_VARIANTS:
-        mine = [by[(name, k)] for k in repeats if (name, k) in by]
-        pairs = [(by[(name, k)]["jobs_per_s"], by[("no guard", k)]["jobs_per_s"]) for k in repeats
-                 if (name, k) in by and ("no guard", k) in by]
-        pairs = [(a, b) for a, b in pairs if a and b]
-        rows.append({"variant": name, "workers": n, "repeats": len(mine),
-                     "jobs_per_s": median([r["jobs_per_s"] for r in mine]),
-                     "jobs_per_s_all": [r["jobs_per_s"] for r in mine],
-                     "vs_no_guard": median([a / b for a, b in pairs]),
-                     "extra_us_per_job": median([1e6 * (1 / a - 1 / b) for a, b in pairs]),
-                     "cpu_ms_per_1k_jobs": median([r["cpu_ms_per_1k_jobs"] for r in mine]),
-                     "server_cpu_ms_per_1k_jobs": median([r["server_cpu_ms_per_1k_jobs"] for r in mine])})
-    return rows
+    mine = [by[(name, k)] for k in repeats if (name, k) in by]
+    pairs = [(by[(name, k)]["jobs_per_s"], by[(base, k)]["jobs_per_s"]) for k in repeats
+             if (name, k) in by and (base, k) in by]
+    pairs = [(a, b) for a, b in pairs if a and b]
+    return {"variant": name, "workers": n, "repeats": len(mine),
+            "jobs_per_s": median([r["jobs_per_s"] for r in mine]),
+            "jobs_per_s_all": [r["jobs_per_s"] for r in mine],
+            vs: median([a / b for a, b in pairs]),
+            "extra_us_per_job": median([1e6 * (1 / a - 1 / b) for a, b in pairs]),
+            "cpu_ms_per_1k_jobs": median([r["cpu_ms_per_1k_jobs"] for r in mine]),
+            "server_cpu_ms_per_1k_jobs": median([r["server_cpu_ms_per_1k_jobs"] for r in mine]),
+            "runs": mine}
+
+
+def summarize_guard(runs: list[dict], n: int) -> list[dict]:
+    """Per variant, against "no guard" (cost_row)."""
+    return [without_runs(cost_row(runs, name, "no guard", n, "vs_no_guard")) for name in GUARD_VARIANTS]
+
+
+def without_runs(row: dict) -> dict:
+    row.pop("runs")
+    return row
 
 
 # ================================================================ formatting helpers

@@ -49,7 +49,7 @@ def most_in_window(times: list[float], window: float) -> int:
 
 
 async def limit_cost(ctx: Any) -> dict:
-    from ..scenarios import drop_stream, fmt, measured_drain, median, rotated
+    from ..scenarios import cost_row, drop_stream, fmt, measured_drain, rotated, without_runs
 
     p, workers = ctx.profile, 2
     runs = []
@@ -61,18 +61,7 @@ async def limit_cost(ctx: Any) -> dict:
             runs.append(r.as_dict())
             ctx.say(f"  limits rep {rep + 1} N={workers} {name:20s} {fmt(r.jobs_per_s, '.0f')} jobs/s, "
                     f"{fmt(r.cpu_ms_per_1k_jobs, '.0f')} + server {fmt(r.server_cpu_ms_per_1k_jobs, '.0f')} CPU ms/1k jobs")
-    by = {(r["extra"]["variant"], r["extra"]["repeat"]): r for r in runs}
-    summary = []
-    for name in VARIANTS:
-        pairs = [(by[(name, k)]["jobs_per_s"], by[("no limit", k)]["jobs_per_s"]) for k in range(p.repeats)
-                 if (name, k) in by and ("no limit", k) in by]
-        pairs = [(a, b) for a, b in pairs if a and b]
-        mine = [by[(name, k)] for k in range(p.repeats) if (name, k) in by]
-        summary.append({"variant": name, "workers": workers, "jobs_per_s": median([r["jobs_per_s"] for r in mine]),
-                        "vs_no_limit": median([a / b for a, b in pairs]),
-                        "extra_us_per_job": median([1e6 * (1 / a - 1 / b) for a, b in pairs]),
-                        "cpu_ms_per_1k_jobs": median([r["cpu_ms_per_1k_jobs"] for r in mine]),
-                        "server_cpu_ms_per_1k_jobs": median([r["server_cpu_ms_per_1k_jobs"] for r in mine])})
+    summary = [without_runs(cost_row(runs, name, "no limit", workers, "vs_no_limit")) for name in VARIANTS]
     return {"jobs": p.guard_jobs, "workers": workers, "runs": runs, "summary": summary,
             "rate": await rate_holds(ctx)}
 

@@ -13,7 +13,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ..scenarios import Ctx, fmt, measured_drain, median, rotated
+from ..scenarios import Ctx, cost_row, fmt, measured_drain, median, rotated
 
 VARIANTS = {"sync, off": ("supervisor-sync", False), "sync, on": ("supervisor-sync", True),
             "async, off": ("supervisor", False), "async, on": ("supervisor", True)}
@@ -90,24 +90,12 @@ async def tracing_cost(ctx: Ctx) -> dict:
 
 
 def summarize_tracing(runs: list[dict], n: int) -> list[dict]:
-    """Per variant: median jobs/s; against tracing off (same handler kind, same repeat): the
-    ratio and the extra wall time per job (1/rate - 1/base, at n workers); spans received."""
-    by = {(r["extra"]["variant"], r["extra"]["repeat"]): r for r in runs}
-    repeats = sorted({r["extra"]["repeat"] for r in runs})
+    """Per variant, against tracing off (same handler kind, same repeat: cost_row); spans received."""
     rows = []
     for name in VARIANTS:
-        off = name.split(",")[0] + ", off"
-        mine = [by[(name, k)] for k in repeats if (name, k) in by]
-        pairs = [(by[(name, k)]["jobs_per_s"], by[(off, k)]["jobs_per_s"]) for k in repeats
-                 if (name, k) in by and (off, k) in by]
-        pairs = [(a, b) for a, b in pairs if a and b]
-        rows.append({"variant": name, "workers": n, "repeats": len(mine),
-                     "jobs_per_s": median([r["jobs_per_s"] for r in mine]),
-                     "jobs_per_s_all": [r["jobs_per_s"] for r in mine],
-                     "vs_off": median([a / b for a, b in pairs]),
-                     "extra_us_per_job": median([1e6 * (1 / a - 1 / b) for a, b in pairs]),
-                     "cpu_ms_per_1k_jobs": median([r["cpu_ms_per_1k_jobs"] for r in mine]),
-                     "spans_per_job": median([r["extra"]["spans"] / r["jobs"] for r in mine if r["jobs"]])})
+        row = cost_row(runs, name, name.split(",")[0] + ", off", n, "vs_off")
+        row["spans_per_job"] = median([r["extra"]["spans"] / r["jobs"] for r in row.pop("runs") if r["jobs"]])
+        rows.append(row)
     return rows
 
 
