@@ -121,3 +121,50 @@ def test_a_take_looks_again_while_the_limit_had_room_and_waits_once_it_is_full()
         gate.on_freed(1)
         assert await gate.take_slot() == 1 and full.asked[-1] == slot_key("db", 1)
     asyncio.run(run())
+
+
+def test_a_job_redelivered_to_the_worker_that_parks_it_gives_back_both_deliveries_grants():
+    """A job parked past AckWait (the parent's +WPI stalled) can come back, to the same worker,
+    while its first delivery still waits. Each delivery is parked, admitted and settled with its
+    own grants (before: the second overwrote the first's entry, and one set of grants was never
+    given back: a slot held and renewed until the worker exits)."""
+    import asyncio
+
+    from workers import Job
+    from workers.middleware.limits import Grant, Limits
+
+    class FakeGate:                       # one slot, free when the test says
+        def __init__(self) -> None:
+            self.free = asyncio.Event()
+            self.held: list[Grant] = []
+
+        async def take(self, waiting=None) -> Grant:
+            if waiting is not None and not self.free.is_set():
+                waiting()
+            await self.free.wait()
+            grant = Grant(self, 0)        # type: ignore[arg-type]
+            self.held.append(grant)
+            return grant
+
+        def give_back(self, grant: Grant) -> None:
+            self.held.remove(grant)
+
+    async def run() -> None:
+        limits = Limits(Config().replace(limits={"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}))
+        gate = FakeGate()
+        limits.limiter = type("FakeLimiter", (), {"gate": lambda self, name: gate})()   # type: ignore[assignment]
+        first, second = (Job(b"x", "jobs.db.w", stream_seq=7, delivery=d) for d in (1, 2))
+        admitted: list[Job] = []
+        limits.park(first, first, admitted.append)
+        limits.park(second, second, admitted.append)
+        await asyncio.sleep(0)
+        assert len(limits.parked) == len(limits.waiting) == 2      # both parked, both waiting
+        gate.free.set()
+        while len(admitted) < 2:
+            await asyncio.sleep(0)
+        assert admitted == [first, second] and len(gate.held) == 2
+        for job in admitted:
+            await limits.before_job(job)                               # taken already: nothing more
+            await limits.after_job(job, "ack", None)
+        assert gate.held == [] and not limits.parked and not limits.granted
+    asyncio.run(run())

@@ -412,9 +412,12 @@ class Limits(Middleware):
         self.allowance = cfg.workers.concurrency
         self.table: slots.SlotTable | None = None       # the worker's, set before setup()
         self.limiter: Limiter | None = None
-        self.granted: dict[int, list[Grant]] = {}        # stream seq -> the job's whole-job limits
-        self.parked: dict[int, tuple[Any, asyncio.Task]] = {}
-        self.waiting: set[int] = set()     # parked jobs refused their limit once: they wait (others still try)
+        # By (stream seq, delivery): a job parked past AckWait (its +WPI stalled with the parent's
+        # link) can be redelivered to this same worker while its first delivery still waits, and
+        # each delivery has its own grants to give back.
+        self.granted: dict[tuple[int, int], list[Grant]] = {}     # the job's whole-job limits
+        self.parked: dict[tuple[int, int], tuple[Any, asyncio.Task]] = {}
+        self.waiting: set[tuple[int, int]] = set()   # parked jobs refused their limit once: they wait
         self.wake_pull: Callable[[], None] = lambda: None   # the worker's: a parked job waits, pull for its handler
 
     async def setup(self, ctx: Context) -> None:
@@ -443,9 +446,11 @@ class Limits(Middleware):
         assert self.limiter is not None, "setup() makes the limiter"
         grants: list[Grant] = []
 
+        key = delivery_key(job)
+
         def waits() -> None:
-            if job.stream_seq in self.parked and job.stream_seq not in self.waiting:
-                self.waiting.add(job.stream_seq)
+            if key in self.parked and key not in self.waiting:
+                self.waiting.add(key)
                 self.wake_pull()
         try:
             for name in self.names_for(job):
@@ -454,17 +459,17 @@ class Limits(Middleware):
             for grant in grants:
                 grant.gate.give_back(grant)
             raise
-        self.granted[job.stream_seq] = grants
+        self.granted[key] = grants
 
     def finished(self, job: Job) -> None:
         """The job is settled (or given back unrun): its whole-job limits go back."""
-        for grant in self.granted.pop(job.stream_seq, ()):
+        for grant in self.granted.pop(delivery_key(job), ()):
             grant.gate.give_back(grant)
 
     # -- the hooks
 
     async def before_job(self, job: Job) -> None:
-        if job.stream_seq not in self.granted and self.needs(job):
+        if delivery_key(job) not in self.granted and self.needs(job):
             await self.hold(job)
 
     async def after_job(self, job: Job, outcome: str, error: BaseException | None) -> None:
@@ -475,12 +480,13 @@ class Limits(Middleware):
     def park(self, item: Any, job: Job, admitted: Callable[[Any], None]) -> None:
         """Hold `item` (the worker's queue entry of `job`) until the job has its limits, then
         hand it to `admitted` (the front of the worker's queue)."""
+        key = delivery_key(job)
         task = asyncio.ensure_future(self.hold(job))
-        self.parked[job.stream_seq] = (item, task)
+        self.parked[key] = (item, task)
 
         def done(t: asyncio.Task) -> None:
-            self.waiting.discard(job.stream_seq)
-            if self.parked.pop(job.stream_seq, None) is None or t.cancelled():
+            self.waiting.discard(key)
+            if self.parked.pop(key, None) is None or t.cancelled():
                 return                           # taken back by a drain
             if t.exception() is not None:        # before_job tries again, in the chain
                 log.error("worker: taking the limits of seq=%d failed", job.stream_seq, exc_info=t.exception())
@@ -502,6 +508,10 @@ class Limits(Middleware):
         their limits (most get them at once, and would find the handler taken), and those
         waiting beyond `workers.concurrency` of them."""
         return len(self.parked) - len(self.waiting) + max(0, len(self.waiting) - self.allowance)
+
+
+def delivery_key(job: Job) -> tuple[int, int]:
+    return job.stream_seq, job.delivery
 
 
 def _give_back_unused(taking: concurrent.futures.Future) -> None:
