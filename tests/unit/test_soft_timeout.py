@@ -85,3 +85,46 @@ def test_an_async_job_asleep_is_cancelled_and_its_outcome_is_soft_timeout():
             await mw.around(JOB, own_timeout)
         return await mw.around(JOB, lambda: asyncio.sleep(0))       # in time: its result
     assert asyncio.run(main()) is None and cleaned == ["finally ran"]
+
+
+def test_a_soft_timeout_raised_as_the_handler_disarms_leaves_no_lock_held():
+    """The worst moment, forced: the watchdog, holding its lock, raises for a job whose handler has
+    just returned and is disarming. Before, the handler thread waited for that lock with the
+    SoftTimeout pending, got it inside the lock's acquire and never released it (every other
+    handler thread then stuck in arm, the watchdog and the worker's exit with them). Now it takes
+    no lock until nothing can be pending: the SoftTimeout lands in disarm, and the lock is free."""
+    import threading
+    import time
+
+    w = Watchdog()
+    out: dict = {}
+    armed, go = threading.Event(), threading.Event()
+
+    def handler_thread() -> None:
+        out["token"] = w.arm(60.0, 7)
+        armed.set()
+        go.wait()
+        try:
+            w.disarm(out["token"])
+            out["result"] = "disarmed"
+        except SoftTimeout:
+            out["result"] = "SoftTimeout"
+
+    t = threading.Thread(target=handler_thread)
+    t.start()
+    armed.wait()
+    with w.cond:                                  # run() at the deadline, as it fires
+        w.armed.pop(out["token"])
+        w.firing = out["token"]
+        go.set()                                  # the handler returns now and disarms
+        deadline = time.monotonic() + 5
+        while out["token"] not in w.done:
+            assert time.monotonic() < deadline, "the handler thread never said it was done"
+            time.sleep(0.001)
+        raise_in(t.ident, SoftTimeout)            # decided before it read done: under way all the same
+        w.firing = 0
+    t.join(5)
+    assert not t.is_alive() and out["result"] == "SoftTimeout"
+    assert w.cond.acquire(timeout=1), "the handler thread left the watchdog's lock held"
+    w.cond.release()
+    assert not w.done and not w.armed

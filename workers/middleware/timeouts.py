@@ -49,6 +49,12 @@ class Watchdog:
         self.clock = clock
         self.cond = threading.Condition()
         self.armed: dict[int, tuple[float, int, int]] = {}   # token -> (deadline, thread id, seq)
+        # The handshake that keeps a SoftTimeout out of every lock a handler thread takes to
+        # disarm (see disarm): tokens whose handler is done, each written by its own thread,
+        # and the token the watchdog is raising for right now (0: none). Plain reads and
+        # writes under the GIL, no lock.
+        self.done: set[int] = set()
+        self.firing = 0
         self.tokens = 0
         self.stopped = False
         self.fired = 0
@@ -73,10 +79,22 @@ class Watchdog:
             return self.tokens
 
     def disarm(self, token: int) -> None:
-        """In the handler's thread, once the handler is done (returned or raised)."""
-        with self.cond:
-            if self.armed.pop(token, None) is None:       # it fired: a SoftTimeout may still be pending
-                raise_in(threading.get_ident(), None)
+        """In the handler's thread, once the handler is done (returned or raised). No lock is
+        taken while a SoftTimeout may be pending or on its way: raised just after a lock's acquire
+        returned, before the `with` body, it would leave that lock held for good (every other
+        handler thread then stuck in arm, the watchdog and the worker's exit with them). So: say
+        the handler is done, wait out a raise already under way (it may land here: the job's
+        outcome is then SoftTimeout, as a job at its very deadline may be), clear what was raised
+        and not yet seen, and only then take the lock."""
+        self.done.add(token)             # written before firing is read; run() writes firing before reading done
+        try:
+            while self.firing == token:
+                time.sleep(0)
+            raise_in(threading.get_ident(), None)
+        finally:                         # raised or not, nothing is pending any more: the lock is safe
+            with self.cond:
+                self.armed.pop(token, None)
+                self.done.discard(token)
 
     def run(self) -> None:
         with self.cond:
@@ -84,12 +102,15 @@ class Watchdog:
                 now = self.clock()
                 for token in [t for t, (d, _, _) in self.armed.items() if d <= now]:
                     _, thread_id, seq = self.armed.pop(token)
-                    self.fired += 1
-                    raise_in(thread_id, SoftTimeout)
-                    # Raised at the thread's next bytecode: a thread blocked in C (a sleep, a
-                    # lock, `with limit()` waiting) sees it only when that call returns.
-                    log.info("worker: seq=%d past workers.soft_timeout: SoftTimeout raised in its thread", seq,
-                             extra={"event": "soft_timeout", "seq": seq})
+                    self.firing = token
+                    if token not in self.done:   # else its handler returned: it is disarming
+                        self.fired += 1
+                        raise_in(thread_id, SoftTimeout)
+                        # Raised at the thread's next bytecode: a thread blocked in C (a sleep, a
+                        # lock, `with limit()` waiting) sees it only when that call returns.
+                        log.info("worker: seq=%d past workers.soft_timeout: SoftTimeout raised in its thread", seq,
+                                 extra={"event": "soft_timeout", "seq": seq})
+                    self.firing = 0
                 earliest = min((d for d, _, _ in self.armed.values()), default=None)
                 self.cond.wait(None if earliest is None else max(0.0, earliest - now))
 
