@@ -84,16 +84,17 @@ def test_attempts_count_across_the_copies_and_the_last_is_dead_lettered(nats_ser
 
 def test_a_worker_dead_between_the_re_publish_and_its_ack_leaves_one_copy(nats_server, supervisor_factory, tmp_path):
     """The worker stores the copy (PubAck in) and dies before it acks the original (trap:
-    tests/handlers/latertraps.py). The parent NAKs the original; its second delivery waits until
-    the copy has fired and run (its schedule purged, so the schedule subject no longer makes two
-    copies one), fails again and is re-published again: the same Nats-Msg-Id, inside the stream's
-    duplicate window (120 s; the whole test takes seconds), is dropped by the server, the original
-    acked, and the job's copy runs exactly once. (Red with the Msg-Id left out: a second copy.)"""
+    tests/handlers/latertraps.py), here only once the copy has fired and run on the other worker
+    (its schedule gone, so neither the schedule subject nor the redelivery's look for a waiting
+    copy can help). The parent NAKs the original; its second delivery fails again and is
+    re-published again: the same Nats-Msg-Id, inside the stream's duplicate window (120 s; the
+    whole test takes seconds), is dropped by the server, the original acked, and the job's copy
+    runs exactly once. (Red with the Msg-Id left out: a second copy.)"""
     trap = tmp_path / "trap"
     trap.touch()
     retry = {"republish_after": 0.5, "rules": [{"on": ["RuntimeError"], "base": 1.0, "jitter": 0.0}]}
     sup = supervisor_factory(nats_server, args=JSON_LOGS, workers={"count": 2, "handler": "latertraps:gated"},
-                             env={"LATER_TRAP": str(trap)}, retry=retry)
+                             env={"LATER_TRAP": str(trap), "LATER_TRAP_AFTER_COPY": "1"}, retry=retry)
     sup.wait_ready(2)
     [seq] = publish_now(nats_server.url, count=1, data=str(tmp_path))
     sup.wait_event("handler_failed", seq=seq, attempt=2)
@@ -107,4 +108,28 @@ def test_a_worker_dead_between_the_re_publish_and_its_ack_leaves_one_copy(nats_s
     assert [r.seq for r in sup.jobs.done()] == [copies[0].seq]
     [deduped] = sup.events("republish_deduped")
     assert deduped["seq"] == seq and deduped["msg_id"] == f"retry-JOBS-{seq}"
+    assert sup.stop() == 0
+
+
+def test_a_redelivered_original_whose_copy_waits_runs_only_as_the_copy(nats_server, supervisor_factory, tmp_path):
+    """The worker stores the copy and dies before the original's ack (trap); the fault that failed
+    the job is gone, so the original's rerun would succeed, and the copy would then run the job a
+    second time when due, as a sequence no ledger links to the first. The redelivery finds its
+    copy's schedule still stored (due 3 s after the failure) and is acked unrun (event
+    copy_waiting); the job runs once, as the copy. (Red without the look: done twice.)"""
+    trap = tmp_path / "trap"
+    trap.touch()
+    retry = {"republish_after": 0.5, "rules": [{"on": ["RuntimeError"], "base": 3.0, "jitter": 0.0}]}
+    sup = supervisor_factory(nats_server, args=JSON_LOGS, workers={"count": 2, "handler": "latertraps:fails_first"},
+                             env={"LATER_TRAP": str(trap)}, retry=retry)
+    sup.wait_ready(2)
+    [seq] = publish_now(nats_server.url, count=1, data=str(tmp_path))
+    wait_until(lambda: sup.events("worker_died") and consumer_state(nats_server.url) == (0, 0)
+               and nats_server.stream_msgs() == 0, what="the original settled, the copy run and acked, no schedule left")
+    assert not trap.exists(), "the trap fired: the first worker died after storing the copy"
+    done = sup.jobs.done()
+    assert len(done) == 1 and done[0].seq != seq, f"the job ran once, as its copy: {done}"
+    assert [r.delivery for r in sup.jobs.started() if r.seq == seq] == [1], "the original ran only before the copy"
+    [waited] = sup.events("copy_waiting", seq=seq)
+    assert waited["delivery"] == 2
     assert sup.stop() == 0

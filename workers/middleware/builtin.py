@@ -1,6 +1,7 @@
 """A worker's middleware, made after fork: [tracing] outermost when the config turns it on, then
 the `workers.middleware` entries (classes the parent imported and checked before forking) in
-list order, then the built-ins the config turns on: [limits] (workers/middleware/limits.py), then
+list order, then the built-ins the config turns on: [retry]'s copies (a redelivery whose copy
+for later is stored runs only as that copy), [limits] (workers/middleware/limits.py), then
 the [idempotency] guard (so a job holds its limits before the guard takes its lease), [log
 context] (always), and innermost the soft time limit, which wraps the handler alone."""
 
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 
 from supervisor.config import Config
 from workers.middleware.base import Middleware
+from workers.middleware.copies import CopyWaiting
 from workers.middleware.guard import IdempotencyGuard
 from workers.middleware.joblog import JobLog
 from workers.middleware.limits import Limits
@@ -27,6 +29,8 @@ def instances(entries: Sequence[tuple[str, type[Middleware]]], cfg: Config, is_a
         tracing = Tracing(crashes)
     chain: list[tuple[str, Middleware]] = [("[tracing]", tracing)] if tracing is not None else []
     chain += [(name, cls()) for name, cls in entries]
+    if cfg.retry.republish_after and cfg.stream.allow_schedules:   # a redelivery whose copy for later waits
+        chain.append(("[retry] copies", CopyWaiting(cfg)))
     if cfg.limits:                                 # issue 26: fleet-wide limits, outside the guard
         chain.append(("[limits]", Limits(cfg)))
     if cfg.idempotency.enabled:                    # issue 10: done-markers and leases

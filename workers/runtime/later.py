@@ -26,6 +26,8 @@ back (at once when the parent NAKs a dead worker's jobs; consumer.ack_wait when 
 supervisor died, plus however long none runs), its next run (up to workers.job_timeout) and
 the publish. `Later.usable` warns when stream.duplicate_window is shorter than ack_wait +
 job_timeout. Where the stream cannot hold schedules the caller NAKs with the delay, as before.
+And when the original's rerun succeeds instead of failing again, its copy must not run as well:
+a redelivery whose copy is still stored is acked unrun (workers/middleware/copies.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from supervisor.config import Config
 from supervisor.config import schedules as sched
 from supervisor.config.subjects import subject_matches
 from workers import Job
+from workers.middleware.copies import msg_id
 from workers.middleware.retries import ATTEMPTS_HEADER
 
 log = logging.getLogger("worker")
@@ -45,10 +48,6 @@ log = logging.getLogger("worker")
 KEY_HEADER = "Supervisor-Key"              # the job's idempotency key (workers.Job.key reads it first)
 REASON_HEADER = "Supervisor-Retry-Reason"
 PUBLISH_TIMEOUT = 5.0
-
-
-def msg_id(job: Job) -> str:
-    return f"retry-{job.stream}-{job.stream_seq}"
 
 
 def copy_of(job: Job, attempt: int, reason: str, due: dt.datetime) -> sched.ScheduleMsg:

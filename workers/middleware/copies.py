@@ -1,0 +1,60 @@
+"""[retry]'s long delays, the side a redelivery sees: a job whose copy for later is stored runs
+only as that copy.
+
+The copy is stored before the original's ack (workers/runtime/later.py: publish, then ack, so a
+crash can never lose the job). A worker that dies between the two, or whose ack is refused, or
+whose drain gives the job up while the publish was under way, leaves both: the original comes
+back (at once: the parent NAKs a dead worker's jobs), and if its rerun succeeded the copy would
+still fire later and run the job a second time, as a new sequence no ledger links to the first.
+So a redelivery (delivery > 1) first looks for its copy's schedule: stored and not yet fired, the
+original is acked unrun here (a Duplicate: counted as one, not against max_jobs) and the copy
+runs when due. Not found, or not readable: the job runs (a rerun, never a loss). Left: a copy that
+already fired before the original came back (a supervisor down longer than the delay) still
+runs beside it; with [idempotency] on, the guard folds the two by the key the copy carries.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import nats.js.errors
+
+from supervisor.config import Config
+from supervisor.config import schedules as sched
+from workers import Job
+from workers.middleware.base import Context, Duplicate, Middleware
+
+log = logging.getLogger("worker")
+
+
+def msg_id(job: Job) -> str:
+    """The Nats-Msg-Id of the copy that replaces `job` (keyed by its sequence, not its attempt: a
+    second copy of one original is the same message)."""
+    return f"retry-{job.stream}-{job.stream_seq}"
+
+
+class CopyWaiting(Middleware):
+    def __init__(self, cfg: Config):
+        self.stream = cfg.stream.name
+        self.js: Any = None
+
+    def setup(self, ctx: Context) -> None:
+        self.js = ctx.nc.jetstream()
+
+    async def before_job(self, job: Job) -> None:
+        if job.delivery == 1:
+            return
+        subject = sched.delayed_subject(job.stream, msg_id(job))
+        try:
+            await self.js.get_last_msg(self.stream, subject)
+        except nats.js.errors.NotFoundError:
+            return                                # no copy waits: this delivery is the job
+        except Exception as exc:
+            log.warning("seq=%d: cannot tell whether its copy for later is stored (%s); running it",
+                        job.stream_seq, exc or type(exc).__name__)
+            return
+        log.info("seq=%d delivery %d: its copy for later is stored (%s): acked unrun, the copy runs when due",
+                 job.stream_seq, job.delivery, subject,
+                 extra={"event": "copy_waiting", "seq": job.stream_seq, "delivery": job.delivery})
+        raise Duplicate(f"its copy for later is stored ({subject})")
