@@ -32,11 +32,17 @@ def run_seed(seed: int, tmp_path, known: set[str] = frozenset()) -> None:
     assert result.passed, result.summary()
 
 
+F7 = pytest.mark.xfail(raises=KnownDefect, strict=False, reason=(
+    "F7, second form (docs/RELIABILITY.md): a worker SIGKILLed just after a server SIGSTOP ends gets "
+    "messages for a request whose credits it had given up (its server-side expiry runs late after the "
+    "stop), so the in-transit check sees no credits and they wait for AckWait (CI on 176dad2: 6 jobs)"))
+
+
 @pytest.mark.parametrize("seed, known", [
     # async, 2 workers x 4, max_rss_mb, failing/retried/CPU/growing jobs: parent SIGKILL and a
     # new supervisor at once, the server SIGSTOPped with a worker SIGKILLed meanwhile, a SIGHUP
-    # (failed on R3 until its fix: the orphans' jobs waited for AckWait; then now and then on F7)
-    (18, set()),
+    # (failed on R3 until its fix: the orphans' jobs waited for AckWait; now and then on F7)
+    pytest.param(18, {"ackwait"}, marks=F7),
     # sync, 2 workers, idempotency + max_jobs 20 + tracing: a worker SIGSTOPped past heartbeat_timeout
     (40, set()),
     # a fleet of two, async, double_ack, max_jobs 40: a worker's link cut, the server SIGKILLed
