@@ -539,8 +539,9 @@ class limit:  # noqa: N801 (used like a function: `with limit("db"):`)
             self.grant = taking.result()
         except BaseException:
             # Raised in this thread while it waited (workers.soft_timeout's SoftTimeout): the take
-            # goes on on the loop, and a grant it gets would be held by nobody, renewed for good.
-            taking.cancel()
+            # goes on on the loop, and a grant it gets would be held by nobody, renewed for good:
+            # given back the moment it comes. (Not cancelled: a take that completes while its
+            # cancel is on its way to the loop would drop its grant on the floor.)
             taking.add_done_callback(_give_back_unused)
             raise
         return self
