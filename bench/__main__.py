@@ -154,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
         except asyncio.CancelledError:
             say("bench: stopped by SIGTERM; everything it started is stopped and its work files removed")
             return 128 + signal.SIGTERM
+        except Exception as exc:
+            if not STOPPING.is_set():
+                raise
+            # The cancellation met a scenario's cleanup, which raised in its place (its finally
+            # blocks still ran, so what it started is stopped): still a stop by SIGTERM.
+            say(f"bench: stopped by SIGTERM; stopping a scenario raised {type(exc).__name__}: {exc}")
+            return 128 + signal.SIGTERM
         results["seconds"] = round(time.monotonic() - started, 1)
     text = report.render(results)
     say("\n" + text)

@@ -193,7 +193,8 @@ def test_a_sigtermed_bench_stops_everything_and_removes_its_workdir(tmp_path):
         assert list((tmp_path / "tmp").glob("jsbench-*")), "the workdir exists while it runs"
         hold_a_job(tmp_path)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 128 + signal.SIGTERM
+        rc = proc.wait(60)
+        assert rc == 128 + signal.SIGTERM, (rc, proc.communicate())
         all_gone(family, 30)
         assert list((tmp_path / "tmp").glob("jsbench-*")) == []
     finally:
