@@ -220,13 +220,18 @@ async def store(url: str, count: int = 1) -> list[int]:
         await nc.close()
 
 
+async def until(done, seconds: float, every: float = 0.01) -> None:
+    """Wait until done() is true or `seconds` have passed (the caller asserts what it needs)."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        await asyncio.sleep(every)
+
+
 async def delivered_again(url: str, within: float = 2.0) -> list[tuple[int, int]]:
     """(stream seq, delivery) of whatever a fresh pull gets within `within` seconds."""
     nc, got = await pull(url, 10)
     try:
-        deadline = time.monotonic() + within
-        while not got and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await until(lambda: got, within, every=0.02)
         return [(m.metadata.sequence.stream, m.metadata.num_delivered) for m in got]
     finally:
         await nc.close()
@@ -289,9 +294,7 @@ def test_a_death_after_the_consumer_info_is_not_dropped(nats_server):
             assert r.it.info_at is not None
             d2, got = await pull(nats_server.url)
             (seq,) = await store(nats_server.url)
-            deadline = time.monotonic() + 5
-            while not got and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
+            await until(lambda: got, 5)
             r.it.death(time.monotonic(), 1, "worker 2 (pid 2)", start)    # it never read the message
             await d2.close()
             await r.rounds()
@@ -317,9 +320,7 @@ def test_a_replicated_consumer_gets_no_in_transit_nak(nats_cluster):
                 await asyncio.sleep(0.01)
             dead, got = await pull(nats_cluster.urls[0])
             await store(nats_cluster.urls[0])
-            deadline = time.monotonic() + 10
-            while not got and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
+            await until(lambda: got, 10)
             r.it.death(time.monotonic(), 1, "worker 1 (pid 1)", start)
             await dead.close()
             await r.rounds()

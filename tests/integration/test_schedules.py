@@ -176,12 +176,7 @@ def test_a_delayed_job_stored_beside_a_lost_one_is_no_job_in_transit(nats_server
     consumer had delivered before a worker died with credits and what it has delivered since.
     A delayed job's schedule stored in that range is no delivery: NAKed by sequence and expected
     back, it would be counted lost and wait in the ledger for a redelivery that never comes."""
-    from test_in_transit import SLACK, delivered_again, pull, rig, store
-
-    async def until(done, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while not done() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+    from test_in_transit import SLACK, delivered_again, pull, rig, store, until
 
     async def scenario() -> tuple[dict, list, int]:
         r = await rig(nats_server.url)
