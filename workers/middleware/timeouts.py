@@ -90,7 +90,8 @@ class Watchdog:
         try:
             while self.firing == token:
                 time.sleep(0)
-            raise_in(threading.get_ident(), None)
+            if token not in self.armed:  # run() took it: it raised, or saw it done
+                raise_in(threading.get_ident(), None)
         finally:                         # raised or not, nothing is pending any more: the lock is safe
             with self.cond:
                 self.armed.pop(token, None)
