@@ -80,12 +80,15 @@ def consumer_config(cfg: Config, stream_subjects: list[str] | None = None) -> ap
                               deliver_policy=api.DeliverPolicy.ALL)
 
 
-async def ensure(nc: Any, cfg: Config) -> None:
+async def ensure(nc: Any, cfg: Config, pools: list[Config] | None = None) -> None:
+    """The stream, each pool's consumer (`pools`: their effective configs; None: the config's
+    one consumer), the dead-letter stream and the buckets."""
     js = nc.jetstream()
     try:
         stream = await ensure_stream(js, stream_config(cfg), cfg.stream.create, "stream")
         warn_schedules(cfg, stream)
-        await ensure_consumer(js, cfg, list(stream.subjects or ()))
+        for pool_cfg in pools or [cfg]:
+            await ensure_consumer(js, pool_cfg, list(stream.subjects or ()))
         if cfg.restart.dead_letter_stream and cfg.restart.dead_letter_subject:
             dlq = api.StreamConfig(name=cfg.restart.dead_letter_stream, subjects=[cfg.restart.dead_letter_subject],
                                    retention=api.RetentionPolicy.LIMITS, storage=STORAGE[cfg.stream.storage],

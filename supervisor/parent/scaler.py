@@ -43,11 +43,13 @@ log = logging.getLogger("supervisor.autoscale")
 
 
 class Host(Protocol):
-    """What the autoscaler reads of the arbiter, and the one thing it asks of it."""
+    """What the autoscaler reads of its pool (parent/crew.py), and the one thing it asks of it."""
     cfg: Config
     pool: Pool
     stats: Stats
-    stopping: str | None
+
+    @property
+    def stopping(self) -> str | None: ...
 
     def scale(self, n: int, source: str) -> None: ...
 
@@ -57,7 +59,9 @@ class LagSource(Protocol):
     consumer: dict[str, Any] | None
     polled_at: float | None
     analyzer: LagAnalyzer
-    limits: dict[str, dict[str, int]]    # [limits.NAME] in use fleet-wide
+
+    @property
+    def limits(self) -> dict[str, dict[str, int]]: ...    # [limits.NAME] in use fleet-wide
 
 
 @dataclass(frozen=True)
