@@ -272,7 +272,9 @@ def build_parser() -> ArgumentParser:
 
     p = command("lag", "print the consumer's numbers: pending, ackPending, redelivered, delivered, ackFloor")
     p.add_argument("--stream", help="stream (default stream.name)")
-    p.add_argument("--consumer", help="consumer (default consumer.name)")
+    p.add_argument("--consumer", help="consumer (default consumer.name, or --pool's)")
+    p.add_argument("--pool", metavar="NAME", help="the consumer of this [pools.NAME] (needed when the config has "
+                                                  "several)")
     p.add_argument("--json", action="store_true", help="print JSON (one object per line with --watch)")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="repeat every SECONDS with a time column")
 
@@ -315,7 +317,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--for", dest="seconds", type=float, metavar="SECONDS",
                    help="resume by itself after SECONDS (default: until `supervisor resume`)")
     p.add_argument("--reason", metavar="TEXT", help="what /status and the logs say (pause_reason)")
-    command("resume", "end a pause of the consumer now")
+    p.add_argument("--pool", metavar="NAME", help="pause this [pools.NAME]'s consumer (needed with several)")
+    p = command("resume", "end a pause of the consumer now")
+    p.add_argument("--pool", metavar="NAME", help="resume this [pools.NAME]'s consumer (needed with several)")
     p = command("schedule", "list, add or remove recurring jobs the server fires (NATS message schedules)")
     ssub = p.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=ArgumentParser)
     lp = command("list", "list the named schedules on the stream and the delayed jobs waiting", ssub, "schedule list")

@@ -70,6 +70,16 @@ def select(cfg: Any, only: Sequence[str]) -> tuple[str, ...]:
     return tuple(n for n in known if not only or n in only)
 
 
+def pick(cfg: Any, pool: str | None) -> Any:
+    """The config a one-shot command (`lag`, `pause`, `resume`) acts on: `--pool NAME`'s
+    effective config; without it the config's one pool. Several pools and no --pool is exit 2."""
+    if pool is not None:
+        return effective(cfg, select(cfg, [pool])[0])
+    if len(cfg.pools) > 1:
+        raise ConfigError("--pool", f"the config has several pools ({', '.join(cfg.pools)}): name one")
+    return effective(cfg, names(cfg)[0])
+
+
 def filters(pool_cfg: Any) -> tuple[str, ...]:
     """The subjects a pool's consumer takes: its filter, else every subject of the stream."""
     return (pool_cfg.consumer.filter_subject,) if pool_cfg.consumer.filter_subject else tuple(pool_cfg.stream.subjects)
