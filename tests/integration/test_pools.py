@@ -138,6 +138,15 @@ def test_a_pool_that_halts_at_boot_stops_alone_and_every_pool_halted_is_exit_5(n
     assert "halting: every pool has halted: pool " in both.log()
 
 
+def test_start_pool_runs_that_pool_alone(nats_server, supervisor_factory):
+    """What each instance of systemd/jetstream-supervisor@.service runs: one pool of the shared config."""
+    sup = supervisor_factory(nats_server, pools=TWO_POOLS, args=("--pool", "reports"))
+    status = ready(sup, {"reports": 1})
+    assert list(status["pools"]) == ["reports"] and status["workers"]["target"] == 1
+    done(sup, publish_now(nats_server.url, count=2, data="0", subject=REPORTS))
+    assert sup.stop() == 0
+
+
 def test_overlapping_pools_and_unknown_pools_are_config_errors(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('[workers]\nhandler = "testhandlers:record"\n[pools.all]\n'
