@@ -187,6 +187,8 @@ class AutoscaleConfig:
     min: int = key(1, "never fewer workers than this", reload=LIVE, lo=0, hi=1024)
     max: int = key(8, "never more workers than this", reload=LIVE, lo=1, hi=1024)
     interval: float = key(1.0, "seconds between decisions", reload=LIVE, lo=0.1)
+    budget: int = key(0, "at most this many workers in all pools together (0 = no shared cap); the next goes to the "
+                         "pool where it does the most work (README: Pools)", reload=LIVE, lo=0, hi=65536)
 
 
 @dataclass(frozen=True)
@@ -481,6 +483,10 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
         fail("stream.subjects", "needs at least one subject")
     if cfg.autoscale.max < cfg.autoscale.min:
         fail("autoscale.max", f"must be >= autoscale.min ({cfg.autoscale.min})")
+    pools = max(1, len(cfg.pools))
+    if cfg.autoscale.budget and cfg.autoscale.budget < cfg.autoscale.min * pools:
+        fail("autoscale.budget", f"must be 0 or at least autoscale.min for every pool ({cfg.autoscale.min} x {pools} "
+                                 f"= {cfg.autoscale.min * pools})")
     if any(not valid_subject(s, wildcards=True) for s in cfg.stream.subjects):
         bad = next(s for s in cfg.stream.subjects if not valid_subject(s, True))
         fail("stream.subjects", f"not a valid subject: {bad!r}")

@@ -32,6 +32,7 @@ from typing import Any
 
 from supervisor.config import Config
 from supervisor.core import liveness
+from supervisor.core.autoscale import share
 from supervisor.core.liveness import DRAIN_MARGIN, Limits
 from supervisor.errors import EXIT_HALTED, EXIT_OK
 from supervisor.observe.http import STOPPING
@@ -145,6 +146,8 @@ class Arbiter:
         await each("spread", lambda c: c.stats.share_spread())     # pull sizing: the pool's spread of job times
         await each("recycle", lambda c: c.pool.recycle(bool(self.stopping)))
         await each("autoscale", lambda c: c.autoscale.tick(time.monotonic()))
+        with step("autoscale"):
+            self.share_budget()
         await each("boot_halt", self.check_boot_failures)
         await each("audit", Crew.audit, guarded=False)         # likewise
         return False
@@ -365,6 +368,21 @@ class Arbiter:
         if crew.leaving:
             return None, f"pool {crew.name} is leaving (removed from the config)"
         return crew, ""
+
+    def share_budget(self) -> None:
+        """[autoscale] budget: each pool's share of the workers of all pools together, for its
+        autoscaler's next decision (core/autoscale.py share: a worker goes where it does the most
+        work). Without a budget there is no share: each pool scales between min and max alone."""
+        budget = self.cfg.autoscale.budget if self.cfg.autoscale.enabled else 0
+        crews = self.running()
+        if not budget:
+            for crew in crews:
+                crew.autoscale.share(None, "")
+            return
+        shares = share(budget, [c.autoscale.claim(c.name) for c in crews])
+        for crew in crews:              # the cuts now, the growth at each pool's next decision: never over
+            with crew.context():
+                crew.autoscale.share(*shares[crew.name])
 
     # ================================================================ readiness and halts
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 import tomli_w
 from harness import publish_now, run_cli, wait_until
 
@@ -156,3 +157,27 @@ def test_overlapping_pools_and_unknown_pools_are_config_errors(tmp_path):
     cfg.write_text('[workers]\nhandler = "testhandlers:record"\n[pools.email]\nfilter_subject = "jobs.email.>"\n')
     r = run_cli("start", "--config", str(cfg), "--pool", "mail", tmp=tmp_path)
     assert r.returncode == EXIT_USAGE and "--pool: no pool named 'mail'; the config has email" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_budget_shifts_workers_to_the_pool_whose_backlog_they_drain_and_back(nats_server, supervisor_factory):
+    """[autoscale] budget = 3 for two pools (min 1, max 2 each): a backlog in a takes a to 2 while
+    b keeps 1; b's backlog, come meanwhile, waits (held by the budget) until a's is drained, then
+    the workers go to b; then back to a. The pools together never have more than 3. (A worker is
+    given where it does the most work: tests/unit/test_autoscale_budget.py.)"""
+    pools = {"a": {"count": 1, "filter_subject": "jobs.a.>"}, "b": {"count": 1, "filter_subject": "jobs.b.>"}}
+    sup = supervisor_factory(nats_server, pools=pools, args=("--log-format", "json"),
+                             autoscale={"enabled": True, "min": 1, "max": 2, "interval": 0.5, "budget": 3})
+    ready(sup, {"a": 1, "b": 1})
+    target = lambda pool: sup.status()["pools"][pool]["autoscale"]["target"]      # noqa: E731
+    url = nats_server.url
+    publish_now(url, count=300, data="0.05", subject="jobs.a.x")
+    for busy, other in (("a", "b"), ("b", "a"), ("a", "b")):
+        wait_until(lambda: target(busy) == 2 and target(other) == 1, timeout=60,
+                   what=f"pool {busy} at 2 workers, {other} at 1", interval=0.1)
+        publish_now(url, count=600, data="0.05", subject=f"jobs.{other}.x")   # the next backlog, while this one drains
+    steps = [(e["pool"], e["from"], e["to"]) for e in sup.events("scaling")]
+    # every step up came after the other pool's step down: the two never had 4 together
+    assert steps == [("a", 1, 2), ("a", 2, 1), ("b", 1, 2), ("b", 2, 1), ("a", 1, 2)], steps
+    status = sup.status()["pools"]["a"]["autoscale"]
+    assert (status["budget"], status["cap"]) == (3, 2)
