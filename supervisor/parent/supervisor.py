@@ -194,6 +194,11 @@ def overruled(new: Config, from_config: Config, pins: Mapping[str, str]) -> list
     return out
 
 
+def set_only(value: Any) -> Any:
+    """A whole [pools.NAME] entry as the log shows it: the keys it sets (unset ones are inherited)."""
+    return {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
+
+
 class Supervisor:
     """Owns the pieces of one `supervisor start` run and tears them down in order. Long because
     each pool's parts are made here too (its consumer, handler, crew, monitor), at start and when
@@ -395,6 +400,7 @@ class Supervisor:
                         extra={"event": "reload_needs_restart", "key": key})
         for key, old, new_value in change.changed:
             if key not in change.needs_restart:
+                old, new_value = set_only(old), set_only(new_value)
                 log.info("reload: %s: %r -> %r", key, old, new_value,
                          extra={"event": "reload_applied", "key": key, "old": old, "new": new_value})
         if not change.changed:
