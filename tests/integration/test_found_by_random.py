@@ -11,14 +11,16 @@ import os
 import signal
 import time
 
+import pytest
 from harness import NatsServer, SupervisorProc, base_config, publish_now, wait_until
 
 from chaos import scenarios
 from chaos.checker import VERDICTS
 from chaos.core import run_with
 from chaos.facts import read_journal
-from chaos.rig import Run
+from chaos.rig import CONSUMER, STREAM, Run
 from supervisor.parent.safety.in_transit import SLACK
+from workers.runtime.puller import PULL_EXPIRES
 
 ACK_WAIT = 30.0
 JSON_LOGS = ("--log-format", "json")
@@ -194,6 +196,110 @@ def pending(run: Run) -> int:
     state = run.bg.call(run.queue_state())
     return state[1] if state else -1
 
+
+STOP = 3.5                  # seed 18's 3.2 s, and past when the worker gives a request read before it up
+NEXT, PING, PONG, TIMEOUT = b"MSG.NEXT", b"PING\r\n", b"PONG\r\n", b"408 Request Timeout"
+
+
+@pytest.mark.parametrize("fault", ["server-stop", "link-stall"])
+def test_what_a_request_read_before_a_stall_sends_after_it_is_on_the_worker_credits(tmp_path, fault):
+    """F7's second form. CI on 176dad2, seed 18 in the suite: a worker SIGKILLed 0.05 s after a
+    3.2 s server SIGSTOP ended had 6 jobs on its wire and no credits for them, 40 ms after "a
+    message came that none of its pull requests accounted for"; the 6 waited for AckWait. The
+    idle worker's request R1 (2 messages) is read by the server, and a PONG after it comes back,
+    just before the stall. R1 expires inside it, and its 408 waits: the server, stopped, sends
+    it once it runs again (it checks a request's expiry before filling it); a stalled link
+    holds it. The worker gave R1's credits up PULL_EXPIRES + PULL_MARGIN after that PONG and
+    asked again (R2). Then R1's 408 comes and takes R1's unfilled count from the credits, which
+    count R2's alone: none left, R2 live. With the link stalled, a job published meanwhile also
+    fills part of R1 and arrives on R2's credits. The worker answers the 408 with a new request
+    (its credits are 0): right then it is SIGSTOPped, and jobs are published for whatever
+    requests are live (all within a request's life: nothing expires unread), and the worker is
+    SIGKILLed once the server has filled them. Every job on its wire must be NAKed at once by
+    the in-transit check; none may wait for AckWait. Red with the credits given up on the clock
+    (`Puller.expire_lost_pull` before the fix): "4 (or 3) unaccounted message(s), more than the
+    2 (or 1) the dead worker(s) asked for"."""
+    def stalled_then_killed(run: Run) -> None:
+        server = run.start_server()
+        run.connect([server.url])
+        proxy = run.start_proxy(server)
+        run.bg.call(proxy.tap(WORKER_0, (NEXT, PING), (PONG, TIMEOUT)))   # from its first PING: PONGs match by count
+        run.start_supervisor([proxy.url], workers={"count": 1, "concurrency": 2, "batch": 2, "heartbeat_timeout": 60.0})
+        [victim] = run.sup.worker_pids()
+        alone_and_polled(run, time.monotonic())
+        t_req = wait_until(lambda: last_request_read(run), 30, "the worker's request read, with time left to live")
+        t0 = time.monotonic()
+        if fault == "server-stop":
+            server.pause()
+        else:
+            assert run.bg.call(proxy.stall(WORKER_0)) == 1, "worker 0's link is not through the proxy"
+            run.load(1, rate=100, what="3").result(5)        # into R1, and the stalled link
+        assert not [t for t, what in tapped(run) if what == NEXT and t_req < t < t0], "a request went out just before"
+        time.sleep(max(0.0, t0 + STOP - time.monotonic()))   # the stall's length
+        server.resume() if fault == "server-stop" else run.bg.call(proxy.heal(WORKER_0))
+        run.fault(f"{fault} of {STOP:g}s", t0, time.monotonic(), pids=set(), in_control=False)
+        asked = sum(what == NEXT and t0 < t for t, what in tapped(run))
+        wait_until(lambda: answered_408(run, t0), 10, "R1's 408 read, and a request asked after it", interval=0.002)
+        os.kill(victim, signal.SIGSTOP)
+        kill = run.fault("worker SIGSTOP, SIGKILL after a stall", time.monotonic(), pids={victim})
+        run.notes.append(f"the worker asked {asked} time(s) during the {fault}")
+        run.load(6, rate=1000, what="0.01", window=6).result(30)
+        wait_until(lambda: pending(run) in range(6) and waiting(run) == 0, 10, "the server filling worker 0's requests")
+        assert not [t for t, what in tapped(run) if what == TIMEOUT and t > kill.t0], "a request expired unread"
+        alone_and_polled(run, time.monotonic() - 30)
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: not run.watcher.alive(victim), 30, "worker 0 gone")
+        kill.t1 = time.monotonic()
+
+    result = run_with(f"{fault}-killed-worker", 0, stalled_then_killed, dict(VERDICTS), tmp_path / "run")
+    assert not result.error, result.summary()
+    assert [f for f in result.findings if f.verdict == "bounced"], f"nothing on the wire at the death: {result.summary()}"
+    assert result.counts["ackwait"] == 0, result.summary()
+    assert result.passed, result.summary()
+
+
+def tapped(run: Run) -> list[tuple[float, bytes]]:
+    return run.bg.call(run.proxy.tapped(WORKER_0))
+
+
+def answered_408(run: Run, since: float) -> bool:
+    """A 408 came to the worker after `since`, and a pull request of its went out after that."""
+    seen = tapped(run)
+    first = min((t for t, what in seen if what == TIMEOUT and t > since), default=None)
+    return first is not None and any(what == NEXT and t > first for t, what in seen)
+
+
+def alone_and_polled(run: Run, since: float) -> float:
+    """The supervisor sure it is alone, and a poll of its monitor since `since`, SLACK old."""
+    wait_until(lambda: (s := run.sup.try_status()) and s["peers"]["alone"], 30, "the supervisor sure it is alone")
+    polled = wait_until(lambda: (age := run.sup.status()["consumer"].get("poll_age_s")) is not None
+                        and (t := time.monotonic() - age) > since and t, 30, "a poll by the supervisor's monitor since")
+    wait_until(lambda: time.monotonic() > polled + 2 * SLACK, 5, "that poll more than SLACK old")
+    return polled
+
+
+def last_request_read(run: Run) -> float | None:
+    """When the worker's last pull request went out, once the PONG to the second PING after it
+    came back (the first may belong to a check that began before the request: the worker's
+    liveness check proves a request read with a PING it began after it, Puller.server_read), and
+    while the request still has a good part of PULL_EXPIRES to live at the server; else None."""
+    seen = tapped(run)
+    requests = [t for t, what in seen if what == NEXT]
+    pings = [t for t, what in seen if what == PING]
+    pongs = [t for t, what in seen if what == PONG]      # the n-th answers the n-th PING
+    if not requests:
+        return None
+    after = [n for n, t in enumerate(pings) if t > requests[-1]]
+    answered = len(after) >= 2 and len(pongs) > after[1]
+    return requests[-1] if answered and time.monotonic() < requests[-1] + 0.7 * PULL_EXPIRES else None
+
+
+def waiting(run: Run) -> int:
+    """Pull requests waiting at the server (-1 while it does not answer)."""
+    try:
+        return run.bg.call(run.nc.jetstream().consumer_info(STREAM, CONSUMER, timeout=2)).num_waiting or 0
+    except Exception:
+        return -1
 
 
 def test_an_orphans_naks_are_explained_to_the_supervisor_that_gets_their_redeliveries(nats_server,

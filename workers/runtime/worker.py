@@ -264,16 +264,17 @@ class Worker:
         parent stops keeping its jobs alive with +WPI once this goes stale. Its round trip, loop
         and GIL latency included, is one of the samples pull sizing hides (workers/runtime/pulls.py).
         A fence, not a bare flush: its PING follows what we published before it, so its PONG also
-        proves the server read our pull requests (Puller.server_read)."""
+        proves the server read our pull requests (Puller.server_read), and its round trip tells
+        a stall from a quick answer (Puller.answered: when lost requests may be given up)."""
         while True:
             sent = time.monotonic()
             try:
                 await self.nc.fence(timeout=LIVENESS_TIMEOUT)
             except Exception:
-                pass                     # stale: the parent sees the time stop moving
+                self.pulls.unanswered()  # stale: the parent sees the time stop moving
             else:
                 self.table.server_answered(sent)     # the PING's send time: slots.py SERVER_SEEN
-                self.pulls.server_read(sent, time.monotonic())
+                self.pulls.answered(sent, time.monotonic())
                 self.pulls.sizer.round_trip(time.monotonic() - sent)
             self.threads.collect()       # outcomes kept back by a handler thread busy with a long job
             await asyncio.sleep(LIVENESS_EVERY)
