@@ -258,6 +258,44 @@ def test_what_a_request_read_before_a_stall_sends_after_it_is_on_the_worker_cred
     assert result.passed, result.summary()
 
 
+def test_a_worker_stopping_while_its_link_stalls_listens_until_its_request_is_over(tmp_path):
+    """Found while fixing F7's second form, by reading the stopping path: a worker told to stop
+    (a drain, a scale-down, a recycle) waits for its last pull request to end before it drops
+    its subscription, but it took the end from the clock (PULL_EXPIRES + PULL_MARGIN after the
+    server read it). The idle worker's request R1 is read, then its link stalls; two jobs
+    published meanwhile fill R1 into the stalled link; the worker is SIGTERMed. By the clock R1
+    was over within the stall: the worker unsubscribed, and the two jobs reached it after the
+    stall for nobody. It exited cleanly, so no in-transit check ran: they came back after
+    AckWait, explained by nothing. Now the worker keeps listening until its credits are
+    accounted for (the jobs come and are NAKed as a stopping worker NAKs what it holds),
+    within graceful_timeout."""
+    def stopping_through_a_stall(run: Run) -> None:
+        server = run.start_server()
+        run.connect([server.url])
+        proxy = run.start_proxy(server)
+        run.bg.call(proxy.tap(WORKER_0, (NEXT, PING), (PONG,)))
+        run.start_supervisor([proxy.url], workers={"count": 1, "concurrency": 2, "batch": 2, "heartbeat_timeout": 60.0})
+        [victim] = run.sup.worker_pids()
+        t_req = wait_until(lambda: last_request_read(run), 30, "the worker's request read, with time left to live")
+        t0 = time.monotonic()
+        assert run.bg.call(proxy.stall(WORKER_0)) == 1, "worker 0's link is not through the proxy"
+        assert not [t for t, what in tapped(run) if what == NEXT and t_req < t < t0], "a request went out just before"
+        run.load(2, rate=100, what="0.01").result(5)
+        wait_until(lambda: run.bg.call(run.queue_state()) == (2, 0, 2), STOP, "R1 filled into the stalled link")
+        stop = run.fault("worker SIGTERM during its link's stall", time.monotonic(), pids={victim})
+        os.kill(victim, signal.SIGTERM)
+        time.sleep(max(0.0, t0 + STOP - time.monotonic()))   # the stall's length
+        run.bg.call(proxy.heal(WORKER_0))
+        run.fault(f"link-stall of {STOP:g}s", t0, time.monotonic(), pids=set(), in_control=False)
+        wait_until(lambda: not run.watcher.alive(victim), 30, "worker 0 exited")
+        stop.t1 = time.monotonic()
+
+    result = run_with("stopping-through-a-stall", 0, stopping_through_a_stall, dict(VERDICTS), tmp_path / "run")
+    assert not result.error, result.summary()
+    assert result.counts["ackwait"] == 0, result.summary()
+    assert result.passed, result.summary()
+
+
 def tapped(run: Run) -> list[tuple[float, bytes]]:
     return run.bg.call(run.proxy.tapped(WORKER_0))
 

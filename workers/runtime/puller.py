@@ -23,8 +23,7 @@ from workers.runtime.settle import REFUSED
 
 log = logging.getLogger("worker")
 
-PULL_EXPIRES = 1.0          # a pull request lives this long: an idle worker renews it this often, and a
-                            # stopping worker waits at most this long (+ PULL_MARGIN) for its last one to end
+PULL_EXPIRES = 1.0          # a pull request lives this long: an idle worker renews it this often
 PULL_MARGIN = 1.0           # past a request's local expiry, before its credits are given up (the server's
                             # clock starts when the request arrives; one round trip at most)
 STALL = 0.5                 # a liveness round trip this much longer than the link's quickest lately: the
@@ -154,12 +153,12 @@ class Puller:
         """No request of ours is live any more (a new connection, or the worker is done pulling)."""
         self.credits = 0
         self.owner.table.set_credits(0)
+        self.owner.changed.set()         # a stopping worker waits for it (shutdown.py)
 
     def requests_end(self) -> float:
         """When every pull request we sent has ended by the clock (0 when none is outstanding):
         PULL_EXPIRES after the server read the last one, and it cannot have read it before we sent
-        it. Only where the server ran all along: see expire_lost_pull. A stopping worker waits this
-        long at most (shutdown.py)."""
+        it. Only where the server ran all along: see expire_lost_pull."""
         if self.credits <= 0:
             return 0.0
         end = self.pull_deadline + PULL_MARGIN
@@ -211,6 +210,8 @@ class Puller:
         if self.credits > 0:
             self.credits -= 1
             self.owner.table.set_credits(self.credits)
+            if not self.credits:
+                self.owner.changed.set()     # a stopping worker waits for it (shutdown.py)
         else:
             self.came_unasked()
         self.timed(reply)
