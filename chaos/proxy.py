@@ -41,7 +41,6 @@ class Conn:
     name: str | None = None
     flowing: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)
-    seen: list[tuple[float, bytes]] = field(default_factory=list)    # (when, needle) forwarded, once tapped
 
     def close(self, rst: bool = False) -> None:
         for _, writer in (self.client, self.server):
@@ -63,6 +62,7 @@ class Proxy:
         self.conns: set[Conn] = set()
         self.rules: dict[str, str] = {}       # pattern -> "cut" | "stall"
         self.taps: dict[str, tuple[tuple[bytes, ...], tuple[bytes, ...]]] = {}   # pattern -> needles noted (tap)
+        self.noted: list[tuple[float, str, bytes]] = []     # (when, connection name, needle), closed ones too
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
         self.accepted = 0
@@ -122,9 +122,9 @@ class Proxy:
         self.taps[pattern] = (to_server, to_client)
 
     async def tapped(self, pattern: str) -> list[tuple[float, bytes]]:
-        """What the connections of that name forwarded of their tap's needles, oldest first:
-        (time.monotonic() once written on, needle), one per occurrence."""
-        return sorted(seen for c in self.matching(pattern) for seen in c.seen)
+        """What the connections of that name (closed ones too) forwarded of their tap's needles,
+        oldest first: (time.monotonic() once written on, needle), one per occurrence."""
+        return [(t, needle) for t, name, needle in self.noted if re.search(pattern, name)]
 
     def rule_for(self, name: str | None) -> str | None:
         for pattern, mode in self.rules.items():
@@ -189,16 +189,17 @@ class Proxy:
 
     def note(self, conn: Conn, to_server: bool, tail: bytes, data: bytes) -> bytes:
         """Note each tapped needle `data` completes (written on just now); the tail to keep."""
-        tap = next((t for p, t in self.taps.items() if conn.name is not None and re.search(p, conn.name)), None)
+        name = conn.name
+        tap = next((t for p, t in self.taps.items() if name is not None and re.search(p, name)), None)
         needles = () if tap is None else tap[0 if to_server else 1]
-        if not needles:
+        if not needles or name is None:
             return b""
         now, seen = time.monotonic(), tail + data
         for needle in needles:
             at = seen.find(needle)
             while at >= 0:
                 if at + len(needle) > len(tail):           # not noted with the chunk before
-                    conn.seen.append((now, needle))
+                    self.noted.append((now, name, needle))
                 at = seen.find(needle, at + 1)
         keep = max(map(len, needles)) - 1
         return seen[len(seen) - keep:] if keep else b""
