@@ -82,8 +82,8 @@ class Arbiter:
         self.restarts = RestartPolicy(cfg.restart.backoff_initial, cfg.restart.backoff_max,
                                       cfg.restart.boot_failures_to_halt)
         self.ledger = CrashLedger(cfg.consumer.ack_wait, cfg.restart.poison_after_crashes, cfg.consumer.backoff)
-        self.peers = Peers(nc, cfg.stream.name, cfg.consumer.name, self.ledger, self.post)
         self.in_transit = InTransit(cfg, nc, self.ledger)
+        self.peers = Peers(nc, cfg.stream.name, cfg.consumer.name, self.ledger, self.post, self.in_transit)
         self.alerts: collections.deque = collections.deque(maxlen=50)
         self.steps = LoopSteps(self.alert)
         self.suspects = SuspectBoard()      # jobs on poison probation, run alone by every worker (workers/runtime/solo.py)

@@ -296,6 +296,78 @@ def test_a_worker_stopping_while_its_link_stalls_listens_until_its_request_is_ov
     assert result.passed, result.summary()
 
 
+def test_an_orphans_nak_redelivered_to_a_worker_that_dies_comes_back_at_once(tmp_path):
+    """F9, found by `python -m chaos --random --seed 18 --minutes 0.25` on this branch (1 run of 8):
+    the parent SIGKILLed and a new supervisor started; the orphaned workers NAKed what they had
+    not started (with the shutdown's 2 s delay) and announced it; the redeliveries went to a
+    worker of the new supervisor, which was SIGKILLed before it read them. The in-transit check
+    finds first deliveries above its lower bound; a redelivery it finds only for its own workers'
+    NAKs (F1), so these two waited for AckWait. Here alpha's only worker holds jobs it has not
+    started when alpha is SIGKILLed (the worker SIGSTOPped meanwhile, so the NAKs come once beta
+    runs); beta's only worker has a request waiting, made fresh by a short job, when the NAKs'
+    delay ends: its link is stalled right after that request, so what the server hands it stays
+    on its wire, and it is SIGKILLed once the orphan has said goodbye. The redeliveries must be
+    back at once, NAKed by beta's check; none may wait for AckWait."""
+    alpha_worker, beta_worker = r"^alpha worker 0$", r"^beta worker 0$"
+
+    def orphan_nak_on_the_wire(run: Run) -> None:
+        server = run.start_server()
+        run.connect([server.url])
+        proxy = run.start_proxy(server)
+        run.bg.call(proxy.tap(alpha_worker, (b"-NAK",)))
+        run.bg.call(proxy.tap(beta_worker, (NEXT,)))
+        alpha = run.start_supervisor([proxy.url], nats={"name": "alpha"},
+                                     workers={"count": 1, "batch": 8, "heartbeat_timeout": 60.0})
+        run.load(40, rate=400, what="0", window=8).result(30)     # fast jobs: the worker learns to buffer
+        wait_until(lambda: run.done_count() == 40, 30, "the warm-up done")
+        run.load(6, rate=400, what="1.0", window=6).result(30)
+        [orphan] = alpha.worker_pids()
+        wait_until(lambda: len([e for w in alpha.status()["workers"]["list"] for e in w["in_flight"]
+                                if e["state"] == "held"]) >= 2, 10, "alpha's worker running a job and holding more")
+        os.kill(orphan, signal.SIGSTOP)
+        t_kill = time.monotonic()
+        alpha.proc.kill()
+        alpha.proc.wait()
+        run.stopped.add(run.sups.index(alpha))                  # on purpose: no death to count
+        parent = run.fault("parent SIGKILL, its worker SIGSTOPped", t_kill, pids={orphan})
+        beta = run.start_supervisor([proxy.url], nats={"name": "beta"},
+                                    workers={"count": 1, "concurrency": 2, "batch": 2, "heartbeat_timeout": 60.0})
+        [victim] = beta.worker_pids()
+        alone_and_polled(run, time.monotonic())
+        os.kill(orphan, signal.SIGCONT)
+        t_nak = wait_until(lambda: min((t for t, _ in run.bg.call(proxy.tapped(alpha_worker))), default=None),
+                           10, "the orphan's NAKs")
+        wait_until(lambda: not run.watcher.alive(orphan), 10, "the orphan gone")
+        parent.t1 = time.monotonic()
+        time.sleep(max(0.0, t_nak + 1.3 - time.monotonic()))   # the schedule: a job ends just before the delay
+        done = run.done_count()
+        run.load(1, rate=100, what="0.2").result(5)
+        ran = wait_until(lambda: run.done_count() > done and run.tail.poll(), 5, "the short job done")
+        last_done = max(r.t for r in ran if r.event == "D")
+        wait_until(lambda: [t for t, what in tapped_on(run, beta_worker) if what == NEXT and t > last_done], 5,
+                   "beta's worker asking again", interval=0.002)
+        assert run.bg.call(proxy.stall(beta_worker)) == 1, "beta's worker's link is not through the proxy"
+        kill = run.fault("worker link stalled, then SIGKILL", time.monotonic(), pids={victim})
+        assert time.monotonic() < t_nak + 1.9, "too late: the redeliveries may have gone out already"
+        wait_until(lambda: waiting(run) == 0, 5, "the redeliveries handed to beta's worker's requests")
+        wait_until(lambda: [o for o in beta.status()["peers"]["gone"] if "orphan of" in o], 10, "the orphan's goodbye")
+        alone_and_polled(run, time.monotonic() - 30)
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: not run.watcher.alive(victim), 30, "beta's worker gone")
+        kill.t1 = time.monotonic()
+        run.bg.call(proxy.heal(beta_worker))
+
+    result = run_with("orphan-nak-on-the-wire", 0, orphan_nak_on_the_wire, dict(VERDICTS), tmp_path / "run")
+    assert not result.error, result.summary()
+    assert [f for f in result.findings if f.verdict == "redelivered"], result.summary()
+    assert result.counts["ackwait"] == 0, result.summary()
+    assert result.passed, result.summary()
+
+
+def tapped_on(run: Run, pattern: str) -> list[tuple[float, bytes]]:
+    return run.bg.call(run.proxy.tapped(pattern))
+
+
 def tapped(run: Run) -> list[tuple[float, bytes]]:
     return run.bg.call(run.proxy.tapped(WORKER_0))
 

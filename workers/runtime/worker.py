@@ -210,7 +210,8 @@ class Worker:
         self.reacker.close()
         beating.cancel()               # only now: waiting for NATS to take our acks is no hang
         await self.chain.close()       # e.g. the guard's leases of jobs we did not finish: freed
-        await self.parent.goodbye()    # an orphan that announced NAKs: its peers may count it gone
+        # An orphan that announced NAKs: its peers may count it gone (and its NAKs read, if fenced).
+        await self.parent.goodbye(fenced=not self.settler.unconfirmed)
         await self.close_connection()
         self.parent.events.drain(timeout=1.0)   # the last settles' events, if a busy parent left no room
         return EXIT_DRAINED
@@ -412,8 +413,8 @@ class Worker:
     def emit(self, event: Event) -> None:
         self.parent.tell(event)
 
-    async def before_nak(self, job: Job, reason: str) -> None:
-        await self.parent.announce_nak(job, reason)
+    async def before_nak(self, job: Job, reason: str, delay: float, held_at: float) -> None:
+        await self.parent.announce_nak(job, reason, delay, held_at)
 
 
 # ---------------------------------------------------------------- small pure helpers
