@@ -93,8 +93,8 @@ class Crew:
         self.restarts = RestartPolicy(cfg.restart.backoff_initial, cfg.restart.backoff_max,
                                       cfg.restart.boot_failures_to_halt)
         self.ledger = CrashLedger(cfg.consumer.ack_wait, cfg.restart.poison_after_crashes, cfg.consumer.backoff)
-        self.peers = Peers(self.nc, cfg.stream.name, cfg.consumer.name, self.ledger, self.post)
         self.in_transit = InTransit(cfg, self.nc, self.ledger)
+        self.peers = Peers(self.nc, cfg.stream.name, cfg.consumer.name, self.ledger, self.post, self.in_transit)
         self.suspects = SuspectBoard()      # jobs on poison probation, run alone by every worker (workers/runtime/solo.py)
         self.crashes = CrashBoard()         # the death each redelivery comes back from (workers/protocol/crashes.py)
         self.deaths = Deaths(cfg, self.nc, self.ledger, self.peers, self.alert, self.suspects, self.crashes)
