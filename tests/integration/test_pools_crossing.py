@@ -27,3 +27,28 @@ def test_the_idempotency_guard_keeps_each_pools_done_markers_apart_on_a_fan_out_
     assert ran == sorted([(s, False) for s in seqs] + [(s, True) for s in seqs]), \
         f"each pool must run every job once; ran {ran}, skipped as duplicates by pool: {dup}"
     assert sup.stop() == 0
+
+
+def test_a_retry_copy_runs_only_in_the_pool_that_re_published_it_on_a_fan_out_stream(nats_server,
+                                                                                      supervisor_factory):
+    """A limits stream, pools a and b on one filter; a's handler fails the job's first attempt
+    with a delay past retry.republish_after, so a re-publishes it as a copy (to the job's own
+    subject) and acks its delivery; b's handler ran the job at once. The copy reaches every
+    consumer on that subject: b must not run the job a second time for a's retry."""
+    pools = {"a": {"count": 1, "filter_subject": "jobs.>"},
+             "b": {"count": 1, "filter_subject": "jobs.>", "handler": "testhandlers:record_any"}}
+    retry = {"republish_after": 0.5, "rules": [{"on": ["RuntimeError"], "base": 1.0, "jitter": 0.0}]}
+    sup = supervisor_factory(nats_server, pools=pools, stream={"retention": "limits"}, retry=retry)
+    sup.wait_ready(2)
+    [seq] = publish_now(nats_server.url, count=1, data="fail-first-attempt")
+
+    def copy_settled():
+        copies = [r for r in sup.jobs.done() if not r.data.startswith("any:") and r.seq != seq]
+        if not copies:
+            return None
+        b = nats_server.consumer(name="workers-b")
+        return b["delivered"]["stream_seq"] >= copies[0].seq and b["num_pending"] == b["num_ack_pending"] == 0
+    wait_until(copy_settled, what="pool a's copy run, and pool b past it")
+    in_b = [r.seq for r in sup.jobs.done() if r.data.startswith("any:")]
+    assert in_b == [seq], f"pool b ran seq {in_b}: a's retry copy ran in b too"
+    assert sup.stop() == 0
