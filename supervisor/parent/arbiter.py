@@ -315,7 +315,7 @@ class Arbiter:
             self.departing.remove(crew)
             for task in crew.tasks:
                 task.cancel()
-            self.spawn_task(crew.peers.goodbye())
+            self.spawn_task(crew.peers.close())
 
     def begin_stop(self, mode: str) -> None:
         self.stopping = mode

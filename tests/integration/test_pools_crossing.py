@@ -3,7 +3,12 @@ another's, forced against a real nats-server with real `supervisor start`s and w
 
 from __future__ import annotations
 
+import signal
+
+import tomli_w
 from harness import publish_now, wait_until
+
+from supervisor.parent.safety.peers import PEER_QUIET
 
 
 def test_the_idempotency_guard_keeps_each_pools_done_markers_apart_on_a_fan_out_stream(nats_server,
@@ -52,3 +57,24 @@ def test_a_retry_copy_runs_only_in_the_pool_that_re_published_it_on_a_fan_out_st
     in_b = [r.seq for r in sup.jobs.done() if r.data.startswith("any:")]
     assert in_b == [seq], f"pool b ran seq {in_b}: a's retry copy ran in b too"
     assert sup.stop() == 0
+
+
+def test_a_reload_that_fails_after_making_a_pool_leaves_no_peer_behind(nats_server, supervisor_factory):
+    """Supervisor W runs pool b alone. X runs pool a, then a SIGHUP adds b and c, and c's handler
+    cannot be imported: the reload fails and X runs on as it was. But b's crew had been made
+    first, and its hello reached W: unless it says goodbye, W counts a peer on b's consumer for
+    good, and its in-transit check and re-NAK (which need it alone) stay off until W restarts."""
+    b = {"count": 1, "filter_subject": "jobs.b.>"}
+    w = supervisor_factory(nats_server, pools={"b": b})
+    x = supervisor_factory(nats_server, pools={"a": {"count": 1, "filter_subject": "jobs.a.>"}})
+    w.wait_ready(1)
+    x.wait_ready(1)
+    wait_until(lambda: w.status()["peers"]["alone"], what="W alone on b's consumer")
+    x.config_path.write_text(tomli_w.dumps({**x.config, "pools": {
+        **x.config["pools"], "b": b, "c": {"filter_subject": "jobs.c.>", "handler": "nosuchmodule:handle"}}}))
+    x.signal(signal.SIGHUP)
+    x.wait_log("reload failed; still running on the previous config")
+    assert set(x.status()["pools"]) == {"a"}
+    wait_until(lambda: w.status()["peers"]["alone"], timeout=3 * PEER_QUIET,
+               what="W alone again on b's consumer after X's failed reload")
+    assert x.stop() == 0 and w.stop() == 0
