@@ -85,8 +85,9 @@ class Arbiter:
 
     def crew(self, name: str, pool_cfg: Config, code: Code) -> Crew:
         """A pool's crew (not yet run: `adopt` it on the loop). With [pools.*] its name is on its
-        log lines, alerts and metrics; without, there is one pool and nothing changes."""
-        return Crew(name, pool_cfg, code, self, label=name if self.cfg.pools else "")
+        log lines, alerts and metrics; without, there is one pool and nothing changes. Asked of
+        the config the pool runs in (a reload makes its new pools before the loop takes it)."""
+        return Crew(name, pool_cfg, code, self, label=name if pool_cfg.pools else "")
 
     def adopt(self, crew: Crew) -> None:
         self.crews[crew.name] = crew

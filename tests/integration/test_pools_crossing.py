@@ -78,3 +78,20 @@ def test_a_reload_that_fails_after_making_a_pool_leaves_no_peer_behind(nats_serv
     wait_until(lambda: w.status()["peers"]["alone"], timeout=3 * PEER_QUIET,
                what="W alone again on b's consumer after X's failed reload")
     assert x.stop() == 0 and w.stop() == 0
+
+
+def test_pools_a_reload_adds_to_a_config_that_had_none_name_themselves(nats_server, supervisor_factory):
+    """No [pools.*], then a SIGHUP brings pools a and b: the default pool leaves, a and b start,
+    and theirs are pools' ways (each worker, log line and alert names its pool), not the
+    unnamed default's (the crews were made while the running config still had no pools)."""
+    sup = supervisor_factory(nats_server, args=("--log-format", "json"), consumer={"filter_subject": "jobs.d.>"})
+    sup.wait_ready(2)
+    sup.config_path.write_text(tomli_w.dumps({**sup.config, "pools": {
+        "a": {"count": 1, "filter_subject": "jobs.a.>"}, "b": {"count": 1, "filter_subject": "jobs.b.>"}}}))
+    sup.signal(signal.SIGHUP)
+    status = wait_until(lambda: (s := sup.try_status()) and set(s.get("pools", ())) == {"a", "b"}
+                        and s["workers"]["ready"] == 2 and len(s["workers"]["list"]) == 2 and s, what="a and b ready")
+    assert sorted(w.get("pool", "") for w in status["workers"]["list"]) == ["a", "b"]
+    started = sup.wait_event("pool_added", pool="b")
+    assert sup.events("worker_ready", pool="a") and started
+    assert sup.stop() == 0
