@@ -304,7 +304,8 @@ class Arbiter:
         self.wakeup.set()
 
     def depart(self, crew: Crew) -> None:
-        """A reload took the pool out: its workers retire; once the last has exited, it is dropped."""
+        """A reload took the pool out: its workers retire; once the last has exited and what its
+        dead left is done (Crew.finished), it is dropped."""
         log.info("pool %s leaves (reload): retiring its %d worker(s)", crew.name, len(crew.living()),
                  extra={"event": "pool_removed", "pool": crew.name})
         crew.leaving = True
@@ -312,7 +313,7 @@ class Arbiter:
         self.departing.append(crew)
 
     def drop_departed(self) -> None:
-        for crew in [c for c in self.departing if not c.living() and not c.dead]:
+        for crew in [c for c in self.departing if c.finished()]:
             self.departing.remove(crew)
             for task in crew.tasks:
                 task.cancel()

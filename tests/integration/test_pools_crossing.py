@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 
+import psutil
 import tomli_w
 from harness import publish_now, wait_until
 
@@ -95,3 +96,43 @@ def test_pools_a_reload_adds_to_a_config_that_had_none_name_themselves(nats_serv
     started = sup.wait_event("pool_added", pool="b")
     assert sup.events("worker_ready", pool="a") and started
     assert sup.stop() == 0
+
+
+def test_a_pool_a_reload_took_out_sends_the_nak_it_held_back_for_its_last_worker(nats_server, supervisor_factory,
+                                                                                tmp_path):
+    """Pool b leaves the config (SIGHUP) while its worker runs a long job; the parent's link is
+    refused and the retiring worker is SIGKILLed: its NAK is held back until NATS is back. Pool b
+    has no worker left then, but it must not be dropped with that NAK: once the parent is back
+    the NAK goes out and the job runs again at once (here, in a supervisor that runs pool b),
+    not after AckWait."""
+    from linkfaults import Refuse
+
+    ack_wait = 60.0
+    pools = {"a": {"count": 1, "filter_subject": "jobs.a.>"},
+             "b": {"count": 1, "filter_subject": "jobs.b.>", "ack_wait": ack_wait}}
+    proxy = Refuse(nats_server.port).start()
+    try:
+        x = supervisor_factory(nats_server, pools=pools, nats={"servers": [proxy.url]}, args=("--log-format", "json"))
+        x.wait_ready(2)
+        [seq] = publish_now(nats_server.url, count=1, data=f"until:{tmp_path / 'gate'}", subject="jobs.b.x")
+        victim = wait_until(lambda: [r for r in x.jobs.running() if r.seq == seq], what="b's job running")[0]
+        x.config_path.write_text(tomli_w.dumps({**x.config, "pools": {"a": pools["a"]}}))
+        x.signal(signal.SIGHUP)
+        x.wait_event("pool_removed", pool="b")
+        proxy.refuse("jetstream-supervisor")
+        wait_until(lambda: not x.status()["nats"]["connected"], what="the parent disconnected")
+        psutil.Process(victim.pid).send_signal(signal.SIGKILL)
+        x.wait_event("nak_held_back", seq=seq)
+        wait_until(lambda: "b" not in x.status()["pools"] and not x.status()["workers"]["list"][1:],
+                   what="pool b without workers")
+        proxy.allow()
+        wait_until(lambda: x.status()["nats"]["connected"], what="the parent back")
+        y = supervisor_factory(nats_server, pools={"b": pools["b"]})
+        again = wait_until(lambda: [r for r in y.jobs.started() if r.seq == seq], timeout=ack_wait / 2,
+                           what="b's job back long before AckWait")[0]
+        assert again.delivery == 2 and x.events("held_back_sent", count=1)
+        (tmp_path / "gate").touch()
+        wait_until(lambda: seq in y.jobs.done_seqs(), what="the job done")
+        assert x.stop() == 0 and y.stop() == 0
+    finally:
+        proxy.stop()
