@@ -3,11 +3,14 @@ another's, forced against a real nats-server with real `supervisor start`s and w
 
 from __future__ import annotations
 
+import os
 import signal
 
 import psutil
+import pytest
 import tomli_w
 from harness import publish_now, wait_until
+from test_fleet_cluster import fleet_view
 
 from supervisor.parent.safety.peers import PEER_QUIET
 
@@ -136,3 +139,34 @@ def test_a_pool_a_reload_took_out_sends_the_nak_it_held_back_for_its_last_worker
         assert x.stop() == 0 and y.stop() == 0
     finally:
         proxy.stop()
+
+
+@pytest.mark.xfail(strict=True, reason="the fleet's one poller releases only the jobs of consumers its own pools run: "
+                                       "a lost host's jobs of another pool wait for AckWait (review of issue 28)")
+def test_a_lost_hosts_jobs_are_released_when_the_poller_runs_another_pool(nats_server, supervisor_factory):
+    """The systemd template's way: one supervisor per pool per host (`start --pool NAME`), all in
+    one fleet bucket with one poller. X runs pool a and is the poller; W and Y run pool b, and Y's
+    whole host dies (its process group SIGKILLed) while it runs a long job of b. AckWait 300 s:
+    only a release brings the job back to W within the test."""
+    pools = {"a": {"count": 1, "filter_subject": "jobs.a.>"},
+             "b": {"count": 1, "filter_subject": "jobs.b.>", "ack_wait": 300.0}}
+
+    def host(name: str, pool: str):
+        return supervisor_factory(nats_server, pools=pools, args=("--pool", pool, "--log-format", "json"),
+                                  fleet={"name": name, "heartbeat": 0.5})
+    x = host("x", "a")
+    x.wait_ready(1)
+    wait_until(lambda: (x.try_status() or {}).get("fleet", {}).get("is_poller"), what="x the poller")
+    y = host("y", "b")
+    y.wait_ready(1)
+    [seq] = publish_now(nats_server.url, count=1, data="20", subject="jobs.b.x")
+    wait_until(lambda: [r for r in y.jobs.running() if r.seq == seq], what="y running b's job")
+    w = host("w", "b")
+    w.wait_ready(1)
+    wait_until(lambda: {r["name"]: r["held"] for r in fleet_view(x)["supervisors"]}.get("y") == 1,
+               what="y's heartbeat listing the job", interval=0.25)
+    os.killpg(y.proc.pid, signal.SIGKILL)
+    y.proc.wait()
+    lost = x.wait_event("fleet_peer_lost", peer="y")
+    assert lost["released"] == [seq], {k: lost.get(k) for k in ("message", "msg", "skipped")}
+    wait_until(lambda: [r for r in w.jobs.started() if r.seq == seq], timeout=20, what="b's job run again on w")
