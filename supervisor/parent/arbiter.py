@@ -65,6 +65,7 @@ class Arbiter:
         self.connect_worker = connect_worker
         self.notifier = notifier
         self.reload_config = reload_config
+        self.reloading = self.reload_again = False         # a reload under way; a SIGHUP came meanwhile
         self.alerts: collections.deque = collections.deque(maxlen=50)
         self.steps = LoopSteps(self.alert)
         self.signals: collections.deque[int] = collections.deque()
@@ -281,7 +282,25 @@ class Arbiter:
         if self.reload_config is None or self.stopping:
             log.warning("reload: nothing to re-read" if not self.stopping else "reload ignored while stopping")
             return
-        self.spawn_task(self.reload_config())   # it posts apply_config back to the loop
+        if self.reloading:          # one at a time: each plans against the pools running when it starts,
+            self.reload_again = True    # so two at once would both start a pool added to the file
+            return
+        self.reloading = True
+        self.spawn_task(self.reload_once())
+
+    async def reload_once(self) -> None:
+        assert self.reload_config is not None, "on_reload starts it only with a config source"
+        try:
+            await self.reload_config()          # it posts apply_config back to the loop ...
+        finally:
+            self.post(self.reloaded)            # ... and this after it
+
+    def reloaded(self) -> None:
+        """A reload is applied (or failed): a SIGHUP that came meanwhile reloads now."""
+        self.reloading = False
+        if self.reload_again:
+            self.reload_again = False
+            self.on_reload()
 
     def apply_config(self, cfg: Config, change: Any, codes: Mapping[str, Code | None], added: list[Crew]) -> None:
         """Take a reloaded config (config/reload.py pools_plan): each pool that runs on takes its

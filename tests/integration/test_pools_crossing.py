@@ -170,3 +170,25 @@ def test_a_lost_hosts_jobs_are_released_when_the_poller_runs_another_pool(nats_s
     lost = x.wait_event("fleet_peer_lost", peer="y")
     assert lost["released"] == [seq], {k: lost.get(k) for k in ("message", "msg", "skipped")}
     wait_until(lambda: [r for r in w.jobs.started() if r.seq == seq], timeout=20, what="b's job run again on w")
+
+
+def test_two_sighups_in_a_row_that_add_a_pool_start_it_once(nats_server, supervisor_factory):
+    """A pool added to the file, then SIGHUP twice in a row (a config tool, `systemctl reload`
+    twice), the second while the first is still under way (it imports c's handler, which takes a
+    second): each reload makes its plan against the pools running then, so both would add pool c.
+    The second crew must not replace the first behind its back: the first's workers would run on
+    with nobody reaping them, NAKing their dead's jobs or sending their +WPI."""
+    sup = supervisor_factory(nats_server, pools={"a": {"count": 1, "filter_subject": "jobs.a.>"}})
+    sup.wait_ready(1)
+    sup.config_path.write_text(tomli_w.dumps({**sup.config, "pools": {
+        **sup.config["pools"], "c": {"count": 1, "filter_subject": "jobs.c.>", "handler": "slowimport:handle"}}}))
+    sup.signal(signal.SIGHUP)
+    sup.wait_log("received SIGHUP")
+    sup.signal(signal.SIGHUP)           # while the first reload imports c's handler (a second)
+    status = wait_until(lambda: (s := sup.try_status()) and set(s["pools"]) == {"a", "c"}
+                        and s["workers"]["ready"] == 2 and s, what="pools a and c ready")
+    listed = {w["pid"] for w in status["workers"]["list"]}
+    seqs = publish_now(nats_server.url, count=4, data="0", subject="jobs.c.x")
+    wait_until(lambda: set(seqs) <= sup.jobs.done_seqs(), what="c's jobs done")
+    assert sup.worker_pids() == listed, f"worker processes {sup.worker_pids()}, /status lists {listed}"
+    assert sup.stop() == 0
