@@ -276,7 +276,7 @@ class Arbiter:
             self.scale(max(0, crew.pool.target - 1), "SIGTTOU", crew.name)
 
     def running(self) -> list[Crew]:
-        return [c for c in self.crews.values() if not c.halted and not c.leaving]
+        return [c for c in self.crews.values() if not c.halted]     # a pool a reload took out is in departing
 
     def on_reload(self) -> None:
         if self.reload_config is None or self.stopping:
@@ -327,7 +327,6 @@ class Arbiter:
         dead left is done (Crew.finished), it is dropped."""
         log.info("pool %s leaves (reload): retiring its %d worker(s)", crew.name, len(crew.living()),
                  extra={"event": "pool_removed", "pool": crew.name})
-        crew.leaving = True
         crew.empty("its pool left the config")
         self.departing.append(crew)
 
@@ -386,8 +385,6 @@ class Arbiter:
             return None, f"no pool {pool!r} runs here (pools: {', '.join(self.crews)})"
         if crew.halted:
             return None, f"pool {crew.name} halted ({crew.halted}); fix it and reload (SIGHUP) to start it again"
-        if crew.leaving:
-            return None, f"pool {crew.name} is leaving (removed from the config)"
         return crew, ""
 
     def share_budget(self) -> None:

@@ -106,7 +106,6 @@ class Crew:
         self.monitor: Any = None            # its Monitor (parent/tasks/monitor.py), set by supervisor.py ...
         self.tasks: list[asyncio.Task] = []  # ... and the task running it
         self.halted = ""                    # why this pool stopped at boot (a crash loop); "" while it runs
-        self.leaving = False                # a reload took it out: it drains, then the arbiter drops it
         self.last_storm_log = 0.0
 
     # ------------------------------------------------------------ what the rooms and the scaler read
