@@ -43,13 +43,14 @@ retirement lets them wait, within graceful_timeout.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import itertools
 import json
 import logging
 import os
 import random
 import secrets
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -514,45 +515,51 @@ def delivery_key(job: Job) -> tuple[int, int]:
     return job.stream_seq, job.delivery
 
 
-def _give_back_unused(taking: concurrent.futures.Future) -> None:
-    if not taking.cancelled() and taking.exception() is None:
-        grant = taking.result()
-        grant.gate.limiter.loop.call_soon_threadsafe(grant.gate.give_back, grant)
-
-
 class limit:  # noqa: N801 (used like a function: `with limit("db"):`)
     """Hold the limit NAME ([limits.NAME]) for a block: `with limit("db"):` in a sync handler (its
     thread waits), `async with limit("db"):` in an async one. Waiting spends no delivery attempt.
-    One object per block (they are cheap): `with limit("db"):` each time."""
+    One object per block (they are cheap): `with limit("db"):` each time.
+
+    A sync block is safe from workers.soft_timeout's SoftTimeout, which lands in the handler's
+    thread at whatever bytecode it runs next (tests/unit/test_limit_blocks.py raises it at every
+    point): the take runs on the worker's loop, which puts the grant in this thread's registry
+    (`_Ticket`) before it wakes the thread, so whatever the thread had done when the exception
+    came, the loop knows who holds what. `__enter__` raising withdraws the take (the loop gives
+    back a grant already made); `__exit__` asks the loop to give back what the registry holds;
+    and once the job is over (after the soft limit's disarm: nothing can be raised then),
+    whatever a block could not give back is given back (`give_back_stranded`). The thread waits
+    on a plain lock in steps of WAKE_EVERY, so a SoftTimeout raised while it waits ends the wait
+    then, not when a slot comes."""
 
     def __init__(self, name: str):
         self.name = name
-        self.grant: Grant | None = None
+        self.grant: Grant | None = None           # async blocks
+        self.ticket: _Ticket | None = None        # sync blocks
 
     def __enter__(self) -> limit:
         limiter = _limiter()
         if _on_the_loop(limiter.loop):
             raise RuntimeError("`with limit()` would block the worker's loop: in an async handler use "
                                "`async with limit()`")
-        taking = asyncio.run_coroutine_threadsafe(self._take(limiter), limiter.loop)
+        ticket = self.ticket = _Ticket(limiter.gate(self.name), _registry())
         try:
-            self.grant = taking.result()
+            limiter.loop.call_soon_threadsafe(ticket.start)
+            while not ticket.ready.acquire(timeout=WAKE_EVERY):
+                pass
         except BaseException:
-            # Raised in this thread while it waited (workers.soft_timeout's SoftTimeout): the take
-            # goes on on the loop, and a grant it gets would be held by nobody, renewed for good:
-            # given back the moment it comes. (Not cancelled: a take that completes while its
-            # cancel is on its way to the loop would drop its grant on the floor.)
-            taking.add_done_callback(_give_back_unused)
+            self.ticket = None
+            limiter.loop.call_soon_threadsafe(ticket.withdraw)
             raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        grant, self.grant = self.grant, None
-        if grant is not None:
-            grant.gate.limiter.loop.call_soon_threadsafe(grant.gate.give_back, grant)
+        ticket = self.ticket
+        if ticket is not None:
+            ticket.gate.limiter.loop.call_soon_threadsafe(ticket.give_back)
+            self.ticket = None
 
     async def __aenter__(self) -> limit:
-        self.grant = await self._take(_limiter())
+        self.grant = await _limiter().gate(self.name).take()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -560,8 +567,68 @@ class limit:  # noqa: N801 (used like a function: `with limit("db"):`)
         if grant is not None:
             grant.gate.give_back(grant)
 
-    async def _take(self, limiter: Limiter) -> Grant:
-        return await limiter.gate(self.name).take()
+
+WAKE_EVERY = 0.25                 # a sync block waiting for its limit looks up this often (a SoftTimeout lands then)
+_blocks = threading.local()       # per thread: the grants its sync blocks hold (`_Ticket.held`)
+_tickets = itertools.count(1)
+
+
+def _registry() -> dict[int, Grant]:
+    held = getattr(_blocks, "held", None)
+    if held is None:
+        held = _blocks.held = {}
+    return held
+
+
+class _Ticket:
+    """One sync block's take, between its handler thread and the worker's loop. Every decision is
+    made on the loop (one thread, so no race): the thread only posts `start`, then `give_back` or
+    `withdraw`, in that order, and waits for `ready`. The grant is in the thread's registry
+    (`held`) from the moment the loop makes it until the loop gives it back, so a grant is never
+    held by nobody and never given back twice (Gate.give_back ignores a grant given back already)."""
+
+    def __init__(self, gate: Gate, held: dict[int, Grant]):
+        self.gate, self.held, self.key = gate, held, next(_tickets)
+        self.ready = threading.Lock()
+        self.ready.acquire()
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self.take())
+
+    async def take(self) -> None:
+        grant = await self.gate.take()
+        self.held[self.key] = grant
+        self.ready.release()
+
+    def withdraw(self) -> None:
+        """`__enter__` raised: its take is cancelled (Gate.take gives back a grant made as it was),
+        and a grant already made is given back."""
+        if self.task is not None:
+            self.task.cancel()
+        self.give_back()
+
+    def give_back(self) -> None:
+        grant = self.held.pop(self.key, None)
+        if grant is not None:
+            grant.gate.give_back(grant)
+
+
+def give_back_stranded() -> None:
+    """In a handler thread once its job is over and nothing can be raised in it any more: what a
+    sync block of the job could not give back (a SoftTimeout landed in `__exit__` before it
+    asked) goes back now. A plain read of this thread's registry: the loop only ever removes
+    from it, and a block whose take is still under way has withdrawn it already."""
+    held = getattr(_blocks, "held", None)
+    if held and _current is not None and _current.limiter is not None:
+        _current.limiter.loop.call_soon_threadsafe(_give_back_all, held)
+
+
+def _give_back_all(held: dict[int, Grant]) -> None:
+    for key in list(held):
+        grant = held.pop(key, None)
+        if grant is not None:
+            grant.gate.give_back(grant)
 
 
 def _limiter() -> Limiter:
