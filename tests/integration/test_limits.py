@@ -346,3 +346,37 @@ def test_the_dashboard_shows_limits_in_use_and_a_pause_in_chromium(nats_server, 
         b.close()
         gate.write_text("go")
         run_cli("resume", "--config", str(cfg))
+
+
+# ---------------------------------------------------------------- a server that forgot what it delivered
+
+def test_a_parked_job_delivered_again_at_delivery_1_runs_and_gives_its_slot_back(nats_server, supervisor_factory,
+                                                                                 tmp_path):
+    """The consumer deleted and made again (what a server that lost the consumer's state does):
+    every unacked job comes again at delivery 1, here to the worker where its first delivery is
+    still parked for the limit. Both deliveries run (the rerun is the server's loss), and every
+    slot comes back. Before (parked jobs kept by seq and delivery): the second delivery
+    overwrote the first's entry and was never admitted, held for good."""
+    gate = tmp_path / "gate"
+    one = {"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}
+    sup = supervisor_factory(nats_server, workers={"count": 1, "concurrency": 2}, limits=one)
+    sup.wait_ready()
+    a, b = publish_to(nats_server.url, "jobs.db.write", [f"until:{gate}", "0"])
+    wait_until(lambda: sup.jobs.started() and sup.status()["limits"]["db"]["waiting"] == 1, what="A runs, B waits")
+
+    async def forget() -> None:
+        nc = await nats.connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+            info = await js.consumer_info("JOBS", "workers")
+            await js.delete_consumer("JOBS", "workers")
+            await js.add_consumer("JOBS", config=info.config)
+        finally:
+            await nc.close()
+    asyncio.run(forget())
+    wait_until(lambda: sup.status()["limits"]["db"]["waiting"] == 3, what="A and B parked again at delivery 1")
+    gate.touch()
+    wait_until(lambda: sum(r.seq == b for r in sup.jobs.done()) == 2, what="both deliveries of B run")
+    wait_until(lambda: (db := sup.status()["limits"]["db"])["in_use"] == 0 and db["held_here"] == 0
+               and db["waiting"] == 0, what="every slot given back")
+

@@ -123,11 +123,16 @@ def test_a_take_looks_again_while_the_limit_had_room_and_waits_once_it_is_full()
     asyncio.run(run())
 
 
-def test_a_job_redelivered_to_the_worker_that_parks_it_gives_back_both_deliveries_grants():
+@pytest.mark.parametrize("deliveries", [(1, 2), (1, 1)], ids=["redelivered", "delivery-1-again"])
+def test_a_job_redelivered_to_the_worker_that_parks_it_gives_back_both_deliveries_grants(deliveries):
     """A job parked past AckWait (the parent's +WPI stalled) can come back, to the same worker,
-    while its first delivery still waits. Each delivery is parked, admitted and settled with its
-    own grants (before: the second overwrote the first's entry, and one set of grants was never
-    given back: a slot held and renewed until the worker exits)."""
+    while its first delivery still waits; at delivery 1 again when the server lost the consumer's
+    state meanwhile (a server SIGKILLed, a consumer deleted and made again). Both deliveries are
+    the job's (at least once: the server's loss explains the rerun), so each is parked, admitted
+    and settled with its own grants. Before (keys by seq and delivery): the second overwrote the
+    first's entry, one set of grants was never given back (a slot held and renewed until the
+    worker exits), and with equal keys the second delivery was never admitted at all (held,
+    kept alive by +WPI, never run)."""
     import asyncio
 
     from workers import Job
@@ -153,16 +158,17 @@ def test_a_job_redelivered_to_the_worker_that_parks_it_gives_back_both_deliverie
         limits = Limits(Config().replace(limits={"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}))
         gate = FakeGate()
         limits.limiter = type("FakeLimiter", (), {"gate": lambda self, name: gate})()   # type: ignore[assignment]
-        first, second = (Job(b"x", "jobs.db.w", stream_seq=7, delivery=d) for d in (1, 2))
+        first, second = (Job(b"x", "jobs.db.w", stream_seq=7, delivery=d) for d in deliveries)
         admitted: list[Job] = []
         limits.park(first, first, admitted.append)
         limits.park(second, second, admitted.append)
         await asyncio.sleep(0)
         assert len(limits.parked) == len(limits.waiting) == 2      # both parked, both waiting
         gate.free.set()
-        while len(admitted) < 2:
+        for _ in range(100):
             await asyncio.sleep(0)
-        assert admitted == [first, second] and len(gate.held) == 2
+        assert admitted == [first, second] and admitted[0] is first and admitted[1] is second
+        assert len(gate.held) == 2
         for job in admitted:
             await limits.before_job(job)                               # taken already: nothing more
             await limits.after_job(job, "ack", None)

@@ -413,12 +413,15 @@ class Limits(Middleware):
         self.allowance = cfg.workers.concurrency
         self.table: slots.SlotTable | None = None       # the worker's, set before setup()
         self.limiter: Limiter | None = None
-        # By (stream seq, delivery): a job parked past AckWait (its +WPI stalled with the parent's
-        # link) can be redelivered to this same worker while its first delivery still waits, and
-        # each delivery has its own grants to give back.
-        self.granted: dict[tuple[int, int], list[Grant]] = {}     # the job's whole-job limits
-        self.parked: dict[tuple[int, int], tuple[Any, asyncio.Task]] = {}
-        self.waiting: set[tuple[int, int]] = set()   # parked jobs refused their limit once: they wait
+        # By delivery: the Job a delivery made (`id(job)`, the job kept in the value, so the id
+        # cannot be reused while the entry lives). Neither (seq, delivery) nor anything else the
+        # server says is unique to a delivery: a job parked past AckWait (its +WPI stalled with the
+        # parent's link) can be redelivered to this same worker while its first delivery still
+        # waits, at delivery 1 again if the server lost the consumer's state meanwhile, and each
+        # delivery has its own grants to give back.
+        self.granted: dict[int, tuple[Job, list[Grant]]] = {}     # the job's whole-job limits
+        self.parked: dict[int, tuple[Any, asyncio.Task]] = {}     # the task's callback holds the job
+        self.waiting: set[int] = set()   # parked jobs refused their limit once: they wait
         self.wake_pull: Callable[[], None] = lambda: None   # the worker's: a parked job waits, pull for its handler
 
     async def setup(self, ctx: Context) -> None:
@@ -460,11 +463,12 @@ class Limits(Middleware):
             for grant in grants:
                 grant.gate.give_back(grant)
             raise
-        self.granted[key] = grants
+        self.granted[key] = (job, grants)
 
     def finished(self, job: Job) -> None:
         """The job is settled (or given back unrun): its whole-job limits go back."""
-        for grant in self.granted.pop(delivery_key(job), ()):
+        _, grants = self.granted.pop(delivery_key(job), (job, ()))
+        for grant in grants:
             grant.gate.give_back(grant)
 
     # -- the hooks
@@ -511,8 +515,9 @@ class Limits(Middleware):
         return len(self.parked) - len(self.waiting) + max(0, len(self.waiting) - self.allowance)
 
 
-def delivery_key(job: Job) -> tuple[int, int]:
-    return job.stream_seq, job.delivery
+def delivery_key(job: Job) -> int:
+    """One delivery's key: its Job, made once per message received (see Limits.granted)."""
+    return id(job)
 
 
 class limit:  # noqa: N801 (used like a function: `with limit("db"):`)
