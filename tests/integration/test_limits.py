@@ -380,3 +380,76 @@ def test_a_parked_job_delivered_again_at_delivery_1_runs_and_gives_its_slot_back
     wait_until(lambda: (db := sup.status()["limits"]["db"])["in_use"] == 0 and db["held_here"] == 0
                and db["waiting"] == 0, what="every slot given back")
 
+
+# ---------------------------------------------------------------- a renewal on its way (one worker's Limiter, in-process)
+
+async def limiter_on(url: str):
+    from supervisor.config import Config
+    from supervisor.nats.provision import ensure_limits_bucket
+    from workers.middleware.limits import Limiter
+
+    nc = await nats.connect(url)
+    cfg = Config().replace(limits={"db": {"concurrency": 1}})
+    await ensure_limits_bucket(nc.jetstream(), cfg)
+    return nc, cfg, await Limiter(nc, asyncio.get_running_loop(), cfg, 0, None).start()
+
+
+def test_a_renewal_answered_after_the_slot_was_given_back_leaves_it_free(nats_server, monkeypatch):
+    """The job gives its slot back while the slot's renewal is on its way: the release purges
+    below the revision it knew, and the renewal, landed first, wrote a newer one. That one is
+    purged too (before: the slot stayed held by nobody until its TTL, 10 s)."""
+    import workers.middleware.limits as limits_mod
+    from supervisor.nats.limits import held_keys
+
+    async def run() -> dict:
+        nc, cfg, limiter = await limiter_on(nats_server.url)
+        gate = limiter.gate("db")
+        grant = await gate.take()
+        k = grant.slot
+        real = limits_mod.kv_write
+
+        async def answered_after_the_give_back(*args, **kwargs):
+            revision = await real(*args, **kwargs)
+            gate.give_back(grant)                       # the job ends as the answer is on its way
+            await asyncio.gather(*limiter.tasks)        # its release: a purge below the old revision
+            return revision
+        monkeypatch.setattr(limits_mod, "kv_write", answered_after_the_give_back)
+        await limiter.renew(gate, k, gate.held[k])
+        monkeypatch.setattr(limits_mod, "kv_write", real)
+        await asyncio.gather(*limiter.tasks)
+        try:
+            return await held_keys(nc.jetstream(), cfg.fleet.limits_bucket)
+        finally:
+            await limiter.close()
+            await nc.close()
+    assert asyncio.run(run()) == {}, "the slot stays held by nobody until its TTL"
+
+
+def test_a_renewal_that_landed_but_timed_out_is_not_a_lost_slot(nats_server, monkeypatch):
+    """A renewal the server wrote but whose answer timed out: the next one (from the old
+    revision) conflicts. The slot is still this worker's (its value says so): it is renewed from
+    the newer revision, no `limit_slot_lost` (before: dropped as lost while the job ran on, so
+    it expired and a second job could take it)."""
+    import workers.middleware.limits as limits_mod
+
+    async def run() -> tuple[int, bool]:
+        nc, cfg, limiter = await limiter_on(nats_server.url)
+        gate = limiter.gate("db")
+        grant = await gate.take()
+        k, old = grant.slot, gate.held[grant.slot]
+        real = limits_mod.kv_write
+
+        async def lands_then_times_out(*args, **kwargs):
+            await real(*args, **kwargs)
+            raise TimeoutError("no answer in time")
+        monkeypatch.setattr(limits_mod, "kv_write", lands_then_times_out)
+        await limiter.renew(gate, k, old)
+        monkeypatch.setattr(limits_mod, "kv_write", real)
+        await limiter.renew(gate, k, gate.held[k])
+        renewed = gate.held.get(k, 0) > old + 1
+        lost = limiter.lost
+        gate.give_back(grant)
+        await limiter.close()
+        await nc.close()
+        return lost, renewed
+    assert asyncio.run(run()) == (0, True)

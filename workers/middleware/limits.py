@@ -378,22 +378,45 @@ class Limiter:
                                    list(g.held.items())))
 
     async def renew(self, gate: Gate, k: int, revision: int) -> None:
+        """Renew slot k at `revision`. Two races with a renewal on its way are settled here:
+          - the slot given back meanwhile: the release purged below `revision` + 1, and if this
+            renewal landed after that purge was decided, its new revision stays, a slot held by
+            nobody until its TTL. So a renewal that wrote a slot no longer held purges it too.
+          - an earlier renewal that landed but whose answer timed out: our value is at a later
+            revision, so this one conflicts. The slot is still ours (the value names this worker
+            process): its revision is taken up, and it is renewed from there."""
+        key = slot_key(gate.name, k)
         try:
-            new = await kv_write(self.nc, self.prefix + slot_key(gate.name, k), self.value, last=revision,
-                                 ttl=LEASE_TTL)
+            new = await kv_write(self.nc, self.prefix + key, self.value, last=revision, ttl=LEASE_TTL)
         except Conflict:
-            if gate.held.get(k) == revision:     # not given back meanwhile: it expired (a long outage)
-                del gate.held[k]
-                self.lost += 1
-                log.warning("worker %d: limit %s slot %d expired while held (the bucket was away longer than %ds); "
-                            "another job may hold it too now", self.slot, gate.name, k, LEASE_TTL,
-                            extra={"event": "limit_slot_lost", "limit": gate.name})
+            if gate.held.get(k) != revision:      # given back meanwhile
+                return
+            ours = await self.ours_at(key)
+            if ours is not None and ours > revision:
+                gate.held[k] = ours
+                await self.renew(gate, k, ours)
+                return
+            del gate.held[k]                      # it expired (a long outage): someone may hold it now
+            self.lost += 1
+            log.warning("worker %d: limit %s slot %d expired while held (the bucket was away longer than %ds); "
+                        "another job may hold it too now", self.slot, gate.name, k, LEASE_TTL,
+                        extra={"event": "limit_slot_lost", "limit": gate.name})
             return
         except Exception as exc:                  # the next round tries again: the TTL leaves room for 4 misses
             log.debug("worker %d: renewing limit %s slot %d: %s", self.slot, gate.name, k, exc)
             return
         if gate.held.get(k) == revision:
             gate.held[k] = new
+        elif k not in gate.held:                  # given back while this renewal was on its way
+            await self.release(gate.name, k, new)
+
+    async def ours_at(self, key: str) -> int | None:
+        """The revision of `key` when its value is this worker process's, else None."""
+        try:
+            msg = await self.nc.jetstream().get_msg(self.stream, subject=self.prefix + key)
+        except Exception:
+            return None
+        return int(msg.seq) if msg.data == self.value else None
 
 
 # ---------------------------------------------------------------- the built-in middleware
