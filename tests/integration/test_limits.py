@@ -406,6 +406,7 @@ def test_a_renewal_answered_after_the_slot_was_given_back_leaves_it_free(nats_se
         gate = limiter.gate("db")
         grant = await gate.take()
         k = grant.slot
+        gate.wanted()                                   # a worker elsewhere waits: the give-back releases
         real = limits_mod.kv_write
 
         async def answered_after_the_give_back(*args, **kwargs):

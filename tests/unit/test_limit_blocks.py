@@ -64,6 +64,9 @@ class Bucket:
     def gate(self, name: str) -> Gate:
         return self.gates[name]
 
+    def want(self, name: str) -> None:
+        """The word a worker waiting for a full limit sends: nobody else listens here."""
+
 
 @pytest.fixture
 def worker_loop(monkeypatch):
@@ -78,6 +81,7 @@ def worker_loop(monkeypatch):
         bucket.gates["db"] = Gate(bucket, 0, "db", concurrency=1, rate=0.0)    # type: ignore[arg-type]
     asyncio.run_coroutine_threadsafe(make(), loop).result(5)
     monkeypatch.setattr(limits_mod, "_current", SimpleNamespace(limiter=bucket))
+    monkeypatch.setattr(limits_mod, "LINGER", 0.0)      # a slot nobody waits for goes back at once
     yield bucket
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
@@ -89,7 +93,8 @@ def settled(bucket: Bucket) -> dict:
     async def look() -> dict | None:
         gate = bucket.gates["db"]
         for _ in range(500):
-            busy = bucket.tasks or gate.waiters or (gate.server is not None and not gate.server.done())
+            busy = bucket.tasks or gate.waiters or (gate.server is not None and not gate.server.done()) or \
+                gate.lingering is not None
             if not busy:
                 in_use, waiting, _, _ = bucket.table.limit(0)
                 return {"held": dict(gate.held), "keys": dict(bucket.keys), "in_use": in_use, "waiting": waiting}
