@@ -145,6 +145,30 @@ def test_a_soft_timeout_while_waiting_in_a_limit_block_gives_its_slot_back(nats_
     assert sup.stop() == 0 and holder.stop() == 0
 
 
+# ---------------------------------------------------------------- autoscaling beside a limit
+
+def test_autoscaling_holds_where_a_limit_binds_and_says_so(nats_server, supervisor_factory):
+    """A backlog of jobs that all need `db` (concurrency 2), autoscale from 1 up to 6 workers of
+    one handler each: a third worker would only wait for the limit, so the count holds at 2 or
+    below (never past it), and /status autoscale says the limit is why. (Without the limit the
+    same backlog takes it to 5 or more: test_autoscale.py.)"""
+    two = {"db": {"concurrency": 2, "subjects": ["jobs.db.>"]}}
+    sup = supervisor_factory(nats_server, workers={"count": 1}, limits=two, monitor={"interval": 0.25},
+                             autoscale={"enabled": True, "min": 1, "max": 6, "interval": 0.25},
+                             args=("--log-format", "json"))
+    sup.wait_ready()
+    publish_to(nats_server.url, "jobs.db.write", ["0.1"] * 400)      # 20 s of work at 2 at a time
+    a = wait_until(lambda: (a := sup.status()["autoscale"])["kind"] == "limit" and a, timeout=40,
+                   what="autoscale holding for the limit")
+    assert "limit db is full (2/2 in use" in a["reason"], a
+    done = len(sup.jobs.done())
+    wait_until(lambda: len(sup.jobs.done()) >= done + 40, what="40 more jobs (8 decisions) while it holds")
+    targets = [sup.config["workers"]["count"], *(e["to"] for e in sup.events("scaling"))]
+    assert max(targets) <= 2, f"workers added that could only wait for the limit: {targets}"
+    assert sup.status()["workers"]["target"] <= 2
+    assert most_at_once(sup.jobs.records()) <= 2
+
+
 # ---------------------------------------------------------------- a worker that dies holding a slot
 
 def test_a_worker_killed_holding_a_slot_frees_it_at_once(nats_server, supervisor_factory, tmp_path):
