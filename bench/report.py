@@ -256,6 +256,10 @@ def targets(results: dict) -> list[dict]:
                            " MiB"))
         out.append(_target(f"{s['many_workers']} workers started and serving", s["many_workers_serving"], ">=",
                            s["many_workers"], "d", f" of {s['many_workers']}"))
+    held = (results.get("limits") or {}).get("rate")
+    if held:        # issue 26: over 30 s and more in the full and quick profiles (3 s in --smoke)
+        out.append(_target(f"rate = {held['rate']:g}/s, {held['starts']} starts over {held['span_s']:g} s: most starts in "
+                           "any 0.95 s (the handlers' stamps)", held["most_in_0.95s"], "<=", held["rate"], "g"))
     pub = results.get("publish")
     if pub:
         ours = next(r for r in pub["summary"] if r["contender"] == "supervisor-publish")

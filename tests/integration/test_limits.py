@@ -334,6 +334,49 @@ def test_a_drain_gives_back_parked_jobs_and_their_limits(nats_server, supervisor
     wait_until(lambda: second.status()["limits"]["db"]["in_use"] == 0, what="the slot free")
 
 
+def test_limits_beside_the_idempotency_guard(nats_server, supervisor_factory):
+    """[idempotency] inside [limits]: three copies of one job (one key) and three others, a cap
+    of 1. The first copy runs; the other two get the slot in turn, are acked as duplicates
+    without running, and give the slot back: still one at a time, all at delivery 1, the slot
+    free at the end."""
+    one = {"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}
+    sup = supervisor_factory(nats_server, workers={"count": 2}, limits=one, idempotency={"enabled": True})
+    sup.wait_ready()
+
+    async def publish_copies() -> None:
+        nc = await nats.connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+            for k in range(6):
+                key = {"Supervisor-Key": "same"} if k % 2 == 0 else None
+                await js.publish("jobs.db.write", b"0.1", headers=key)
+        finally:
+            await nc.close()
+    asyncio.run(publish_copies())
+    status = wait_until(lambda: (st := sup.status())["jobs"]["duplicate"] == 2 and st["jobs"]["ack"] == 4 and st,
+                        what="two copies acked as duplicates, four jobs run")
+    recs = sup.jobs.records()
+    assert len(sup.jobs.started()) == 4 and most_at_once(recs) == 1 and {r.delivery for r in recs} == {1}
+    wait_until(lambda: sup.status()["limits"]["db"]["in_use"] == 0, what="the slot free")
+    assert status["limits"]["db"]["waiting"] == 0
+
+
+def test_limits_through_a_reconnect(nats_server, supervisor_factory):
+    """The server restarted while jobs hold and wait for a cap of 1: the workers reconnect, the
+    slot their jobs held is kept or taken again, never two at once, every job done, the slot free
+    at the end."""
+    one = {"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}
+    sup = supervisor_factory(nats_server, workers={"count": 2}, limits=one)
+    sup.wait_ready()
+    seqs = publish_to(nats_server.url, "jobs.db.write", ["0.2"] * 6)
+    wait_until(lambda: len(sup.jobs.done()) >= 2, what="jobs running through the limit")
+    nats_server.stop()
+    nats_server.start()
+    wait_until(lambda: all_done([sup], seqs), timeout=60, what="every job done after the reconnect")
+    assert most_at_once(sup.jobs.records()) == 1
+    wait_until(lambda: (st := sup.try_status()) and st["limits"]["db"]["in_use"] == 0, what="the slot free")
+
+
 # ---------------------------------------------------------------- the dashboard
 
 def test_the_dashboard_shows_limits_in_use_and_a_pause_in_chromium(nats_server, supervisor_factory, tmp_path):
