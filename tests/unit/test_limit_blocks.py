@@ -41,6 +41,7 @@ class Bucket:
         self.tasks: set[asyncio.Task] = set()
         self.table = slots.SlotTable(4, 64, limits=1)
         self.gates: dict[str, Gate] = {}
+        self.closing = False
 
     async def create(self, key: str, ttl: int) -> int:
         if key in self.keys:
@@ -195,7 +196,7 @@ def test_a_soft_timeout_while_a_block_waits_gives_up_its_place_at_once(worker_lo
                 outcome.append(AssertionError("the block ran without the slot"))
         except SoftTimeout as exc:
             outcome.append(exc)
-    t = threading.Thread(target=handler)
+    t = threading.Thread(target=handler, daemon=True)
     t.start()
 
     async def waiting() -> bool:

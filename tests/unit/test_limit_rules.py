@@ -90,7 +90,7 @@ class FakeBucket:
 
     def __init__(self, taken: set[str] = frozenset()):
         self.keys, self.asked, self.released, self.wants = set(taken), [], [], 0
-        self.table = None
+        self.table, self.closing = None, False
 
     async def create(self, key: str, ttl: int) -> int:
         from workers.middleware.guard import Conflict

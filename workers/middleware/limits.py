@@ -40,12 +40,12 @@ waits where it is, held (and kept alive by the parent's +WPI like any held job).
 
 Whole-job limits do not take a handler while they wait (`Limits.park`): a pulled job that needs
 one and cannot have it at once (`Limits.hold_now`) is parked (it stays in the slot table, HELD)
-until it has them, then goes first in the worker's queue; jobs that need none go on past it. A parked job counts as taking a handler
-(for pull sizing: `occupying`) while it tries for its limits (most get them at once, and would
-find the handler given away), and again beyond `workers.concurrency` of them waiting: a worker
-holds at most `concurrency` jobs waiting for a limit on top of what it can run, and stops
-pulling what it could not start. A drain NAKs parked jobs at once (they never started); a
-retirement lets them wait, within graceful_timeout.
+until it has them, then goes first in the worker's queue; jobs that need none go on past it. A
+parked job counts as taking a handler (for pull sizing: `occupying`) while it tries for its
+limits (most get them at once, and would find the handler given away), and again beyond
+`workers.concurrency` of them waiting: a worker holds at most `concurrency` jobs waiting for a
+limit on top of what it can run, and stops pulling what it could not start. A drain NAKs parked
+jobs at once (they never started); a retirement lets them wait, within graceful_timeout.
 """
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ class Gate:
         self.idle: dict[int, float] = {}      # spares lingering: index -> since when (monotonic)
         self.lingering: asyncio.TimerHandle | None = None     # the next look at what lingers too long
         self.wanted_until = 0.0               # a worker elsewhere waits for this limit until then (monotonic)
+        self.taking = False                   # serve() has a take's requests out
         self.wanted_at = -WANT_EVERY          # when this worker last said it waits
 
     # -- for the waiters
@@ -236,17 +237,20 @@ class Gate:
     # -- taking it for them, a batch of attempts at a time
 
     async def serve(self) -> None:
-        while self.someone_waits():
+        while self.someone_waits() and not self.limiter.closing:
             try:
+                self.taking = True                # a request out: Limiter.close lets it come back
                 grants, wait = await self.attempt(min(self.live_waiters(), BATCH))
             except Exception as exc:              # the bucket does not answer: wait, never run unlimited
                 self.limiter.unavailable(self.name, exc)
                 self.tell_waiting()
                 await asyncio.sleep(UNAVAILABLE_RETRY)
                 continue
+            finally:
+                self.taking = False
             for grant in grants:
                 self.hand(grant)
-            if grants:
+            if grants or self.limiter.closing:
                 continue
             self.tell_waiting()
             if self.concurrency:
@@ -439,6 +443,7 @@ class Limiter:
         self.sub: Any = None
         self.last_warning = 0.0
         self.lost = 0
+        self.closing = False
 
     async def start(self) -> Limiter:
         self.sub = await self.nc.subscribe(words_subject(self.bucket), cb=self.on_word)
@@ -447,9 +452,21 @@ class Limiter:
 
     async def close(self) -> None:
         """The worker exits: stop waiting, give back every slot it holds (for the next holder now,
-        not after their TTL)."""
-        for task in (self.renewer, *(g.server for g in self.gates.values())):
-            if task is not None:
+        not after their TTL). A take whose requests are out is let finish first (within
+        KV_TIMEOUT): cancelled, a slot the server wrote for it would be held by nobody until its
+        TTL (found by `python -m chaos --random --seed 56`: a recycled worker's exit stalled a
+        cap of 1 for 10 s)."""
+        self.closing = True
+        if self.renewer is not None:
+            self.renewer.cancel()
+        servers = [g.server for g in self.gates.values() if g.server is not None and not g.server.done()]
+        taking = [g.server for g in self.gates.values() if g.server in servers and g.taking]
+        for task in servers:
+            if task not in taking:
+                task.cancel()                     # waiting (a word, a poll, a start): nothing out
+        if taking:
+            await asyncio.wait(taking, timeout=KV_TIMEOUT + 1.0)
+            for task in taking:
                 task.cancel()
         releases = [self.release(g.name, k, rev) for g in self.gates.values() for k, rev in g.held.items()]
         for g in self.gates.values():
@@ -540,14 +557,19 @@ class Limiter:
             nobody until its TTL. So a renewal that wrote a slot no longer held purges it too.
           - an earlier renewal that landed but whose answer timed out: our value is at a later
             revision, so this one conflicts. The slot is still ours (the value names this worker
-            process): its revision is taken up, and it is renewed from there."""
+            process): its revision is taken up, and it is renewed from there (or, given back
+            while we read it, purged up to it).
+        Every decision is made on what `held` says after the last await (a give-back may have
+        come in while a request was out)."""
         key = slot_key(gate.name, k)
         try:
             new = await kv_write(self.nc, self.prefix + key, self.value, last=revision, ttl=LEASE_TTL)
         except Conflict:
-            if gate.held.get(k) != revision:      # given back meanwhile
-                return
             ours = await self.ours_at(key)
+            if gate.held.get(k) != revision:      # given back meanwhile (also while we read it)
+                if k not in gate.held and ours is not None and ours > revision:
+                    await self.release(gate.name, k, ours)     # the purge below `revision` left it
+                return
             if ours is not None and ours > revision:
                 gate.held[k] = ours
                 await self.renew(gate, k, ours)
