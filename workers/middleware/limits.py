@@ -163,8 +163,8 @@ class Gate:
 
     def give_back(self, grant: Grant) -> None:
         """On the loop: the holder is done (or never started); a grant given back already is
-        ignored. The slot goes to the next job waiting for it here (`hands_over`), or is released
-        in the background; the bucket's TTL frees it if that fails."""
+        ignored. The slot goes to the next job waiting for it here, lingers, or is released in the
+        background (the bucket's TTL frees it if that fails): see below."""
         if grant.counted and self.limiter.table is not None:
             self.limiter.table.limit_add(self.index, slots.LIMIT_IN_USE, -1)
         grant.counted = False
@@ -238,16 +238,16 @@ class Gate:
 
     async def serve(self) -> None:
         while self.someone_waits() and not self.limiter.closing:
+            self.taking = True                    # requests out: Limiter.close lets them come back
             try:
-                self.taking = True                # a request out: Limiter.close lets it come back
                 grants, wait = await self.attempt(min(self.live_waiters(), BATCH))
             except Exception as exc:              # the bucket does not answer: wait, never run unlimited
+                self.taking = False
                 self.limiter.unavailable(self.name, exc)
                 self.tell_waiting()
                 await asyncio.sleep(UNAVAILABLE_RETRY)
                 continue
-            finally:
-                self.taking = False
+            self.taking = False
             for grant in grants:
                 self.hand(grant)
             if grants or self.limiter.closing:
@@ -307,7 +307,7 @@ class Gate:
     def take_now(self) -> Grant | None:
         """A lingering spare slot for the caller at once (no task, no request), when nobody here
         waits before it; else None (take() then)."""
-        if self.starts or self.waiters or not self.spares:
+        if self.starts or not self.spares or self.someone_waits():
             return None
         slot = self.spares.pop()
         self.idle.pop(slot, None)
