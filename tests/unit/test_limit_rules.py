@@ -212,9 +212,11 @@ def test_a_slot_passes_from_job_to_job_in_a_worker_until_someone_elsewhere_wants
         slot, asked = first.slot, len(bucket.asked)
         waiting = asyncio.ensure_future(gate.take())
         await asyncio.sleep(0)
+        gate.roomy = False                                        # (no lingering: the hand-over itself)
         gate.give_back(first)                                     # handed over, not released
         second = await waiting
         assert second.slot == slot and not bucket.released
+        gate.roomy = True
         gate.give_back(second)                                    # nobody waits: it lingers
         third = gate.take_now()
         assert third is not None and third.slot == slot and len(bucket.asked) == asked and not bucket.released
