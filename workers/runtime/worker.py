@@ -335,7 +335,7 @@ class Worker:
             self.emit(Settled(job.stream_seq, job.delivery, "nak", "table full"))
             await self.nc.publish(msg.reply, b"-NAK")
             return
-        if self.limits is not None and self.limits.needs(job):
+        if self.limits is not None and self.limits.needs(job) and not self.limits.hold_now(job):
             self.limits.park((msg, i, job), job, self.admitted)   # it waits for its limits without a handler
             self.changed.set()           # a shutdown NAKs it at once; a retirement lets it wait
             return
