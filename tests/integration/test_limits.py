@@ -103,6 +103,67 @@ def test_jobs_needing_no_limit_go_past_jobs_waiting_for_one(nats_server, supervi
     assert most_at_once(recs, "db") == 3
 
 
+def test_a_slot_is_taken_for_a_job_only_when_a_handler_is_free_to_start_it(nats_server, supervisor_factory,
+                                                                            tmp_path):
+    """concurrency = 2 over three consumers' supervisors. H holds both slots until the test lets
+    them go. A's one worker, its handler idle, holds two limited jobs that wait. The slots free:
+    A can start one job, so it takes one slot. B's idle worker then gets a limited job: it takes
+    the other slot and starts while A's first job runs. Before: each job A held waiting had a
+    take under way, so A took both slots, one for a job queued behind its own handler, and B's
+    worker, idle, waited for A's first job to end. (Apart consumers, so that which worker a
+    message goes to is not at stake here: only the slots.)"""
+    gate = tmp_path / "gate"
+    two = {"db": {"concurrency": 2, "subjects": ["jobs.db.>", "jobs.hold"]}}
+    h, a, b = (supervisor_factory(nats_server, workers={"count": count}, limits=two,
+                                  consumer={"name": name, "filter_subject": subject})
+               for name, count, subject in (("h", 2, "jobs.hold"), ("a", 1, "jobs.db.a"), ("b", 1, "jobs.db.b")))
+    for s in (h, a, b):
+        s.wait_ready()
+    publish_to(nats_server.url, "jobs.hold", [f"until:{gate}"] * 2)
+    wait_until(lambda: len(h.jobs.started()) == 2, what="H holding both slots")
+    first = publish_to(nats_server.url, "jobs.db.a", ["db:1.0"] * 2)
+    wait_until(lambda: a.status()["limits"]["db"]["waiting"] == 2, what="A's two jobs waiting for the limit")
+    gate.touch()
+    wait_until(lambda: a.jobs.started() and h.status()["limits"]["db"]["held_here"] == 0,
+               what="H's slots given back, A's first job started")
+    [late] = publish_to(nats_server.url, "jobs.db.b", ["db:1.0"])
+    wait_until(lambda: all_done([a, b], first + [late]), what="every limited job done")
+    recs = [r for r in records(a, b) if r.data.startswith("db:")]
+    first_done = min(r.t for r in recs if r.event == "done")
+    second_start = sorted(r.t for r in recs if r.event == "start")[1]
+    assert second_start < first_done, ("a slot was held for a job no handler could start: the second limited "
+                                       f"job started {second_start - first_done:.2f} s after the first was done")
+    assert most_at_once(records(a, b, h)) <= 2 and {r.delivery for r in recs} == {1}
+
+
+def test_jobs_needing_no_limit_flow_past_several_jobs_waiting_on_an_idle_handler(nats_server, supervisor_factory,
+                                                                                  tmp_path):
+    """concurrency = 1, held by a job that runs until the test lets it go. Two workers of one
+    handler each (a pool): the other worker takes three limited jobs that must wait, then free
+    jobs come. Its handler is idle, so it takes them and they run while the limit is still
+    full. Before: waiting jobs beyond `workers.concurrency` (here 1) counted as taking its
+    handler, so it stopped pulling with the handler idle, and the free jobs waited for the limit
+    to free (the pool stalled; the same with several limited jobs brought by one pull)."""
+    gate = tmp_path / "gate"
+    one = {"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}
+    sup = supervisor_factory(nats_server, workers={"count": 2}, limits=one)
+    sup.wait_ready()
+    held = publish_to(nats_server.url, "jobs.db.hold", [f"until:{gate}"])
+    wait_until(lambda: sup.jobs.started(), what="the limit held")
+    limited = publish_to(nats_server.url, "jobs.db.write", ["db:0.05"] * 3)
+    wait_until(lambda: sup.status()["limits"]["db"]["waiting"] >= 2, what="limited jobs waiting")
+    free = publish_to(nats_server.url, "jobs.free.x", ["free:0.05"] * 10)
+    try:
+        wait_until(lambda: all_done([sup], free), timeout=15, what="free jobs run while the limit is full")
+        assert not [r for r in sup.jobs.records() if r.data.startswith("db:")], "a limited job ran over the cap"
+    finally:
+        gate.touch()
+    wait_until(lambda: all_done([sup], held + limited), what="the limited jobs once the limit frees")
+    recs = sup.jobs.records()
+    assert most_at_once([r for r in recs if not r.data.startswith("free")]) == 1
+    assert {r.delivery for r in recs} == {1}
+
+
 def test_a_limit_held_for_part_of_a_job(nats_server, supervisor_factory, tmp_path):
     """`with limit("db"):` in a sync handler and `async with` in an async one: the blocks, not
     the jobs, are limited (the jobs' subjects match no limit)."""

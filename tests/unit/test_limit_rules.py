@@ -111,6 +111,12 @@ class FakeBucket:
     def want(self, name: str) -> None:
         self.wants += 1
 
+    def admit(self) -> None:
+        """Before each take: a worker's parked jobs without a handler withdraw (none here)."""
+
+    def timed(self, seconds: float) -> None:
+        """A take's round trip (the worker's look-ahead): not measured here."""
+
 
 def test_a_take_looks_again_while_the_limit_had_room_and_waits_once_it_is_full():
     """With room to spare, each take finds a slot itself (before: only the first did; the next
@@ -155,11 +161,19 @@ def test_a_job_redelivered_to_the_worker_that_parks_it_gives_back_both_deliverie
     from workers.middleware.limits import Grant, Limits
 
     class FakeGate:                       # one slot, free when the test says
+        index = 0
+
         def __init__(self) -> None:
             self.free = asyncio.Event()
             self.held: list[Grant] = []
 
-        async def take(self, waiting=None) -> Grant:
+        def known_full(self) -> bool:
+            return False
+
+        def take_now(self) -> None:
+            return None
+
+        async def take(self, waiting=None, counted=True) -> Grant:
             if waiting is not None and not self.free.is_set():
                 waiting()
             await self.free.wait()
@@ -171,7 +185,8 @@ def test_a_job_redelivered_to_the_worker_that_parks_it_gives_back_both_deliverie
             self.held.remove(grant)
 
     async def run() -> None:
-        limits = Limits(Config().replace(limits={"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}))
+        limits = Limits(Config().replace(limits={"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}},
+                                         workers={"concurrency": 2}))      # a handler free for each
         gate = FakeGate()
         limits.limiter = type("FakeLimiter", (), {"gate": lambda self, name: gate})()   # type: ignore[assignment]
         first, second = (Job(b"x", "jobs.db.w", stream_seq=7, delivery=d) for d in deliveries)
@@ -179,7 +194,7 @@ def test_a_job_redelivered_to_the_worker_that_parks_it_gives_back_both_deliverie
         limits.park(first, first, admitted.append)
         limits.park(second, second, admitted.append)
         await asyncio.sleep(0)
-        assert len(limits.parked) == len(limits.waiting) == 2      # both parked, both waiting
+        assert len(limits.parked) == len(limits.parked.waiting) == 2      # both parked, both waiting
         gate.free.set()
         for _ in range(100):
             await asyncio.sleep(0)

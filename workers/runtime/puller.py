@@ -40,6 +40,7 @@ class PullHost(Protocol):
     changed: asyncio.Event                 # wind_down waits on it
 
     def outstanding(self) -> int: ...      # queued and running jobs
+    def waiting(self) -> tuple[int, bool]: ...   # jobs parked for a full limit; one held for its turn
 
 
 class Puller:
@@ -191,7 +192,8 @@ class Puller:
         # A worker due for recycling takes no job it will not run: what it may still start is the
         # limit less what it started or still may (received, not given back) and what is on its way.
         jobs_left = self.job_limit - (self.received - self.given_back) - self.credits if self.job_limit else None
-        return self.sizer.size(now, outstanding, self.credits, table.free_entries(), jobs_left)
+        waiting, held = self.owner.waiting()
+        return self.sizer.size(now, outstanding, self.credits, table.free_entries(), jobs_left, waiting, held)
 
     def not_started(self, n: int = 1) -> None:
         """A message received and settled without running: its handler was never called because a

@@ -56,6 +56,17 @@ machine, which is what the buffer must hide). The bounds:
 What a worker may have on the wire when it dies (its credits) is at most its capacity, and
 `concurrency` once it has been idle IDLE_STALE seconds.
 
+Jobs parked for a limit ([limits], workers/middleware/limits.py) are counted two ways. One that
+waits for a full limit takes no handler and no place in the buffer (`waiting`): a free handler
+asks for work, so jobs that need no limit keep flowing past it. While any wait, the worker asks
+only for what its free handlers can start (no buffer: a buffered job could wait too, and jobs
+that wait then spread over the fleet by its handlers, not by who buffered most), and only while
+fewer than its allowance wait: WAIT_ROUNDS rounds of its handlers, or its capacity if that is
+more (so a pull alone never stops a worker). Past that it asks for nothing until one starts:
+more would only be work it cannot start, held from workers that could. And a pulled job not yet
+at its turn to take its limits (`held`: they are taken only for a job a handler can start soon)
+stops the asking altogether until it is, or it would be overtaken by every refill.
+
 Pure: no clock is read here, every time is passed in.
 """
 
@@ -72,6 +83,7 @@ IDLE_STALE = 5.0       # seconds without a message before the job time is no lon
 SPREAD_JOBS = 1000     # the residual is an average over about this many recent jobs
 BACKLOG_RUN = 3        # a backlog: this many messages in a row said more were pending
 BUFFER_REQUESTS = 4    # the buffer holds at most this many requests of workers.batch (within the fair share)
+WAIT_ROUNDS = 4        # jobs waiting for a full limit a worker holds at most: this many rounds of its handlers
 
 
 class PullSizer:
@@ -165,13 +177,21 @@ class PullSizer:
         """Jobs running, buffered and asked for, at most."""
         return min(self.concurrency + self.prefetch(now), self.share)
 
+    def waiting_allowance(self, now: float) -> int:
+        """How many jobs waiting for a full limit a worker holds before it asks for no more."""
+        return max(WAIT_ROUNDS * self.concurrency, self.capacity(now))
+
     def size(self, now: float, outstanding: int, credits: int, free_entries: int,
-             jobs_left: int | None = None) -> int:
+             jobs_left: int | None = None, waiting: int = 0, held: bool = False) -> int:
         """The next pull request's batch, or 0 to send none. `outstanding`: buffered, running and
         asked for; `credits`: asked for and not yet received; `free_entries`: slot-table entries
-        not in use; `jobs_left`: jobs this worker may still take (max_jobs), None for no limit."""
-        capacity = self.capacity(now)
-        room = min(capacity - outstanding, free_entries - credits)
+        not in use; `jobs_left`: jobs this worker may still take (max_jobs), None for no limit;
+        `waiting`: jobs parked for a full limit (not in `outstanding`); `held`: a job parked
+        until it is its turn to take its limits (see the module's docstring)."""
+        if held or (waiting and waiting >= self.waiting_allowance(now)):
+            return 0
+        capacity = min(self.concurrency, self.share) if waiting else self.capacity(now)
+        room = min(capacity - outstanding, free_entries - credits, self.share - outstanding - waiting)
         # Top up only once half the buffer is free: few, large requests, no dribbling. With no
         # buffer, as soon as a handler is free: it would otherwise wait for another to finish.
         if room < max(1, (capacity - self.concurrency + 1) // 2):
