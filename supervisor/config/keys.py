@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor.config.schedules import ROOT, entry_problems, in_space
+from supervisor.config.ordering import problems as ordering_problems
+from supervisor.config.schedules import ROOT, entry_problems, in_space, job_subjects
 from supervisor.config.subjects import parse_hostport, subject_matches, valid_subject
 from supervisor.errors import ConfigError
 
@@ -208,6 +209,14 @@ class TracingConfig:
 
 
 @dataclass(frozen=True)
+class OrderingConfig:
+    # Workers read it at fork (workers/runtime/ordering.py); the parent for /status.
+    key: str = key("", "\"\": unordered. \"subject:N\": the N-th token (1-based) of a job's subject is its key; jobs "
+                       "of one key run one at a time in stream order, keys in parallel (README: Ordered per key)",
+                   reload=REPLACE)
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = key("info", "debug, info, warning or error", reload=LIVE,
                      choices=("debug", "info", "warning", "error"))
@@ -244,6 +253,12 @@ class LimitConfig:
 
 NAMED: dict[str, type] = {"schedules": ScheduleConfig, "limits": LimitConfig}
 
+# Keys that were in a plan or a release and are no more: setting one is exit 2 saying why.
+RETIRED: dict[str, str] = {
+    "ordering.partitions": "jobs are ordered per key by the stream itself: there are no partitions to hash keys "
+                           "into, and keys never wait for each other (README: Ordered per key); remove it",
+}
+
 
 @dataclass(frozen=True)
 class Config:
@@ -259,6 +274,7 @@ class Config:
     autoscale: AutoscaleConfig = AutoscaleConfig()
     monitor: MonitorConfig = MonitorConfig()
     tracing: TracingConfig = TracingConfig()
+    ordering: OrderingConfig = OrderingConfig()
     log: LogConfig = LogConfig()
     schedules: Mapping[str, ScheduleConfig] = field(default_factory=lambda: Entries())
     limits: Mapping[str, LimitConfig] = field(default_factory=lambda: Entries())
@@ -509,6 +525,17 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
             fail("nats.servers", "each server must be a URL like nats://host:4222")
     _check_limits(cfg, fail)
     _check_schedules(cfg, fail)
+    _check_ordering(cfg, fail)
+
+
+def _check_ordering(cfg: Config, fail: Any) -> None:
+    if not cfg.ordering.key:
+        return
+    for problem in ordering_problems(cfg.ordering.key, job_subjects(cfg)):
+        fail("ordering.key", problem)
+    if cfg.stream.retention != "workqueue":
+        fail("ordering.key", f"needs stream.retention = \"workqueue\" (got {cfg.stream.retention!r}): a job is known done "
+                             "when the stream no longer stores it")
 
 
 def _check_limits(cfg: Config, fail: Any) -> None:

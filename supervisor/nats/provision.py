@@ -86,6 +86,8 @@ async def ensure(nc: Any, cfg: Config) -> None:
         stream = await ensure_stream(js, stream_config(cfg), cfg.stream.create, "stream")
         warn_schedules(cfg, stream)
         await ensure_consumer(js, cfg, list(stream.subjects or ()))
+        if cfg.ordering.key:
+            await check_ordering(js, cfg, stream)
         if cfg.restart.dead_letter_stream and cfg.restart.dead_letter_subject:
             dlq = api.StreamConfig(name=cfg.restart.dead_letter_stream, subjects=[cfg.restart.dead_letter_subject],
                                    retention=api.RetentionPolicy.LIMITS, storage=STORAGE[cfg.stream.storage],
@@ -232,6 +234,23 @@ async def ensure_consumer(js: Any, cfg: Config, stream_subjects: list[str] | Non
                     cfg.consumer.name, name, had, wanted,
                     extra={"event": "consumer_differs", "consumer": cfg.consumer.name, "setting": name,
                            "have": had, "want": wanted})
+
+
+async def check_ordering(js: Any, cfg: Config, stream: api.StreamConfig) -> None:
+    """[ordering] knows a job is done when the stream no longer stores it: a work queue, whose
+    consumer delivers exactly the subjects the workers ask the stream about (job_subjects)."""
+    if stream.retention != api.RetentionPolicy.WORK_QUEUE:
+        kind = getattr(stream.retention, "value", stream.retention)
+        raise ConfigError("ordering.key", f"stream {cfg.stream.name} is not a work queue (retention {kind}): a job would "
+                                          "stay stored once done, and its key would wait for it for good")
+    have = (await js.consumer_info(cfg.stream.name, cfg.consumer.name)).config
+    delivers = have.filter_subjects or ([have.filter_subject] if have.filter_subject else
+                                        [s for s in stream.subjects or () if not sched.in_space(s)])
+    ours = sched.job_subjects(cfg)
+    if sorted(delivers) != sorted(ours):
+        raise ConfigError("ordering.key", f"consumer {cfg.consumer.name} delivers {', '.join(delivers)} but the config "
+                                          f"names {', '.join(ours)} (consumer.filter_subject, else stream.subjects): "
+                                          "workers would ask the stream about other jobs than theirs")
 
 
 async def ensure_idempotency(js: Any, cfg: Config) -> None:

@@ -33,6 +33,7 @@ class Collector:
         yield from self.consumer(self.snap)
         yield from self.crosscheck(self.snap)
         yield from self.limits(self.snap)
+        yield from self.ordering(self.snap)
 
     def workers(self, snap: Snapshot) -> Iterator[Metric]:
         pool = snap.pool
@@ -74,6 +75,25 @@ class Collector:
         yield from (in_use, waiting, waited, taken)
         yield GaugeMetricFamily(P + "consumer_paused", "1 while the consumer is paused (its PauseUntil)",
                                 value=int(bool(snap.consumer.values.get("paused_until"))))
+
+    def ordering(self, snap: Snapshot) -> Iterator[Metric]:
+        """[ordering]: jobs parked for their key's turn here; the jobs keys have in the stream."""
+        v = snap.ordering
+        if v is None:
+            return
+        yield GaugeMetricFamily(P + "ordering_parked", "Jobs parked now until they are the first of their key",
+                                value=v.parked)
+        yield GaugeMetricFamily(P + "ordering_waiting_keys", "Distinct keys of the parked jobs", value=v.waiting_keys)
+        yield GaugeMetricFamily(P + "ordering_longest_wait_seconds", "How long the longest-parked job has waited",
+                                value=max((b.since_s for b in v.blocked), default=0.0))
+        yield CounterMetricFamily(P + "ordering_checks", "Times workers asked the stream for a key's first job",
+                                  value=v.checks)
+        yield CounterMetricFamily(P + "ordering_wait_seconds", "Seconds jobs spent parked for their key's turn",
+                                  value=v.waited_s)
+        if v.backlog.get("keys") is not None:
+            yield GaugeMetricFamily(P + "ordering_backlog_keys", "Keys with jobs in the stream", value=v.backlog["keys"])
+            yield GaugeMetricFamily(P + "ordering_backlog_jobs", "Jobs in the stream that have a key",
+                                    value=v.backlog["jobs"])
 
     def durations(self, pool: PoolView) -> Metric:
         buckets, running = [], 0

@@ -34,7 +34,8 @@ class JobView:
     """One job a worker holds."""
     stream_seq: int
     delivery: int
-    state: str              # held (pulled, not started) | running | acked (ack sent, not yet fenced)
+    state: str              # held (pulled, not started) | parked (waiting for its key's turn) | running
+                            # | acked (ack sent, not yet fenced)
     age_s: float            # since it was held; a running job: since it started
     timer_age_s: float      # how long its AckWait timer has run (since it was held or last pinged)
     reply: str              # its $JS.ACK reply subject
@@ -112,6 +113,29 @@ class LimitView:
 
 
 @dataclass(frozen=True)
+class KeyWait:
+    """A key whose jobs wait here, parked until they are the first of it in the stream."""
+    key: str
+    head_seq: int | None                   # the first job of it the stream last said it stores (None: not asked yet)
+    waiting: int                           # its jobs parked here
+    since_s: float                         # the longest of them has waited this long
+
+
+@dataclass(frozen=True)
+class OrderingView:
+    """[ordering]: jobs parked in this supervisor's workers (their slot tables), and the jobs each
+    key has in the stream (the monitor's count: supervisor/nats/ordering.py)."""
+    key: str                               # ordering.key, "subject:N"
+    parked: int                            # jobs parked now
+    waiting_keys: int                      # distinct keys among them
+    blocked: tuple[KeyWait, ...]           # the keys whose jobs waited longest, longest first
+    checks: int                            # times the stream was asked, since start
+    waited_s: float                        # seconds jobs spent parked, since start (those no longer parked)
+    backlog: Mapping[str, Any]             # {"keys", "jobs", "top": [{"key", "jobs"}]} (+ "note"); {} before a count
+    backlog_age_s: float | None
+
+
+@dataclass(frozen=True)
 class Alert:
     kind: str
     message: str
@@ -143,3 +167,4 @@ class Snapshot:
     limits: tuple[LimitView, ...] = field(default=())   # [limits.NAME], in the config's order
     limits_error: str = ""                 # the limits bucket did not answer the last read
     schedules: Mapping[str, Any] = field(default_factory=dict)   # what start's reconcile did (nats/schedules.py)
+    ordering: OrderingView | None = None   # [ordering] on

@@ -17,8 +17,10 @@ from supervisor.observe.snapshot import (
     ConsumerView,
     Counters,
     JobView,
+    KeyWait,
     LimitView,
     NatsView,
+    OrderingView,
     PoolView,
     Snapshot,
     WorkerView,
@@ -31,6 +33,7 @@ from supervisor.parent.tasks.monitor import Monitor
 from workers.protocol import slots
 
 HELD_STATES = (slots.HELD, slots.RUNNING, slots.ACKED)
+BLOCKED_SHOWN = 10          # [ordering]: keys listed in /status `ordering.blocked`
 
 
 def take(arbiter: Arbiter, monitor: Monitor | None, fleet: Fleet | None, nc: Any, embedded: bool,
@@ -52,7 +55,25 @@ def take(arbiter: Arbiter, monitor: Monitor | None, fleet: Fleet | None, nc: Any
         raised=(*(Alert(a["kind"], a["message"], a["t"]) for a in arbiter.alerts),
                 *(Alert(a["kind"], a["message"]) for a in (fleet.alerts() if fleet else ()))),
         limits=limit_views(arbiter, monitor), limits_error=monitor.limits_error if monitor else "",
-        schedules=dict(schedules or {}))
+        schedules=dict(schedules or {}), ordering=ordering_view(arbiter, monitor, now))
+
+
+def ordering_view(arbiter: Arbiter, monitor: Monitor | None, now: float) -> OrderingView | None:
+    """[ordering]: the parked jobs of every living worker, grouped by key, longest waiting first."""
+    if not arbiter.cfg.ordering.key:
+        return None
+    keys: dict[str, list[slots.Entry]] = {}
+    for w in arbiter.pool.living():
+        for e in w.table.snapshot():
+            if e.key and e.state == slots.HELD:
+                keys.setdefault(e.key, []).append(e)
+    blocked = sorted((KeyWait(key, max(e.waiting_for for e in es) or None, len(es), now - min(e.t_held for e in es))
+                      for key, es in keys.items()), key=lambda k: -k.since_s)
+    checks, waited = arbiter.stats.ordering()
+    return OrderingView(key=arbiter.cfg.ordering.key, parked=sum(len(es) for es in keys.values()),
+                        waiting_keys=len(keys), blocked=tuple(blocked[:BLOCKED_SHOWN]), checks=checks, waited_s=waited,
+                        backlog=dict(monitor.backlog.counts) if monitor else {},
+                        backlog_age_s=now - monitor.backlog.at if monitor and monitor.backlog.at else None)
 
 
 def limit_views(arbiter: Arbiter, monitor: Monitor | None) -> tuple[LimitView, ...]:
@@ -112,5 +133,6 @@ def worker_view(arbiter: Arbiter, w: WorkerProcess, now: float) -> WorkerView:
 
 def job_view(arbiter: Arbiter, w: WorkerProcess, e: slots.Entry, now: float) -> JobView:
     since = e.t_started if e.state == slots.RUNNING else e.t_held
-    return JobView(stream_seq=e.stream_seq, delivery=e.delivery, state=slots.ENTRY_STATES[e.state],
+    state = "parked" if e.key and e.state == slots.HELD else slots.ENTRY_STATES[e.state]
+    return JobView(stream_seq=e.stream_seq, delivery=e.delivery, state=state,
                    age_s=now - since, timer_age_s=now - arbiter.deaths.timer_started(w.pid, e), reply=e.reply)

@@ -79,8 +79,12 @@ class PullSizer:
     worker's fair share of consumer.max_ack_pending; `threads`: sync handlers, whose finished jobs
     reach the loop up to `batching` seconds late."""
 
-    def __init__(self, concurrency: int, ceiling: int, share: int, threads: bool = False, batching: float = 0.0):
+    def __init__(self, concurrency: int, ceiling: int, share: int, threads: bool = False, batching: float = 0.0,
+                 lookahead: int = 0):
         self.concurrency = concurrency
+        # [ordering]: jobs held beyond those running are not a buffer (a job waiting for a handler
+        # delays every later job of its key) but a look ahead: this many, parked for their key's turn.
+        self.lookahead = lookahead
         self.hops, self.batching = (2, batching) if threads else (1, 0.0)
         self.ceiling = max(1, ceiling)
         self.share = max(1, share)
@@ -157,6 +161,8 @@ class PullSizer:
 
     def prefetch(self, now: float) -> int:
         """Jobs to hold beyond those running."""
+        if self.lookahead:
+            return self.lookahead
         if self.job_time is None or self.stale or self.idle(now) or self.spread():
             return 0
         return min(BUFFER_REQUESTS * self.ceiling, int(self.concurrency * DEPTH * self.rtt / self.job_time + 0.5))

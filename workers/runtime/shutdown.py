@@ -71,6 +71,10 @@ class Shutdown:
         w.table.set_state(slots.DRAINING)
         self.deadline = time.monotonic() + w.grace
         while True:
+            # Cleared before anything here awaits: a job queued or parked meanwhile (a message
+            # that arrives while the NAKs below go out, a key's turn, a limit granted) sets it,
+            # and the wait below must see that, not sleep to the deadline with the job in hand.
+            w.changed.clear()
             if w.mode == STOPPING:
                 await self.nak_queued()
             now, deadline = time.monotonic(), self.deadline     # hurry() may bring it forward
@@ -82,7 +86,6 @@ class Shutdown:
             if not busy and now >= pulls_end:
                 break
             wake = min(deadline if busy else float("inf"), pulls_end if pulls_end > now else float("inf"))
-            w.changed.clear()
             try:
                 await asyncio.wait_for(w.changed.wait(), max(0.001, wake - now))
             except TimeoutError:

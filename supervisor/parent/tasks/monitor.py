@@ -30,7 +30,7 @@ from supervisor.config import Config
 from supervisor.config.schedules import job_subjects
 from supervisor.core.fleetview import ack_wait_range
 from supervisor.core.lag import LagAnalyzer, Sample
-from supervisor.nats import limits
+from supervisor.nats import limits, ordering
 from supervisor.nats.consumer import consumer_dict
 from supervisor.observe.history import History
 from supervisor.parent.arbiter import Arbiter
@@ -119,6 +119,7 @@ class Monitor:
         self.limits: dict[str, dict[str, int]] = {}   # [limits.NAME] in use fleet-wide (supervisor/nats/limits.py)
         self.limits_error = ""
         self.paused_until: str | None = None          # as last seen, to log a pause once
+        self.backlog = ordering.Backlog()             # [ordering]: jobs stored per key
 
     def apply_config(self, cfg: Config) -> None:
         old, self.cfg = self.cfg, cfg
@@ -133,6 +134,7 @@ class Monitor:
             started = time.monotonic()
             await self.poll()
             await self.poll_limits()
+            await self.backlog.poll(self.nc, self.cfg)
             self.after_poll()
             await asyncio.sleep(max(0.0, self.cfg.monitor.interval - (time.monotonic() - started)))
 
@@ -322,8 +324,7 @@ class Monitor:
                   delivery=deliveries, msg_id=headers.get("Nats-Msg-Id"))
         try:
             await dead_letter(self.nc, self.cfg, job, reason)
-            if self.cfg.restart.dead_letter_subject and self.cfg.restart.dead_letter_stream \
-                    and self.cfg.stream.retention == "workqueue":
+            if self.deletes_given_up():
                 await self.nc.jetstream().delete_msg(self.cfg.stream.name, seq)
         except NotFoundError:
             pass                    # deleted meanwhile (another supervisor copied it: one copy, by its Msg-Id)
@@ -334,6 +335,14 @@ class Monitor:
         message = f"job seq={seq} gave up after {deliveries} deliveries; copied to {self.cfg.restart.dead_letter_subject}"
         self.arbiter.post(lambda: self.arbiter.alert("max_deliveries", message))
         return True
+
+    def deletes_given_up(self) -> bool:
+        """A job the consumer gave up on is deleted from the work queue once its dead-letter copy
+        is stored. With [ordering], whatever the copy (none without restart.dead_letter_subject):
+        stored, the job would hold back every later job of its key for good."""
+        c = self.cfg
+        return c.stream.retention == "workqueue" and (bool(c.ordering.key) or bool(
+            c.restart.dead_letter_subject and c.restart.dead_letter_stream))
 
     # ------------------------------------------------------------ jobs the consumer gave up on (R11a)
 
