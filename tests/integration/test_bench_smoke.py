@@ -340,6 +340,16 @@ def test_tracing_cost_figures_are_sane(smoke):
         assert row["spans_per_job"] == (1.0 if name.endswith("on") else 0.0), row
 
 
+def test_ordering_figures_are_sane(smoke):
+    results, _ = smoke
+    o, p = results["ordering"], results["profile"]
+    variants = {(w, k) for w in p["ordering_workers"] for k in (0, *p["ordering_keys"])}
+    assert {(r["workers"], r["keys"]) for r in o["summary"]} == variants
+    assert all(r["jobs_per_s"] > 0 and r["bound_per_s"] > 0 for r in o["summary"])
+    assert all(r["vs_unordered"] > 0 for r in o["summary"] if r["keys"])
+    assert [r["variant"] for r in o["noop"]] == ["unordered", "64 keys"] and all(r["jobs_per_s"] > 0 for r in o["noop"])
+
+
 def test_report_is_written(smoke):
     results, out = smoke
     text = (out / "tables.md").read_text()
