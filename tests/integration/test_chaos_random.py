@@ -43,9 +43,11 @@ F7 = pytest.mark.xfail(raises=KnownDefect, strict=False, reason=(
     # new supervisor at once, the server SIGSTOPped with a worker SIGKILLed meanwhile, a SIGHUP
     # (failed on R3 until its fix: the orphans' jobs waited for AckWait; now and then on F7)
     pytest.param(18, {"ackwait"}, marks=F7),
-    # sync, 2 workers, idempotency + max_jobs 20 + tracing: a worker SIGSTOPped past heartbeat_timeout
+    # sync, 2 workers, idempotency + max_jobs 20 + tracing, [ordering] over 8 keys (since issue
+    # 27): a worker SIGSTOPped past heartbeat_timeout
     (40, set()),
-    # a fleet of two, async, double_ack, max_jobs 40: a worker's link cut, the server SIGKILLed
+    # a fleet of two, async, double_ack, max_jobs 40, [ordering] over 8 keys (since issue 27): a
+    # worker's link cut, the server SIGKILLed
     (46, set()),
 ])
 def test_random_seed(seed, known, tmp_path):

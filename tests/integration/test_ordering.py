@@ -16,6 +16,7 @@ import signal
 import time
 
 import nats
+from browser import Browser, chromium_binary
 from harness import dead_letter_headers, run_cli, wait_until
 
 from chaos.order import Run, overlap, reorders
@@ -224,7 +225,8 @@ def test_ordering_refuses_a_stream_that_is_not_a_work_queue(nats_server, tmp_pat
 def test_the_status_names_the_key_a_job_waits_for(nats_server, supervisor_factory, tmp_path):
     """A job of kA runs until the test says; the next jobs of kA wait, parked: /status `ordering`
     shows them under `blocked` with the running job as the head they wait for, and the key's
-    jobs in the stream under `backlog`; /metrics has the gauges."""
+    jobs in the stream under `backlog`; /metrics has the gauges; the dashboard draws the key in
+    a real Chromium (where one is installed)."""
     gate = tmp_path / "gate"
     sup = supervisor_factory(nats_server, workers={"count": 2}, ordering=ORDERED)
     sup.wait_ready()
@@ -241,6 +243,44 @@ def test_the_status_names_the_key_a_job_waits_for(nats_server, supervisor_factor
     assert block["backlog"]["top"][0] == {"key": "kA", "jobs": 3}
     _, metrics = sup.get("/metrics")
     assert "jetstream_supervisor_ordering_parked 2.0" in metrics, metrics
+    if chromium_binary() is not None:
+        browser = Browser(chromium_binary())
+        try:
+            page = browser.new_page(1000, 1200)
+            page.goto(f"http://{sup.http}/")
+            page.wait_for("document.querySelector('#ordering-table td') && "
+                          "document.querySelector('#ordering-table td').textContent === 'kA'", what="kA drawn")
+            assert not page.evaluate("document.getElementById('ordering').hidden")
+            assert "kA 3" in page.evaluate("document.getElementById('ordering-backlog').textContent")
+        finally:
+            browser.close()
     gate.touch()
     wait_until(lambda: set(seqs) <= sup.jobs.done_seqs(), what="kA's jobs done")
     assert json.loads(sup.get("/status")[1])["ordering"]["parked"] == 0
+
+
+# ---------------------------------------------------------------- on a cluster
+
+def test_on_an_r3_stream_order_holds_through_leader_changes(nats_cluster, supervisor_factory):
+    """Two supervisors on an R3 stream of a 3-node cluster, 400 jobs over 12 keys, the stream
+    leader (which answers the workers' questions and applies an ack's removal last: a raft
+    proposal after the consumer's own) and the consumer leader each stepped down mid-run. A new
+    leader that has not applied a removal yet only says an earlier job is still stored: every
+    key in order, nothing lost."""
+    sups = [supervisor_factory(None, nats={"servers": nats_cluster.urls, "startup_timeout": 30.0},
+                               stream={"replicas": 3}, consumer={"ack_wait": 10.0}, fleet={"name": name},
+                               workers={"count": 2, "handler": HANDLER}, ordering=ORDERED)
+            for name in ("alpha", "beta")]
+    for s in sups:
+        s.wait_ready()
+    rng = random.Random(5)
+    jobs = keyed_jobs(rng, 400, 12, 0.01)
+    seqs = publish_keyed(nats_cluster.urls[0], jobs)
+    key_of = {s: subject for s, (subject, _) in zip(seqs, jobs)}
+    for share, step in ((0.25, lambda: nats_cluster.stepdown_stream("JOBS")),
+                        (0.5, lambda: nats_cluster.stepdown_consumer("JOBS", "workers")),
+                        (0.75, lambda: nats_cluster.stepdown_stream("JOBS"))):
+        wait_until(lambda: len(done(*sups) & set(seqs)) >= share * len(seqs), what=f"{share:.0%} done")
+        assert "error" not in step()
+    wait_until(lambda: set(seqs) <= done(*sups), timeout=120, what="every job done")
+    assert_in_order(runs_of(*sups), key_of)
