@@ -144,7 +144,9 @@ class Host:
         self.given_back.append(job.stream_seq)
 
     async def publish(self, subject: str, payload: bytes) -> None:
+        """A note: it comes back to the worker that sent it, as NATS echoes it."""
         self.notes.append((subject, payload))
+        self.ordering.note(subject.rpartition(".")[2], int(payload))
 
     def admit(self, seq: int) -> tuple[int, Job]:
         job = Job(data=b"", subject=self.stream.stored.get(seq, "jobs.gone"), headers={}, stream_seq=seq)

@@ -9,9 +9,10 @@ here is still unsettled: one STREAM.MSG.GET per filter of the key (`next_by_subj
 lowest sequence the key can still have: `floors`), the lowest answer winning.
   - It IS the candidate: the job goes on (the worker's `clear`: [limits] if it needs one, then
     the queue). Jobs of other keys never wait for it.
-  - An earlier job of the key is stored: the candidate waits. It looks again when a job of its
-    key is settled here (at once), when another worker says it settled one (a core NATS note on
-    `note_subject`, sent after its ack or TERM: its sequence), and otherwise after POLL_FIRST,
+  - An earlier job of the key is stored: the candidate waits. It looks again when a worker says
+    it settled a job of its key (a core NATS note on `note_subject`, sent after the ack or TERM:
+    its sequence; this worker's own come back to it too), when a job of its key settled here
+    was NAKed (at once), and otherwise after POLL_FIRST,
     doubling up to POLL_MAX (a lost note, or a key settled by a dead-letter copy, a quarantine,
     a deletion). When the earlier job is one said to be settled, the server has read its ack
     but not applied it yet: it looks again after QUICK_FIRST, doubling up to QUICK_MAX.
@@ -178,10 +179,18 @@ class Ordering:
             return
         del self.where[i]
         k.cleared.discard(i)
-        if outcome in LEFT:
-            self.spawn(self.publish(note_subject(self.stream, self.consumer, k.name), str(job.stream_seq).encode()))
-            k.heard(job.stream_seq)
-        self.consider(k)
+        if outcome not in LEFT:
+            self.consider(k)
+            return
+        # The word goes out after the ack, on the same connection, and comes back to us too:
+        # by then the server has read the ack. Asking sooner would mostly find the job still
+        # stored (the ack read, not applied yet) and cost a question more; QUICK_MAX if it is lost.
+        self.spawn(self.publish(note_subject(self.stream, self.consumer, k.name), str(job.stream_seq).encode()))
+        k.heard(job.stream_seq)
+        if k.checking is None:
+            if k.timer is not None:
+                k.timer.cancel()
+            k.timer = asyncio.get_running_loop().call_later(QUICK_MAX, self.wake, k)
 
     def note(self, name: str, seq: int) -> None:
         """A worker (this one's note comes back too) settled job `seq` of key `name`."""
