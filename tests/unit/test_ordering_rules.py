@@ -232,3 +232,23 @@ def test_a_job_without_the_keys_token_is_not_ordered():
                                                      stream={"subjects": ["jobs.>", "x.*.*"]}))
     job = Job(data=b"", subject="jobs.K", headers={}, stream_seq=1)
     assert not host.ordering.admit((None, 0, job))
+
+
+def test_a_job_stored_again_below_what_the_stream_said_is_first_still_runs():
+    """A server SIGKILLed before it persisted an ack's removal stores the job again after the
+    worker learnt that later jobs of its key were first: asked about from its own sequence, it
+    runs (a duplicate the fault explains), never given back as gone delivery after delivery."""
+    async def run() -> None:
+        stream = Stream(["jobs.K", "jobs.K"])
+        host = Host(stream)
+        i2, j2 = host.admit(2)
+        await until(lambda: any(e.waiting_for == 1 for e in host.table.snapshot()), "seq 2 waiting for 1")
+        del stream.stored[1]
+        host.ordering.note("K", 1)
+        await until(lambda: host.started == [2], "seq 2 started")
+        host.ack(i2, j2)
+        stream.stored[1] = "jobs.K"                      # the restarted server has it again
+        host.admit(1)
+        await until(lambda: host.started == [2, 1], "seq 1 ran again")
+        assert host.given_back == []
+    asyncio.run(run())

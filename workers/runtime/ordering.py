@@ -342,11 +342,11 @@ class Ordering:
             self.consider(k)
 
     async def first(self, name: str, seq: int) -> int | None | bool:
-        """The first stored sequence of key `name` (None: none stored at or above the key's
-        floor), or False when the stream did not answer. A candidate below the floor is gone."""
-        floor = self.floors.get(name, 1)
-        if seq < floor:
-            return None
+        """The first stored sequence of key `name` from its floor (None: none stored there), or
+        False when the stream did not answer. A candidate below the floor is asked about from its
+        own sequence: it can only be there again if a server lost the removal (a SIGKILL before
+        it was persisted), and then it must run, not be given back as gone over and over."""
+        floor = min(self.floors.get(name, 1), seq)
         try:
             answers = await asyncio.gather(*(self.ask(f, floor) for f in key_filters(self.patterns, self.token, name)))
         except Exception as exc:
