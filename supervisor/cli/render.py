@@ -58,7 +58,7 @@ def status_header(s: dict[str, Any], color: bool) -> list[str]:
             f"(jetstream-supervisor {s.get('version', '?')})",
             f"nats        {where} {link}{', embedded server' if nats.get('embedded') else ''}",
             f"workers     {w.get('alive', 0)} alive, {w.get('ready', '?')} ready, target {w.get('target', '?')}",
-            *autoscale_line(s.get("autoscale"))]
+            *autoscale_line(s.get("autoscale")), *ordering_line(s.get("ordering"))]
 
 
 def autoscale_line(a: dict[str, Any] | None) -> list[str]:
@@ -68,6 +68,18 @@ def autoscale_line(a: dict[str, Any] | None) -> list[str]:
         return ["autoscale   off"]
     return [f"autoscale   {a.get('min', '?')}..{a.get('max', '?')}, target {a.get('target', '?')} "
             f"({a.get('kind', '?')}): {a.get('reason', '')}"]
+
+
+def ordering_line(o: dict[str, Any] | None) -> list[str]:
+    """[ordering]: the jobs parked here and the key waited on longest."""
+    if not o:
+        return []
+    blocked = o.get("blocked") or []
+    first = blocked[0] if blocked else None
+    longest = (f"; longest: key {first['key']} behind seq {first['head_seq']}, {fmt_age(first['since_s'])}"
+               if first else "")
+    return [f"ordering    {o.get('key', '?')}: {o.get('parked', 0)} job(s) parked on {o.get('waiting_keys', 0)} "
+            f"key(s){longest}"]
 
 
 WORKER_COLUMNS = (("slot", ">4"), ("pid", ">7"), ("state", "<9"), ("acked", ">6"), ("nacked", ">6"),

@@ -86,16 +86,15 @@ def kill_a_running_worker(sup, rng: random.Random, died: dict[int, float]) -> in
 # ---------------------------------------------------------------- order, parallelism, worker deaths
 
 def test_keys_keep_their_order_through_worker_kills_and_run_in_parallel(nats_server, supervisor_factory):
-    """1000 jobs over 20 keys (0-20 ms each) on 3 workers of 2 handlers, a running worker SIGKILLed
+    """1000 jobs over 20 keys (0-30 ms each) on 3 workers of 2 handlers, a running worker SIGKILLed
     at a quarter, half and three quarters done. Per key no job starts before the previous one of
     its key ended (a killed run ended at its worker's death), nothing is lost, and keys ran side
-    by side, not one by one: the handlers' time adds up to more than the run's span (1.3 times or
-    more; jobs one by one: below 1 whatever the machine's load), and 4 keys or more ran at one
-    moment."""
+    by side, not one by one: the handlers' time adds up to twice the run's span or more (jobs one
+    by one: below 1 whatever the machine's load), and 4 keys or more ran at one moment."""
     sup = supervisor_factory(nats_server, workers={"count": 3, "concurrency": 2, "handler": HANDLER}, ordering=ORDERED)
     sup.wait_ready()
     rng = random.Random(27)
-    jobs = keyed_jobs(rng, 1000, 20, 0.02)
+    jobs = keyed_jobs(rng, 1000, 20, 0.03)
     seqs = publish_keyed(nats_server.url, jobs)
     key_of = {s: subject for s, (subject, _) in zip(seqs, jobs)}
     died: dict[int, float] = {}
@@ -108,7 +107,7 @@ def test_keys_keep_their_order_through_worker_kills_and_run_in_parallel(nats_ser
     assert len(died) == 3 and any(r.end is None and r.pid in died for r in runs), "no kill caught a job running"
     together, keys_at_once = overlap(runs), most_keys_at_once(runs, key_of)
     print(f"jobs ran {together:.2f} at a time on average, up to {keys_at_once} keys at once")
-    assert together >= 1.3 and keys_at_once >= 4, \
+    assert together >= 2.0 and keys_at_once >= 4, \
         f"jobs ran {together:.2f} at a time on average, {keys_at_once} keys at most: keys did not run in parallel"
     status = sup.status()["ordering"]
     assert status["key"] == "subject:2" and status["checks"] >= len(seqs) and status["parked"] == 0
@@ -143,16 +142,16 @@ def test_two_supervisors_one_killed_keep_every_key_in_order(nats_server, supervi
 # ---------------------------------------------------------------- a poison job holds back its key only
 
 def test_a_poison_job_holds_back_its_key_until_it_is_dead_lettered_and_no_other(nats_server, supervisor_factory):
-    """Key kP's first job kills its worker 0.2 s into every delivery: quarantined after 3 deaths
+    """Key kP's first job kills its worker 0.5 s into every delivery: quarantined after 3 deaths
     (dead-lettered and TERMed: it leaves the stream), and only then do kP's next jobs run, in
-    order. The 8 other keys' 240 jobs do not wait for it: they run all the while it comes and
-    goes (dozens start between its first run and its dead letter)."""
+    order. The 8 other keys' 240 jobs do not wait for it: every one of those keys runs jobs
+    while it comes and goes (1.5 s at least), two dozen of them or more in all."""
     sup = supervisor_factory(nats_server, workers={"count": 3, "handler": HANDLER}, ordering=ORDERED,
                              restart={"poison_after_crashes": 3, "backoff_initial": 0.05, "backoff_max": 0.2},
                              args=("--log-format", "json"))
     sup.wait_ready()
     rng = random.Random(3)
-    jobs = [("jobs.kP", "crash-after:0.2"), *(("jobs.kP", "0.01") for _ in range(3))]
+    jobs = [("jobs.kP", "crash-after:0.5"), *(("jobs.kP", "0.01") for _ in range(3))]
     others = keyed_jobs(rng, 240, 8, 0.02)
     seqs = publish_keyed(nats_server.url, jobs + others)
     key_of = {s: subject for s, (subject, _) in zip(seqs, jobs + others)}
@@ -162,11 +161,12 @@ def test_a_poison_job_holds_back_its_key_until_it_is_dead_lettered_and_no_other(
     runs = runs_of(sup)
     poison_runs = [r for r in runs if r.seq == poison]
     assert len(poison_runs) == 3 and all(r.end is None for r in poison_runs), poison_runs
-    died = {r.pid: r.start + 0.2 for r in poison_runs}
+    died = {r.pid: r.start + 0.5 for r in poison_runs}
     assert_in_order([r for r in runs if r.seq != poison], key_of, died)
     assert min(r.start for r in runs if r.seq in after) > dead_lettered, "kP went on before its poison was dealt with"
     first = min(r.start for r in poison_runs)
     meanwhile = [r for r in runs if r.seq in rest and first < r.start < dead_lettered]
+    assert {key_of[r.seq] for r in meanwhile} == {key_of[q] for q in rest}, "a key waited for another key's poison"
     assert len(meanwhile) >= 24, f"only {len(meanwhile)} jobs of other keys started while the poison came and went"
     assert any(h.get("Supervisor-Dead-Letter-Sequence") == str(poison) for h in dead_letter_headers(nats_server.url))
 
@@ -225,8 +225,8 @@ def test_ordering_refuses_a_stream_that_is_not_a_work_queue(nats_server, tmp_pat
 def test_the_status_names_the_key_a_job_waits_for(nats_server, supervisor_factory, tmp_path):
     """A job of kA runs until the test says; the next jobs of kA wait, parked: /status `ordering`
     shows them under `blocked` with the running job as the head they wait for, and the key's
-    jobs in the stream under `backlog`; /metrics has the gauges; the dashboard draws the key in
-    a real Chromium (where one is installed)."""
+    jobs in the stream under `backlog`; /metrics has the gauges, `supervisor status` a line; the
+    dashboard draws the key in a real Chromium (where one is installed)."""
     gate = tmp_path / "gate"
     sup = supervisor_factory(nats_server, workers={"count": 2}, ordering=ORDERED)
     sup.wait_ready()
@@ -243,6 +243,8 @@ def test_the_status_names_the_key_a_job_waits_for(nats_server, supervisor_factor
     assert block["backlog"]["top"][0] == {"key": "kA", "jobs": 3}
     _, metrics = sup.get("/metrics")
     assert "jetstream_supervisor_ordering_parked 2.0" in metrics, metrics
+    printed = run_cli("status", "--url", f"http://{sup.http}").stdout
+    assert f"2 job(s) parked on 1 key(s); longest: key kA behind seq {seqs[0]}" in printed, printed
     if chromium_binary() is not None:
         browser = Browser(chromium_binary())
         try:

@@ -56,6 +56,12 @@ machine, which is what the buffer must hide). The bounds:
 What a worker may have on the wire when it dies (its credits) is at most its capacity, and
 `concurrency` once it has been idle IDLE_STALE seconds.
 
+With [ordering] a buffered job is a cost, not a saving: it waits for a handler while every later
+job of its key waits for it. So nothing is prefetched; the room beyond `concurrency` is a look
+ahead (`lookahead`) of jobs parked until their key's turn (workers/runtime/ordering.py), which
+the worker counts as outstanding only while they wait, and outcomes go back to the loop at once
+(`batching` 0).
+
 Pure: no clock is read here, every time is passed in.
 """
 
