@@ -50,6 +50,10 @@ the journal, not trusted). Per job (stream sequence):
   +WPI stopped; a host declared lost while alive; graceful_timeout running out), or by a
   server SIGKILL after the earlier job was stored (the restarted server had lost the ack's
   removal, so the job came back). Otherwise it is reorder_unexplained.
+- wrong_pool: with pools, a run by a worker of another pool's consumer than the job's (pool b's
+  jobs are keyed `bN`, the rest are pool a's): each pool's jobs must run on its own workers only.
+  Stream order is per consumer, so a later job bounds when an earlier one was sent only within
+  its pool.
 """
 
 from __future__ import annotations
@@ -71,7 +75,9 @@ VERDICTS = {
     "dup_unexplained": 0, "redelivered": None, "bounced": None, "unexplained": 0,
     "ackwait": 0, "ackwait_outside": None, "unacked": 0, "sup_unexplained": 0, "sup_open": 0,
     "sup_died": 0, "exit": 0, "healthz_s": None, "ticks_extra": 0, "reordered": None, "reorder_unexplained": 0,
+    "wrong_pool": 0,
 }
+SIDE_KEY = "b"              # with pools: the key prefix of pool b's jobs (chaos/randomized.py)
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,13 @@ class Evidence:
     bad_exits: int = 0                          # supervisors that did not exit 0 when stopped
     healthz_s: float | None = None
     ticks_extra: int = 0                        # [schedules.tick] firings beyond one per period (rig.py)
+    pools: dict[str, str] = field(default_factory=dict)    # with pools: "main"/"side" -> consumer
+
+    def pool_of(self, key: str) -> str:
+        """The pool a job belongs to ("" without pools)."""
+        if not self.pools:
+            return ""
+        return "side" if key.startswith(SIDE_KEY) and key[1:].isdigit() else "main"
 
 
 @dataclass
@@ -154,12 +167,33 @@ class Checker:
         self.keys.update({s.seq: s.key for s in ev.stored.values()})
         self.findings: list[Finding] = []
         self.first_start = self._first_starts()
+        self.pool_note = ""
 
     def _first_starts(self) -> list[tuple[int, float]]:
         """(seq, start) of every first delivery, by seq: the consumer sends first deliveries in
-        stream order, so a later seq's first start bounds when an earlier seq was sent."""
+        stream order, so a later seq's first start bounds when an earlier seq was sent (each
+        pool's consumer its own: `sent_by` compares within a pool)."""
         out = [(seq, runs[0].start) for seq, runs in self.runs.items() if runs and runs[0].delivery == 1]
         return sorted(out)
+
+    def pool(self, seq: int) -> str:
+        return self.ev.pool_of(self.keys.get(seq, ""))
+
+    def wrong_pools(self, c: dict) -> None:
+        """Each pool's jobs ran on its own workers only (the watcher read each worker's consumer)."""
+        if not self.ev.pools:
+            return
+        seen: dict[str, int] = defaultdict(int)
+        for seq, runs in self.runs.items():
+            want = self.ev.pools[self.pool(seq)]
+            for r in runs:
+                life = self.ev.lives.get(r.pid)
+                seen[life.consumer if life is not None and life.consumer else "unknown"] += 1
+                if life is not None and life.consumer and life.consumer != want:
+                    c["wrong_pool"] += 1
+                    self.find("wrong_pool", seq, f"delivery {r.delivery} ran on pid {r.pid}, a worker of "
+                                                 f"{life.consumer}; the job is {want}'s")
+        self.pool_note = "pools: runs by the worker's consumer: " + ", ".join(f"{k} {n}" for k, n in sorted(seen.items()))
 
     def at(self, t: float) -> str:
         return f"+{t - self.ev.origin:.2f}s"
@@ -205,11 +239,12 @@ class Checker:
                     self.redelivery(seq, runs[:i], run, c)
         c["ticks_extra"] = self.ev.ticks_extra
         self.order(c)
+        self.wrong_pools(c)
         c["unacked"] = len(self.ev.unacked)
         for seq in self.ev.unacked:
             self.find("unacked", seq, "still in the work-queue stream at the end: no ack landed")
         self.supervisor_word(c)
-        notes = self.queueing_note()
+        notes = self.queueing_note() + ([self.pool_note] if self.pool_note else [])
         return Report(c, self.findings, notes)
 
     def done_elsewhere(self, seq: int) -> bool:
@@ -361,7 +396,7 @@ class Checker:
         """A time by which a never-journaled first delivery of `seq` had surely been sent: the
         first start of any later job (first deliveries go out in stream order), else the PubAck."""
         stored = self.ev.stored.get(seq)
-        later = [t for s, t in self.first_start if s > seq]
+        later = [t for s, t in self.first_start if s > seq and self.pool(s) == self.pool(seq)]
         if later:
             return min(later)
         return stored.t if stored else self.ev.origin

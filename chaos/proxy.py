@@ -12,6 +12,10 @@ name (`^jetstream-supervisor$` is the parent alone):
     reset(pattern)   abort with an RST, once (clients reconnect through the proxy at once)
     heal(pattern)    lift cut/stall rules; stalled connections flow again
 
+and can tell a test when something passed: `tap(pattern, to_server, to_client)` notes, from then
+on, each time a connection of that name forwards one of those byte strings that way (a pull
+request's `MSG.NEXT`, a `PING` to the server; a `PONG` back), and `tapped(pattern)` lists them.
+
 Runs on an asyncio loop (the chaos runner's background loop); every method is a coroutine.
 """
 
@@ -23,6 +27,7 @@ import logging
 import re
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger("chaos.proxy")
@@ -56,6 +61,8 @@ class Proxy:
         self.upstream = (upstream_host, upstream_port)
         self.conns: set[Conn] = set()
         self.rules: dict[str, str] = {}       # pattern -> "cut" | "stall"
+        self.taps: dict[str, tuple[tuple[bytes, ...], tuple[bytes, ...]]] = {}   # pattern -> needles noted (tap)
+        self.noted: list[tuple[float, str, bytes]] = []     # (when, connection name, needle), closed ones too
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
         self.accepted = 0
@@ -111,6 +118,14 @@ class Proxy:
         """Connections of that name still open (a heal lets stale ones read their EOF and close)."""
         return len(self.matching(pattern))
 
+    async def tap(self, pattern: str, to_server: tuple[bytes, ...], to_client: tuple[bytes, ...] = ()) -> None:
+        self.taps[pattern] = (to_server, to_client)
+
+    async def tapped(self, pattern: str) -> list[tuple[float, bytes]]:
+        """What the connections of that name (closed ones too) forwarded of their tap's needles,
+        oldest first: (time.monotonic() once written on, needle), one per occurrence."""
+        return [(t, needle) for t, name, needle in self.noted if re.search(pattern, name)]
+
     def rule_for(self, name: str | None) -> str | None:
         for pattern, mode in self.rules.items():
             if name is not None and re.search(pattern, name):
@@ -156,6 +171,7 @@ class Proxy:
         await self.pump(conn, reader, writer)
 
     async def pump(self, conn: Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        tail = b""                             # the last chunk's end: a needle split between two reads
         try:
             while True:
                 data = await reader.read(CHUNK)
@@ -164,11 +180,29 @@ class Proxy:
                 await conn.flowing.wait()      # a stall holds what was read; the kernel buffers the rest
                 writer.write(data)
                 await writer.drain()
+                tail = self.note(conn, reader is conn.client[0], tail, data)
         except (ConnectionError, OSError):
             pass                               # either side went away: the other follows below
         finally:
             if conn in self.conns:
                 self.drop(conn)
+
+    def note(self, conn: Conn, to_server: bool, tail: bytes, data: bytes) -> bytes:
+        """Note each tapped needle `data` completes (written on just now); the tail to keep."""
+        name = conn.name
+        tap = next((t for p, t in self.taps.items() if name is not None and re.search(p, name)), None)
+        needles = () if tap is None else tap[0 if to_server else 1]
+        if not needles or name is None:
+            return b""
+        now, seen = time.monotonic(), tail + data
+        for needle in needles:
+            at = seen.find(needle)
+            while at >= 0:
+                if at + len(needle) > len(tail):           # not noted with the chunk before
+                    self.noted.append((now, name, needle))
+                at = seen.find(needle, at + 1)
+        keep = max(map(len, needles)) - 1
+        return seen[len(seen) - keep:] if keep else b""
 
 
 def connect_name(line: bytes) -> str | None:

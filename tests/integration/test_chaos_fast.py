@@ -160,6 +160,22 @@ def test_checker_compares_the_supervisor_word_with_the_journal():
     assert [f.verdict for f in report.findings if f.verdict == "crosscheck"] == ["crosscheck"]
 
 
+def test_checker_counts_a_pool_s_job_run_by_another_pool_s_worker():
+    """With pools (chaos/randomized.py draws two): pool b's jobs are keyed bN, the rest are pool
+    a's; each must run only on a worker of its own pool's consumer (from the worker's title)."""
+    pools = {"main": "workers-a", "side": "workers-b"}
+    lives = {1: Life(1, T0, consumer="workers-a"), 2: Life(2, T0, consumer="workers-b")}
+    mine = [("S", 1, 1, 1, 0.1), ("D", 1, 1, 1, 0.2)]
+    assert check(evidence(mine, pools=pools, lives=lives)).counts["wrong_pool"] == 0
+    c = check(evidence([("S", 2, 1, 1, 0.1), ("D", 2, 1, 1, 0.2)], pools=pools, lives=lives)).counts
+    assert (c["wrong_pool"], c["lost"]) == (1, 0)
+    side = Evidence(stored={1: Stored(1, "b1", T0)}, journal=[Rec("S", 2, 1, 1, T0 + 0.1, 0.0, "b1"),
+                                                              Rec("D", 2, 1, 1, T0 + 0.2, 0.0, "b1")],
+                    faults=[], ack_wait=30.0, origin=T0, pools=pools, lives=lives)
+    assert check(side).counts["wrong_pool"] == 0
+    assert check(evidence(mine, lives={1: Life(1, T0, consumer="workers-b")})).counts["wrong_pool"] == 0   # no pools
+
+
 def test_every_scenario_has_a_doc_and_known_verdicts():
     for sc in SCENARIOS.values():
         assert sc.doc, sc.name

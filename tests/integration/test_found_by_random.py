@@ -11,14 +11,16 @@ import os
 import signal
 import time
 
+import pytest
 from harness import NatsServer, SupervisorProc, base_config, publish_now, wait_until
 
 from chaos import scenarios
 from chaos.checker import VERDICTS
 from chaos.core import run_with
 from chaos.facts import read_journal
-from chaos.rig import Run
+from chaos.rig import CONSUMER, STREAM, Run
 from supervisor.parent.safety.in_transit import SLACK
+from workers.runtime.puller import PULL_EXPIRES
 
 ACK_WAIT = 30.0
 JSON_LOGS = ("--log-format", "json")
@@ -194,6 +196,220 @@ def pending(run: Run) -> int:
     state = run.bg.call(run.queue_state())
     return state[1] if state else -1
 
+
+STOP = 3.5                  # seed 18's 3.2 s, and past when the worker gives a request read before it up
+NEXT, PING, PONG, TIMEOUT = b"MSG.NEXT", b"PING\r\n", b"PONG\r\n", b"408 Request Timeout"
+
+
+@pytest.mark.parametrize("fault", ["server-stop", "link-stall"])
+def test_what_a_request_read_before_a_stall_sends_after_it_is_on_the_worker_credits(tmp_path, fault):
+    """F7's second form. CI on 176dad2, seed 18 in the suite: a worker SIGKILLed 0.05 s after a
+    3.2 s server SIGSTOP ended had 6 jobs on its wire and no credits for them, 40 ms after "a
+    message came that none of its pull requests accounted for"; the 6 waited for AckWait. The
+    idle worker's request R1 (2 messages) is read by the server, and a PONG after it comes back,
+    just before the stall. R1 expires inside it, and its 408 waits: the server, stopped, sends
+    it once it runs again (it checks a request's expiry before filling it); a stalled link
+    holds it. The worker gave R1's credits up PULL_EXPIRES + PULL_MARGIN after that PONG and
+    asked again (R2). Then R1's 408 comes and takes R1's unfilled count from the credits, which
+    count R2's alone: none left, R2 live. With the link stalled, a job published meanwhile also
+    fills part of R1 and arrives on R2's credits. The worker answers the 408 with a new request
+    (its credits are 0): right then it is SIGSTOPped, and jobs are published for whatever
+    requests are live (all within a request's life: nothing expires unread), and the worker is
+    SIGKILLed once the server has filled them. Every job on its wire must be NAKed at once by
+    the in-transit check; none may wait for AckWait. Red with the credits given up on the clock
+    (`Puller.expire_lost_pull` before the fix): "4 (or 3) unaccounted message(s), more than the
+    2 (or 1) the dead worker(s) asked for"."""
+    def stalled_then_killed(run: Run) -> None:
+        server = run.start_server()
+        run.connect([server.url])
+        proxy = run.start_proxy(server)
+        run.bg.call(proxy.tap(WORKER_0, (NEXT, PING), (PONG, TIMEOUT)))   # from its first PING: PONGs match by count
+        run.start_supervisor([proxy.url], workers={"count": 1, "concurrency": 2, "batch": 2, "heartbeat_timeout": 60.0})
+        [victim] = run.sup.worker_pids()
+        alone_and_polled(run, time.monotonic())
+        t_req = wait_until(lambda: last_request_read(run), 30, "the worker's request read, with time left to live")
+        t0 = time.monotonic()
+        if fault == "server-stop":
+            server.pause()
+        else:
+            assert run.bg.call(proxy.stall(WORKER_0)) == 1, "worker 0's link is not through the proxy"
+            run.load(1, rate=100, what="3").result(5)        # into R1, and the stalled link
+        assert not [t for t, what in tapped(run) if what == NEXT and t_req < t < t0], "a request went out just before"
+        time.sleep(max(0.0, t0 + STOP - time.monotonic()))   # the stall's length
+        server.resume() if fault == "server-stop" else run.bg.call(proxy.heal(WORKER_0))
+        run.fault(f"{fault} of {STOP:g}s", t0, time.monotonic(), pids=set(), in_control=False)
+        asked = sum(what == NEXT and t0 < t for t, what in tapped(run))
+        wait_until(lambda: answered_408(run, t0), 10, "R1's 408 read, and a request asked after it", interval=0.002)
+        os.kill(victim, signal.SIGSTOP)
+        kill = run.fault("worker SIGSTOP, SIGKILL after a stall", time.monotonic(), pids={victim})
+        run.notes.append(f"the worker asked {asked} time(s) during the {fault}")
+        run.load(6, rate=1000, what="0.01", window=6).result(30)
+        wait_until(lambda: pending(run) in range(6) and waiting(run) == 0, 10, "the server filling worker 0's requests")
+        assert not [t for t, what in tapped(run) if what == TIMEOUT and t > kill.t0], "a request expired unread"
+        alone_and_polled(run, time.monotonic() - 30)
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: not run.watcher.alive(victim), 30, "worker 0 gone")
+        kill.t1 = time.monotonic()
+
+    result = run_with(f"{fault}-killed-worker", 0, stalled_then_killed, dict(VERDICTS), tmp_path / "run")
+    assert not result.error, result.summary()
+    assert [f for f in result.findings if f.verdict == "bounced"], f"nothing on the wire at the death: {result.summary()}"
+    assert result.counts["ackwait"] == 0, result.summary()
+    assert result.passed, result.summary()
+
+
+def test_a_worker_stopping_while_its_link_stalls_listens_until_its_request_is_over(tmp_path):
+    """Found while fixing F7's second form, by reading the stopping path: a worker told to stop
+    (a drain, a scale-down, a recycle) waits for its last pull request to end before it drops
+    its subscription, but it took the end from the clock (PULL_EXPIRES + PULL_MARGIN after the
+    server read it). The idle worker's request R1 is read, then its link stalls; two jobs
+    published meanwhile fill R1 into the stalled link; the worker is SIGTERMed. By the clock R1
+    was over within the stall: the worker unsubscribed, and the two jobs reached it after the
+    stall for nobody. It exited cleanly, so no in-transit check ran: they came back after
+    AckWait, explained by nothing. Now the worker keeps listening until its credits are
+    accounted for (the jobs come and are NAKed as a stopping worker NAKs what it holds),
+    within graceful_timeout."""
+    def stopping_through_a_stall(run: Run) -> None:
+        server = run.start_server()
+        run.connect([server.url])
+        proxy = run.start_proxy(server)
+        run.bg.call(proxy.tap(WORKER_0, (NEXT, PING), (PONG,)))
+        run.start_supervisor([proxy.url], workers={"count": 1, "concurrency": 2, "batch": 2, "heartbeat_timeout": 60.0})
+        [victim] = run.sup.worker_pids()
+        t_req = wait_until(lambda: last_request_read(run), 30, "the worker's request read, with time left to live")
+        t0 = time.monotonic()
+        assert run.bg.call(proxy.stall(WORKER_0)) == 1, "worker 0's link is not through the proxy"
+        assert not [t for t, what in tapped(run) if what == NEXT and t_req < t < t0], "a request went out just before"
+        run.load(2, rate=100, what="0.01").result(5)
+        wait_until(lambda: run.bg.call(run.queue_state()) == (2, 0, 2), STOP, "R1 filled into the stalled link")
+        stop = run.fault("worker SIGTERM during its link's stall", time.monotonic(), pids={victim})
+        os.kill(victim, signal.SIGTERM)
+        time.sleep(max(0.0, t0 + STOP - time.monotonic()))   # the stall's length
+        run.bg.call(proxy.heal(WORKER_0))
+        run.fault(f"link-stall of {STOP:g}s", t0, time.monotonic(), pids=set(), in_control=False)
+        wait_until(lambda: not run.watcher.alive(victim), 30, "worker 0 exited")
+        stop.t1 = time.monotonic()
+
+    result = run_with("stopping-through-a-stall", 0, stopping_through_a_stall, dict(VERDICTS), tmp_path / "run")
+    assert not result.error, result.summary()
+    assert result.counts["ackwait"] == 0, result.summary()
+    assert result.passed, result.summary()
+
+
+def test_an_orphans_nak_redelivered_to_a_worker_that_dies_comes_back_at_once(tmp_path):
+    """F9, found by `python -m chaos --random --seed 18 --minutes 0.25` on this branch (1 run of 8):
+    the parent SIGKILLed and a new supervisor started; the orphaned workers NAKed what they had
+    not started (with the shutdown's 2 s delay) and announced it; the redeliveries went to a
+    worker of the new supervisor, which was SIGKILLed before it read them. The in-transit check
+    finds first deliveries above its lower bound; a redelivery it finds only for its own workers'
+    NAKs (F1), so these two waited for AckWait. Here alpha's only worker holds jobs it has not
+    started when alpha is SIGKILLed (the worker SIGSTOPped meanwhile, so the NAKs come once beta
+    runs); beta's only worker has a request waiting, made fresh by a short job, when the NAKs'
+    delay ends: its link is stalled right after that request, so what the server hands it stays
+    on its wire, and it is SIGKILLed once the orphan has said goodbye. The redeliveries must be
+    back at once, NAKed by beta's check; none may wait for AckWait."""
+    alpha_worker, beta_worker = r"^alpha worker 0$", r"^beta worker 0$"
+
+    def orphan_nak_on_the_wire(run: Run) -> None:
+        server = run.start_server()
+        run.connect([server.url])
+        proxy = run.start_proxy(server)
+        run.bg.call(proxy.tap(alpha_worker, (b"-NAK",)))
+        run.bg.call(proxy.tap(beta_worker, (NEXT,)))
+        alpha = run.start_supervisor([proxy.url], nats={"name": "alpha"},
+                                     workers={"count": 1, "batch": 8, "heartbeat_timeout": 60.0})
+        run.load(40, rate=400, what="0", window=8).result(30)     # fast jobs: the worker learns to buffer
+        wait_until(lambda: run.done_count() == 40, 30, "the warm-up done")
+        run.load(6, rate=400, what="1.0", window=6).result(30)
+        [orphan] = alpha.worker_pids()
+        wait_until(lambda: len([e for w in alpha.status()["workers"]["list"] for e in w["in_flight"]
+                                if e["state"] == "held"]) >= 2, 10, "alpha's worker running a job and holding more")
+        os.kill(orphan, signal.SIGSTOP)
+        t_kill = time.monotonic()
+        alpha.proc.kill()
+        alpha.proc.wait()
+        run.stopped.add(run.sups.index(alpha))                  # on purpose: no death to count
+        parent = run.fault("parent SIGKILL, its worker SIGSTOPped", t_kill, pids={orphan})
+        beta = run.start_supervisor([proxy.url], nats={"name": "beta"},
+                                    workers={"count": 1, "concurrency": 2, "batch": 2, "heartbeat_timeout": 60.0})
+        [victim] = beta.worker_pids()
+        alone_and_polled(run, time.monotonic())
+        os.kill(orphan, signal.SIGCONT)
+        t_nak = wait_until(lambda: min((t for t, _ in run.bg.call(proxy.tapped(alpha_worker))), default=None),
+                           10, "the orphan's NAKs")
+        wait_until(lambda: not run.watcher.alive(orphan), 10, "the orphan gone")
+        parent.t1 = time.monotonic()
+        time.sleep(max(0.0, t_nak + 1.3 - time.monotonic()))   # the schedule: a job ends just before the delay
+        done = run.done_count()
+        run.load(1, rate=100, what="0.2").result(5)
+        ran = wait_until(lambda: run.done_count() > done and run.tail.poll(), 5, "the short job done")
+        last_done = max(r.t for r in ran if r.event == "D")
+        wait_until(lambda: [t for t, what in tapped_on(run, beta_worker) if what == NEXT and t > last_done], 5,
+                   "beta's worker asking again", interval=0.002)
+        assert run.bg.call(proxy.stall(beta_worker)) == 1, "beta's worker's link is not through the proxy"
+        kill = run.fault("worker link stalled, then SIGKILL", time.monotonic(), pids={victim})
+        assert time.monotonic() < t_nak + 1.9, "too late: the redeliveries may have gone out already"
+        wait_until(lambda: waiting(run) == 0, 5, "the redeliveries handed to beta's worker's requests")
+        wait_until(lambda: [o for o in beta.status()["peers"]["gone"] if "orphan of" in o], 10, "the orphan's goodbye")
+        alone_and_polled(run, time.monotonic() - 30)
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: not run.watcher.alive(victim), 30, "beta's worker gone")
+        kill.t1 = time.monotonic()
+        run.bg.call(proxy.heal(beta_worker))
+
+    result = run_with("orphan-nak-on-the-wire", 0, orphan_nak_on_the_wire, dict(VERDICTS), tmp_path / "run")
+    assert not result.error, result.summary()
+    assert [f for f in result.findings if f.verdict == "redelivered"], result.summary()
+    assert result.counts["ackwait"] == 0, result.summary()
+    assert result.passed, result.summary()
+
+
+def tapped_on(run: Run, pattern: str) -> list[tuple[float, bytes]]:
+    return run.bg.call(run.proxy.tapped(pattern))
+
+
+def tapped(run: Run) -> list[tuple[float, bytes]]:
+    return run.bg.call(run.proxy.tapped(WORKER_0))
+
+
+def answered_408(run: Run, since: float) -> bool:
+    """A 408 came to the worker after `since`, and a pull request of its went out after that."""
+    seen = tapped(run)
+    first = min((t for t, what in seen if what == TIMEOUT and t > since), default=None)
+    return first is not None and any(what == NEXT and t > first for t, what in seen)
+
+
+def alone_and_polled(run: Run, since: float) -> float:
+    """The supervisor sure it is alone, and a poll of its monitor since `since`, SLACK old."""
+    wait_until(lambda: (s := run.sup.try_status()) and s["peers"]["alone"], 30, "the supervisor sure it is alone")
+    polled = wait_until(lambda: (age := run.sup.status()["consumer"].get("poll_age_s")) is not None
+                        and (t := time.monotonic() - age) > since and t, 30, "a poll by the supervisor's monitor since")
+    wait_until(lambda: time.monotonic() > polled + 2 * SLACK, 5, "that poll more than SLACK old")
+    return polled
+
+
+def last_request_read(run: Run) -> float | None:
+    """When the worker's last pull request went out, once the PONG to the second PING after it
+    came back (the first may belong to a check that began before the request: the worker's
+    liveness check proves a request read with a PING it began after it, Puller.server_read), and
+    while the request still has a good part of PULL_EXPIRES to live at the server; else None."""
+    seen = tapped(run)
+    requests = [t for t, what in seen if what == NEXT]
+    pings = [t for t, what in seen if what == PING]
+    pongs = [t for t, what in seen if what == PONG]      # the n-th answers the n-th PING
+    if not requests:
+        return None
+    after = [n for n, t in enumerate(pings) if t > requests[-1]]
+    answered = len(after) >= 2 and len(pongs) > after[1]
+    return requests[-1] if answered and time.monotonic() < requests[-1] + 0.7 * PULL_EXPIRES else None
+
+
+def waiting(run: Run) -> int:
+    """Pull requests waiting at the server (-1 while it does not answer)."""
+    try:
+        return run.bg.call(run.nc.jetstream().consumer_info(STREAM, CONSUMER, timeout=2)).num_waiting or 0
+    except Exception:
+        return -1
 
 
 def test_an_orphans_naks_are_explained_to_the_supervisor_that_gets_their_redeliveries(nats_server,

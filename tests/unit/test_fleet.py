@@ -350,3 +350,39 @@ def test_the_simulated_fleet_polls_once_per_interval_and_survives_a_failover_gen
     assert max(failover.polls(20, 40)) <= 2 * FALLBACK_POLLS        # random phases: ~FALLBACK_POLLS a second
     assert 0 < failover.pollerless_s <= lease_ttl(2.0) + 2.0
     assert announcements_per_crash() == (3, announcements_per_crash()[1])   # naks, seen, settled
+
+
+def test_an_orphans_nak_times_count_only_from_this_host_and_its_goodbye_only_when_fenced():
+    """F9 (supervisor/parent/safety/peers.py): an orphan's NAK times are its host's monotonic clock."""
+    from types import SimpleNamespace
+
+    from supervisor.parent.safety import peers as peers_module
+
+    class Sink:
+        def __init__(self) -> None:
+            self.naks: list[tuple] = []
+            self.read: list[str] = []
+
+        def worker_nak(self, seq, delivery, at, delay, held_at, now, by=""):
+            self.naks.append((seq, delivery, at, delay, held_at, by))
+
+        def naks_read(self, origin, now):
+            self.read.append(origin)
+
+    sink = Sink()
+    led = CrashLedger(30.0, 2)
+    peers = Peers(None, "JOBS", "workers", led, post=lambda work: work(), in_transit=sink)
+    orphan = "vm/41/ab12cd34 (worker 0, orphan of pid 40)"
+
+    def say(body: dict) -> None:
+        asyncio.run(peers.on_message(SimpleNamespace(data=json.dumps(body).encode())))
+    naked = [[7, 1, 100.5, 2.0, 99.0]]
+    say({"origin": orphan, "naks": [[7, "NAKed by worker 0"]], "naked": naked, "boot": "another host's"})
+    say({"origin": orphan, "naks": [[7, "NAKed by worker 0"]], "naked": naked})
+    assert sink.naks == []
+    say({"origin": orphan, "naks": [[7, "NAKed by worker 0"]], "naked": naked, "boot": peers_module.BOOT})
+    assert sink.naks == [(7, 1, 100.5, 2.0, 99.0, orphan)]
+    say({"origin": orphan, "bye": 1})
+    assert sink.read == [] and orphan in peers.gone
+    say({"origin": orphan, "bye": 1, "fenced": 1})
+    assert sink.read == [orphan]

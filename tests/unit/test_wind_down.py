@@ -35,10 +35,11 @@ def test_a_job_queued_while_the_drain_naks_is_naked_at_once():
             pass
         host.settler = SimpleNamespace(settle=settle)
         host.sub = SimpleNamespace(unsubscribe=unsubscribe)
-        host.pulls = SimpleNamespace(requests_end=lambda: 0.0, forget=lambda: None)
+        host.pulls = SimpleNamespace(credits=0, forget=lambda: None)
         host.threads = SimpleNamespace(take_unstarted=list)
         host.parked, host.take_parked, host.release_limits = (lambda: 0), list, (lambda job: None)
         host.queue.append((None, 0, Job(data=b"", subject="jobs.a", headers={}, stream_seq=1)))
         await asyncio.wait_for(Shutdown(host, 0).wind_down(), 10)
         return naked
     assert asyncio.run(run()) == [1, 2]
+

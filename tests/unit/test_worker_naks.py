@@ -108,3 +108,38 @@ def test_a_paused_consumers_waiting_requests_prove_no_delivery():
     assert it.waiting_since(9.0) is None
     it.observed(11.0, 11.01, 100, waiting=2, consumer_seq=200)
     assert it.waiting_since(9.0).asked == 11.0
+
+
+# ---- F9: an orphan's NAK, heard on the ledger subject
+# (tests/integration/test_found_by_random.py::test_an_orphans_nak_redelivered_to_a_worker_that_dies_comes_back_at_once)
+
+ORPHAN = "vm/41/ab12cd34 (worker 0, orphan of pid 40)"
+
+
+def orphans_nak(naks: WorkerNaks, delivery: int = 1, learnt: float = 10.0) -> None:
+    naks.sent(7, WorkerNak(delivery, earliest=12.0, delay=2.0, learnt=learnt, by=ORPHAN))
+
+
+def test_an_orphans_nak_is_read_by_the_server_only_once_its_fenced_goodbye_came():
+    naks = WorkerNaks()
+    orphans_nak(naks)
+    naks.died("worker 0 (pid 2)", credits=2, held=set())
+    naks.read_in(set(), before=11.0, after=11.1)        # in none of OUR tables: proves nothing of the orphan's
+    assert naks.naks[7].read_by is None and proven(naks, [reading(20.0)]) == []
+    naks.orphan_gone("another orphan", 11.5)
+    assert naks.naks[7].read_by is None
+    naks.orphan_gone(ORPHAN, 12.0)
+    assert naks.naks[7].read_by == 12.0
+    assert proven(naks, [reading(12.0 + SLACK + 2.0 - 0.01)]) == []   # the delay counts from that proof
+    assert proven(naks, [reading(12.0 + SLACK + 2.0)]) == [7]
+
+
+def test_a_nak_said_again_keeps_what_was_known_of_it():
+    """An orphan says its NAKs again with its goodbye: a death already seen must stay marked."""
+    naks = WorkerNaks()
+    orphans_nak(naks)
+    naks.died("worker 0 (pid 2)", credits=2, held=set())
+    orphans_nak(naks, learnt=11.0)
+    assert naks.naks[7].dead == "worker 0 (pid 2)" and naks.naks[7].learnt == 10.0
+    orphans_nak(naks, delivery=2, learnt=12.0)         # a later delivery NAKed: that one counts now
+    assert naks.naks[7].delivery == 2 and not naks.naks[7].dead

@@ -82,8 +82,21 @@ class PauseAsked:
 def ledger_subject(stream: str, consumer: str) -> str:
     """Where the supervisors of one consumer share their ledgers (supervisor/parent/peers.py), and
     where an orphaned worker, whose parent can no longer announce anything, announces its own
-    NAKs (workers/runtime/orphan.py): core NATS, JSON `{"origin", "naks": [[seq, why]]}` or `{"origin", "bye": 1}`."""
+    NAKs (workers/runtime/orphan.py): core NATS, JSON `{"origin", "naks": [[seq, why]]}` or `{"origin", "bye": 1}`;
+    an orphan's also `"naked": [[seq, delivery, at, delay, held_at]], "boot": boot_id()` (its times on
+    the host's monotonic clock, as in Settled) and `"fenced": 1` with its goodbye when the server
+    had read every NAK it sent."""
     return f"supervisor.ledger.{stream}.{consumer}"
+
+
+def boot_id() -> str:
+    """This kernel's boot id ("" when unknown): processes that share it share CLOCK_MONOTONIC, so a
+    time one of them sends means the same to the other."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 Event = Ready | Redelivered | Settled | Unsent | AcksResent | RecycleDue | PauseAsked

@@ -15,7 +15,11 @@ until its goodbye at its exit, which comes with its NAKs once more, for a superv
 not listening yet (the successor a restart brings up while the orphan winds down). The NAKs
 of a stop are kept from its start: the parent-death signal can read as an ordinary stop (below)
 and its NAKs go out before the worker knows it is an orphan; they are announced the moment it
-does (a parent alive then may have announced some too: a NAK explained twice).
+does (a parent alive then may have announced some too: a NAK explained twice). Each comes with
+what a supervisor on the same host needs to NAK its redelivery again if that went to a worker
+of its own that died before reading it (F9, supervisor/parent/safety/in_transit.py): the
+delivery, when it was sent and held on the host's monotonic clock, its delay; and the goodbye
+says whether the server had read every NAK (the settler's last fence went through).
 
 It learns of the death two ways, each covering what the other misses:
   - the kernel's parent-death signal (SIGTERM, PR_SET_PDEATHSIG: set at fork, it also ends a
@@ -39,7 +43,7 @@ from typing import Any, Protocol
 
 from workers import Job
 from workers.protocol import slots
-from workers.protocol.events import Event, ledger_subject
+from workers.protocol.events import Event, boot_id, ledger_subject
 from workers.protocol.exits import EXIT_ORPHANED
 from workers.protocol.modes import STOPPING
 from workers.runtime.events import EventPipe
@@ -49,6 +53,7 @@ log = logging.getLogger("worker")
 
 ORPHAN_GRACE = 2.0          # running jobs (and their acks' fence) get this long when the parent has died
 ANNOUNCED_MAX = 500         # an orphan's NAKs said again with its goodbye, at most (one ledger message)
+BOOT = boot_id()            # with its NAKs' times: a supervisor on another host cannot read them
 
 
 class OrphanHost(Protocol):
@@ -72,7 +77,8 @@ class ParentWatch:
         self.events = EventPipe(events_fd, slot)
         self.server_dies_with_parent = server_dies_with_parent
         self.orphaned = False
-        self.stop_naks: list[list] = []  # [seq, why] of the NAKs since the stop began (module docstring)
+        self.stop_naks: list[list] = []  # [seq, why] of the NAKs since the stop began (module docstring) ...
+        self.naked: list[list] = []      # ... and [seq, delivery, at, delay, held_at] of each
         self.announcing: asyncio.Future | None = None
         self.origin = (f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)} "
                        f"(worker {slot}, orphan of pid {parent_pid})")
@@ -103,27 +109,33 @@ class ParentWatch:
         w.shutdown.hurry(time.monotonic() + ORPHAN_GRACE)
         w.set_mode(STOPPING)
         if self.stop_naks:               # NAKed before we knew: the parent-death signal read as a stop
-            self.announcing = asyncio.ensure_future(self.publish({"origin": self.origin, "naks": list(self.stop_naks)}))
+            self.announcing = asyncio.ensure_future(self.publish(self.naks_said(self.stop_naks, self.naked)))
         self.give_up_if_server_gone()
         return True
 
-    async def announce_nak(self, job: Job, reason: str) -> None:
-        """Before an orphan's NAK: tell whoever keeps a ledger of this consumer (module docstring).
-        Best effort, as its parent's announcements were: a refused publish is only logged."""
+    async def announce_nak(self, job: Job, reason: str, delay: float, held_at: float) -> None:
+        """Before an orphan's NAK (sent with `delay`, of a delivery held since `held_at`): tell
+        whoever keeps a ledger of this consumer (module docstring). Best effort, as its parent's
+        announcements were: a refused publish is only logged."""
         if not self.orphaned and self.owner.mode != STOPPING:
             return                       # the parent announces it (arbiter.py, Settled)
         why = f"NAKed by worker {self.slot} (pid {os.getpid()}) at delivery {job.delivery}, its supervisor gone: {reason}"
         self.stop_naks.append([job.stream_seq, why])
-        del self.stop_naks[:-ANNOUNCED_MAX]
+        self.naked.append([job.stream_seq, job.delivery, round(time.monotonic(), 6), delay, round(held_at, 6)])
+        del self.stop_naks[:-ANNOUNCED_MAX], self.naked[:-ANNOUNCED_MAX]
         if self.orphaned:
-            await self.publish({"origin": self.origin, "naks": [self.stop_naks[-1]]})
+            await self.publish(self.naks_said(self.stop_naks[-1:], self.naked[-1:]))
 
-    async def goodbye(self) -> None:
+    def naks_said(self, naks: list[list], naked: list[list]) -> dict:
+        return {"origin": self.origin, "naks": naks, "naked": naked, "boot": BOOT}
+
+    async def goodbye(self, fenced: bool) -> None:
         """At an orphan's exit: its NAKs once more, for a supervisor that was not listening yet
-        (the successor a restart brings up), then the goodbye that ends its hold on the peers."""
+        (the successor a restart brings up), then the goodbye that ends its hold on the peers,
+        `fenced` when the server had read every NAK (and ack) it sent."""
         if self.orphaned and self.stop_naks:
-            await self.publish({"origin": self.origin, "naks": self.stop_naks})
-            await self.publish({"origin": self.origin, "bye": 1})
+            await self.publish(self.naks_said(self.stop_naks, self.naked))
+            await self.publish({"origin": self.origin, "bye": 1, **({"fenced": 1} if fenced else {})})
 
     async def publish(self, body: dict) -> None:
         w = self.owner

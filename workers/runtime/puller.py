@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from typing import Any, Protocol
 
 from nats.js.api import Header
@@ -22,10 +23,12 @@ from workers.runtime.settle import REFUSED
 
 log = logging.getLogger("worker")
 
-PULL_EXPIRES = 1.0          # a pull request lives this long: an idle worker renews it this often, and a
-                            # stopping worker waits at most this long (+ PULL_MARGIN) for its last one to end
+PULL_EXPIRES = 1.0          # a pull request lives this long: an idle worker renews it this often
 PULL_MARGIN = 1.0           # past a request's local expiry, before its credits are given up (the server's
                             # clock starts when the request arrives; one round trip at most)
+STALL = 0.5                 # a liveness round trip this much longer than the link's quickest lately: the
+                            # server or the link may have stopped meanwhile (expire_lost_pull)
+RTTS_KEPT = 16              # liveness round trips remembered for that (4 s of them)
 
 
 class PullHost(Protocol):
@@ -60,12 +63,14 @@ class Puller:
         self.unasked = 0                 # messages that came with no credit to account for them ...
         self.unasked_said = 0.0          # ... and when we last said so
         self.unsent = False              # nats-py refused our last pull request
+        self.rtts: deque[float] = deque(maxlen=RTTS_KEPT)   # recent liveness round trips ...
+        self.stalled = False             # ... the last one was slow or unanswered ...
+        self.resumed = 0.0               # ... and when the first quick one after such came back
 
     async def run(self) -> None:
         """Pull while the worker is SERVING."""
         w = self.owner
         while w.mode == SERVING:
-            self.expire_lost_pull()
             n = self.pull_size()
             if n > 0 and await self.request(n):
                 continue
@@ -119,6 +124,26 @@ class Puller:
             # A ping on the new connection proves nothing about what the old one carried; the
             # first one answered from now on starts the clock as the reconnect did (R8).
             self.last_sent, self.read_by = now, None
+        self.rtts.clear()                # another server, maybe: another round trip (stalls are told by it)
+
+    def answered(self, ping_sent: float, now: float) -> None:
+        """The worker's liveness PING sent at `ping_sent` was answered by `now` (Worker.liveness):
+        the server read our requests sent before it; a slow answer is a stall; a quick one may
+        prove our requests over (expire_lost_pull)."""
+        self.server_read(ping_sent, now)
+        rtt = now - ping_sent
+        quickest = min(self.rtts, default=rtt)
+        self.rtts.append(rtt)
+        if rtt > quickest + STALL:
+            self.stalled = True
+            return
+        if self.stalled:
+            self.stalled, self.resumed = False, now
+        self.expire_lost_pull(ping_sent)
+
+    def unanswered(self) -> None:
+        """A liveness PING went unanswered within its timeout: a stall of the server or the link."""
+        self.stalled = True
 
     def server_read(self, ping_sent: float, now: float) -> None:
         """A PING sent at `ping_sent` was answered by `now`: the server had read everything we sent
@@ -130,23 +155,35 @@ class Puller:
         """No request of ours is live any more (a new connection, or the worker is done pulling)."""
         self.credits = 0
         self.owner.table.set_credits(0)
+        self.owner.changed.set()         # a stopping worker waits for it (shutdown.py)
 
     def requests_end(self) -> float:
-        """When every pull request we sent has surely ended (0 when none is outstanding): PULL_EXPIRES
-        after the server read the last one, and it cannot have read it before we sent it."""
+        """When every pull request we sent has ended by the clock (0 when none is outstanding):
+        PULL_EXPIRES after the server read the last one, and it cannot have read it before we sent
+        it. Only where the server ran all along: see expire_lost_pull."""
         if self.credits <= 0:
             return 0.0
         end = self.pull_deadline + PULL_MARGIN
         return end if self.read_by is None else max(end, self.read_by + PULL_EXPIRES + PULL_MARGIN)
 
-    def expire_lost_pull(self) -> None:
-        """A pull request the server forgot (restart, leader change) must not hold credits forever.
-        Only once the server has surely read it (F7): a stalled server reads our requests when it
-        resumes, and each then lives PULL_EXPIRES from there; given up sooner, they were asked
-        again, and the resumed server filled the old requests and the new ones, more messages on
-        our wire than our credits said (a death then left them all to AckWait: in_transit.py)."""
-        if self.credits > 0 and self.read_by is not None and time.monotonic() > self.requests_end():
+    def expire_lost_pull(self, ping_sent: float) -> None:
+        """A pull request the server forgot (restart, leader change) must not hold credits forever:
+        given up on the quick answer to a PING sent `ping_sent` (only `answered` calls it), once that is past the requests'
+        end, the server having surely read the last (F7), and past the last stall's end by a
+        request's life. A request ends with its last message or a 408 with its unfilled count
+        (filled or not, the server sends nothing for it after that), and both come before the
+        answer to a PING the server reads after, give or take its internal queues (PULL_MARGIN).
+        Not so across a stall (F7's second form): the server, stopped, sends a request's 408, or
+        what it had filled into it, only once it runs again, and reads a request still in its
+        queues only then (living PULL_EXPIRES from there); a link stalled holds them as long. Given
+        up meanwhile, a request's 408 took its unfilled count again from the requests asked after
+        it, and its messages came unasked: our credits said less than was on our wire, and a
+        death left the rest to AckWait (supervisor/parent/safety/in_transit.py). So the credits
+        stay (and no more is asked) while the server or the link does not answer quickly."""
+        if self.credits > 0 and self.read_by is not None \
+                and ping_sent > max(self.requests_end(), self.resumed + PULL_EXPIRES + PULL_MARGIN):
             self.forget()
+            self.owner.wake_pull.set()
 
     def pull_size(self) -> int:
         now, table = time.monotonic(), self.owner.table
@@ -186,6 +223,8 @@ class Puller:
         if self.credits > 0:
             self.credits -= 1
             self.owner.table.set_credits(self.credits)
+            if not self.credits:
+                self.owner.changed.set()     # a stopping worker waits for it (shutdown.py)
         else:
             self.came_unasked()
         self.timed(reply)

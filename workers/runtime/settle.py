@@ -54,7 +54,7 @@ class SettleHost(Protocol):
     wake_pull: asyncio.Event               # a released entry can take another message
 
     def emit(self, event: Event) -> None: ...
-    async def before_nak(self, job: Job, reason: str) -> None: ...   # an orphan announces it (orphan.py)
+    async def before_nak(self, job: Job, reason: str, delay: float, held_at: float) -> None: ...   # orphan.py
 
 
 class Settler:
@@ -94,7 +94,7 @@ class Settler:
         """Publish the ack/nak/term and keep the entry until a flush confirms it."""
         w = self.owner
         if outcome == "nak":
-            await w.before_nak(job, reason)
+            await w.before_nak(job, reason, nak_delay(payload), w.table.held_at(i))
         sent, held_at = time.monotonic(), w.table.held_at(i)
         generation, refused = await self.publish(i, payload)
         if outcome in ACKS:

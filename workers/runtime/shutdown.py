@@ -61,19 +61,23 @@ class Shutdown:
     async def wind_down(self) -> None:
         """Stop pulling. Run (RETIRING) or NAK (STOPPING) what was pulled but not started; let
         running jobs finish within graceful_timeout and NAK what still runs after it. Keep the
-        subscription until every pull request we sent has ended (filled, 408 on expiry, 409),
-        at most PULL_EXPIRES + PULL_MARGIN: no interest may be dropped while a request is live.
-        An UNSUB, however well fenced, races the server itself: a message it has just assigned
-        to our request is routed after the UNSUB to nobody, and waits for AckWait (and nats-py's
-        drain() even removes the subscription before the server reads the UNSUB). The settler
+        subscription until every pull request we sent has ended (filled, 408 on expiry, 409, or
+        given up as the puller gives a lost one up: Puller.expire_lost_pull), within
+        graceful_timeout: no interest may be dropped while a request is live. An UNSUB, however
+        well fenced, races the server itself: a message it has just assigned to our request is
+        routed after the UNSUB to nobody, and waits for AckWait (and nats-py's drain() even
+        removes the subscription before the server reads the UNSUB). Not the clock's end of a
+        request either: across a stall of the link or the server, what the server filled into
+        a request comes after it (F7); we exit cleanly, so nothing would NAK it. The settler
         then fences every ack, waiting for NATS until `deadline` (Settler.fence_the_rest)."""
         w = self.owner
         w.table.set_state(slots.DRAINING)
         self.deadline = time.monotonic() + w.grace
         while True:
-            # Cleared before anything here awaits: a job queued or parked meanwhile (a message
-            # that arrives while the NAKs below go out, a key's turn, a limit granted) sets it,
-            # and the wait below must see that, not sleep to the deadline with the job in hand.
+            # Cleared before anything here awaits: what happens meanwhile (a message that arrives
+            # while the NAKs below go out, a job's end, a key's turn, a limit granted, a 408, the
+            # credits given up) sets it, and the wait below must see that, not sleep to the
+            # deadline with a job in hand or the credits already accounted for.
             w.changed.clear()
             if w.mode == STOPPING:
                 await self.nak_queued()
@@ -82,12 +86,10 @@ class Shutdown:
             if busy and now >= deadline:
                 await self.abandon()
                 busy = False
-            pulls_end = w.pulls.requests_end()
-            if not busy and now >= pulls_end:
+            if not busy and (w.pulls.credits <= 0 or now >= deadline):
                 break
-            wake = min(deadline if busy else float("inf"), pulls_end if pulls_end > now else float("inf"))
             try:
-                await asyncio.wait_for(w.changed.wait(), max(0.001, wake - now))
+                await asyncio.wait_for(w.changed.wait(), max(0.001, deadline - now))
             except TimeoutError:
                 pass
         w.pulls.forget()

@@ -222,7 +222,8 @@ class Worker:
         self.reacker.close()
         beating.cancel()               # only now: waiting for NATS to take our acks is no hang
         await self.chain.close()       # e.g. the guard's leases of jobs we did not finish: freed
-        await self.parent.goodbye()    # an orphan that announced NAKs: its peers may count it gone
+        # An orphan that announced NAKs: its peers may count it gone (and its NAKs read, if fenced).
+        await self.parent.goodbye(fenced=not self.settler.unconfirmed)
         await self.close_connection()
         self.parent.events.drain(timeout=1.0)   # the last settles' events, if a busy parent left no room
         return EXIT_DRAINED
@@ -276,16 +277,17 @@ class Worker:
         parent stops keeping its jobs alive with +WPI once this goes stale. Its round trip, loop
         and GIL latency included, is one of the samples pull sizing hides (workers/runtime/pulls.py).
         A fence, not a bare flush: its PING follows what we published before it, so its PONG also
-        proves the server read our pull requests (Puller.server_read)."""
+        proves the server read our pull requests (Puller.server_read), and its round trip tells
+        a stall from a quick answer (Puller.answered: when lost requests may be given up)."""
         while True:
             sent = time.monotonic()
             try:
                 await self.nc.fence(timeout=LIVENESS_TIMEOUT)
             except Exception:
-                pass                     # stale: the parent sees the time stop moving
+                self.pulls.unanswered()  # stale: the parent sees the time stop moving
             else:
                 self.table.server_answered(sent)     # the PING's send time: slots.py SERVER_SEEN
-                self.pulls.server_read(sent, time.monotonic())
+                self.pulls.answered(sent, time.monotonic())
                 self.pulls.sizer.round_trip(time.monotonic() - sent)
             self.threads.collect()       # outcomes kept back by a handler thread busy with a long job
             await asyncio.sleep(LIVENESS_EVERY)
@@ -442,8 +444,8 @@ class Worker:
     def emit(self, event: Event) -> None:
         self.parent.tell(event)
 
-    async def before_nak(self, job: Job, reason: str) -> None:
-        await self.parent.announce_nak(job, reason)
+    async def before_nak(self, job: Job, reason: str, delay: float, held_at: float) -> None:
+        await self.parent.announce_nak(job, reason, delay, held_at)
 
 
 # ---------------------------------------------------------------- small pure helpers

@@ -51,6 +51,13 @@ until a worker names a later delivery of the job, and NAKs it again only with it
    AckWait, which cannot have started before the NAK went out plus its delay (nor after this
    delivery's own AckWait ran out), is far from over (nak_is_safe);
  - and the same gates as the scan: a work queue, one replica, no peer, connected.
+An orphan's NAK (its parent dead, it announces its NAKs itself: workers/runtime/orphan.py) can
+be redelivered to one of our workers that then dies, as after a parent's SIGKILL and a new
+supervisor's start (F9). One on this host says when it sent the NAK, with what delay and since
+when it held the delivery, on the host's monotonic clock, so the NAK is kept as a worker's is.
+Our tables cannot show the server read it (the orphan's are not ours): its goodbye does, when
+it says every NAK it sent was fenced (it comes after them, and the orphan holds nothing after
+it: a peer gone); the rest of the proof is the same.
 """
 
 from __future__ import annotations
@@ -110,6 +117,7 @@ class WorkerNak:
     learnt: float               # when the parent applied the worker's event
     read_by: float | None = None    # the server had surely read the NAK by then
     dead: str = ""              # a worker with credits that died after the NAK: the redelivery may be on its wire
+    by: str = ""                # an orphan's origin (F9): read by the server once its fenced goodbye came
 
 
 @dataclass
@@ -131,6 +139,8 @@ class WorkerNaks:
     def sent(self, seq: int, nak: WorkerNak) -> None:
         if self.latest.get(seq, 0) > nak.delivery:
             return                              # a later delivery was named first (R4b's order)
+        if (known := self.naks.get(seq)) is not None and known.delivery == nak.delivery:
+            return                              # said again (an orphan's goodbye): what we know of it stays
         self.naks.pop(seq, None)
         self.naks[seq] = nak
         while len(self.naks) > NAMED_LIMIT:
@@ -148,8 +158,14 @@ class WorkerNaks:
     def read_in(self, held: set[int], before: float, after: float) -> None:
         """Tables read between `before` and `after` found these NAKs' jobs in none: the server had read them."""
         for seq, n in self.naks.items():
-            if n.read_by is None and n.learnt < before and seq not in held:
+            if n.read_by is None and not n.by and n.learnt < before and seq not in held:
                 n.read_by = after
+
+    def orphan_gone(self, origin: str, now: float) -> None:
+        """The orphan `origin` said goodbye with every NAK it sent fenced: the server had read them."""
+        for n in self.naks.values():
+            if n.by == origin and n.read_by is None:
+                n.read_by = now
 
     def provable(self, waiting_since: Callable[[float], Reading | None],
                  links_fresh_since: Callable[[float], bool]) -> list[int]:
@@ -191,12 +207,18 @@ class InTransit:
         if credits > 0:
             self.losses.append(Loss(t, credits, who, read_before))
 
-    def worker_nak(self, seq: int, delivery: int, at: float, delay: float, held_at: float, now: float) -> None:
-        """A worker NAKed `seq` at `delivery`, at `at` (its clock) with `delay` (events.Settled)."""
+    def worker_nak(self, seq: int, delivery: int, at: float, delay: float, held_at: float, now: float,
+                   by: str = "") -> None:
+        """A worker NAKed `seq` at `delivery`, at `at` (its clock) with `delay` (events.Settled);
+        `by`: an orphan on this host (its announcement: peers.py)."""
         if at > 0:
             c = self.cfg.consumer
             earliest = min(at + delay, held_at + ack_wait_for(c.ack_wait, c.backoff, delivery))
-            self.worker_naks.sent(seq, WorkerNak(delivery, earliest, delay, now))
+            self.worker_naks.sent(seq, WorkerNak(delivery, earliest, delay, now, by=by))
+
+    def naks_read(self, origin: str, now: float) -> None:
+        """An orphan said goodbye, every NAK it sent read by the server (peers.py)."""
+        self.worker_naks.orphan_gone(origin, now)
 
     def observed(self, asked: float, answered: float, delivered_stream_seq: int, waiting: int = 0,
                  consumer_seq: int = 0, paused: bool = False) -> None:
@@ -403,7 +425,7 @@ class InTransit:
         # Any consumer seq in range will do: one delivered after the candidates (the scan's upper
         # reading, or the newest: after the reading that proved a redelivery had gone out).
         delivered = self.info.delivered.consumer_seq if self.info else self.readings[-1].consumer_seq
-        who = ", ".join(loss.who for loss in losses)
+        who = ", ".join(loss.who for loss in losses) or ", ".join(sorted(set((who_by_seq or {}).values())))
         for seq in lost:
             # $JS.ACK.<stream>.<consumer>.<deliveries>.<stream seq>.<consumer seq>.<time>.<pending>
             reply = f"$JS.ACK.{self.cfg.stream.name}.{self.cfg.consumer.name}.1.{seq}.{delivered}.0.0"

@@ -9,6 +9,11 @@ redelivery nothing explains stays a suspect for SUSPECT_GRACE before it counts. 
 share the redeliveries their workers receive and how those ended, so a job held by host A's dead
 worker and redone on host B shows as redelivered and acked in A's cross-check too.
 
+An orphaned worker (workers/runtime/orphan.py) announces its own NAKs here. One on this host
+also says when it sent each, with what delay, and, with its goodbye, whether the server had read
+them all: the in-transit check can then NAK a redelivery of one that went to a worker of ours
+that died before reading it, as it does for its own workers' NAKs (F9, in_transit.py).
+
 A whole host lost (supervisor/parent/tasks/fleet.py) is announced by the fleet's poller, which alone watches
 the heartbeats: the jobs the lost supervisor's last heartbeat listed, and a window of time with a
 count for the jobs it took after that heartbeat (they come back when their AckWait runs out).
@@ -37,7 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from supervisor.core.ledger import LOST_PEER
-from workers.protocol.events import ledger_subject
+from workers.protocol.events import boot_id, ledger_subject
 
 log = logging.getLogger("supervisor.peers")
 
@@ -47,12 +52,15 @@ HELLO_EVERY = 2.0       # a supervisor says it exists this often, even with noth
 PEER_QUIET = 3 * HELLO_EVERY + 1.0   # ... a peer unheard for this long is gone ...
 LISTEN_FIRST = HELLO_EVERY + 1.0     # ... and a fresh supervisor knows whether it is alone after this
 SEEN_LIMIT = 100_000    # redeliveries remembered (seq -> highest delivery) for the fleet's release check
+BOOT = boot_id()        # an orphan's NAK times are read only from one on this host (one monotonic clock)
 
 
 class Peers:
-    def __init__(self, nc: Any, stream: str, consumer: str, ledger: Any, post: Callable[[Callable[[], None]], None]):
+    def __init__(self, nc: Any, stream: str, consumer: str, ledger: Any, post: Callable[[Callable[[], None]], None],
+                 in_transit: Any = None):
         self.nc = nc
         self.ledger = ledger
+        self.in_transit = in_transit             # an orphan's NAKs on this host, and its goodbye, for it
         self.post = post                         # the arbiter applies what we hear, in its loop
         self.subject = ledger_subject(stream, consumer)
         self.origin = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
@@ -173,15 +181,29 @@ class Peers:
             seen = [(int(seq), int(delivery)) for seq, delivery in body.get("seen", ())]
             settled = [(int(seq), int(d), str(outcome)) for seq, d, outcome in body.get("settled", ())]
             lost = [lost_item(item) for item in body.get("lost", ())]
+            naked = [(int(seq), int(d), float(at), float(delay), float(held))
+                     for seq, d, at, delay, held in body.get("naked", ())] if body.get("boot") == BOOT != "" else []
         except (ValueError, KeyError, TypeError, AttributeError):
             log.warning("ignoring a malformed ledger message on %s: %r", self.subject, msg.data[:100])
             return
         if origin == self.origin:
             self.post(self.echoed)
         elif body.get("bye"):
-            self.post(lambda: self.gone.add(origin))
+            self.post(lambda: self.said_goodbye(origin, bool(body.get("fenced"))))
         else:
             self.post(lambda: self.apply(origin, naks, seen, settled, lost, asked=bool(body.get("ask"))))
+            if naked and self.in_transit is not None:
+                self.post(lambda: self.orphan_naked(origin, naked))
+
+    def said_goodbye(self, origin: str, fenced: bool) -> None:
+        self.gone.add(origin)
+        if fenced and self.in_transit is not None:
+            self.in_transit.naks_read(origin, time.monotonic())
+
+    def orphan_naked(self, origin: str, naked: list[tuple[int, int, float, float, float]]) -> None:
+        now = time.monotonic()
+        for seq, delivery, at, delay, held_at in naked:
+            self.in_transit.worker_nak(seq, delivery, at, delay, held_at, now, by=origin)
 
     def echoed(self) -> None:
         now = time.monotonic()
