@@ -65,6 +65,7 @@ class Arbiter:
         self.connect_worker = connect_worker
         self.notifier = notifier
         self.reload_config = reload_config
+        self.reloading = self.reload_again = False         # a reload under way; a SIGHUP came meanwhile
         self.alerts: collections.deque = collections.deque(maxlen=50)
         self.steps = LoopSteps(self.alert)
         self.signals: collections.deque[int] = collections.deque()
@@ -85,8 +86,9 @@ class Arbiter:
 
     def crew(self, name: str, pool_cfg: Config, code: Code) -> Crew:
         """A pool's crew (not yet run: `adopt` it on the loop). With [pools.*] its name is on its
-        log lines, alerts and metrics; without, there is one pool and nothing changes."""
-        return Crew(name, pool_cfg, code, self, label=name if self.cfg.pools else "")
+        log lines, alerts and metrics; without, there is one pool and nothing changes. Asked of
+        the config the pool runs in (a reload makes its new pools before the loop takes it)."""
+        return Crew(name, pool_cfg, code, self, label=name if pool_cfg.pools else "")
 
     def adopt(self, crew: Crew) -> None:
         self.crews[crew.name] = crew
@@ -274,13 +276,31 @@ class Arbiter:
             self.scale(max(0, crew.pool.target - 1), "SIGTTOU", crew.name)
 
     def running(self) -> list[Crew]:
-        return [c for c in self.crews.values() if not c.halted and not c.leaving]
+        return [c for c in self.crews.values() if not c.halted]     # a pool a reload took out is in departing
 
     def on_reload(self) -> None:
         if self.reload_config is None or self.stopping:
             log.warning("reload: nothing to re-read" if not self.stopping else "reload ignored while stopping")
             return
-        self.spawn_task(self.reload_config())   # it posts apply_config back to the loop
+        if self.reloading:          # one at a time: each plans against the pools running when it starts,
+            self.reload_again = True    # so two at once would both start a pool added to the file
+            return
+        self.reloading = True
+        self.spawn_task(self.reload_once())
+
+    async def reload_once(self) -> None:
+        assert self.reload_config is not None, "on_reload starts it only with a config source"
+        try:
+            await self.reload_config()          # it posts apply_config back to the loop ...
+        finally:
+            self.post(self.reloaded)            # ... and this after it
+
+    def reloaded(self) -> None:
+        """A reload is applied (or failed): a SIGHUP that came meanwhile reloads now."""
+        self.reloading = False
+        if self.reload_again:
+            self.reload_again = False
+            self.on_reload()
 
     def apply_config(self, cfg: Config, change: Any, codes: Mapping[str, Code | None], added: list[Crew]) -> None:
         """Take a reloaded config (config/reload.py pools_plan): each pool that runs on takes its
@@ -303,19 +323,19 @@ class Arbiter:
         self.wakeup.set()
 
     def depart(self, crew: Crew) -> None:
-        """A reload took the pool out: its workers retire; once the last has exited, it is dropped."""
+        """A reload took the pool out: its workers retire; once the last has exited and what its
+        dead left is done (Crew.finished), it is dropped."""
         log.info("pool %s leaves (reload): retiring its %d worker(s)", crew.name, len(crew.living()),
                  extra={"event": "pool_removed", "pool": crew.name})
-        crew.leaving = True
         crew.empty("its pool left the config")
         self.departing.append(crew)
 
     def drop_departed(self) -> None:
-        for crew in [c for c in self.departing if not c.living() and not c.dead]:
+        for crew in [c for c in self.departing if c.finished()]:
             self.departing.remove(crew)
             for task in crew.tasks:
                 task.cancel()
-            self.spawn_task(crew.peers.goodbye())
+            self.spawn_task(crew.peers.close())
 
     def begin_stop(self, mode: str) -> None:
         self.stopping = mode
@@ -365,8 +385,6 @@ class Arbiter:
             return None, f"no pool {pool!r} runs here (pools: {', '.join(self.crews)})"
         if crew.halted:
             return None, f"pool {crew.name} halted ({crew.halted}); fix it and reload (SIGHUP) to start it again"
-        if crew.leaving:
-            return None, f"pool {crew.name} is leaving (removed from the config)"
         return crew, ""
 
     def share_budget(self) -> None:

@@ -106,7 +106,6 @@ class Crew:
         self.monitor: Any = None            # its Monitor (parent/tasks/monitor.py), set by supervisor.py ...
         self.tasks: list[asyncio.Task] = []  # ... and the task running it
         self.halted = ""                    # why this pool stopped at boot (a crash loop); "" while it runs
-        self.leaving = False                # a reload took it out: it drains, then the arbiter drops it
         self.last_storm_log = 0.0
 
     # ------------------------------------------------------------ what the rooms and the scaler read
@@ -327,6 +326,14 @@ class Crew:
         self.pool.restart_at.clear()
         for slot in sorted(self.pool.slots):
             self.pool.retire(self.pool.slots.pop(slot), why)
+
+    def finished(self) -> bool:
+        """Nothing of this pool's left to do: no worker, none dead unreaped, and nothing its dead
+        left behind (a NAK held back while NATS is away or to be sent once more, a death whose
+        in-transit jobs are not yet found, word for its peers). A pool a reload took out leaves
+        only then: dropped sooner, its last worker's jobs would wait for AckWait."""
+        return not self.living() and not self.dead and not self.deaths.held_back and not self.deaths.renak \
+            and not self.in_transit.losses and not any(self.peers.outbox.values())
 
     def revive(self) -> None:
         """A SIGHUP after a halt: count boot failures from zero and start the workers again."""

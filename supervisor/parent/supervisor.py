@@ -385,9 +385,10 @@ class Supervisor:
             if any(k.startswith("schedules") for k, _, _ in change.changed) or "error" in self.schedules:
                 await self.apply_schedules(cfg)
         except Exception as exc:      # whatever went wrong, the running config stays
-            for crew in added:
+            for crew in added:        # made for nothing: its peers heard its hello
                 for task in crew.tasks:
                     task.cancel()
+                await crew.peers.close()
             why = str(exc) if isinstance(exc, SupervisorError) else f"{type(exc).__name__}: {exc}"
             log.error("reload failed; still running on the previous config: %s", why,
                       extra={"event": "reload_failed", "reason": why})
