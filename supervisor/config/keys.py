@@ -256,15 +256,19 @@ class LimitConfig:
 
 
 def _pool_fields() -> list[tuple[str, Any, Any]]:
-    """[pools.NAME]'s keys, derived, not declared again: every [workers] key and the
-    pool_rules.CONSUMER_KEYS of [consumer], each with its declaration's comment, bounds and
-    reload rule but no default (unset: None, the pool takes the section's value); and the pool's
-    own `consumer`, its durable name."""
-    hints = {**typing.get_type_hints(WorkersConfig), **typing.get_type_hints(ConsumerConfig)}
-    inherited = [(f, "workers") for f in dataclasses.fields(WorkersConfig)] + \
-        [(f, "consumer") for f in dataclasses.fields(ConsumerConfig) if f.name in pool_rules.CONSUMER_KEYS]
-    out = [(f.name, hints[f.name] | None, field(default=None, metadata={**f.metadata, "inherits": f"{s}.{f.name}"}))
-           for f, s in inherited]
+    """[pools.NAME]'s keys, derived, not declared again: every [workers] key, the
+    pool_rules.CONSUMER_KEYS of [consumer] and pool_rules.RENAMED's ([ordering]'s key as
+    `ordering_key`), each with its declaration's comment, bounds and reload rule but no default
+    (unset: None, the pool takes the section's value); and the pool's own `consumer`, its durable
+    name."""
+    classes = {"workers": WorkersConfig, "consumer": ConsumerConfig, "ordering": OrderingConfig}
+    declared = {(s, f.name): f for s, c in classes.items() for f in dataclasses.fields(c)}
+    inherited = [*((f.name, ("workers", f.name)) for f in dataclasses.fields(WorkersConfig)),
+                 *((f.name, ("consumer", f.name)) for f in dataclasses.fields(ConsumerConfig)
+                   if f.name in pool_rules.CONSUMER_KEYS), *pool_rules.RENAMED.items()]
+    out = [(name, typing.get_type_hints(classes[s])[k] | None,
+            field(default=None, metadata={**declared[s, k].metadata, "inherits": f"{s}.{k}"}))
+           for name, (s, k) in inherited]
     own = (pool_rules.OWN, str, key("", "its durable pull consumer; \"\" = \"<consumer.name>-<NAME>\" (a change restarts "
                                         "the pool on the new one)", reload=LIVE))
     first = ("handler", "count", "filter_subject")         # what `config init`'s example shows first
@@ -576,7 +580,7 @@ def _check_pools(cfg: Config, sources: Mapping[str, str]) -> None:
     consumers: dict[str, str] = {}
     for name, entry in cfg.pools.items():
         def fail(dotted: str, problem: str, name: str = name, entry: Any = entry) -> None:
-            section, k = dotted.split(".", 1)
+            section, k = dotted.split(".", 1)[0], pool_rules.pool_key(dotted)
             if getattr(entry, k, None) is not None:
                 raise ConfigError(f"pools.{name}.{k}", problem, sources.get(f"pools.{name}.{k}", ""))
             raise ConfigError(f"pools.{name}", f"{dotted} (not set in the pool, so [{section}]'s): {problem}",

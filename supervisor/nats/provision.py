@@ -262,8 +262,9 @@ async def check_ordering(js: Any, cfg: Config, stream: api.StreamConfig) -> None
     pools, each ordered pool's consumer is checked on its own filter."""
     if stream.retention != api.RetentionPolicy.WORK_QUEUE:
         kind = getattr(stream.retention, "value", stream.retention)
-        raise ConfigError("ordering.key", f"stream {cfg.stream.name} is not a work queue (retention {kind}): a job would "
-                                          "stay stored once done, and its key would wait for it for good")
+        raise ConfigError("ordering.key", f"stream {cfg.stream.name} is not a work queue (retention {kind}): a job of "
+                                          f"consumer {cfg.consumer.name} would stay stored once done, and its key would "
+                                          "wait for it for good")
     have = (await js.consumer_info(cfg.stream.name, cfg.consumer.name)).config
     delivers = have.filter_subjects or ([have.filter_subject] if have.filter_subject else
                                         [s for s in stream.subjects or () if not sched.in_space(s)])

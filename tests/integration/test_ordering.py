@@ -16,6 +16,7 @@ import signal
 import time
 
 import nats
+import tomli_w
 from browser import Browser, chromium_binary
 from harness import dead_letter_headers, run_cli, wait_until
 
@@ -204,11 +205,59 @@ def test_order_beside_recycling_a_drain_a_long_retry_and_the_guard(nats_server, 
     assert len({r.pid for r in runs}) > 6, "workers were not recycled"
 
 
+# ---------------------------------------------------------------- beside a pool that is not ordered
+
+def test_one_pool_ordered_beside_one_that_is_not_and_a_reload_that_orders_it(nats_server, supervisor_factory):
+    """[ordering] key = "subject:3" for every pool; pool b says `ordering_key = ""`. Both take jobs
+    keyed by their third token, on their own consumers. Pool a's keys stay in order; pool b's one
+    key runs its 0.3 s jobs side by side (it is not ordered, though its subjects have the token);
+    /status orders a alone (`pools.NAME.ordering`, the top level a's, the first pool's), /metrics
+    labels the series `pool="a"` and has none for b. A SIGHUP that drops b's override replaces
+    b's workers, and b's next jobs run one by one, in order."""
+    pools = {"a": {"count": 2, "concurrency": 2, "filter_subject": "jobs.a.>"},
+             "b": {"count": 2, "concurrency": 2, "filter_subject": "jobs.b.>", "ordering_key": ""}}
+    sup = supervisor_factory(nats_server, workers={"handler": HANDLER}, ordering={"key": "subject:3"}, pools=pools)
+    sup.wait_ready(4)
+    rng = random.Random(28)
+    a_jobs = keyed_jobs(rng, 80, 4, 0.02, prefix="a.k")
+    b_jobs = [("jobs.b.k0", "0.3")] * 8
+    seqs = publish_keyed(nats_server.url, a_jobs + b_jobs)
+    key_of = {s: subject for s, (subject, _) in zip(seqs, a_jobs + b_jobs)}
+    a_seqs, b_seqs = set(seqs[:len(a_jobs)]), set(seqs[len(a_jobs):])
+    wait_until(lambda: set(seqs) <= done(sup), what="both pools' jobs done")
+    status = sup.status()
+    owner = {w["pid"]: name for name, p in status["pools"].items() for w in p["workers"]["list"]}
+    runs = runs_of(sup)
+    assert {owner.get(r.pid) for r in runs if r.seq in a_seqs} == {"a"} and \
+        {owner.get(r.pid) for r in runs if r.seq in b_seqs} == {"b"}
+    assert_in_order([r for r in runs if r.seq in a_seqs], key_of)
+    assert reorders([r for r in runs if r.seq in b_seqs], key_of), "pool b's jobs ran one by one: it was ordered"
+    assert status["pools"]["a"]["ordering"]["key"] == "subject:3" and status["pools"]["b"]["ordering"] is None
+    assert status["ordering"] == status["pools"]["a"]["ordering"]
+    assert status["pools"]["a"]["ordering"]["checks"] >= len(a_seqs)
+    _, metrics = sup.get("/metrics")
+    assert 'jetstream_supervisor_ordering_checks_total{pool="a"}' in metrics and \
+        'ordering_parked{pool="b"}' not in metrics, metrics
+    # b's override dropped: b inherits [ordering] and its workers are replaced (read at fork)
+    old_b = {pid for pid, name in owner.items() if name == "b"}
+    inherits = {k: v for k, v in pools["b"].items() if k != "ordering_key"}
+    sup.config_path.write_text(tomli_w.dumps({**sup.config, "pools": {**pools, "b": inherits}}))
+    sup.signal(signal.SIGHUP)
+    wait_until(lambda: (sup.status()["pools"]["b"]["ordering"] or {}).get("key") == "subject:3", what="b ordered")
+    wait_until(lambda: not old_b & sup.worker_pids() and len(sup.status()["pools"]["b"]["workers"]["list"]) == 2
+               and all(w["state"] == "ready" for w in sup.status()["pools"]["b"]["workers"]["list"]),
+               what="b's workers replaced")
+    later = publish_keyed(nats_server.url, [("jobs.b.k0", "0.1")] * 6)
+    key_of.update(dict.fromkeys(later, "jobs.b.k0"))
+    wait_until(lambda: set(later) <= done(sup), what="b's later jobs done")
+    assert_in_order([r for r in runs_of(sup) if r.seq in later], key_of)
+
+
 # ---------------------------------------------------------------- what it refuses
 
 def test_ordering_refuses_a_stream_that_is_not_a_work_queue(nats_server, tmp_path):
     """A stream that keeps what was acked (retention limits) would hold every key back for good:
-    exit 2 at start, naming ordering.key and why."""
+    exit 2 at start, naming ordering.key and why; with pools, for the pool that is ordered."""
     async def make() -> None:
         nc = await nats.connect(nats_server.url)
         await nc.jetstream().add_stream(name="JOBS", subjects=["jobs.>"], retention="limits")
@@ -220,6 +269,12 @@ def test_ordering_refuses_a_stream_that_is_not_a_work_queue(nats_server, tmp_pat
     r = run_cli("start", "--config", str(config), tmp=tmp_path, timeout=60)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "ordering.key" in r.stderr and "not a work queue" in r.stderr, r.stderr
+    # with pools, each ordered pool's consumer is checked: b, the second pool, ordered alone
+    config.write_text(f'[nats]\nservers = ["{nats_server.url}"]\n[workers]\nhandler = "testhandlers:record"\n'
+                      '[monitor]\nhttp = ""\n[pools.a]\nfilter_subject = "jobs.a"\n'
+                      '[pools.b]\nfilter_subject = "jobs.b.>"\nordering_key = "subject:3"\n')
+    r = run_cli("start", "--config", str(config), tmp=tmp_path, timeout=60)
+    assert r.returncode == 2 and "not a work queue" in r.stderr and "consumer workers-b" in r.stderr, r.stderr
 
 
 def test_the_status_names_the_key_a_job_waits_for(nats_server, supervisor_factory, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,8 @@ import pytest
 from supervisor.config import Config, ConfigError
 from supervisor.config.loading import env_overrides, load
 from supervisor.config.ordering import GONE, START, WAIT, filters_of, key_filters, key_of, problems, token_of, verdict
-from supervisor.config.reload import plan
+from supervisor.config.pools import effective
+from supervisor.config.reload import plan, pools_plan
 from supervisor.config.subjects import subject_matches
 from workers import Job
 from workers.protocol import slots
@@ -97,6 +99,31 @@ def test_with_ordering_a_new_max_ack_pending_or_filter_replaces_the_workers():
     assert plan(base, base.replace(consumer={"filter_subject": "jobs.a.>"})).replace_workers
     assert not plan(base, base.replace(consumer={"ack_wait": 9.0})).replace_workers
     assert not plan(Config(), Config().replace(consumer={"max_ack_pending": 50})).replace_workers
+
+
+def test_with_pools_ordering_is_each_pools_own_on_its_filter():
+    """[ordering] reaches every pool that does not set `ordering_key`; `ordering_key = ""` turns
+    it off in one pool; each ordered pool is checked on its own filter, the error naming the key
+    the pool sets, or the pool and the inherited key; a pool's change of it replaces its workers."""
+    pools = {"a": {"filter_subject": "jobs.a.>"}, "b": {"filter_subject": "jobs.b", "ordering_key": ""},
+             "c": {"filter_subject": "jobs.c.*", "ordering_key": "subject:2"}}
+    cfg = Config().replace(ordering={"key": "subject:3"}, pools=pools)
+    assert [effective(cfg, n).ordering.key for n in ("a", "b", "c")] == ["subject:3", "", "subject:2"]
+    assert effective(cfg, "b").workers == cfg.workers and effective(cfg, "c").consumer.filter_subject == "jobs.c.*"
+    assert effective(Config().replace(pools=pools), "c").ordering.key == "subject:2"     # no [ordering]: its own
+    for values, key, problem in (
+            ({"b": {"filter_subject": "jobs.b", "ordering_key": "subject:3"}}, "pools.b.ordering_key", "no key"),
+            ({"b": {"filter_subject": "jobs.b"}}, "pools.b", "ordering.key (not set in the pool, so [ordering]'s)"),
+            ({"b": {"filter_subject": "jobs.b", "ordering_key": "subject:x"}}, "pools.b.ordering_key", "subject:N")):
+        with pytest.raises(ConfigError, match=re.escape(problem)) as caught:
+            Config().replace(ordering={"key": "subject:3"}, pools={**pools, **values})
+        assert caught.value.key == key and caught.value.exit_code == 2, str(caught.value)
+    with pytest.raises(ConfigError, match='expected "subject:N"'):      # [ordering] itself, though no pool uses it
+        Config().replace(ordering={"key": "first"}, pools={"b": {"ordering_key": ""}})
+    p = pools_plan(cfg, cfg.replace(pools={**pools, "a": {"filter_subject": "jobs.a.>", "ordering_key": "subject:2"}}),
+                   ["a", "b", "c"], ["a", "b", "c"])
+    assert p.kept["a"].replace_workers and not p.kept["b"].replace_workers and not p.kept["c"].replace_workers
+    assert ("ordering.key", "subject:3", "subject:2") in p.kept["a"].changed
 
 
 # ---------------------------------------------------------------- a worker's parking, on a fake stream
