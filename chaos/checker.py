@@ -49,7 +49,8 @@ the journal, not trusted). Per job (stream sequence):
   again elsewhere and that ack let the key go on while the first run went on; a parent whose
   +WPI stopped; a host declared lost while alive; graceful_timeout running out), or by a
   server SIGKILL after the earlier job was stored (the restarted server had lost the ack's
-  removal, so the job came back). Otherwise it is reorder_unexplained.
+  removal, so the job came back). Otherwise it is reorder_unexplained. With pools a key is a
+  pool's: jobs of one key name in two pools are two keys.
 - wrong_pool: with pools, a run by a worker of another pool's consumer than the job's (pool b's
   jobs are keyed `bN`, the rest are pool a's): each pool's jobs must run on its own workers only.
   Stream order is per consumer, so a later job bounds when an earlier one was sent only within
@@ -343,8 +344,16 @@ class Checker:
 
     # ------------------------------------------------------------ [ordering]
 
+    def order_of(self, seq: int) -> str:
+        """Job `seq`'s [ordering] key ("" for none); with pools its pool's (a key name in two
+        pools is two keys: each pool's consumer and workers order their own jobs)."""
+        s = self.ev.stored.get(seq)
+        if s is None or not s.order:
+            return ""
+        return f"{self.pool(seq)}/{s.order}" if self.ev.pools else s.order
+
     def order(self, c: dict) -> None:
-        keys = {seq: s.order for seq, s in self.ev.stored.items() if s.order}
+        keys = {seq: key for seq in self.ev.stored if (key := self.order_of(seq))}
         if not keys:
             c["reordered"] = c["reorder_unexplained"] = None
             return
@@ -385,11 +394,11 @@ class Checker:
     def key_free(self, seq: int, t: float) -> float:
         """[ordering]: when the last run of an earlier job of `seq`'s key before `t` ended (a job
         of the key could not start before): what a redelivery's lag counts from."""
-        key = self.ev.stored[seq].order if seq in self.ev.stored else ""
+        key = self.order_of(seq)
         if not key:
             return float("-inf")
-        ends = [r.ended for s, runs in self.runs.items() if s < seq and s in self.ev.stored and
-                self.ev.stored[s].order == key for r in runs if r.ended is not None and r.ended <= t]
+        ends = [r.ended for s, runs in self.runs.items() if s < seq and self.order_of(s) == key
+                for r in runs if r.ended is not None and r.ended <= t]
         return max(ends, default=float("-inf"))
 
     def sent_by(self, seq: int) -> float:

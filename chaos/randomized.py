@@ -190,13 +190,15 @@ def sections(c: Cfg) -> dict[str, dict[str, Any]]:
     if c["chaos.limit"] or c["chaos.limit_rate"]:
         out["limits"] = {"chaos": {"concurrency": c["chaos.limit"], "rate": c["chaos.limit_rate"],
                                    "subjects": ["jobs.>"]}}
-    if c["chaos.tick"]:
-        out["schedules"] = {"tick": {"every": float(c["chaos.tick"]), "subject": "jobs.chaos", "data": "tick:0.01"}}
-    if c["chaos.keys"]:                  # the ticks' `jobs.chaos` has no third token: they run unordered
+    keyed = bool(c["chaos.keys"])
+    if c["chaos.tick"]:                  # with pools and keys pool a takes `jobs.chaos.>`: the tick is a key there
+        tick = f"{SUBJECT}.tick" if keyed and c["chaos.pools"] else SUBJECT
+        out["schedules"] = {"tick": {"every": float(c["chaos.tick"]), "subject": tick, "data": "tick:0.01"}}
+    if c["chaos.pools"]:                 # [ordering] drawn: pool a's own (b's `jobs.b` has no third token)
+        a = {"filter_subject": f"{SUBJECT}.>", "ordering_key": "subject:3"} if keyed else {"filter_subject": SUBJECT}
+        out["pools"] = {"a": a, "b": {"filter_subject": SIDE_SUBJECT, "count": c["chaos.pool_b"]}}
+    elif keyed:                          # the ticks' `jobs.chaos` has no third token: they run unordered
         out["ordering"] = {"key": "subject:3"}
-    if c["chaos.pools"]:
-        out["pools"] = {"a": {"filter_subject": "jobs.chaos"},
-                        "b": {"filter_subject": SIDE_SUBJECT, "count": c["chaos.pool_b"]}}
     return out
 
 

@@ -276,3 +276,19 @@ def test_checker_takes_a_killed_run_as_ended_at_its_death_or_its_rerun():
     server = Fault("nats-server SIGKILL, back 1s later", T0 + 0.25, T0 + 1.25, None, in_control=False)
     c = check(ordered(again, [server])).counts
     assert (c["reordered"], c["reorder_unexplained"]) == (1, 0)
+
+
+def test_checker_judges_a_key_within_its_pool():
+    """With pools a key is a pool's: pool a's seq 1 and pool b's seq 2 on a key of one name (k)
+    may run side by side; two jobs of k in one pool may not."""
+    pools = {"main": "workers-a", "side": "workers-b"}
+    lives = {1: Life(1, T0, consumer="workers-a"), 2: Life(2, T0, consumer="workers-b")}
+    runs = [("S", 1, 1, 1, 0.1), ("S", 2, 2, 1, 0.15), ("D", 1, 1, 1, 0.2), ("D", 2, 2, 1, 0.25)]
+    keys = {1: "j1", 2: "b2"}                          # pool b's jobs are keyed bN
+    ev = Evidence(stored={s: Stored(s, keys[s], T0, "k") for s in keys}, faults=[], ack_wait=30.0, origin=T0,
+                  journal=[Rec(e, pid, seq, d, T0 + t, 0.0, keys[seq]) for e, pid, seq, d, t in runs],
+                  pools=pools, lives=lives)
+    c = check(ev).counts
+    assert (c["reorder_unexplained"], c["wrong_pool"]) == (0, 0)
+    ev.pools = {}
+    assert check(ev).counts["reorder_unexplained"] == 1
