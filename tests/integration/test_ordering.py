@@ -127,8 +127,8 @@ def test_two_supervisors_one_killed_keep_every_key_in_order(nats_server, supervi
     jobs = keyed_jobs(rng, 800, 16, 0.008)
     seqs = publish_keyed(nats_server.url, jobs)
     key_of = {s: subject for s, (subject, _) in zip(seqs, jobs)}
+    victims = b.worker_pids()         # read first: between the journal's word and the kill, 0-8 ms jobs end
     wait_until(lambda: len(done(b) & set(seqs)) >= 100 and b.jobs.running(), what="B running jobs")
-    victims = b.worker_pids()
     os.killpg(b.proc.pid, signal.SIGKILL)
     t = time.time()
     b.proc.wait()
@@ -136,7 +136,12 @@ def test_two_supervisors_one_killed_keep_every_key_in_order(nats_server, supervi
     wait_until(lambda: set(seqs) <= done(a, b), timeout=90, what="every job done by A")
     runs = runs_of(a, b)
     assert_in_order(runs, key_of, died)
-    assert any(r.end is None and r.pid in victims for r in runs), "the kill caught no job running"
+    # What B held at the kill, a job running or parked for its key's turn (4 per handler ahead of
+    # hundreds waiting), came back after AckWait and ran on A. A job seen running may have ended
+    # just before the kill: either shows the kill took jobs away.
+    caught = [r for r in runs if r.end is None and r.pid in victims]
+    back = [r for r in runs if r.pid not in victims and r.delivery > 1 and r.start > t]
+    assert caught or back, "the kill took no job away from B"
     assert {r.pid for r in runs} & victims and {r.pid for r in runs} - victims, "one supervisor ran everything"
 
 
