@@ -1,5 +1,6 @@
 """A worker's way out (workers/runtime/shutdown.py) with a fake worker: what arrives while the
-drain's NAKs go out is NAKed too, at once, not at graceful_timeout."""
+drain's NAKs go out is NAKed too, at once, not at graceful_timeout; and the subscription stays
+until every credit of the worker's pull requests is accounted for (F8), no longer."""
 
 from __future__ import annotations
 
@@ -43,3 +44,44 @@ def test_a_job_queued_while_the_drain_naks_is_naked_at_once():
         return naked
     assert asyncio.run(run()) == [1, 2]
 
+
+def test_a_drain_naks_what_its_credits_bring_at_once_and_leaves_when_they_are_accounted_for():
+    """Both changes to wind_down together. STOPPING, one credit still out: the first job's NAK
+    awaits while the server fills that credit with a second job (queued, `changed` set); that
+    job's NAK is out, the last credit ends (a 408: credits 0, `changed` set) at the drain's next
+    await, when nothing is left to run. The drain must
+    NAK the second job without waiting for graceful_timeout (`changed` cleared before the NAKs,
+    not after), and unsubscribe only once the credits are 0 (F8: not when nothing is left to run),
+    then at once. Red with the clear after the NAKs (times out); red with the exit on an empty
+    queue alone (unsubscribes with a credit out)."""
+    async def run() -> tuple[list[int], list[int]]:
+        naked: list[int] = []
+        credits_at_unsub: list[int] = []
+        host = SimpleNamespace(mode=STOPPING, grace=60.0, running=0, runners=[], chain=SimpleNamespace(outer=()),
+                               table=slots.SlotTable(4, 64), changed=asyncio.Event(), queue=deque())
+        host.pulls = SimpleNamespace(credits=2, forget=lambda: None)
+
+        def last_credit_ends() -> None:
+            host.pulls.credits = 0
+            host.changed.set()
+
+        async def settle(i: int, job: Job, payload: bytes, outcome: str, reason: str) -> None:
+            naked.append(job.stream_seq)
+            if job.stream_seq == 1:          # a credit filled while this NAK goes out
+                host.pulls.credits -= 1
+                host.queue.append((None, 1, Job(data=b"", subject="jobs.a", headers={}, stream_seq=2)))
+                host.changed.set()
+            await asyncio.sleep(0)
+            if job.stream_seq == 2:          # the last credit's request ends (408) at the drain's next await
+                asyncio.get_running_loop().call_soon(last_credit_ends)
+
+        async def unsubscribe() -> None:
+            credits_at_unsub.append(host.pulls.credits)
+        host.settler = SimpleNamespace(settle=settle)
+        host.sub = SimpleNamespace(unsubscribe=unsubscribe)
+        host.threads = SimpleNamespace(take_unstarted=list)
+        host.parked, host.take_parked, host.release_limits = (lambda: 0), list, (lambda job: None)
+        host.queue.append((None, 0, Job(data=b"", subject="jobs.a", headers={}, stream_seq=1)))
+        await asyncio.wait_for(Shutdown(host, 0).wind_down(), 10)
+        return naked, credits_at_unsub
+    assert asyncio.run(run()) == ([1, 2], [0])
