@@ -350,6 +350,21 @@ def test_ordering_figures_are_sane(smoke):
     assert [r["variant"] for r in o["noop"]] == ["unordered", "64 keys"] and all(r["jobs_per_s"] > 0 for r in o["noop"])
 
 
+def test_limit_figures_are_sane(smoke):
+    """Each limit variant drained every job; `rate = 10` held (issue 26: every start seen, at most
+    10 taken in any second by the server's clock, every job started once) and is among the
+    targets."""
+    results, _ = smoke
+    lim = results["limits"]
+    rows = {r["variant"]: r for r in lim["summary"]}
+    assert set(rows) == {"no limit", "concurrency 100000", "rate 100000/s"}
+    assert all(positive(r["jobs_per_s"]) for r in rows.values()), rows
+    held = lim["rate"]
+    assert held["starts"] == held["taken"] == held["jobs"] and held["most_taken_in_1s"] <= held["rate"], held
+    [target] = [t for t in results["targets"] if t["target"].startswith("rate = 10/s")]
+    assert target["met"], target
+
+
 def test_report_is_written(smoke):
     results, out = smoke
     text = (out / "tables.md").read_text()

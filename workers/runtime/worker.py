@@ -366,7 +366,7 @@ class Worker:
     def cleared(self, item: tuple[Any, int, Job]) -> None:
         """A pulled job may start as far as its key goes: on to its limits, or the queue."""
         _, _, job = item
-        if self.limits is not None and self.limits.needs(job):
+        if self.limits is not None and self.limits.needs(job) and not self.limits.hold_now(job):
             self.limits.park(item, job, self.admitted)   # it waits for its limits without a handler
             self.changed.set()           # a shutdown NAKs it at once; a retirement lets it wait
             return
