@@ -114,6 +114,13 @@ class Layer:
     before: Any
     after: Any
     around: Any
+    redeliveries_only: bool = False      # a built-in whose before_job has nothing to do for a first delivery
+
+    def before_of(self, job: Job) -> Any:
+        """The before_job hook to call for this job, if any: none for a first delivery when the
+        middleware says it looks only at redeliveries ([retry]'s copies: a first delivery
+        costs it no call, no coroutine, no wait on the loop)."""
+        return self.before if job.delivery > 1 or not self.redeliveries_only else None
 
 
 class NotCalled(Exception):
@@ -124,7 +131,8 @@ class Chain:
     def __init__(self, handler: Callable[[Job], Any]):
         self.handler = handler
         self.layers: list[Layer] = []                          # none until setup()
-        self.outer = 0                   # sync handler: the outermost layers run on the loop (enter/leave)
+        self.outer = 0                   # sync handler: the outermost layers run on the loop (enter/leave) ...
+        self.outer_after = False         # ... and whether one of them has an after_job hook (else leave is a no-op)
         self.loop: asyncio.AbstractEventLoop | None = None     # the worker's: setup() is given it
 
     # -- once per worker, on the loop
@@ -133,11 +141,13 @@ class Chain:
         """Take the worker's middleware (made after fork) and run each one's setup, outermost
         first; an exception fails the worker's start."""
         self.loop = ctx.loop
-        self.layers = [Layer(name, mw, own_hook(mw, "before_job"), own_hook(mw, "after_job"), own_hook(mw, "around"))
+        self.layers = [Layer(name, mw, own_hook(mw, "before_job"), own_hook(mw, "after_job"), own_hook(mw, "around"),
+                             getattr(mw, "redeliveries_only", False) is True)
                        for name, mw in middleware]
         if not ctx.is_async:
             while self.outer < len(self.layers) and on_the_loop(self.layers[self.outer]):
                 self.outer += 1
+            self.outer_after = any(layer.after for layer in self.layers[:self.outer])
         for layer in self.layers:
             await _maybe(layer.mw.setup(ctx))
 
@@ -156,9 +166,9 @@ class Chain:
         (How many returned, the exception that stops the job here or None: on to a thread.)"""
         for k in range(self.outer):
             layer = self.layers[k]
-            if layer.before:
+            if before := layer.before_of(job):
                 try:
-                    await self.async_hook(f"{layer.name}.before_job", layer.before, job)
+                    await self.async_hook(f"{layer.name}.before_job", before, job)
                 except Exception as exc:
                     return k, exc
         return self.outer, None
@@ -199,8 +209,8 @@ class Chain:
         if k == len(self.layers):
             return handler()
         layer = self.layers[k]
-        if layer.before:
-            self.sync_hook(f"{layer.name}.before_job", layer.before, job)
+        if before := layer.before_of(job):
+            self.sync_hook(f"{layer.name}.before_job", before, job)
         error: Exception | None = None
         try:
             if layer.around:
@@ -269,8 +279,8 @@ class Chain:
         if k == len(self.layers):
             return await handler()
         layer = self.layers[k]
-        if layer.before:
-            await self.async_hook(f"{layer.name}.before_job", layer.before, job)
+        if before := layer.before_of(job):
+            await self.async_hook(f"{layer.name}.before_job", before, job)
         error: Exception | None = None
         try:
             if layer.around:

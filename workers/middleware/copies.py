@@ -35,6 +35,8 @@ def msg_id(job: Job) -> str:
 
 
 class CopyWaiting(Middleware):
+    redeliveries_only = True             # the chain calls before_job for deliveries after the first only
+
     def __init__(self, cfg: Config):
         self.stream = cfg.stream.name
         self.js: Any = None
@@ -43,7 +45,7 @@ class CopyWaiting(Middleware):
         self.js = ctx.nc.jetstream()
 
     async def before_job(self, job: Job) -> None:
-        if job.delivery == 1:
+        if job.delivery == 1:            # not called for one (redeliveries_only): a check for callers other than the chain
             return
         subject = sched.delayed_subject(job.stream, msg_id(job))
         try:

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from workers import Job
 from workers.middleware.chain import Chain, Ran
+from workers.middleware.eager import gather_eagerly
 from workers.protocol import slots
 from workers.protocol.modes import SERVING, STOPPING
 from workers.protocol.slots import SlotTable
@@ -79,7 +80,7 @@ class HandlerThreads:
         w = self.owner
         chain = w.chain
         if chain.outer:
-            entered = await asyncio.gather(*(chain.enter(job) for _, _, job in chunk))
+            entered = await gather_eagerly(chain.enter(job) for _, _, job in chunk)
             runnable = []
             for (msg, i, job), (k, exc) in zip(chunk, entered):
                 if exc is None:
@@ -130,8 +131,8 @@ class HandlerThreads:
                 batch, self.outcomes, self.rung = self.outcomes, [], False
             try:
                 chain = w.chain
-                if chain.outer:          # the outer hooks of the whole batch at once (its done-markers)
-                    outcomes = await asyncio.gather(*(chain.leave(job, chain.outer, ran.exc) for _, job, ran in batch))
+                if chain.outer_after:    # the outer hooks of the whole batch at once (its done-markers)
+                    outcomes = await gather_eagerly(chain.leave(job, chain.outer, ran.exc) for _, job, ran in batch)
                 else:
                     outcomes = [ran.exc for _, _, ran in batch]
                 for (i, job, ran), exc in zip(batch, outcomes):
