@@ -1,7 +1,8 @@
 """Everything this project relies on inside nats-py, in one place, checked against the pinned version.
 
-`Client` is nats-py's client with three changes; `supervisor.natsconn.connect()` is the one place
-clients are made, so every connection of ours (parent, workers, one-shot commands) gets them:
+`Client` is nats-py's client with these changes and an addition; `supervisor.nats.connect` is
+the one place clients are made, so every connection of ours (parent, workers, one-shot
+commands) gets them:
 
 - `fence()`: returns once the server has read everything published before the call. nats-py's
   `flush()` writes its PING straight to the socket while `publish()` queues its bytes for the
@@ -29,6 +30,10 @@ clients are made, so every connection of ours (parent, workers, one-shot command
   the PING went out with 1 ms left, overtaking bytes still queued. Now the deadline raises
   FlushTimeoutError and no PING is written after it.
 
+- An addition for a worker's hot path, through nats-py's own internals: `publish_each` puts a
+  batch of acks into the write buffer as one command (`_send_command`), with publish()'s checks
+  made once (what it saves: docs/BENCHMARKS.md, issue 25).
+
 The other private attributes we read (server INFO, the transport, the current server) are
 wrapped below too, and tests/integration/test_natsfix.py checks each premise against the installed nats-py.
 """
@@ -38,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Sequence
 from importlib.metadata import version
 from typing import Any, NoReturn
 
@@ -84,6 +90,27 @@ class Client(_NatsClient):
                     extra={"event": "nats_deaf"})
         await self._process_op_err(nats.errors.StaleConnectionError())
         raise nats.errors.StaleConnectionError
+
+    async def publish_each(self, subjects: Sequence[str], payload: bytes) -> None:
+        """`payload` published to each subject, all or none: one command in nats-py's write
+        buffer for them all, with publish()'s checks made once (a worker acks a batch of jobs
+        this way; per message, publish() cost more than the rest of an ack's path). The
+        subjects are not validated: they are the server's own reply subjects."""
+        if self.is_closed:
+            raise nats.errors.ConnectionClosedError
+        if self.is_draining_pubs:
+            raise nats.errors.ConnectionDrainingError
+        size = len(payload)
+        tail = b" %d\r\n%s\r\n" % (size, payload)
+        command = b"".join([b"PUB " + subject.encode() + tail for subject in subjects])
+        if not self.is_connected and (self._max_pending_size <= 0
+                                      or len(command) + self._pending_data_size > self._max_pending_size):
+            raise nats.errors.OutboundBufferLimitError    # publish()'s refusal while it reconnects
+        self.stats["out_msgs"] += len(subjects)
+        self.stats["out_bytes"] += size * len(subjects)
+        await self._send_command(command)
+        if self._flush_queue is not None and self._flush_queue.empty():
+            await self._flush_pending()
 
     async def fence(self, timeout: float = 5.0) -> None:
         """The server has read every command this client published before the call; `timeout`

@@ -449,6 +449,28 @@ def test_an_ack_not_yet_fenced_is_kept_and_naked_at_death(nats_server, superviso
     assert sup.stop() == 0
 
 
+def test_a_batch_of_acks_not_yet_fenced_is_kept_and_naked_at_death(nats_server, supervisor_factory, tmp_path):
+    """Issue 25: a sync handler's outcomes are acked a batch at a time, one write for all
+    (Settler.ack_all). A worker SIGKILLs itself right after publishing such a batch, before the
+    fence (testhandlers.die_after_ack_init, `die-after-acks`): every entry of the batch is still
+    ACKED in its table, the parent NAKs each, they come back within seconds (AckWait 60 s) and
+    every job is acked once the replacement has run them: nothing lost, every rerun explained."""
+    publish(nats_server.url, count=200, data="die-after-acks")        # a backlog: outcomes come back in batches
+    sup = supervisor_factory(nats_server, workers={"count": 1, "init": "testhandlers:die_after_ack_init"},
+                             consumer={"ack_wait": ACK_WAIT}, args=JSON_LOGS, env={"DIE_ONCE": str(tmp_path / "died")})
+    death = sup.wait_event("worker_died")
+    assert "SIGKILL" in death["cause"], death
+    [record] = [d for d in sup.status()["crosscheck"]["recent_deaths"] if d["pid"] == death["worker_pid"]]
+    acked = [h["stream_seq"] for h in record["held_jobs"] if h["state_at_death"] == "acked"]
+    assert len(acked) >= 2 and all(h["naked"] for h in record["held_jobs"]), record["held_jobs"]
+    wait_until(lambda: nats_server.stream_msgs() == 0, timeout=ACK_WAIT / 3, what="every job acked, long before AckWait")
+    assert {r.seq for r in sup.jobs.done()} == set(range(1, 201))
+    assert {r.seq for r in sup.jobs.done() if r.delivery == 2} >= set(acked), "the batch's jobs ran again"
+    cc = wait_until(lambda: (c := sup.status()["crosscheck"]) and not c["outstanding"] and c, what="ledger settled")
+    assert cc["crashes"] == 1 and cc["unexplained_redeliveries"] == 0, cc
+    assert sup.stop() == 0
+
+
 def test_an_ack_nats_py_refuses_while_reconnecting_is_sent_once_it_is_back(nats_server, supervisor_factory, tmp_path):
     """The interleaving: a job ends while the server is down and nats-py refuses its ack
     (reconnect buffer full: OutboundBufferLimitError, testhandlers.full_buffer_when_down_init).
@@ -509,7 +531,7 @@ def test_a_stopping_worker_waits_for_nats_to_send_an_ack_it_could_not(nats_serve
 
 
 def test_a_failing_settle_path_crashes_the_worker_so_its_job_comes_back(nats_server, supervisor_factory):
-    """A bug in the settle path (testhandlers.finish_fails_init raises in Worker.finish) used to
+    """A bug in the settle path (testhandlers.finish_fails_init raises in Worker.finished) used to
     kill that task quietly: the job stayed held by a live worker that would never settle it, until
     AckWait. Now the worker exits as crashed: the parent NAKs the job, it comes back within
     seconds (AckWait 60 s) and the death explains the rerun."""

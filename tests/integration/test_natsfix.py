@@ -16,7 +16,7 @@ def test_pinned_version_is_installed():
     natsfix.check_version()
 
 
-@pytest.mark.parametrize("name", ["_flush_pending", "_process_pong", "_send_ping"])
+@pytest.mark.parametrize("name", ["_flush_pending", "_process_pong", "_send_ping", "_send_command"])
 def test_private_methods_exist(name):
     assert callable(getattr(NatsClient, name))
 
@@ -102,6 +102,49 @@ def test_a_cancelled_flush_does_not_break_the_next_one(nats_server):
     assert asyncio.run(run()) == b"x"
 
 
+async def connect_watching(nc, url: str, callback: str, **options) -> asyncio.Event:
+    """Connect `nc` (reconnecting every 0.1 s) with an event that nats-py's `callback`
+    (disconnected_cb, reconnected_cb) sets."""
+    happened = asyncio.Event()
+
+    async def on_it():
+        happened.set()
+
+    await nc.connect(url, reconnect_time_wait=0.1, **{callback: on_it}, **options)
+    return happened
+
+
+def test_publish_each_sends_every_message_in_order_and_is_refused_whole_while_reconnecting(nats_server):
+    """A worker's batch of acks (workers/runtime/settle.py ack_all): one command for them all,
+    each a PUB the server delivers; while nats-py reconnects with no room in its buffer, the
+    whole batch raises what publish() raises (settle.REFUSED), nothing of it queued."""
+    async def run():
+        nc = Client()
+        disconnected = await connect_watching(nc, nats_server.url, "disconnected_cb", max_reconnect_attempts=-1,
+                                              pending_size=64)
+        try:
+            sub = await nc.subscribe("each.>")
+            await nc.publish_each([f"each.{k}" for k in range(5)], b"+ACK")
+            await nc.fence(timeout=5)
+            got = [(m.subject, m.data) for m in [await sub.next_msg(timeout=2) for _ in range(5)]]
+            await asyncio.to_thread(nats_server.stop)
+            await asyncio.wait_for(disconnected.wait(), 10)
+            pending = nc._pending_data_size
+            try:
+                await nc.publish_each([f"each.{k}" for k in range(5)], b"+ACK")
+                outcome = "queued"
+            except Exception as exc:
+                outcome = type(exc).__name__
+            return got, outcome, nc._pending_data_size - pending
+        finally:
+            await asyncio.to_thread(nats_server.start)
+            await nc.close()
+
+    got, outcome, queued = asyncio.run(run())
+    assert got == [(f"each.{k}", b"+ACK") for k in range(5)]
+    assert outcome == "OutboundBufferLimitError" and queued == 0
+
+
 @pytest.mark.parametrize("ours", [False, True], ids=["nats-py", "natsfix"])
 def test_a_flush_while_reconnecting_needs_a_pong(nats_server, ours):
     """The premise: nats-py's flush() returns at once, PONG or not, while it reconnects (a
@@ -110,13 +153,7 @@ def test_a_flush_while_reconnecting_needs_a_pong(nats_server, ours):
     the server is back both flush for real."""
     async def run():
         nc = Client() if ours else NatsClient()
-        disconnected = asyncio.Event()
-
-        async def on_disconnect():
-            disconnected.set()
-
-        await nc.connect(nats_server.url, disconnected_cb=on_disconnect, reconnect_time_wait=0.1,
-                         max_reconnect_attempts=-1)
+        disconnected = await connect_watching(nc, nats_server.url, "disconnected_cb", max_reconnect_attempts=-1)
         try:
             await asyncio.to_thread(nats_server.stop)
             await asyncio.wait_for(disconnected.wait(), 10)
@@ -189,13 +226,8 @@ def test_a_flush_on_a_link_whose_read_task_died_raises_and_reconnects(nats_serve
     reconnects at once (nats-py's ping timer would take PING_INTERVAL x 3), and fences again."""
     async def run():
         nc = Brittle()
-        reconnected = asyncio.Event()
-
-        async def on_reconnect():
-            reconnected.set()
-
-        await nc.connect(nats_server.url, reconnected_cb=on_reconnect, reconnect_time_wait=0.1,
-                         ping_interval=3600)          # so only our check can notice
+        reconnected = await connect_watching(nc, nats_server.url, "reconnected_cb",
+                                             ping_interval=3600)          # so only our check can notice
         try:
             await deaf_read_loop(nc)
             assert nc.is_connected and nc._reading_task.done()

@@ -151,8 +151,8 @@ class SlotTable:
         self.mark(i, FREE)
         self._free.append(i)
 
-    def count(self, which: int) -> None:
-        self.q[which] += 1
+    def count(self, which: int, n: int = 1) -> None:
+        self.q[which] += n
 
     def observe(self, seconds: float) -> None:
         d = self.d

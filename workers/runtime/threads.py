@@ -24,6 +24,7 @@ from workers.middleware.eager import gather_eagerly
 from workers.protocol import slots
 from workers.protocol.modes import SERVING, STOPPING
 from workers.protocol.slots import SlotTable
+from workers.runtime.settle import Settler
 from workers.runtime.solo import Gate
 
 CONFIRM_AFTER = 0.1         # after a job this long a thread also waits for its ack's fence (a few ms at most) ...
@@ -40,6 +41,7 @@ class ThreadsHost(Protocol):
     mode: str                              # read under start_lock; the worker writes it under it too
     running: int                           # jobs taken from the worker's queue and not finished
     chain: Chain                           # the handler inside the worker's middleware
+    settler: Settler
     table: SlotTable
     changed: asyncio.Event
     wake_pull: asyncio.Event
@@ -50,6 +52,7 @@ class ThreadsHost(Protocol):
     def count_start(self) -> None: ...
     async def finish(self, i: int, job: Job, exc: BaseException | None, elapsed: float, started: bool = True
                      ) -> None: ...
+    def finished(self, job: Job, exc: BaseException | None, elapsed: float, started: bool) -> None: ...
 
 
 class HandlerThreads:
@@ -135,9 +138,16 @@ class HandlerThreads:
                     outcomes = await gather_eagerly(chain.leave(job, chain.outer, ran.exc) for _, job, ran in batch)
                 else:
                     outcomes = [ran.exc for _, _, ran in batch]
+                acks = []                # the batch's plain acks go out together (Settler.ack_all)
                 for (i, job, ran), exc in zip(batch, outcomes):
-                    await w.finish(i, job, exc, ran.elapsed, ran.started)
-                    w.running -= 1
+                    if exc is None:
+                        w.finished(job, exc, ran.elapsed, ran.started)
+                        acks.append((i, job))
+                    else:
+                        await w.finish(i, job, exc, ran.elapsed, ran.started)
+                if acks:
+                    await w.settler.ack_all(acks)
+                w.running -= len(batch)
             finally:
                 w.changed.set()
                 w.wake_pull.set()

@@ -298,9 +298,8 @@ class Worker:
     # -- receiving (the requests themselves: workers/runtime/puller.py)
 
     def outstanding(self) -> int:
-        """Jobs pulled and not finished: what pull sizing counts besides the credits. Jobs parked
-        for a limit take no handler once they wait, up to `concurrency` of them
-        (workers/middleware/limits.py)."""
+        """Jobs pulled and not finished: what pull sizing counts besides the credits (jobs parked for
+        a limit take no handler once they wait, up to `concurrency`: workers/middleware/limits.py)."""
         return len(self.queue) + self.running + (self.limits.occupying() if self.limits else 0)
 
     def parked(self) -> int:
@@ -392,10 +391,14 @@ class Worker:
         await self.finish(i, job, ran.exc, ran.elapsed, ran.started)
 
     async def finish(self, i: int, job: Job, exc: BaseException | None, elapsed: float, started: bool = True) -> None:
-        """Ack, NAK or TERM by the outcome of the job's chain (its handler's, or a hook's). A job
-        whose handler never ran (a duplicate, a hook's Retry) is not one of max_jobs (R1), nor a
-        sample of how long jobs take. Its limits go back whichever hook stopped it. A Pause
-        (workers.Pause) is NAKed like a Retry, and the parent pauses the consumer."""
+        """Ack, NAK or TERM by the outcome of the job's chain (its handler's, or a hook's)."""
+        self.finished(job, exc, elapsed, started)
+        await self.outcomes.settle(i, job, exc)
+
+    def finished(self, job: Job, exc: BaseException | None, elapsed: float, started: bool) -> None:
+        """A job's chain is done. One whose handler never ran (a duplicate, a hook's Retry) is not
+        one of max_jobs (R1), nor a sample of job times; its limits go back whichever hook stopped
+        it. A Pause (workers.Pause) is NAKed like a Retry, and the parent pauses the consumer."""
         self.release_limits(job)
         if isinstance(exc, Pause):
             self.emit(PauseAsked(exc.delay, exc.reason, job.stream_seq))
@@ -404,7 +407,6 @@ class Worker:
             self.pulls.sizer.job_done(elapsed)
         else:
             self.pulls.not_started()
-        await self.outcomes.settle(i, job, exc)
 
     # -- reporting rare events to the parent
 
