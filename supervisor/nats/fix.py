@@ -1,7 +1,7 @@
 """Everything this project relies on inside nats-py, in one place, checked against the pinned version.
 
-`Client` is nats-py's client with these changes and an addition; `supervisor.nats.connect` is
-the one place clients are made, so every connection of ours (parent, workers, one-shot
+`Client` is nats-py's client with these changes and two additions; `supervisor.nats.connect`
+is the one place clients are made, so every connection of ours (parent, workers, one-shot
 commands) gets them:
 
 - `fence()`: returns once the server has read everything published before the call. nats-py's
@@ -30,9 +30,11 @@ commands) gets them:
   the PING went out with 1 ms left, overtaking bytes still queued. Now the deadline raises
   FlushTimeoutError and no PING is written after it.
 
-- An addition for a worker's hot path, through nats-py's own internals: `publish_each` puts a
-  batch of acks into the write buffer as one command (`_send_command`), with publish()'s checks
-  made once (what it saves: docs/BENCHMARKS.md, issue 25).
+- Two additions for a worker's hot path, both through nats-py's own internals: `deliver_directly`
+  hands a subscription's messages to a callback from the read loop (`_process_msg`, called by
+  the parser for each MSG), not through the subscription's queue and its task; `publish_each`
+  puts a batch of acks into the write buffer as one command (`_send_command`), with publish()'s
+  checks made once (what each saves: docs/BENCHMARKS.md, issue 25).
 
 The other private attributes we read (server INFO, the transport, the current server) are
 wrapped below too, and tests/integration/test_natsfix.py checks each premise against the installed nats-py.
@@ -43,12 +45,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from importlib.metadata import version
 from typing import Any, NoReturn
 
 import nats.errors
 from nats.aio.client import Client as _NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from supervisor.errors import SupervisorError
 
@@ -71,6 +75,33 @@ def check_version() -> None:
 
 
 class Client(_NatsClient):
+    def __init__(self) -> None:
+        super().__init__()
+        self._direct: dict[int, Callable[[Msg], Awaitable[None]]] = {}    # sid -> deliver_directly's callback
+
+    def deliver_directly(self, sub: Subscription, callback: Callable[[Msg], Awaitable[None]]) -> None:
+        """Hand each message of `sub` (subscribed without a callback) to `callback` from the read
+        loop, as the parser meets it, in order: not through the subscription's queue and the
+        task that empties it (nats-py's `cb=`), whose hand-over cost a worker as much per message
+        as holding the job did. The callback must not wait long: nothing else is read meanwhile.
+        An exception from it goes to the error callback, as one from `cb=` does."""
+        self._direct[sub._id] = callback
+
+    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes,  # type: ignore[override]
+                           headers: bytes) -> None:
+        deliver = self._direct.get(sid)
+        if deliver is None:
+            return await super()._process_msg(sid, subject, reply, data, headers)
+        if sid not in self._subs:        # unsubscribed: what the server sent before it heard is dropped
+            return
+        self.stats["in_msgs"] += 1       # type: ignore[operator]
+        self.stats["in_bytes"] += len(data)  # type: ignore[operator]
+        msg = self._build_message(sid, subject, reply, data, await self._process_headers(headers))
+        try:
+            await deliver(msg)
+        except Exception as exc:
+            await self._error_cb(exc)
+
     async def flush(self, timeout: float = 10.0) -> None:  # type: ignore[override]   # nats-py types it int
         """A PING and its PONG, or an error: never nats-py's no-op fallback (see above)."""
         if self.is_reconnecting:     # no PONG can come back on the old socket, and nats-py drops the PING's future

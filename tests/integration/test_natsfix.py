@@ -16,7 +16,8 @@ def test_pinned_version_is_installed():
     natsfix.check_version()
 
 
-@pytest.mark.parametrize("name", ["_flush_pending", "_process_pong", "_send_ping", "_send_command"])
+@pytest.mark.parametrize("name", ["_flush_pending", "_process_pong", "_send_ping", "_process_msg", "_process_headers",
+                                  "_build_message", "_send_command"])
 def test_private_methods_exist(name):
     assert callable(getattr(NatsClient, name))
 
@@ -100,6 +101,60 @@ def test_a_cancelled_flush_does_not_break_the_next_one(nats_server):
             await nc.close()
 
     assert asyncio.run(run()) == b"x"
+
+
+def test_deliver_directly_hands_every_message_over_in_order_and_survives_a_failing_callback(nats_server):
+    """A worker's pull inbox (workers/runtime/worker.py): each message to the callback from the
+    read loop, in the order sent, headers and status lines parsed as nats-py does; a callback
+    that raises goes to the error callback and the next message still comes; other
+    subscriptions keep nats-py's own path."""
+    async def run():
+        nc = Client()
+        errors: list[BaseException] = []
+
+        async def on_error(exc):
+            errors.append(exc)
+
+        await nc.connect(nats_server.url, error_cb=on_error)
+        got: list[tuple[str, str, bytes, dict | None]] = []
+
+        async def deliver(msg):
+            if msg.data == b"boom":
+                raise RuntimeError("boom")
+            got.append((msg.subject, msg.reply, msg.data, msg.headers))
+
+        try:
+            sub = await nc.subscribe("direct.>")
+            nc.deliver_directly(sub, deliver)
+            other = await nc.subscribe("other")
+            before = nc.stats["in_msgs"]
+            await nc.publish("direct.a", b"1")
+            await nc.publish("direct.b", b"2", reply="r.2", headers={"Nats-Msg-Id": "k"})
+            await nc.publish("direct.c", b"boom")
+            await nc.publish("direct.d", b"3")
+            await nc.publish("other", b"o")
+            await nc.fence(timeout=5)
+            await nc.flush(timeout=5)            # its PONG comes after everything published before it
+            assert (await other.next_msg(timeout=2)).data == b"o"
+            counted = nc.stats["in_msgs"] - before
+            js = nc.jetstream()                  # a pull request that expires: the status a worker's inbox gets
+            await js.add_stream(name="DIRECT", subjects=["directjobs"])
+            await js.add_consumer("DIRECT", durable_name="c", ack_policy="explicit")
+            await nc.publish("$JS.API.CONSUMER.MSG.NEXT.DIRECT.c", b'{"batch":1,"expires":100000000}', reply="direct.inbox")
+            for _ in range(100):
+                if len(got) == 4:
+                    break
+                await asyncio.sleep(0.05)
+            return got, errors, counted
+        finally:
+            await nc.close()
+
+    got, errors, counted = asyncio.run(run())
+    assert got[:3] == [("direct.a", "", b"1", None), ("direct.b", "r.2", b"2", {"Nats-Msg-Id": "k"}),
+                       ("direct.d", "", b"3", None)]
+    subject, reply, _, headers = got[3]
+    assert (subject, reply, headers["Status"]) == ("direct.inbox", "", "408"), got[3]
+    assert [str(e) for e in errors] == ["boom"] and counted == 5
 
 
 async def connect_watching(nc, url: str, callback: str, **options) -> asyncio.Event:

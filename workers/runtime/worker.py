@@ -185,8 +185,8 @@ class Worker:
             log.debug("workers.middleware traceback", exc_info=True)
             return EXIT_INIT_FAILED
         self.pulls.inbox = self.nc.new_inbox()
-        self.sub = await self.nc.subscribe(self.pulls.inbox, cb=self.on_message, pending_msgs_limit=0,
-                                           pending_bytes_limit=0)
+        self.sub = await self.nc.subscribe(self.pulls.inbox, pending_msgs_limit=0, pending_bytes_limit=0)
+        self.nc.deliver_directly(self.sub, self.on_message)     # from the read loop: supervisor/nats/fix.py
         await self.reacker.start()
         loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
         loop.add_signal_handler(signal.SIGUSR1, self.on_sigusr1)
