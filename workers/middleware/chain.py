@@ -196,7 +196,7 @@ class Chain:
             called.append(True)
             on_start()
             result = self.handler(job)
-            if inspect.isawaitable(result):          # a sync callable that returned a coroutine
+            if result is not None and inspect.isawaitable(result):   # a sync callable that returned a coroutine
                 self.wait(result)
 
         try:
@@ -247,7 +247,7 @@ class Chain:
     def sync_hook(self, where: str, hook: Callable[..., Any], *args: Any) -> None:
         try:
             result = hook(*args)
-            if inspect.isawaitable(result):
+            if result is not None and inspect.isawaitable(result):
                 self.wait(result)
         except Exception as exc:
             raise _wrapped(where, exc) from None
@@ -348,7 +348,7 @@ def user_traceback(exc: BaseException) -> types.TracebackType | None:
 
 
 async def _maybe(result: Any) -> Any:
-    return await result if inspect.isawaitable(result) else result
+    return await result if result is not None and inspect.isawaitable(result) else result
 
 
 async def _awaited(awaitable: Awaitable[Any]) -> Any:

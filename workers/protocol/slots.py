@@ -106,8 +106,9 @@ class SlotTable:
     def free_entries(self) -> int:
         return len(self._free)
 
-    def hold(self, sseq: int, cseq: int, delivery: int, reply: bytes) -> int:
-        """Record a pulled message; returns its entry index (or -1 when the table is full)."""
+    def hold(self, sseq: int, cseq: int, delivery: int, reply: bytes, now: float | None = None) -> int:
+        """Record a pulled message (that came at `now`, the monotonic clock); returns its entry
+        index (or -1 when the table is full)."""
         if not self._free:
             return -1
         i = self._free.pop()
@@ -120,7 +121,7 @@ class SlotTable:
         q[base + SSEQ] = sseq
         q[base + CSEQ] = cseq
         q[base + DELIVERY] = delivery
-        self.d[base + T_HELD] = time.monotonic()
+        self.d[base + T_HELD] = time.monotonic() if now is None else now
         self.d[base + T_STARTED] = 0.0      # not the start time of the entry's previous job
         if len(reply) <= self.reply_words * 8:
             start = 8 * (base + ENTRY_FIXED_WORDS)
