@@ -39,11 +39,12 @@ ENTRY_STATES = {HELD: "held", RUNNING: "running", ACKED: "acked", SETTLED: "sett
 # parent can tell a beating worker whose connection has gone half-open from a healthy one, and
 # which deliveries a worker has surely read (supervisor/parent/safety/in_transit.py).
 # DUPLICATE_N: jobs acked without running because their key was already done ([idempotency]).
-# SPENT, SPENT_SQ: the worker's recent job times, summed and squared (workers/runtime/pulls.py, the
-# spread); FLEET_RESIDUAL: what the parent made of every worker's (the one word it writes here).
+# SPENT, SPENT_SQ, SEEN: the worker's recent job times, summed, squared and counted
+# (workers/runtime/pulls.py, the spread); FLEET_RESIDUAL, FLEET_SEEN: what the parent made of
+# every worker's (the words it writes here).
 (PID, STATE, HEARTBEAT, ACKED_N, NAKED_N, TERMED_N, STARTED_N, CREDITS, HIGH_WATER,
- MAX_DURATION, DURATION_SUM, SERVER_SEEN, DUPLICATE_N, SPENT, SPENT_SQ, FLEET_RESIDUAL) = range(16)
-BUCKETS_AT = 16
+ MAX_DURATION, DURATION_SUM, SERVER_SEEN, DUPLICATE_N, SPENT, SPENT_SQ, FLEET_RESIDUAL, SEEN, FLEET_SEEN) = range(18)
+BUCKETS_AT = 18
 HEADER_WORDS = BUCKETS_AT + len(DURATION_BUCKETS) + 1
 
 # Per-limit words, after the entries (one block per [limits.NAME], in the config's order):
@@ -168,12 +169,13 @@ class SlotTable:
     def set_credits(self, n: int) -> None:
         self.q[CREDITS] = n
 
-    def share_spread(self, spent: float, spent_sq: float) -> None:
+    def share_spread(self, spent: float, spent_sq: float, seen: float) -> None:
         d = self.d
-        d[SPENT], d[SPENT_SQ] = spent, spent_sq
+        d[SPENT], d[SPENT_SQ], d[SEEN] = spent, spent_sq, seen
 
-    def fleet_residual(self) -> float:
-        return self.d[FLEET_RESIDUAL]
+    def fleet_spread(self) -> tuple[float, float]:
+        """The fleet's residual and the count of jobs it rests on, as the parent last wrote them."""
+        return self.d[FLEET_RESIDUAL], self.d[FLEET_SEEN]
 
     def limit_add(self, k: int, word: int, n: int = 1) -> None:
         """Limit k's LIMIT_IN_USE / LIMIT_WAITING / LIMIT_TAKEN moved by n (the worker's loop is
@@ -202,12 +204,12 @@ class SlotTable:
     def max_duration(self) -> float:
         return self.d[MAX_DURATION]
 
-    def spread(self) -> tuple[float, float]:
-        """The worker's recent job times: (sum, sum of squares), as it last shared them."""
-        return self.d[SPENT], self.d[SPENT_SQ]
+    def spread(self) -> tuple[float, float, float]:
+        """The worker's recent job times: (sum, sum of squares, count), as it last shared them."""
+        return self.d[SPENT], self.d[SPENT_SQ], self.d[SEEN]
 
-    def set_fleet_residual(self, seconds: float) -> None:
-        self.d[FLEET_RESIDUAL] = seconds
+    def set_fleet_spread(self, seconds: float, seen: float) -> None:
+        self.d[FLEET_RESIDUAL], self.d[FLEET_SEEN] = seconds, seen
 
     def histogram(self) -> tuple[list[int], float]:
         """Per-bucket counts (not cumulative, +Inf last) and the sum of durations."""

@@ -149,7 +149,7 @@ class Puller:
     def pull_size(self) -> int:
         now, table = time.monotonic(), self.owner.table
         table.share_spread(*self.sizer.shared(now))        # the fleet's spread, through the parent
-        self.sizer.fleet_residual = table.fleet_residual()
+        self.sizer.fleet_residual, self.sizer.fleet_seen = table.fleet_spread()
         outstanding = self.owner.outstanding() + self.credits
         # A worker due for recycling takes no job it will not run: what it may still start is the
         # limit less what it started or still may (received, not given back) and what is on its way.
