@@ -168,7 +168,7 @@ class Chain:
             layer = self.layers[k]
             if before := layer.before_of(job):
                 try:
-                    await self.async_hook(f"{layer.name}.before_job", before, job)
+                    await self.async_hook(layer.name, "before_job", before, job)
                 except Exception as exc:
                     return k, exc
         return self.outer, None
@@ -183,7 +183,7 @@ class Chain:
             layer = self.layers[k]
             if layer.after:
                 try:
-                    await self.async_hook(f"{layer.name}.after_job", layer.after, job, outcome_of(exc), exc)
+                    await self.async_hook(layer.name, "after_job", layer.after, job, outcome_of(exc), exc)
                 except Exception as error:
                     exc = error
         return exc
@@ -210,7 +210,7 @@ class Chain:
             return handler()
         layer = self.layers[k]
         if before := layer.before_of(job):
-            self.sync_hook(f"{layer.name}.before_job", before, job)
+            self.sync_hook(layer.name, "before_job", before, job)
         error: Exception | None = None
         try:
             if layer.around:
@@ -220,7 +220,7 @@ class Chain:
         except Exception as exc:
             error = exc
         if layer.after:
-            self.sync_hook(f"{layer.name}.after_job", layer.after, job, outcome_of(error), error)
+            self.sync_hook(layer.name, "after_job", layer.after, job, outcome_of(error), error)
         if error is not None:
             raise error
 
@@ -244,13 +244,14 @@ class Chain:
                 raise                            # the inside's own outcome, passed on
             raise _wrapped(f"{layer.name}.around", exc) from None
 
-    def sync_hook(self, where: str, hook: Callable[..., Any], *args: Any) -> None:
+    def sync_hook(self, name: str, which: str, hook: Callable[..., Any], *args: Any) -> None:
+        """Layer `name`'s hook `which` (before_job, after_job), in a handler thread."""
         try:
             result = hook(*args)
             if result is not None and inspect.isawaitable(result):
                 self.wait(result)
         except Exception as exc:
-            raise _wrapped(where, exc) from None
+            raise _wrapped(f"{name}.{which}", exc) from None
 
     def wait(self, awaitable: Awaitable[Any]) -> Any:
         """From a handler thread: run it on the worker's loop, wait for its result."""
@@ -280,7 +281,7 @@ class Chain:
             return await handler()
         layer = self.layers[k]
         if before := layer.before_of(job):
-            await self.async_hook(f"{layer.name}.before_job", before, job)
+            await self.async_hook(layer.name, "before_job", before, job)
         error: Exception | None = None
         try:
             if layer.around:
@@ -290,7 +291,7 @@ class Chain:
         except Exception as exc:
             error = exc
         if layer.after:
-            await self.async_hook(f"{layer.name}.after_job", layer.after, job, outcome_of(error), error)
+            await self.async_hook(layer.name, "after_job", layer.after, job, outcome_of(error), error)
         if error is not None:
             raise error
 
@@ -314,11 +315,14 @@ class Chain:
                 raise
             raise _wrapped(f"{layer.name}.around", exc) from None
 
-    async def async_hook(self, where: str, hook: Callable[..., Any], *args: Any) -> None:
+    async def async_hook(self, name: str, which: str, hook: Callable[..., Any], *args: Any) -> None:
+        """Layer `name`'s hook `which` (before_job, after_job), on the loop."""
         try:
-            await _maybe(hook(*args))
+            result = hook(*args)
+            if result is not None and inspect.isawaitable(result):
+                await result
         except Exception as exc:
-            raise _wrapped(where, exc) from None
+            raise _wrapped(f"{name}.{which}", exc) from None
 
 
 def on_the_loop(layer: Layer) -> bool:
