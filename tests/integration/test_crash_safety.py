@@ -501,6 +501,41 @@ def test_an_ack_nats_py_refuses_while_reconnecting_is_sent_once_it_is_back(nats_
     assert sup.stop() == 0
 
 
+def test_a_batch_of_acks_refused_while_reconnecting_is_sent_once_it_is_back(nats_server, supervisor_factory, tmp_path):
+    """Issue 25, the same interleaving on the batched path: 50 quick jobs, one that runs until
+    the test says, and 50 quick ones behind it, pulled together (a backlog) by one worker. The
+    server stops while the gated job runs; once it ends, its ack and the 50 behind it (a handler
+    thread's batches: one publish_each each, Settler.ack_all) are refused whole by nats-py
+    (testhandlers.full_buffer_when_down_init), each reported unsent and kept. Once the server is
+    back every ack is sent again and fenced: all 101 jobs acked, none ran twice, no crash."""
+    gate = tmp_path / "finish"
+    publish(nats_server.url, count=50, data="0")
+    publish(nats_server.url, count=1, data=f"until:{gate}")
+    publish(nats_server.url, count=50, data="0")
+    sup = supervisor_factory(nats_server, workers={"count": 1, "init": "testhandlers:full_buffer_when_down_init"},
+                             consumer={"ack_wait": ACK_WAIT}, args=JSON_LOGS)
+    sup.wait_ready(1)
+
+    def holding() -> list:
+        return sup.status()["workers"]["list"][0]["in_flight"]
+    wait_until(lambda: len(holding()) == 51 and nats_server.stream_msgs() == 51,
+               what="the first 50 acked, the gated job running and the last 50 held behind it")
+    [gated] = sup.jobs.running()
+    nats_server.stop()
+    sup.wait_event("nats_disconnected", pid=gated.pid)
+    gate.touch()                                                    # 51 jobs end now, offline
+    wait_until(lambda: len(sup.events("settle_unsent")) == 51, what="every ack refused and reported")
+    assert {e["outcome"] for e in sup.events("settle_unsent")} == {"ack"}
+    nats_server.start()
+    wait_until(lambda: nats_server.stream_msgs() == 0, timeout=ACK_WAIT / 3,
+               what="the refused acks sent after the reconnect")
+    started = [(r.seq, r.delivery) for r in sup.jobs.started()]
+    assert sorted(started) == [(seq, 1) for seq in range(1, 102)], "each job ran once"
+    assert nats_server.consumer()["num_redelivered"] == 0
+    assert sup.status()["crosscheck"]["crashes"] == 0
+    assert sup.stop() == 0
+
+
 def test_a_stopping_worker_waits_for_nats_to_send_an_ack_it_could_not(nats_server, supervisor_factory, tmp_path):
     """The interleaving: a job ends while the server is down, nats-py refuses its ack (as in the
     test above), and the supervisor is told to stop before the server is back. The worker used to
