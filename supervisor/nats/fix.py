@@ -51,12 +51,14 @@ from typing import Any, NoReturn
 
 import nats.errors
 from nats.aio.client import Client as _NatsClient
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from supervisor.errors import SupervisorError
 
 log = logging.getLogger("supervisor.nats")
+
+# A deliver_directly callback: (subject, reply, data, headers or None).
+Delivery = Callable[[str, str, bytes, "dict[str, str] | None"], Awaitable[None]]
 
 PINNED_NATS_PY = "2.16.0"      # pyproject pins it; the premises below were read in this version
 
@@ -77,14 +79,16 @@ def check_version() -> None:
 class Client(_NatsClient):
     def __init__(self) -> None:
         super().__init__()
-        self._direct: dict[int, Callable[[Msg], Awaitable[None]]] = {}    # sid -> deliver_directly's callback
+        self._direct: dict[int, Delivery] = {}    # sid -> deliver_directly's callback
 
-    def deliver_directly(self, sub: Subscription, callback: Callable[[Msg], Awaitable[None]]) -> None:
-        """Hand each message of `sub` (subscribed without a callback) to `callback` from the read
-        loop, as the parser meets it, in order: not through the subscription's queue and the
-        task that empties it (nats-py's `cb=`), whose hand-over cost a worker as much per message
-        as holding the job did. The callback must not wait long: nothing else is read meanwhile.
-        An exception from it goes to the error callback, as one from `cb=` does."""
+    def deliver_directly(self, sub: Subscription, callback: Delivery) -> None:
+        """Hand each message of `sub` (subscribed without a callback) to `callback(subject, reply,
+        data, headers)` from the read loop, as the parser meets it, in order: not through the
+        subscription's queue and the task that empties it (nats-py's `cb=`), whose hand-over cost
+        a worker as much per message as holding the job did, and with no Msg object made. The
+        headers are parsed by nats-py (a status line too: "Status", "Description"), None when
+        there are none. The callback must not wait long: nothing else is read meanwhile. An
+        exception from it goes to the error callback, as one from `cb=` does."""
         self._direct[sub._id] = callback
 
     async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes,  # type: ignore[override]
@@ -96,9 +100,9 @@ class Client(_NatsClient):
             return
         self.stats["in_msgs"] += 1       # type: ignore[operator]
         self.stats["in_bytes"] += len(data)  # type: ignore[operator]
-        msg = self._build_message(sid, subject, reply, data, await self._process_headers(headers))
+        parsed = await self._process_headers(headers) if headers else None
         try:
-            await deliver(msg)
+            await deliver(subject.decode(), reply.decode(), data, parsed)
         except Exception as exc:
             await self._error_cb(exc)
 

@@ -5,7 +5,6 @@ job built without Job's own __init__ equal to one built with it."""
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 
@@ -22,15 +21,14 @@ def test_both_forms_of_the_reply_subject_give_stream_seqs_delivery_and_pending()
 
 
 def test_the_job_is_the_one_jobs_own_constructor_makes():
-    msg = SimpleNamespace(reply=V1, data=b"x", subject="jobs.new", headers={"Nats-Msg-Id": "order-7", "X": "1"})
-    job, pending = make_job(msg)
+    job, pending = make_job("jobs.new", V1, b"x", {"Nats-Msg-Id": "order-7", "X": "1"})
     assert pending == 15
     assert job == Job(data=b"x", subject="jobs.new", headers={"Nats-Msg-Id": "order-7", "X": "1"}, stream_seq=1042,
                       consumer_seq=977, delivery=3, msg_id="order-7", stream="JOBS")
     assert job.key == "order-7"
     with pytest.raises(dataclasses.FrozenInstanceError):
         job.delivery = 1  # type: ignore[misc]
-    bare, _ = make_job(SimpleNamespace(reply=V2, data=b"", subject="jobs.a", headers=None))
+    bare, _ = make_job("jobs.a", V2, b"", None)
     assert bare == Job(data=b"", subject="jobs.a", headers={}, stream_seq=1042, consumer_seq=977, delivery=3,
                        msg_id=None, stream="JOBS")
     assert bare.key == "JOBS:1042"

@@ -161,6 +161,11 @@ class Chain:
 
     # -- a sync handler's job: the outer layers on the loop, the rest in its handler thread
 
+    def enters(self, job: Job) -> bool:
+        """Whether an outer layer has a before_job to run for this job (else enter() returns
+        (outer, None) at once: no call needed)."""
+        return any(self.layers[k].before_of(job) for k in range(self.outer))
+
     async def enter(self, job: Job) -> tuple[int, Exception | None]:
         """On the loop, before a thread takes the job: the outer layers' before_job hooks in order.
         (How many returned, the exception that stops the job here or None: on to a thread.)"""

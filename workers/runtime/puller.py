@@ -197,8 +197,8 @@ class Puller:
             self.sizer.round_trip(now - self.pull_sent)
             self.pull_sent = 0.0
 
-    def on_status(self, msg: Any) -> None:
-        headers = msg.headers or {}
+    def on_status(self, headers: dict[str, str]) -> None:
+        """A status message on our inbox (its headers): a request that ended unfilled, or refused."""
         status = headers.get("Status")
         if status in ("408", "409"):
             unfilled = int(headers.get("Nats-Pending-Messages", "0") or 0)

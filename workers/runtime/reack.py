@@ -131,8 +131,7 @@ class Reacker:
         self.round.leader_back = None    # a confirmation from before this says nothing about now
         self.wake.set()
 
-    def on_pull_status(self, msg: Any) -> None:
-        headers = msg.headers or {}
+    def on_pull_status(self, headers: dict[str, str]) -> None:
         status, description = headers.get("Status"), headers.get("Description", "")
         if status == "409" and "Leadership Change" in description:
             self.trigger("409 Leadership Change on a pull")

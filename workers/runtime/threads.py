@@ -82,7 +82,7 @@ class HandlerThreads:
         came meanwhile NAKs the rest from the threads' queue (wind_down wakes for that)."""
         w = self.owner
         chain = w.chain
-        if chain.outer:
+        if any(chain.enters(job) for _, _, job in chunk):       # a chunk of first deliveries: mostly none
             entered = await gather_eagerly(chain.enter(job) for _, _, job in chunk)
             runnable = []
             for (msg, i, job), (k, exc) in zip(chunk, entered):

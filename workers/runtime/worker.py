@@ -313,30 +313,30 @@ class Worker:
         if self.limits is not None:
             self.limits.finished(job)
 
-    async def on_message(self, msg: Any) -> None:
-        if not msg.reply:
-            self.reacker.on_pull_status(msg)   # a leader change, or no leader, may have lost acks
-            self.pulls.on_status(msg)
+    async def on_message(self, subject: str, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
+        if not reply:
+            self.reacker.on_pull_status(headers or {})   # a leader change, or no leader, may have lost acks
+            self.pulls.on_status(headers or {})
             return
-        job, pending = make_job(msg)
+        job, pending = make_job(subject, reply, data, headers)
         # Record it before anything else, credits after: a death between the two leaves the
         # parent counting the message twice (held and in transit), never zero times.
-        i = self.table.hold(job.stream_seq, job.consumer_seq, job.delivery, msg.reply.encode(), now := time.monotonic())
+        i = self.table.hold(job.stream_seq, job.consumer_seq, job.delivery, reply.encode(), now := time.monotonic())
         self.pulls.arrived(pending, now)
         if i >= 0:
-            self.settler.replies[i] = msg.reply
+            self.settler.replies[i] = reply
         if job.delivery > 1:
             self.emit(Redelivered(job.stream_seq, job.delivery))
         if i < 0:                        # table full (more came than asked): told first, the NAK after
             self.pulls.not_started()
             self.emit(Settled(job.stream_seq, job.delivery, "nak", "table full"))
-            await self.nc.publish(msg.reply, b"-NAK")
+            await self.nc.publish(reply, b"-NAK")
             return
         if self.limits is not None and self.limits.needs(job):
-            self.limits.park((msg, i, job), job, self.admitted)   # it waits for its limits without a handler
+            self.limits.park((reply, i, job), job, self.admitted)   # it waits for its limits without a handler
             self.changed.set()           # a shutdown NAKs it at once; a retirement lets it wait
             return
-        self.queue.append((msg, i, job))
+        self.queue.append((reply, i, job))
         self.wake_run.set()
         self.changed.set()               # a shutdown NAKs it at once; a retirement runs it
 
@@ -428,15 +428,15 @@ def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
-def make_job(msg: Any) -> tuple[Job, int]:
+def make_job(subject: str, reply: str, data: bytes, headers: dict[str, str] | None) -> tuple[Job, int]:
     """The job a message is, and how many more the stream held for the consumer after it (from
     its $JS.ACK reply subject, read once: this runs for every message)."""
-    stream, sseq, cseq, delivery, pending = parse_ack_reply(msg.reply)
-    headers = {k: v for k, v in msg.headers.items() if isinstance(k, str)} if msg.headers else {}
+    stream, sseq, cseq, delivery, pending = parse_ack_reply(reply)
+    headers = {k: v for k, v in headers.items() if isinstance(k, str)} if headers else {}
     # Job(...) itself, without its frozen __init__'s object.__setattr__ per field (a third of the
     # cost of taking a message in; tests/unit/test_take_message.py checks the two are equal).
     job = _new(Job)
-    vars(job).update(data=msg.data, subject=msg.subject, headers=headers, stream_seq=sseq, consumer_seq=cseq,
+    vars(job).update(data=data, subject=subject, headers=headers, stream_seq=sseq, consumer_seq=cseq,
                      delivery=delivery, msg_id=headers.get("Nats-Msg-Id"), stream=stream)
     return job, pending
 
