@@ -52,6 +52,9 @@ class CopyWaiting(Middleware):
     def __init__(self, cfg: Config):
         self.stream = cfg.stream.name
         self.owner = owner(cfg)
+        # Without pools the chain calls before_job for deliveries after the first only (nothing
+        # to look at on a first); with pools a first delivery may be another pool's copy.
+        self.redeliveries_only = not self.owner
         self.js: Any = None
 
     def setup(self, ctx: Context) -> None:
