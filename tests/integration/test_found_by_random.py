@@ -12,7 +12,7 @@ import signal
 import time
 
 import pytest
-from harness import NatsServer, SupervisorProc, base_config, publish_now, wait_until
+from harness import NatsServer, SupervisorProc, backlog_of, base_config, publish_now, wait_until
 
 from chaos import scenarios
 from chaos.checker import VERDICTS
@@ -318,12 +318,20 @@ def test_an_orphans_nak_redelivered_to_a_worker_that_dies_comes_back_at_once(tmp
         run.bg.call(proxy.tap(beta_worker, (NEXT,)))
         alpha = run.start_supervisor([proxy.url], nats={"name": "alpha"},
                                      workers={"count": 1, "batch": 8, "heartbeat_timeout": 60.0})
-        run.load(40, rate=400, what="0", window=8).result(30)     # fast jobs: the worker learns to buffer
+        run.load(40, rate=400, what="0", window=8).result(30)     # fast jobs: the worker learns its job time
         wait_until(lambda: run.done_count() == 40, 30, "the warm-up done")
-        run.load(6, rate=400, what="1.0", window=6).result(30)
         [orphan] = alpha.worker_pids()
+        # A backlog of fast jobs, then the long ones, stored while the worker is stopped: on a
+        # backlog it buffers whatever the spread of its job times (pulls.py), so it runs a long
+        # job and holds more, on a loaded box too.
+        os.kill(orphan, signal.SIGSTOP)
+        run.load(100, rate=5000, what="0", window=32).result(30)
+        fast_until = run.bg.call(run.nc.jetstream().stream_info(STREAM)).state.last_seq
+        run.load(6, rate=400, what="1.0", window=6).result(30)
+        os.kill(orphan, signal.SIGCONT)
         wait_until(lambda: len([e for w in alpha.status()["workers"]["list"] for e in w["in_flight"]
-                                if e["state"] == "held"]) >= 2, 10, "alpha's worker running a job and holding more")
+                                if e["state"] == "held" and e["stream_seq"] > fast_until]) >= 2, 30,
+                   "alpha's worker running a long job and holding more")
         os.kill(orphan, signal.SIGSTOP)
         t_kill = time.monotonic()
         alpha.proc.kill()
@@ -425,16 +433,16 @@ def test_an_orphans_naks_are_explained_to_the_supervisor_that_gets_their_redeliv
     says goodbye."""
     same = {"consumer": {"ack_wait": 2 * ACK_WAIT},
             "workers": {"count": 1, "batch": 8, "graceful_timeout": 30.0, "handler": "testhandlers:record"}}
+    seqs = set(backlog_of(nats_server.url, fast=100, count=16, data="1.0"))   # so alpha's worker buffers
     alpha = supervisor_factory(nats_server, args=JSON_LOGS, **same)
-    alpha.wait_ready(1)
-    warm = 40               # teaches the worker its jobs are fast, so it buffers (as the orphan test does)
-    publish_now(nats_server.url, count=warm, data="0")
-    wait_until(lambda: len(alpha.jobs.done()) == warm, what="warm-up jobs done")
+    wait_until(lambda: [r for r in alpha.jobs.running() if r.seq in seqs] and
+               [e for e in held(alpha) if e["stream_seq"] in seqs], what="alpha's worker running a job and holding more")
+    [worker] = alpha.workers()
+    worker.suspend()        # holds on to what it has while beta starts
     beta = supervisor_factory(nats_server, args=JSON_LOGS, **same)
     beta.wait_ready(1)
     wait_until(lambda: beta.status()["peers"]["heard"], what="beta has heard alpha")
-    seqs = set(publish_now(nats_server.url, count=16, data="1.0"))
-    wait_until(lambda: alpha.jobs.running() and held(alpha), what="alpha's worker running a job and holding more")
+    worker.resume()
     alpha.signal(signal.SIGKILL)
     alpha.wait()
     wait_until(lambda: (alpha.jobs.done_seqs() | beta.jobs.done_seqs()) >= seqs, 2 * ACK_WAIT, "every job done")

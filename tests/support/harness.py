@@ -392,6 +392,16 @@ def publish_now(server_url: str, *, count: int, data: str = "0", subject: str = 
     return asyncio.run(run())
 
 
+def backlog_of(server_url: str, *, fast: int, count: int, data: str) -> list[int]:
+    """Store `fast` no-op jobs, then `count` jobs of `data`, before any worker runs (the CLI's
+    publish provisions the stream): the workers start on a backlog, learn their jobs are fast,
+    and so pull batches that hold the later jobs unstarted behind a running one, on a loaded box
+    too (without a backlog a worker takes only what it can start until the fleet has seen
+    KNOWN_JOBS jobs, workers/runtime/pulls.py). The later jobs' stream seqs."""
+    publish(server_url, count=fast, data="0")
+    return publish_now(server_url, count=count, data=data)
+
+
 def dead_letter_headers(server_url: str, stream: str = "JOBS_DLQ") -> list[dict[str, str]]:
     """The headers of every message in the dead-letter stream, oldest first."""
     async def run() -> list[dict[str, str]]:
