@@ -297,6 +297,7 @@ class Run:
         self.after_settle: list[Callable[[], None]] = []    # faults only known after the fact
         self.status: dict | None = None
         self.notes: list[str] = []                   # what the run saw that the verdicts do not say
+        self.left_to_ack_wait: list[dict] = []       # what SIGKILLed supervisors' ledgers had named (checker.py)
 
     def pick(self, quick: Any, full: Any) -> Any:
         return quick if self.quick else full
@@ -485,7 +486,9 @@ class Run:
                       origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead,
                       status=self.status, statuses=[s for s in statuses if s],
                       sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), drains=self.drains,
-                      healthz_s=max(self.healthz) if self.healthz else None)
+                      healthz_s=max(self.healthz) if self.healthz else None,
+                      left_to_ack_wait=self.left_to_ack_wait + [w for st in statuses if st
+                                                                for w in st["crosscheck"]["left_to_ack_wait"]])
         return check(ev)
 
     def ledger_status(self, sup: SupervisorProc) -> dict | None:

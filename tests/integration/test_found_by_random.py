@@ -8,6 +8,7 @@ reproducer of its finding and fails on the code it was found on.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -361,6 +362,67 @@ def test_an_orphans_nak_redelivered_to_a_worker_that_dies_comes_back_at_once(tmp
     assert not result.error, result.summary()
     assert [f for f in result.findings if f.verdict == "redelivered"], result.summary()
     assert result.counts["ackwait"] == 0, result.summary()
+    assert result.passed, result.summary()
+
+
+PARENT = r"^jetstream-supervisor$"    # the proxy's name pattern for the parent's own connection
+
+
+def test_a_nak_unsent_at_a_workers_death_waits_for_ackwait_named_at_the_death(tmp_path):
+    """F10, found by `python -m chaos --random --seed 18 --minutes 0.25` on branch f7 (1 run of 10):
+    a handler failed just after a server stop (its NAK with a 0.36 s delay) and its worker was
+    SIGKILLed 0.1 s later, the NAK still unsent. Its table entry was SETTLED (a NAK published, not
+    fenced): the parent must not NAK it again, since that NAK may still be in the dead worker's
+    socket or in a stalled link and land on the next holder's delivery (a NAK matches by
+    sequence): the job would run twice. So it waits for AckWait, and the wait must be attributed:
+    the ledger names it at the death, with that cause, and the redelivery is explained by it.
+    Here the handler raises Retry(0.5) and the worker's link holds its NAK (the proxy stalls the
+    connection right before forwarding it); the worker is SIGKILLed with the NAK in the link, which
+    is then reset (the NAK never lands). Back after AckWait, not NAKed by the parent, named at the
+    death ("its NAK was unsent when the worker died; ..."), explained with that cause in /status,
+    the log and the checker's view (an AckWait wait outside the supervisor's control only because
+    the ledger named that job, delivery and pid), 0 unexplained. Red before the ledger named such
+    waits: the checker's ackwait=1 (a worker SIGKILL is in the supervisor's control)."""
+    ack_wait = 5.0
+    seen: dict = {}
+
+    def nak_held_in_the_link(run: Run) -> None:
+        run.ack_wait = ack_wait
+        server = run.start_server()
+        run.connect([server.url])
+        proxy = run.start_proxy(server)
+        run.bg.call(proxy.tap(PARENT, (b"-NAK",)))
+        run.bg.call(proxy.hold(WORKER_0, b"-NAK"))
+        run.start_supervisor([proxy.url], workers={"count": 1, "heartbeat_timeout": 60.0})
+        [victim] = run.sup.worker_pids()
+        run.load(1, rate=100, what="retry0.5:0.01").result(5)
+        t_held = wait_until(lambda: run.bg.call(proxy.holding(WORKER_0)), 10, "the worker's NAK held in its link")[0]
+        wait_until(lambda: run.sup.status()["jobs"]["nak"] == 1, 5, "the worker's table: its NAK published")
+        link = run.fault("worker link holding its NAK", t_held, pids={victim}, in_control=False)
+        run.signal_worker(victim, signal.SIGKILL, "worker SIGKILL")
+        seen["died"] = time.monotonic()
+        assert run.bg.call(proxy.reset(WORKER_0)) == 1, "the dead worker's connection is gone from the proxy"
+        link.t1 = time.monotonic()
+        seen["status"] = wait_until(lambda: (s := run.sup.status())["crosscheck"]["left_to_ack_wait"]
+                                    and s["crosscheck"]["left_to_ack_wait"][0]["came_back_after_s"] is not None and s,
+                                    ack_wait + 15, "the job back, after AckWait")
+        seen["parent_naks"] = run.bg.call(proxy.tapped(PARENT))
+        seen["log"] = run.sup.log()
+
+    result = run_with("nak-unsent-at-a-death", 0, nak_held_in_the_link, dict(VERDICTS), tmp_path / "run")
+    assert not result.error, result.summary()
+    assert seen["parent_naks"] == [], f"the parent NAKed: {seen['parent_naks']}"
+    cc = seen["status"]["crosscheck"]
+    [left] = cc["left_to_ack_wait"]
+    why = "its NAK was unsent when the worker died; a second NAK could land on the next holder"
+    assert (left["delivery"], left["state_at_death"], left["naked"], left["waits"]) == (1, "settled", False, why), left
+    assert left["came_back_after_s"] >= left["due_after_s"] - 0.5, left        # after AckWait, not sooner
+    assert cc["held_jobs_left_to_ack_wait"] == 1 and cc["unexplained_redeliveries"] == 0, cc
+    assert re.search(rf"died: .*seq {left['stream_seq']} \(delivery 1\) left to AckWait: {re.escape(why)}", seen["log"])
+    assert re.search(rf"seq={left['stream_seq']} redelivered \(delivery 2\).*at its death.*: {re.escape(why)}", seen["log"])
+    assert (result.counts["ackwait"], result.counts["ackwait_outside"]) == (0, 1), result.summary()
+    outside = [f.text for f in result.findings if f.verdict == "ackwait_outside"]
+    assert outside and "named at the death" in outside[0] and why in outside[0], result.summary()
     assert result.passed, result.summary()
 
 
