@@ -73,6 +73,7 @@ class Arbiter:
                  middleware: tuple[tuple[str, type], ...] = ()):
         self.cfg = cfg
         self.server_dies_with_parent = server_dies_with_parent   # the embedded server: workers' orphan rule
+        self.fleet_key = ""              # our fleet heartbeat's key (set by supervisor.py): an orphan claims there
         self.nc = nc
         self.handler, self.init = handler, init
         self.middleware = middleware             # workers.middleware: (entry, class), checked by supervisor.py
@@ -330,7 +331,7 @@ class Arbiter:
                          connect=lambda: self.connect_worker(w.slot),
                          job_limit=w.job_limit, suspects=self.suspects, crashes=self.crashes,
                          graceful_timeout=w.graceful_timeout,
-                         server_dies_with_parent=self.server_dies_with_parent)
+                         server_dies_with_parent=self.server_dies_with_parent, fleet_key=self.fleet_key)
 
     # ================================================================ events from workers
 

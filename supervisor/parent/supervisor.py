@@ -226,6 +226,7 @@ class Supervisor:
             self.monitor = Monitor(cfg, self.nc, self.arbiter)
             self.arbiter.autoscale.monitor = self.monitor      # its lag analysis and consumer numbers
             self.fleet = self.monitor.fleet = Fleet(cfg, self.nc, self.arbiter, self.snapshot)
+            self.arbiter.fleet_key = self.fleet.key      # before the first fork (arbiter.run)
             if cfg.monitor.http:
                 host, port = parse_hostport(cfg.monitor.http, "monitor.http")
                 self.http = HttpServer(self, host, port)

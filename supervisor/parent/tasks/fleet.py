@@ -401,8 +401,9 @@ class Fleet:
             since = view.age(peer, now)
             if since is None or await self.answers(peer, since, now):
                 continue
-            if await self.mark(peer, since):
-                await self.lost(peer, since)
+            plan = self.plan(peer.beat.get("held") or [], since)
+            if await self.mark(peer, plan):
+                await self.lost(peer, since, plan)
 
     async def answers(self, peer: Peer, since: float, now: float) -> bool:
         """Evidence before a loss: does the silent peer's parent answer over core NATS? One that
@@ -428,12 +429,15 @@ class Fleet:
         self.probed[peer.key] = now
         return True
 
-    async def mark(self, peer: Peer, since: float) -> bool:
+    async def mark(self, peer: Peer, plan: Release) -> bool:
         """Write the lost mark into the peer's entry, checked against the revision we saw. Only
-        the poller that wins this write acts on the loss, and not at all if the peer beat again."""
+        the poller that wins this write acts on the loss, and not at all if the peer beat again,
+        nor if an orphan of its claimed its jobs there (workers/protocol/fleetclaim.py): the
+        mark names what `plan` releases, which such an orphan, coming later, must not NAK."""
         from nats.js.errors import KeyWrongLastSequenceError
 
-        beat = dict(peer.beat, lost={"by": self.name, "t": time.time(), "server_t": peer.server_t})
+        beat = dict(peer.beat, lost={"by": self.name, "t": time.time(), "server_t": peer.server_t,
+                                     "released": [[s, d] for s, d, _ in plan.nak]})
         try:
             peer.rev = await self.kv.update(peer.key, json.dumps(beat, separators=(",", ":")).encode(), last=peer.rev)
         except KeyWrongLastSequenceError:
@@ -441,9 +445,8 @@ class Fleet:
         peer.marked = True
         return True
 
-    async def lost(self, peer: Peer, since: float) -> None:
+    async def lost(self, peer: Peer, since: float, plan: Release) -> None:
         held = peer.beat.get("held") or []
-        plan = self.plan(held, since)
         window = unlisted_window(since, ack_wait_range(self.cfg))
         # Jobs the beat could not list (held_total) come back after AckWait, explained by the window.
         budget = max(0, int(peer.beat.get("capacity") or 0) - len(held), int(peer.beat.get("held_total") or 0) - len(held))
