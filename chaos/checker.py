@@ -44,6 +44,10 @@ the journal, not trusted). Per job (stream sequence):
 - ticks_extra: firings of the drawn `[schedules.tick]` beyond one per period over the time it
   could exist (from the first supervisor's start to its removal when the load ends): a schedule
   doubled by two supervisors, or by a restart.
+- wrong_pool: with pools, a run by a worker of another pool's consumer than the job's (pool b's
+  jobs are keyed `bN`, the rest are pool a's): each pool's jobs must run on its own workers only.
+  Stream order is per consumer, so a later job bounds when an earlier one was sent only within
+  its pool.
 """
 
 from __future__ import annotations
@@ -63,8 +67,9 @@ VERDICTS = {
     "jobs": None, "lost": 0, "vanished": 0, "dead_lettered": 0, "deduplicated": None, "dup": None,
     "dup_unexplained": 0, "redelivered": None, "bounced": None, "unexplained": 0,
     "ackwait": 0, "ackwait_outside": None, "unacked": 0, "sup_unexplained": 0, "sup_open": 0,
-    "sup_died": 0, "exit": 0, "healthz_s": None, "ticks_extra": 0,
+    "sup_died": 0, "exit": 0, "healthz_s": None, "ticks_extra": 0, "wrong_pool": 0,
 }
+SIDE_KEY = "b"              # with pools: the key prefix of pool b's jobs (chaos/randomized.py)
 
 
 @dataclass(frozen=True)
@@ -110,10 +115,17 @@ class Evidence:
     bad_exits: int = 0                          # supervisors that did not exit 0 when stopped
     healthz_s: float | None = None
     ticks_extra: int = 0                        # [schedules.tick] firings beyond one per period (rig.py)
-    # Jobs a supervisor's ledger left to AckWait at a worker's death, with why: its /status
-    # `crosscheck.left_to_ack_wait` entries (each: stream_seq, delivery, pid, waits), from every
-    # supervisor alive at the end and from each one's last /status before it was SIGKILLed.
+    # Jobs a supervisor's ledger left to AckWait at a worker's death, with why: /status
+    # `crosscheck.left_to_ack_wait` entries (each: stream_seq, delivery, pid, waits) of the
+    # supervisors SIGKILLed on the way, from their last /status (the living's: `statuses`).
     left_to_ack_wait: list[dict] = field(default_factory=list)
+    pools: dict[str, str] = field(default_factory=dict)    # with pools: "main"/"side" -> consumer
+
+    def pool_of(self, key: str) -> str:
+        """The pool a job belongs to ("" without pools)."""
+        if not self.pools:
+            return ""
+        return "side" if key.startswith(SIDE_KEY) and key[1:].isdigit() else "main"
 
 
 @dataclass
@@ -152,14 +164,36 @@ class Checker:
         self.findings: list[Finding] = []
         self.first_start = self._first_starts()
         self.named: dict[tuple[int, int], dict[int, str]] = defaultdict(dict)   # (seq, delivery) -> {pid: why}
-        for w in ev.left_to_ack_wait:
+        ends = ev.statuses or ([ev.status] if ev.status is not None else [])
+        for w in [*ev.left_to_ack_wait, *(w for st in ends for w in st["crosscheck"].get("left_to_ack_wait", []))]:
             self.named[(int(w["stream_seq"]), int(w["delivery"]))][int(w["pid"])] = str(w.get("waits", ""))
+        self.pool_note = ""
 
     def _first_starts(self) -> list[tuple[int, float]]:
         """(seq, start) of every first delivery, by seq: the consumer sends first deliveries in
-        stream order, so a later seq's first start bounds when an earlier seq was sent."""
+        stream order, so a later seq's first start bounds when an earlier seq was sent (each
+        pool's consumer its own: `sent_by` compares within a pool)."""
         out = [(seq, runs[0].start) for seq, runs in self.runs.items() if runs and runs[0].delivery == 1]
         return sorted(out)
+
+    def pool(self, seq: int) -> str:
+        return self.ev.pool_of(self.keys.get(seq, ""))
+
+    def wrong_pools(self, c: dict) -> None:
+        """Each pool's jobs ran on its own workers only (the watcher read each worker's consumer)."""
+        if not self.ev.pools:
+            return
+        seen: dict[str, int] = defaultdict(int)
+        for seq, runs in self.runs.items():
+            want = self.ev.pools[self.pool(seq)]
+            for r in runs:
+                life = self.ev.lives.get(r.pid)
+                seen[life.consumer if life is not None and life.consumer else "unknown"] += 1
+                if life is not None and life.consumer and life.consumer != want:
+                    c["wrong_pool"] += 1
+                    self.find("wrong_pool", seq, f"delivery {r.delivery} ran on pid {r.pid}, a worker of "
+                                                 f"{life.consumer}; the job is {want}'s")
+        self.pool_note = "pools: runs by the worker's consumer: " + ", ".join(f"{k} {n}" for k, n in sorted(seen.items()))
 
     def at(self, t: float) -> str:
         return f"+{t - self.ev.origin:.2f}s"
@@ -204,11 +238,12 @@ class Checker:
                 if i > 0 or run.delivery > 1:
                     self.redelivery(seq, runs[:i], run, c)
         c["ticks_extra"] = self.ev.ticks_extra
+        self.wrong_pools(c)
         c["unacked"] = len(self.ev.unacked)
         for seq in self.ev.unacked:
             self.find("unacked", seq, "still in the work-queue stream at the end: no ack landed")
         self.supervisor_word(c)
-        notes = self.queueing_note()
+        notes = self.queueing_note() + ([self.pool_note] if self.pool_note else [])
         return Report(c, self.findings, notes)
 
     def done_elsewhere(self, seq: int) -> bool:
@@ -319,7 +354,7 @@ class Checker:
         """A time by which a never-journaled first delivery of `seq` had surely been sent: the
         first start of any later job (first deliveries go out in stream order), else the PubAck."""
         stored = self.ev.stored.get(seq)
-        later = [t for s, t in self.first_start if s > seq]
+        later = [t for s, t in self.first_start if s > seq and self.pool(s) == self.pool(seq)]
         if later:
             return min(later)
         return stored.t if stored else self.ev.origin

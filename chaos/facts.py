@@ -5,7 +5,8 @@
 - `Fault`: each fault the runner injected, with its time window and the worker processes it
   touched (None: all of them, e.g. a server restart), and whether it is inside the
   supervisor's control (a job it touches must never wait for AckWait).
-- `Life`: each worker process's first and last sighting, from the runner's process watcher.
+- `Life`: each worker process's first and last sighting, from the runner's process watcher, and
+  the consumer it works for (several pools: each pool's own).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Life:
     pid: int
     born: float
     died: float | None = None
+    consumer: str = ""          # whose worker it is (its process title; "" until it said)
 
 
 def read_journal(path: Path) -> list[Rec]:

@@ -47,7 +47,7 @@ from workers.protocol.limitkeys import LEASE_TTL, RENEW_EVERY
 
 from .checker import VERDICTS
 from .core import Result, run_with
-from .rig import ChaosNats, Run
+from .rig import SIDE, SIDE_SUBJECT, ChaosNats, Run
 
 Cfg = dict[str, Any]             # "section.key" (a supervisor key) or "chaos.knob" -> value
 
@@ -142,7 +142,14 @@ SETTINGS: list[Setting] = [
             own=True),
     Setting("chaos.limit_rate", lambda r, c: weighted(r, [(0.0, 4), (float(r.choice([5, 10, 20])), 1)]), own=True),
     Setting("chaos.pause", lambda r, c: r.random() < 0.3, own=True),
+    # Pools (issue 28): the drawn configuration is pool `a` (its jobs, every fault), and pool `b`
+    # beside it on a subject of its own, with short jobs of its own and no fault aimed at it.
+    Setting("chaos.pools", lambda r, c: r.random() < 0.2, own=True),
+    Setting("chaos.pool_b", lambda r, c: r.randint(1, 2), needs=lambda c: c["chaos.pools"], own=True),
 ]
+
+SIDE_SHARE = 0.25           # with pools: a job for pool b (`b|SECONDS`, rig.py SIDE) a quarter of the time
+POOL_CONSUMERS = {"main": "workers-a", "side": "workers-b"}
 
 
 def retry_rules(r: random.Random) -> list[dict[str, Any]]:
@@ -151,7 +158,8 @@ def retry_rules(r: random.Random) -> list[dict[str, Any]]:
 
 
 # Runner knobs that are not drawn, and what a key not drawn falls back to.
-DEFAULTS: Cfg = {"chaos.limit": 0, "chaos.limit_rate": 0.0, "chaos.pause": False,
+DEFAULTS: Cfg = {"chaos.limit": 0, "chaos.limit_rate": 0.0, "chaos.pause": False, "chaos.pools": False,
+                 "chaos.pool_b": 0,
                  "chaos.delayed": 0.0, "chaos.delay": 0.0, "chaos.tick": 0, "workers.soft_timeout": 0.0,
                  "workers.max_jobs_jitter": 0, "autoscale.enabled": False, "chaos.beyond_ackwait": False,
                  "tracing.enabled": False, "chaos.collector": "up",
@@ -181,7 +189,18 @@ def sections(c: Cfg) -> dict[str, dict[str, Any]]:
                                    "subjects": ["jobs.>"]}}
     if c["chaos.tick"]:
         out["schedules"] = {"tick": {"every": float(c["chaos.tick"]), "subject": "jobs.chaos", "data": "tick:0.01"}}
+    if c["chaos.pools"]:
+        out["pools"] = {"a": {"filter_subject": "jobs.chaos"},
+                        "b": {"filter_subject": SIDE_SUBJECT, "count": c["chaos.pool_b"]}}
     return out
+
+
+def side_jobs(jobs: list[str], c: Cfg, rng: random.Random) -> list[str]:
+    """With pools: a share of the plain jobs go to pool b instead, as short sleeps (`b|SECONDS`)."""
+    if not c["chaos.pools"]:
+        return jobs
+    return [f"{SIDE}{rng.uniform(0.005, 0.05):.3f}" if "=" not in j and not j.startswith("~")
+            and rng.random() < SIDE_SHARE else j for j in jobs]
 
 
 # ================================================================ the jobs
@@ -238,6 +257,8 @@ def kind_of(actions: str) -> str:
         return "again"
     if actions.startswith("~"):
         return "delayed"
+    if actions.startswith(SIDE):
+        return "pool b"
     first = actions.split(":")[0]
     word = first.strip("0123456789.")
     return word or ("long" if float(first) >= 1.0 else "short")
@@ -334,6 +355,7 @@ def draw(seed: int, minutes: float) -> Plan:
     n = int(rate * load_s)
     jobs = republished(spaced([job_action(jobs_rng, c) for _ in range(n)], rate, slots_of(c)), rate, c, jobs_rng)
     jobs = delayed(jobs, c, random.Random(f"delayed:{seed}"))
+    jobs = side_jobs(jobs, c, random.Random(f"pools:{seed}"))
     plan = Plan(seed, minutes, c, jobs, rate, load_s)
     kinds = [k for k in FAULTS if k.needs(c)]
     t = 0.1 * load_s
@@ -358,6 +380,15 @@ class Act:
     def sup(self, params: dict) -> SupervisorProc:
         return self.run.sups[params["sup"] % len(self.run.sups)]
 
+    @property
+    def pools(self) -> bool:
+        return bool(self.plan.config["chaos.pools"])
+
+    def workers_of(self, status: dict | None) -> list[dict]:
+        """The workers a fault may act on: every one, or with pools pool a's (faults in one pool)."""
+        s = status or {"workers": {"list": []}}
+        return (s.get("pools", {}).get("a", {}).get("workers", {}) if self.pools else s["workers"]).get("list", [])
+
     def live(self, sup: SupervisorProc) -> bool:
         return sup.proc is not None and sup.proc.poll() is None
 
@@ -365,18 +396,21 @@ class Act:
         return str(sup.config["nats"]["name"])
 
     def slots(self, sup: SupervisorProc) -> dict[int, int]:
-        s = sup.try_status() or {"workers": {"list": []}}
-        return {w["slot"]: w["pid"] for w in s["workers"]["list"]}
+        return {w["slot"]: w["pid"] for w in self.workers_of(sup.try_status())}
 
     def victim(self, sup: SupervisorProc, pick: float, running: bool = True) -> int | None:
-        """A worker of `sup`: the drawn fraction into those running a job (or into all of them)."""
+        """A worker of `sup` (with pools, of pool a): the drawn fraction into those running a job
+        (or into all of them)."""
         pids: list[int] = []
         deadline = time.monotonic() + 5.0
         while running and not pids and time.monotonic() < deadline and self.live(sup):
-            pids = sorted({r.pid for r in self.run.running(sup)})
+            pids = sorted({r.pid for r in self.run.running(sup)} & self.targets(sup))
             time.sleep(0.005)
-        pids = pids or sorted(sup.worker_pids())
+        pids = pids or sorted(self.targets(sup))
         return pids[int(pick * len(pids))] if pids else None
+
+    def targets(self, sup: SupervisorProc) -> set[int]:
+        return {w["pid"] for w in self.workers_of(sup.try_status())} if self.pools else sup.worker_pids()
 
     def in_fleet(self) -> bool:
         return len(self.run.sups) > 1
@@ -472,7 +506,7 @@ def worker_link(mode: str) -> Callable[[Act, dict], None]:
         if not slots:
             return
         slot = sorted(slots)[int(p["pick"] * len(slots))]
-        pattern = f"^{act.name(sup)} worker {slot}$"
+        pattern = f"^{act.name(sup)} worker {'a/' if act.pools else ''}{slot}$"
         touched = {slots[slot]}
         f = act.run.fault(f"network: worker {slot}'s connection {mode} {p['seconds']:g}s", time.monotonic(),
                           pids=touched, in_control=False)
@@ -537,15 +571,25 @@ def scale(act: Act, p: dict) -> None:
     # processes: during a recycle the old worker and its replacement are both alive, and
     # counting them let a SIGTTOU take a one-worker pool to none (seed 5, tracing's runs).
     status = sup.try_status()
-    if how == "ttou" and (status is None or status["workers"]["target"] <= max(1, act.plan.config["workers.count"] - 1)):
+    if how == "ttou" and (status is None or low(act, status)):
         how = "ttin"
     op(act, {"ttin": "SIGTTIN", "ttou": "SIGTTOU"}.get(how, f"POST /scale?workers={p['n']}"))
     if how == "post":
-        req = urllib.request.Request(f"http://{sup.http}/scale?workers={p['n']}", method="POST")
+        pool = "&pool=a" if act.pools else ""
+        req = urllib.request.Request(f"http://{sup.http}/scale?workers={p['n']}{pool}", method="POST")
         with urllib.request.urlopen(req, timeout=5) as r:
             assert r.status == 202, r.status
     else:
         sup.signal(signal.SIGTTIN if how == "ttin" else signal.SIGTTOU)
+
+
+def low(act: Act, status: dict) -> bool:
+    """A SIGTTOU would take a pool below what its load is sized for (SIGTTOU acts on every pool)."""
+    floor = max(1, act.plan.config["workers.count"] - 1)
+    if not act.pools:
+        return bool(status["workers"]["target"] <= floor)
+    targets = {name: p["workers"]["target"] for name, p in status["pools"].items()}
+    return bool(targets.get("a", 0) <= floor or targets.get("b", 0) <= 1)
 
 
 def pause(act: Act, p: dict) -> None:
@@ -553,7 +597,8 @@ def pause(act: Act, p: dict) -> None:
     meanwhile; it resumes by itself. Touches no worker: it must explain nothing."""
     sup = act.sup(p)
     op(act, f"supervisor pause --for {p['seconds']:g}")
-    r = run_cli("pause", "--config", str(sup.config_path), "--for", str(p["seconds"]), "--reason", "chaos")
+    r = run_cli("pause", "--config", str(sup.config_path), "--for", str(p["seconds"]), "--reason", "chaos",
+                *(("--pool", "a") if act.pools else ()))
     if r.returncode != 0:
         act.run.notes.append(f"{act.run.at()}: supervisor pause failed ({r.returncode}): {r.stderr.strip()[:200]}")
 
@@ -699,6 +744,8 @@ def execute(run: Run, plan: Plan) -> None:
     run.connect([server.url])
     url = run.start_proxy(server).url if plan.proxy else server.url
     run.ack_wait = plan.config["consumer.ack_wait"]
+    if plan.config["chaos.pools"]:
+        run.pools = dict(POOL_CONSUMERS)
     cfg = sections(plan.config)
     cfg["tracing"] = {**cfg.get("tracing", {}), "endpoint": collector(run, plan)}
     for i in range(plan.config["chaos.supervisors"]):

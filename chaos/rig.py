@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from typing import Any
 
 import nats
 import nats.errors
+import psutil
 from harness import NatsServer, SupervisorProc, base_config, wait_until
 from nats.js.errors import NotFoundError
 from natscluster import NatsCluster
@@ -36,11 +38,12 @@ from supervisor.config import schedules as sched
 from supervisor.parent.safety.peers import SUSPECT_GRACE
 from workers.runtime.deadletter import DLQ_HEADER
 
-from .checker import Evidence, Report, check
+from .checker import SIDE_KEY, Evidence, Report, check
 from .facts import Fault, Life, Rec, Stored
 from .proxy import Proxy
 
 STREAM, CONSUMER, SUBJECT, DLQ_STREAM = "JOBS", "workers", "jobs.chaos", "JOBS_DLQ"
+SIDE, SIDE_SUBJECT = "b|", "jobs.b"      # with pools (chaos/randomized.py): pool b's jobs, keyed bN
 ACK_WAIT = 30.0             # long: an expiry (AckWait wait) cannot be mistaken for a prompt NAK
 STALLED = 10.0              # nothing in flight and nothing moving this long: the run is over
 NATS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, OSError)
@@ -130,7 +133,8 @@ class JournalTail:
 
 
 class Watcher(threading.Thread):
-    """Polls the supervisors' children: when each worker pid appeared and when it was reaped."""
+    """Polls the supervisors' children: when each worker pid appeared and when it was reaped, and
+    whose consumer it works for (its process title: `supervisor: worker 0 [JOBS/workers-a]`)."""
 
     def __init__(self, sups: list[SupervisorProc]):
         super().__init__(name="chaos-watcher", daemon=True)
@@ -146,7 +150,9 @@ class Watcher(threading.Thread):
                 if sup.proc is not None and sup.proc.poll() is None:
                     seen |= sup.worker_pids()
             for pid in seen:
-                self.lives.setdefault(pid, Life(pid, now))
+                life = self.lives.setdefault(pid, Life(pid, now))
+                if not life.consumer:
+                    life.consumer = consumer_of(pid)
             for life in self.lives.values():
                 if life.died is None and life.pid not in seen:
                     life.died = now
@@ -154,6 +160,16 @@ class Watcher(threading.Thread):
     def alive(self, pid: int) -> bool:
         life = self.lives.get(pid)
         return life is not None and life.died is None
+
+
+def consumer_of(pid: int) -> str:
+    """The consumer in a worker's process title; "" until it has set one (just forked)."""
+    try:
+        title = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return ""
+    m = re.match(r"supervisor: worker \S+ \[[^/\]]+/([^\]]+)\]", title)
+    return m.group(1) if m else ""
 
 
 class Publisher:
@@ -205,12 +221,14 @@ class Publisher:
         if what.startswith("~"):          # `~SECONDS~ACTIONS`: published as a delayed job (a message schedule)
             _, seconds, what = what.split("~", 2)
             delay = float(seconds)
+        side = what.startswith(SIDE)      # `b|ACTIONS`: a job of the second pool, on its own subject
+        what = what[len(SIDE):] if side else what
         key, again, rest = what.partition("=")
-        key, what = (key, rest) if again else (f"j{i}", what)
+        key, what = (key, rest) if again else (f"{SIDE_KEY if side else 'j'}{i}", what)
         js = self.run.nc.jetstream()
         while True:
             sent = time.monotonic()       # the job exists from here on at the earliest: a PubAck read
-            subject, headers = SUBJECT, {"Nats-Msg-Id": f"chaos-{key}"}
+            subject, headers = SIDE_SUBJECT if side else SUBJECT, {"Nats-Msg-Id": f"chaos-{key}"}
             if delay:
                 due = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=delay)
                 subject = sched.delayed_subject(STREAM, f"chaos-{key}")
@@ -286,6 +304,7 @@ class Run:
         self.watcher = Watcher(self.sups)
         self.watcher.start()
         self.publisher = Publisher(self)
+        self.pools: dict[str, str] = {}      # with pools: "main" and "side" -> their consumers (chaos/randomized.py)
         self.proxy: Proxy | None = None
         self.nc: Any = None
         self.healthz: list[float] = []
@@ -386,11 +405,11 @@ class Run:
         js = self.nc.jetstream()
         try:
             si = await js.stream_info(STREAM, subjects_filter=">")
-            ci = await js.consumer_info(STREAM, CONSUMER, timeout=2)
+            cis = [await js.consumer_info(STREAM, name, timeout=2) for name in (self.pools.values() or [CONSUMER])]
         except NATS_ERRORS:
             return None
         waiting = sum(n for subj, n in (si.state.subjects or {}).items() if not named_schedule(subj))
-        return waiting, ci.num_pending or 0, ci.num_ack_pending or 0
+        return waiting, sum(ci.num_pending or 0 for ci in cis), sum(ci.num_ack_pending or 0 for ci in cis)
 
     # ------------------------------------------------------------ faults
 
@@ -486,9 +505,8 @@ class Run:
                       origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead,
                       status=self.status, statuses=[s for s in statuses if s],
                       sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), drains=self.drains,
-                      healthz_s=max(self.healthz) if self.healthz else None,
-                      left_to_ack_wait=self.left_to_ack_wait + [w for st in statuses if st
-                                                                for w in st["crosscheck"]["left_to_ack_wait"]])
+                      healthz_s=max(self.healthz) if self.healthz else None, pools=dict(self.pools),
+                      left_to_ack_wait=self.left_to_ack_wait)
         return check(ev)
 
     def ledger_status(self, sup: SupervisorProc) -> dict | None:

@@ -7,6 +7,9 @@ when a record is formatted, which happens in the thread and context that logged 
 record logged while the job runs, the handler's own `logging` calls included, carries the job,
 and a record logged anywhere else carries nothing: `CURRENT` is None there.
 
+`POOL` is the pool a parent's record belongs to (several pools: parent/crew.py sets it while
+one pool's step, event or task runs; "" otherwise). A worker forked inside it keeps it.
+
 It lives in a module of its own because both sides import it and neither may import the other's
 (tests/unit/test_structure.py LAYERS): it imports nothing.
 """
@@ -39,3 +42,4 @@ class JobFields:
 
 
 CURRENT: ContextVar[JobFields | None] = ContextVar("supervisor_job", default=None)
+POOL: ContextVar[str] = ContextVar("supervisor_pool", default="")

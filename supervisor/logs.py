@@ -1,7 +1,9 @@
 """Logging: text for a terminal, JSON lines for collectors, no doubled timestamps under journald.
 A record logged while a job runs in a worker carries the job (supervisor/logcontext.py): a
 `[w2 seq=42 #1]` prefix in text, `job_seq`, `job_delivery`, `job_subject`, `worker` (and
-`trace_id`) fields in JSON. The workers inherit these formatters across fork."""
+`trace_id`) fields in JSON; with [pools.*], a record of one pool (the parent's, or its
+workers') says which: `[email]` in text, `pool` in JSON. The workers inherit these formatters
+across fork."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import os
 import sys
 import time
 
-from supervisor.logcontext import CURRENT
+from supervisor.logcontext import CURRENT, POOL
 
 # Attributes every LogRecord has; anything else on a record came from `extra={...}`.
 STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
@@ -40,8 +42,8 @@ class TextFormatter(logging.Formatter):
         self.journald = journald
 
     def format(self, record: logging.LogRecord) -> str:
-        job = CURRENT.get()
-        where = f"{job.prefix()} " if job is not None else ""
+        job, pool = CURRENT.get(), POOL.get()
+        where = (f"[{pool}] " if pool else "") + (f"{job.prefix()} " if job is not None else "")
         text = f"{record.levelname.lower():7} {record.name}: {where}{record.getMessage()}"
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
@@ -61,7 +63,9 @@ class JsonFormatter(logging.Formatter):
                "message": record.getMessage()}
         if not self.journald:
             out = {"ts": round(record.created, 3), **out}
-        job = CURRENT.get()
+        job, pool = CURRENT.get(), POOL.get()
+        if pool:
+            out["pool"] = pool
         if job is not None:
             out.update(job.fields())
         # extra={"event": "worker_ready", "slot": 0, "pid": 123}: what programs and tests read

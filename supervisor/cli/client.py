@@ -86,10 +86,13 @@ def http_reason(code: int) -> str:
         return ""
 
 
-def target_now(base: str) -> int | None:
-    """The target before scaling, for the "(was N)" hint; None when /status does not say."""
+def target_now(base: str, pool: str | None = None) -> int | None:
+    """The target before scaling (a pool's, with `pool`), for the "(was N)" hint; None when
+    /status does not say."""
     try:
         code, body = http_call(base, "GET", "/status")
-        return int(json.loads(body)["workers"]["target"]) if code == 200 else None
+        status = json.loads(body)
+        workers = status["pools"][pool]["workers"] if pool else status["workers"]
+        return int(workers["target"]) if code == 200 else None
     except (SupervisorUnreachable, ValueError, KeyError, TypeError):
         return None

@@ -15,6 +15,7 @@ from nats.js.errors import BucketNotFoundError
 from supervisor.cli.oneshot import connect_oneshot
 from supervisor.cli.render import fmt_age
 from supervisor.config import Config, client_config, from_args
+from supervisor.config.pools import effective, names
 from supervisor.core.fleetview import BEAT_PREFIX, LOST_AFTER
 from supervisor.nats.consumer import consumer_dict, lag_line
 
@@ -25,6 +26,7 @@ def cmd_status_fleet(args: argparse.Namespace) -> int:
     """One row per supervisor in the fleet bucket, read straight from NATS; exit 4 when NATS does
     not answer within nats.connect_timeout."""
     cfg = client_config(from_args(args))
+    cfg = effective(cfg, names(cfg)[0])     # with pools: the first pool's consumer, as the fleet's samples
     report = uvloop.run(read_fleet(cfg))
     note = report.pop("note", "")
     print(json.dumps(report, indent=1) if args.json else render_fleet(report))

@@ -13,12 +13,15 @@ import uvloop
 
 from supervisor.cli.oneshot import connect_oneshot
 from supervisor.config import Config, client_config, from_args
+from supervisor.config.pools import pick
 from supervisor.errors import EXIT_OK, ConfigError, NatsUnavailable
 from supervisor.nats.consumer import consumer_info, lag_line
 
 
 def cmd_lag(args: argparse.Namespace) -> int:
     cfg = client_config(from_args(args))
+    if not args.consumer:
+        cfg = pick(cfg, args.pool)
     if args.watch is not None and args.watch <= 0:
         raise ConfigError("--watch", f"must be more than 0 seconds, got {args.watch:g}")
     return uvloop.run(lag(cfg, args.stream or cfg.stream.name, args.consumer or cfg.consumer.name,

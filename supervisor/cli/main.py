@@ -19,11 +19,13 @@ from typing import Any, NoReturn
 
 from supervisor import __version__, config, logs
 from supervisor.cli import dlq, fleet_status, lag, pause, publish, schedule, status
+from supervisor.config.pools import effective
+from supervisor.config.pools import names as pool_names
 from supervisor.demo import crash as demo
 from supervisor.demo import once as demo_once
 from supervisor.errors import EXIT_BUG, EXIT_OK, ConfigError, SupervisorError
 from supervisor.nats import connect as natsconn
-from supervisor.parent.supervisor import Supervisor, check_retry_rules, load_callable, load_middleware, require_handler
+from supervisor.parent.supervisor import Supervisor, check_retry_rules, load_code
 
 GLOBALS = ("config", "server", "log_format")
 AFTER = "cmd_"               # dest prefix of a global flag given after the command name
@@ -66,7 +68,8 @@ examples:
 The handler is a function MODULE:FUNC taking a workers.Job; returning acks the job. With no
 nats.servers the embedded nats-server keeps its store in $STATE_DIRECTORY or
 $XDG_STATE_HOME/jetstream-supervisor, so waiting jobs survive a restart.
-SIGTERM/SIGINT drain and stop; SIGHUP reloads the config; SIGTTIN/SIGTTOU add/remove a worker.
+SIGTERM/SIGINT drain and stop; SIGHUP reloads the config; SIGTTIN/SIGTTOU add/remove a worker
+(in every pool). With [pools.NAME] in the config, --pool NAME runs only that pool (repeatable).
 """,
     "publish": """\
 examples:
@@ -103,6 +106,7 @@ examples:
 examples:
   supervisor scale 8                                 # 8 workers from now on (until a restart)
   supervisor scale 0 --url 10.0.0.5:9520             # drain every worker, keep the supervisor
+  supervisor scale 3 --pool email                    # with [pools.NAME]: one pool's count
 """,
     "config": """\
 examples:
@@ -249,6 +253,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--handler", metavar="MOD:FUNC", help="the function that runs each job (workers.handler)")
     p.add_argument("--http", metavar="HOST:PORT", help="address of /status, /metrics, /healthz (monitor.http); "
                                                       "'' disables")
+    p.add_argument("--pool", action="append", metavar="NAME", help="run only this pool of the config's [pools.NAME] "
+                                                                   "(repeatable; default: every pool)")
 
     p = command("publish", "publish jobs and wait until the server has stored each")
     p.add_argument("--subject", help="subject to publish to (default: the stream's first subject, '>' as 'new', "
@@ -266,7 +272,9 @@ def build_parser() -> ArgumentParser:
 
     p = command("lag", "print the consumer's numbers: pending, ackPending, redelivered, delivered, ackFloor")
     p.add_argument("--stream", help="stream (default stream.name)")
-    p.add_argument("--consumer", help="consumer (default consumer.name)")
+    p.add_argument("--consumer", help="consumer (default consumer.name, or --pool's)")
+    p.add_argument("--pool", metavar="NAME", help="the consumer of this [pools.NAME] (needed when the config has "
+                                                  "several)")
     p.add_argument("--json", action="store_true", help="print JSON (one object per line with --watch)")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="repeat every SECONDS with a time column")
 
@@ -279,6 +287,7 @@ def build_parser() -> ArgumentParser:
 
     p = command("scale", "set a running supervisor's worker count")
     p.add_argument("n", type=int, metavar="N", help="the new number of workers (0 or more)")
+    p.add_argument("--pool", metavar="NAME", help="the pool to scale (needed when several run)")
     p.add_argument("--url", help="the supervisor's HTTP address, HOST:PORT or http://HOST:PORT "
                                  "(default monitor.http)")
 
@@ -308,7 +317,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--for", dest="seconds", type=float, metavar="SECONDS",
                    help="resume by itself after SECONDS (default: until `supervisor resume`)")
     p.add_argument("--reason", metavar="TEXT", help="what /status and the logs say (pause_reason)")
-    command("resume", "end a pause of the consumer now")
+    p.add_argument("--pool", metavar="NAME", help="pause this [pools.NAME]'s consumer (needed with several)")
+    p = command("resume", "end a pause of the consumer now")
+    p.add_argument("--pool", metavar="NAME", help="resume this [pools.NAME]'s consumer (needed with several)")
     p = command("schedule", "list, add or remove recurring jobs the server fires (NATS message schedules)")
     ssub = p.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=ArgumentParser)
     lp = command("list", "list the named schedules on the stream and the delayed jobs waiting", ssub, "schedule list")
@@ -365,7 +376,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     cfg = config.from_args(args)
     logs.setup(cfg.log.level, cfg.log.format)
     return Supervisor(cfg, reload_config=lambda: config.from_args(args),
-                      file_config=lambda: config.from_args(args, with_flags=False), pins=config.flag_pins(args)).run()
+                      file_config=lambda: config.from_args(args, with_flags=False), pins=config.flag_pins(args),
+                      only=args.pool or ()).run()
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -384,14 +396,13 @@ def cmd_config(args: argparse.Namespace) -> int:
         sys.stdout.write(config.render(cfg, comments=False))
         return EXIT_OK
     natsconn.connect_kwargs(config.client_config(cfg).nats)      # secret files exist and parse
-    require_handler(cfg)
-    handler = load_callable(cfg.workers.handler, "workers.handler")  # exit 3, as `start` would
-    if cfg.workers.init:
-        load_callable(cfg.workers.init, "workers.init")
-    load_middleware(cfg, handler)
+    handlers = []
+    for pool in pool_names(cfg):                 # exit 2 without a handler, 3 when it does not import: as `start`
+        load_code(cfg, pool)
+        handlers.append(effective(cfg, pool).workers.handler + (f" (pool {pool})" if cfg.pools else ""))
     check_retry_rules(cfg)
     where = config.find_config_path(args.config, os.environ)
-    print(f"config ok ({where or 'built-in defaults'}; handler {cfg.workers.handler} imports)")
+    print(f"config ok ({where or 'built-in defaults'}; handler {', '.join(handlers)} imports)")
     return EXIT_OK
 
 

@@ -1,7 +1,8 @@
 """`supervisor pause [--for SECONDS] [--reason TEXT]` and `supervisor resume`: the consumer
 paused for the whole fleet with the server's consumer pause (supervisor/nats/limits.py), as a
 handler's `raise Pause(...)` does. Every supervisor sees it in ConsumerInfo, logs it, and shows
-it on /status (`paused_until`, `pause_reason`); it resumes by itself at the end."""
+it on /status (`paused_until`, `pause_reason`); it resumes by itself at the end. With pools,
+`--pool NAME` names whose consumer (a handler's Pause pauses its own pool's)."""
 
 from __future__ import annotations
 
@@ -14,19 +15,20 @@ import uvloop
 
 from supervisor.cli.oneshot import connect_oneshot, one_line
 from supervisor.config import Config, client_config, from_args
+from supervisor.config.pools import pick
 from supervisor.errors import EXIT_OK, ConfigError, NatsUnavailable
 from supervisor.nats import limits
 
 
 def cmd_pause(args: argparse.Namespace) -> int:
-    cfg = client_config(from_args(args))
+    cfg = pick(client_config(from_args(args)), args.pool)
     if args.seconds is not None and args.seconds <= 0:
         raise ConfigError("--for", f"must be more than 0 seconds, got {args.seconds:g}")
     return uvloop.run(pause(cfg, args.seconds, args.reason or "paused by hand"))
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    return uvloop.run(resume(client_config(from_args(args))))
+    return uvloop.run(resume(pick(client_config(from_args(args)), args.pool)))
 
 
 async def pause(cfg: Config, seconds: float | None, reason: str) -> int:

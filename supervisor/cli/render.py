@@ -40,14 +40,30 @@ def fmt_age(seconds: float | None) -> str:
 
 
 def render_status(s: dict[str, Any], color: bool = False) -> str:
-    """The human view of /status: header, workers table, consumer, lag, cross-check, alerts."""
+    """The human view of /status: header, workers table, consumer, lag, cross-check, alerts; with
+    several pools (or any [pools.NAME]) a section per pool between the header and the alerts."""
+    pools = s.get("pools") or {}
+    if len(pools) > 1 or any(name != "default" for name in pools):
+        lines = status_header(s, color, with_autoscale=False)
+        for name, p in pools.items():
+            lines += ["", *pool_header(name, p, color), *autoscale_line(p.get("autoscale")), "",
+                      *workers_table(p.get("workers") or {}), "", *consumer_lines(p, color),
+                      *crosscheck_lines(p.get("crosscheck") or {})]
+        return "\n".join([*lines, "", *alert_lines(s.get("alerts") or [], color)])
     lines = [*status_header(s, color), "", *workers_table(s.get("workers") or {}), "",
              *consumer_lines(s, color), *crosscheck_lines(s.get("crosscheck") or {}),
              *alert_lines(s.get("alerts") or [], color)]
     return "\n".join(lines)
 
 
-def status_header(s: dict[str, Any], color: bool) -> list[str]:
+def pool_header(name: str, p: dict[str, Any], color: bool) -> list[str]:
+    w = p.get("workers") or {}
+    halted = f", {paint('HALTED', 'red', color)}: {p['halted']}" if p.get("halted") else ""
+    return [paint(f"pool {name}", "bold", color) + f"  {w.get('alive', 0)} alive, {w.get('ready', '?')} ready, "
+            f"target {w.get('target', '?')}, handler {p.get('handler', '?')}{halted}"]
+
+
+def status_header(s: dict[str, Any], color: bool, with_autoscale: bool = True) -> list[str]:
     state = s.get("state", "?")
     shown = paint(state, "green" if state == "running" else "yellow", color)
     nats = s.get("nats") or {}
@@ -58,7 +74,7 @@ def status_header(s: dict[str, Any], color: bool) -> list[str]:
             f"(jetstream-supervisor {s.get('version', '?')})",
             f"nats        {where} {link}{', embedded server' if nats.get('embedded') else ''}",
             f"workers     {w.get('alive', 0)} alive, {w.get('ready', '?')} ready, target {w.get('target', '?')}",
-            *autoscale_line(s.get("autoscale"))]
+            *(autoscale_line(s.get("autoscale")) if with_autoscale else [])]
 
 
 def autoscale_line(a: dict[str, Any] | None) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from urllib.parse import quote
 
 from supervisor.cli.client import SupervisorUnreachable, http_call, http_reason, supervisor_url, target_now
 from supervisor.cli.oneshot import one_line
@@ -35,17 +36,21 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    """`supervisor scale N [--url URL]`: POST /scale?workers=N and print the new target.
+    """`supervisor scale N [--pool NAME] [--url URL]`: POST /scale?workers=N[&pool=NAME] and print
+    the new target.
 
     Exit 0 when the supervisor took the new target; 2 for N < 0, a malformed URL, or a target
-    the supervisor refuses (4xx); 1 when nothing answers at the URL or it answers 5xx."""
+    the supervisor refuses (4xx: several pools and no --pool, a pool it does not run, a halted
+    one); 1 when nothing answers at the URL or it answers 5xx."""
     if args.n < 0:
         raise ConfigError("N", f"the worker count must be 0 or more, got {args.n}")
     base = supervisor_url(args)
-    before = target_now(base)
-    code, body = http_call(base, "POST", f"/scale?workers={args.n}")
+    pool = getattr(args, "pool", None)
+    before = target_now(base, pool)
+    path = f"/scale?workers={args.n}" + (f"&pool={quote(pool)}" if pool else "")
+    code, body = http_call(base, "POST", path)
     if code >= 400:
-        answer = f"POST {base}/scale?workers={args.n} answered {code} {http_reason(code)}: {one_line(body)}"
+        answer = f"POST {base}{path} answered {code} {http_reason(code)}: {one_line(body)}"
         if code < 500:
             raise ConfigError("scale", answer)
         raise SupervisorUnreachable(answer)
@@ -54,6 +59,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, TypeError):
         target = args.n
     was = f" (was {before})" if before is not None else ""
-    print(f"target {target} worker{'s' if target != 1 else ''}{was}; `supervisor status` shows them "
+    print(f"target {target} worker{'s' if target != 1 else ''}{f' in pool {pool}' if pool else ''}{was}; "
+          "`supervisor status` shows them "
           f"{'starting' if before is None or target >= before else 'draining'}")
     return EXIT_OK

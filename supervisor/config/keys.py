@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import supervisor.config.pools as pool_rules
 from supervisor.config.schedules import ROOT, entry_problems, in_space
 from supervisor.config.subjects import parse_hostport, subject_matches, valid_subject
 from supervisor.errors import ConfigError
@@ -186,6 +187,8 @@ class AutoscaleConfig:
     min: int = key(1, "never fewer workers than this", reload=LIVE, lo=0, hi=1024)
     max: int = key(8, "never more workers than this", reload=LIVE, lo=1, hi=1024)
     interval: float = key(1.0, "seconds between decisions", reload=LIVE, lo=0.1)
+    budget: int = key(0, "at most this many workers in all pools together (0 = no shared cap); the next goes to the "
+                         "pool where it does the most work (README: Pools)", reload=LIVE, lo=0, hi=65536)
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,26 @@ class LimitConfig:
                                         "what is behind the workers)", reload=REPLACE)
 
 
-NAMED: dict[str, type] = {"schedules": ScheduleConfig, "limits": LimitConfig}
+def _pool_fields() -> list[tuple[str, Any, Any]]:
+    """[pools.NAME]'s keys, derived, not declared again: every [workers] key and the
+    pool_rules.CONSUMER_KEYS of [consumer], each with its declaration's comment, bounds and
+    reload rule but no default (unset: None, the pool takes the section's value); and the pool's
+    own `consumer`, its durable name."""
+    hints = {**typing.get_type_hints(WorkersConfig), **typing.get_type_hints(ConsumerConfig)}
+    inherited = [(f, "workers") for f in dataclasses.fields(WorkersConfig)] + \
+        [(f, "consumer") for f in dataclasses.fields(ConsumerConfig) if f.name in pool_rules.CONSUMER_KEYS]
+    out = [(f.name, hints[f.name] | None, field(default=None, metadata={**f.metadata, "inherits": f"{s}.{f.name}"}))
+           for f, s in inherited]
+    own = (pool_rules.OWN, str, key("", "its durable pull consumer; \"\" = \"<consumer.name>-<NAME>\" (a change restarts "
+                                        "the pool on the new one)", reload=LIVE))
+    first = ("handler", "count", "filter_subject")         # what `config init`'s example shows first
+    return sorted([*out, own], key=lambda f: first.index(f[0]) if f[0] in first else len(first))
+
+
+PoolConfig = dataclasses.make_dataclass("PoolConfig", _pool_fields(), frozen=True)
+PoolConfig.__doc__ = "One [pools.NAME]: a queue of its own in this supervisor (config/pools.py)."
+
+NAMED: dict[str, type] = {"schedules": ScheduleConfig, "limits": LimitConfig, "pools": PoolConfig}
 
 
 @dataclass(frozen=True)
@@ -262,6 +284,7 @@ class Config:
     log: LogConfig = LogConfig()
     schedules: Mapping[str, ScheduleConfig] = field(default_factory=lambda: Entries())
     limits: Mapping[str, LimitConfig] = field(default_factory=lambda: Entries())
+    pools: Mapping[str, Any] = field(default_factory=lambda: Entries())     # PoolConfig entries
 
     def replace(self, **sections: dict[str, Any]) -> Config:
         """A copy with some keys changed (a named section: whole entries), validated like a
@@ -456,37 +479,21 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
     def fail(dotted: str, problem: str) -> None:
         raise ConfigError(dotted, problem, sources.get(dotted, ""))
 
-    for dotted in ("workers.handler", "workers.init"):
-        spec = getattr(cfg.workers, dotted.split(".")[1])
-        if spec and (spec.count(":") != 1 or not all(spec.split(":"))):
-            fail(dotted, f"expected MODULE:FUNCTION, got {spec!r}")
-    for spec in cfg.workers.middleware:
-        if spec.count(":") != 1 or not all(spec.split(":")):
-            fail("workers.middleware", f"expected MODULE:CLASS entries, got {spec!r}")
     if not cfg.stream.subjects:
         fail("stream.subjects", "needs at least one subject")
     if cfg.autoscale.max < cfg.autoscale.min:
         fail("autoscale.max", f"must be >= autoscale.min ({cfg.autoscale.min})")
-    _check_retry(cfg, fail, sources)
-    w = cfg.workers
-    if w.soft_timeout and w.job_timeout and w.soft_timeout >= w.job_timeout:
-        fail("workers.soft_timeout", f"must be below workers.job_timeout ({w.job_timeout:g}), the hard limit that kills")
-    if cfg.restart.backoff_max < cfg.restart.backoff_initial:
-        fail("restart.backoff_max", f"must be >= restart.backoff_initial ({cfg.restart.backoff_initial:g})")
-    if cfg.consumer.backoff and cfg.consumer.max_deliver != -1 and cfg.consumer.max_deliver <= len(cfg.consumer.backoff):
-        fail("consumer.backoff", "needs consumer.max_deliver greater than its length (a NATS rule)")
-    if cfg.consumer.max_deliver == 0:
-        fail("consumer.max_deliver", "must be -1 (unlimited) or at least 1")
-    for dotted in ("workers.retry_backoff", "consumer.backoff"):
-        section, name = dotted.split(".")
-        if any(d < 0 for d in getattr(getattr(cfg, section), name)):
-            fail(dotted, "delays cannot be negative")
+    pools = max(1, len(cfg.pools))
+    if cfg.autoscale.budget and cfg.autoscale.budget < cfg.autoscale.min * pools:
+        fail("autoscale.budget", f"must be 0 or at least autoscale.min for every pool ({cfg.autoscale.min} x {pools} "
+                                 f"= {cfg.autoscale.min * pools})")
     if any(not valid_subject(s, wildcards=True) for s in cfg.stream.subjects):
         bad = next(s for s in cfg.stream.subjects if not valid_subject(s, True))
         fail("stream.subjects", f"not a valid subject: {bad!r}")
-    if cfg.consumer.filter_subject and not any(subject_matches(p, cfg.consumer.filter_subject) or
-                                                p == cfg.consumer.filter_subject for p in cfg.stream.subjects):
-        fail("consumer.filter_subject", f"{cfg.consumer.filter_subject!r} is not within stream.subjects")
+    _check_queue(cfg, fail)
+    _check_retry(cfg, fail, sources)
+    if cfg.restart.backoff_max < cfg.restart.backoff_initial:
+        fail("restart.backoff_max", f"must be >= restart.backoff_initial ({cfg.restart.backoff_initial:g})")
     if cfg.tracing.enabled and (missing := otel_missing()):
         fail("tracing.enabled", f"needs the otel extra: {missing} is not installed "
                                 "(pip install 'jetstream-supervisor[otel]')")
@@ -509,6 +516,67 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
             fail("nats.servers", "each server must be a URL like nats://host:4222")
     _check_limits(cfg, fail)
     _check_schedules(cfg, fail)
+    _check_pools(cfg, sources)
+
+
+def _check_queue(cfg: Config, fail: Callable[[str, str], None]) -> None:
+    """The rules on [workers] and [consumer] together: checked for the config, and again for each
+    pool's effective config (_check_pools names the pool's key)."""
+    for dotted in ("workers.handler", "workers.init"):
+        spec = getattr(cfg.workers, dotted.split(".")[1])
+        if spec and (spec.count(":") != 1 or not all(spec.split(":"))):
+            fail(dotted, f"expected MODULE:FUNCTION, got {spec!r}")
+    for spec in cfg.workers.middleware:
+        if spec.count(":") != 1 or not all(spec.split(":")):
+            fail("workers.middleware", f"expected MODULE:CLASS entries, got {spec!r}")
+    w = cfg.workers
+    if w.soft_timeout and w.job_timeout and w.soft_timeout >= w.job_timeout:
+        fail("workers.soft_timeout", f"must be below workers.job_timeout ({w.job_timeout:g}), the hard limit that kills")
+    if cfg.consumer.backoff and cfg.consumer.max_deliver != -1 and cfg.consumer.max_deliver <= len(cfg.consumer.backoff):
+        fail("consumer.backoff", "needs consumer.max_deliver greater than its length (a NATS rule)")
+    if cfg.consumer.max_deliver == 0:
+        fail("consumer.max_deliver", "must be -1 (unlimited) or at least 1")
+    for dotted in ("workers.retry_backoff", "consumer.backoff"):
+        section, name = dotted.split(".")
+        if any(d < 0 for d in getattr(getattr(cfg, section), name)):
+            fail(dotted, "delays cannot be negative")
+    f = cfg.consumer.filter_subject
+    if f and not valid_subject(f, wildcards=True):
+        fail("consumer.filter_subject", f"not a valid subject: {f!r}")
+    if f and not any(subject_matches(p, f) or p == f for p in cfg.stream.subjects):
+        fail("consumer.filter_subject", f"{f!r} is not within stream.subjects")
+
+
+def _check_pools(cfg: Config, sources: Mapping[str, str]) -> None:
+    """Each [pools.NAME]: its consumer's name, its effective config by the rules of a single
+    queue (an error names `pools.NAME.key`, or the inherited key it comes from), one consumer per
+    pool, and on a work-queue stream no two pools' filters sharing a subject (the server hands a
+    message to one consumer only and refuses the second: say it first, naming both)."""
+    consumers: dict[str, str] = {}
+    for name, entry in cfg.pools.items():
+        def fail(dotted: str, problem: str, name: str = name, entry: Any = entry) -> None:
+            section, k = dotted.split(".", 1)
+            if getattr(entry, k, None) is not None:
+                raise ConfigError(f"pools.{name}.{k}", problem, sources.get(f"pools.{name}.{k}", ""))
+            raise ConfigError(f"pools.{name}", f"{dotted} (not set in the pool, so [{section}]'s): {problem}",
+                              sources.get(dotted, ""))
+        if entry.consumer and (why := pool_rules.durable_problem(entry.consumer)):
+            raise ConfigError(f"pools.{name}.consumer", why, sources.get(f"pools.{name}.consumer", ""))
+        pool_cfg = pool_rules.effective(cfg, name)
+        _check_queue(pool_cfg, fail)
+        durable = pool_cfg.consumer.name
+        if durable in consumers:
+            raise ConfigError(f"pools.{name}.consumer", f"pools {consumers[durable]} and {name} would share consumer "
+                                                        f"{durable!r}: each pool needs its own")
+        consumers[durable] = name
+    if cfg.stream.retention == "workqueue" and len(cfg.pools) > 1:
+        clash = pool_rules.first_overlap((name, pool_rules.effective(cfg, name)) for name in cfg.pools)
+        if clash:
+            name, other, mine, theirs, subject = clash
+            raise ConfigError(f"pools.{name}.filter_subject", (
+                f"pools {other} and {name} overlap: {theirs!r} and {mine!r} both take {subject!r}; on a work-queue "
+                "stream each message goes to one consumer, so the server would refuse the second (give each pool "
+                "a filter_subject of its own)"), sources.get(f"pools.{name}.filter_subject", ""))
 
 
 def _check_limits(cfg: Config, fail: Any) -> None:

@@ -156,8 +156,8 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
             continue
         rest = var[len(ENV_PREFIX):].lower()
         if any(rest.startswith(s + "_") for s in NAMED):
-            raise ConfigError(var, "named sections ([schedules.NAME], [limits.NAME]) are set in the config file only",
-                              "environment")
+            raise ConfigError(var, "named sections ([schedules.NAME], [limits.NAME], [pools.NAME]) are set in "
+                                   "the config file only", "environment")
         section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
         if section is None:
             continue

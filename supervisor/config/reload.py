@@ -5,6 +5,8 @@ Pure: `plan(old, new)` compares two config trees key by key and sorts each chang
 address) are reported and keep their running value until the next start; LIVE keys are
 applied by the parent (`workers.count` is a scale, `consumer.*` is pushed to the server);
 REPLACE keys are read by workers at fork, so workers are replaced one at a time like a recycle.
+With pools, `pools_plan` plans each pool on its effective config (config/pools.py), so a change
+of [workers] reaches every pool that inherits the key, and a pool's own key reaches that pool.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from supervisor.config.keys import LIVE, NAMED, REPLACE, RESTART, Config, as_dict, section_keys
+from supervisor.config.pools import consumer_name, effective
 
 
 @dataclass
@@ -60,6 +63,8 @@ def plan(old: Config, new: Config) -> Plan:
     keep: dict[str, dict[str, Any]] = {}
     for dotted, _, _ in p.changed:
         section, name = dotted.split(".")[:2]
+        if section == "pools":        # each pool's own plan says what its change does (pools_plan)
+            continue
         if section in NAMED:          # applied as a whole (none of their keys is RESTART yet) ...
             p.replace_workers |= how(dotted) == REPLACE     # ... by new workers, for what workers read
             continue
@@ -75,3 +80,27 @@ def plan(old: Config, new: Config) -> Plan:
             p.replace_workers = True
     p.effective = dataclasses.replace(new, **{s: dataclasses.replace(getattr(new, s), **v) for s, v in keep.items()})
     return p
+
+
+@dataclass
+class PoolsPlan:
+    """What a reload does to the pools: the plan of each pool that runs on (by name), the pools
+    to start (new in the file, or on a new consumer) and those to stop (gone from the file, or
+    moved to a new consumer: stopped, then started again on it)."""
+    kept: dict[str, Plan] = field(default_factory=dict)
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+
+def pools_plan(old: Config, new: Config, running: list[str], wanted: list[str]) -> PoolsPlan:
+    """`running`: the pools running now; `wanted`: those the new config says to run."""
+    out = PoolsPlan()
+    for name in running:
+        if name not in wanted or consumer_name(old, name) != consumer_name(new, name):
+            out.removed.append(name)
+    for name in wanted:
+        if name not in running or name in out.removed:
+            out.added.append(name)
+        else:
+            out.kept[name] = plan(effective(old, name), effective(new, name))
+    return out

@@ -36,10 +36,20 @@ def render(cfg: Config, *, redact: bool = True, comments: bool = True) -> str:
             lines += _tables(section, name, entries, raw[section], comments)
     for section, entries in ((s, raw.get(s, {})) for s in NAMED):
         for name, values in entries.items():
+            values = {k: v for k, v in values.items() if v is not None}     # a pool's unset keys are inherited
             lines += [f"[{section}.{name}]", *_keys(section, values, redact, comments), ""]
         if comments and not entries:       # an example to copy, every key at its default
-            lines += [f"# [{section}.NAME]", *_keys(section, as_dict_entry(section), redact, comments, "# "), ""]
+            example = POOL_EXAMPLE if section == "pools" else as_dict_entry(section)
+            lines += [f"# [{section}.NAME]", *_keys(section, example, redact, comments, "# "), ""]
+            if section == "pools":
+                lines[-1:-1] = [POOL_NOTE]
     return "\n".join(lines)
+
+
+# [pools.NAME]'s keys are [workers]' and [consumer]'s, unset by default: the example shows a few.
+POOL_EXAMPLE = {"handler": "app.mail:send", "count": 2, "filter_subject": "jobs.email.>", "consumer": ""}
+POOL_NOTE = ("# ... and any [workers] key, or ack_wait, max_deliver, max_ack_pending, backoff of [consumer]; unset "
+             "keys are theirs.\n# No [pools.*]: one pool, `default`, of [workers] and [consumer] (README: Pools).")
 
 
 def _tables(section: str, name: str, entries: list[dict[str, Any]], parent: dict[str, Any], comments: bool) -> list[str]:

@@ -25,6 +25,30 @@ def subject_matches(pattern: str, subject: str) -> bool:
     return len(p) == len(s)
 
 
+def subjects_overlap(a: str, b: str) -> bool:
+    """Can one subject match both patterns? (Two pools' filters on one work-queue stream must not
+    overlap: the server hands a message to one consumer only, and refuses the second.)"""
+    p, q = a.split("."), b.split(".")
+    for x, y in zip(p, q):
+        if x == ">" or y == ">":
+            return True          # each side still has a token here: `>` takes it and the rest
+        if x != y and "*" not in (x, y):
+            return False
+    return len(p) == len(q)
+
+
+def overlap_example(a: str, b: str) -> str:
+    """A subject two overlapping patterns both match, to show in an error."""
+    p, q = a.split("."), b.split(".")
+    out: list[str] = []
+    for i, (x, y) in enumerate(zip(p, q)):
+        if ">" in (x, y):
+            rest = q[i:] if x == ">" else p[i:]
+            return ".".join(out + ["x" if t in ("*", ">") else t for t in rest])
+        out.append(y if x == "*" else x if x != "*" or y != "*" else "x")
+    return ".".join("x" if t == "*" else t for t in out)
+
+
 def parse_hostport(text: str, name: str, source: str = "") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:

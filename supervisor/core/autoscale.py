@@ -91,7 +91,8 @@ MANUAL_PAUSE_S = 600.0
 
 #: Decision kinds: up, down, bounds (changes); plateau (a step undone, then the holds after it);
 #: settling, waiting, steady, max, cpu, stuck, stalled (holds).
-KINDS = ("up", "down", "bounds", "plateau", "settling", "waiting", "steady", "max", "cpu", "stuck", "stalled")
+KINDS = ("up", "down", "bounds", "plateau", "settling", "waiting", "steady", "max", "cpu", "stuck", "stalled", "limit",
+         "budget")
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,8 @@ class Inputs:
     worker_cpu: float | None    # fraction of the workers' time on a CPU or queued for one
     cores: int
     limited: str = ""           # why a [limits.NAME] would keep more workers waiting ("" = none does)
+    cap: int | None = None      # [autoscale] budget: this pool's share of it now (None: no budget) ...
+    capped: str = ""            # ... and why it is no more (share() says)
 
     @property
     def work(self) -> int:
@@ -232,6 +235,9 @@ class Autoscaler:
         self.probe_at: float | None = None
         self.probe_wait = params.probe_first_s
         self.last: Decision | None = None
+        self.paid = 1.0                             # what the last step up paid, per worker it added (0..1)
+        self.gain = 0.0                             # budget: the work one more worker would add here ...
+        self.util: float | None = None              # ... and how busy its workers are, 0..1 (None: unmeasured)
 
     # ------------------------------------------------------------ the one entry point
 
@@ -245,6 +251,8 @@ class Autoscaler:
         if bounded != x.workers:
             which = f"autoscale.min = {p.min}" if bounded > x.workers else f"autoscale.max = {p.max}"
             return self.change(x, bounded, "bounds", f"{x.workers} worker(s) is outside {which}")
+        if x.cap is not None and x.workers > max(x.cap, p.min):
+            return self.change(x, max(x.cap, p.min), "budget", x.capped or f"the budget leaves this pool {x.cap}")
         self.observe(x)
         if len(self.window) < p.measure_samples:
             return self.hold(x, "settling", self.settling_reason(x))
@@ -301,6 +309,7 @@ class Autoscaler:
         per_worker = b.rate / b.workers
         gain = m.rate - b.rate
         keep = max(0, min(added, math.floor(gain / per_worker + 1.0 - self.params.help_fraction)))
+        self.paid = max(0.0, min(1.0, gain / (per_worker * added))) if added > 0 else 1.0
         if keep == added:
             self.growth = 2 * added        # it paid in full: the next step may be twice as large
             if self.plateau is not None and m.workers > self.plateau:
@@ -347,6 +356,8 @@ class Autoscaler:
                 return self.hold(x, "max", f"{want}; at autoscale.max = {p.max}")
             if x.limited:
                 return self.hold(x, "limit", f"{want}, but {x.limited}: more workers would only wait for it")
+            if x.cap is not None and n >= x.cap:
+                return self.hold(x, "budget", f"{want}, but {x.capped or f'the budget leaves this pool {x.cap}'}")
             if m.cpus_full(p):
                 return self.hold(x, "cpu", f"{want}, but the CPUs are full: box {m.cpu:.0%} busy and workers "
                                            f"{m.worker_cpu:.0%} of their time on or queued for a CPU "
@@ -358,7 +369,7 @@ class Autoscaler:
                                                    f"probing again in {self.probe_at - x.now:.0f} s")
                 want += f"; probing past the plateau at {self.plateau}"
                 self.growth = 1
-            step = min(self.step_size(x, m), p.max - n)
+            step = min(self.step_size(x, m), p.max - n, (x.cap - n) if x.cap is not None else p.max)
             self.baseline = m
             return self.change(x, n + step, "up", f"{want} ({m.rate:.1f} jobs/s at {n}; +{step})")
         shed = self.can_shed(x, m)
@@ -423,13 +434,99 @@ class Autoscaler:
         self.restart(target)
         self.last = self.last_change = Decision(x.workers, target, kind, reason)
         self.changed_at = x.now
+        self.wanting(kind, up=kind == "up")
         return self.last
 
     def hold(self, x: Inputs, kind: str, reason: str) -> Decision:
         if kind != "settling":
             self.growth = 1                # growing needs one step up after another
         self.last = Decision(x.workers, x.workers, kind, reason)
+        self.wanting(kind, up=kind == "budget")
         return self.last
+
+    def cut(self, now: float, workers: int, cap: int, reason: str) -> Decision:
+        """The budget leaves this pool fewer workers than it has (another pool's backlog needs
+        them): down to its share at once, before any pool grows, so the pools together never
+        have more than the budget."""
+        target = max(cap, self.params.min)
+        self.restart(target)
+        self.growth = 1
+        self.last = self.last_change = Decision(workers, target, "budget", reason)
+        self.changed_at = now
+        return self.last
+
+    def wanting(self, kind: str, up: bool) -> None:
+        """Whether one more worker would do work here (for sharing a budget): after a step up, or
+        held back by the budget, what the last step paid; settling and bounds change nothing."""
+        if up:
+            self.gain = self.paid
+        elif kind not in ("settling", "bounds", "budget"):
+            self.gain = 0.0
+
+    def claim(self, name: str, workers: int, concurrency: int, fixed: bool = False) -> Claim:
+        """This pool's part in sharing the budget (`share`): what its measured work says."""
+        m = self.measure() if self.window else None
+        if m is not None and m.workers > 0:     # a count just changed is as busy as the last measured, until measured
+            self.util = min(1.0, m.busy / (m.workers * max(1, concurrency)))
+        eta = math.inf if m is None or m.eta is None else m.eta
+        return Claim(name, workers, self.params.min, self.gain, workers * (1.0 if self.util is None else self.util),
+                     eta, fixed)
+
+
+# ---------------------------------------------------------------- [autoscale] budget: one count for every pool
+
+@dataclass(frozen=True)
+class Claim:
+    """One pool's part in sharing `autoscale.budget`, in work: the worker-seconds of handler time
+    per second a worker does there, measured, so that a pool of slow jobs weighs as much as one
+    of fast jobs (in jobs/s the fast one would always win)."""
+    name: str
+    workers: int        # its count now
+    floor: int          # autoscale.min: never fewer
+    gain: float         # the work one more worker would add (its last step's pay; 0: it wants none, or it would not help)
+    busy: float         # the work its workers do now, in workers (jobs in service / concurrency)
+    eta: float          # seconds its backlog takes to drain (inf: not draining, or unmeasured): breaks ties
+    fixed: bool = False     # a count set by hand, or autoscaling off: taken from the budget as it is
+
+    def worth(self, k: int) -> float:
+        """The work its k-th worker (1-based) does or would do: an existing one, its part of
+        `busy` (the busiest first); a new one, `gain`."""
+        return max(0.0, min(1.0, self.busy - (k - 1))) if k <= self.workers else self.gain
+
+
+def share(budget: int, claims: list[Claim]) -> dict[str, tuple[int, str]]:
+    """Each pool's share of the budget: (most workers it may have, why no more). Pure.
+
+    Every pool keeps its floor; a pool whose count is fixed keeps its count. The rest of the
+    budget goes one worker at a time to the pool where that worker does the most work: an
+    existing worker counts what it does now (`Claim.worth`) plus HELP_FRACTION, a new one what a
+    new one would add (`gain`): a worker moves only for a quarter of a worker's work more than
+    it does where it is (what a step up must pay too), so measurement noise never moves one back
+    and forth. On equal work, an existing worker stays, then the pool whose backlog would take
+    longer to drain gets it. So a busy pool keeps its workers, an idle pool's
+    extra workers go where a backlog waits, and come back when the backlog does."""
+    out = {c.name: c.workers if c.fixed else min(c.floor, budget) for c in claims}
+    left = budget - sum(out.values())
+    open_ = [c for c in claims if not c.fixed]
+    while left > 0 and open_:
+        def worth(c: Claim) -> tuple[float, int, float]:
+            existing = out[c.name] < c.workers
+            return c.worth(out[c.name] + 1) + (HELP_FRACTION if existing else 0.0), int(existing), c.eta
+        best = max(open_, key=worth)
+        if worth(best)[0] <= 0 and not worth(best)[1]:
+            break                           # nobody's next worker is known to do anything ...
+        out[best.name] += 1
+        left -= 1
+    waiting = [c for c in open_ if c.eta > 0]
+    if left > 0 and waiting:                # ... the rest may go to the longest backlog, if its own policy wants it
+        out[max(waiting, key=lambda c: c.eta).name] += left
+    return {c.name: (out[c.name], why_capped(budget, c, out)) for c in claims}
+
+
+def why_capped(budget: int, c: Claim, out: dict[str, int]) -> str:
+    others = ", ".join(f"{name} {n}" for name, n in out.items() if name != c.name)
+    return (f"autoscale.budget = {budget} is shared: {c.name} {out[c.name]}, {others} (a worker goes where it does "
+            "the most work)")
 
 
 def limit_binds(rows: list[tuple[str, int, int | None, int, int | None, int]]) -> str:

@@ -131,9 +131,12 @@ class FleetView:
             out[self.state(p, now)] += 1
         return out
 
-    def progress(self, now: float) -> tuple[int, bool]:
-        """(the sum of the peers' ack counters, whether any peer's worker is busy on a long job)."""
-        live = [p for p in self.peers.values() if self.state(p, now) != "lost"]
+    def progress(self, now: float, consumer: str | None = None) -> tuple[int, bool]:
+        """(the sum of the peers' ack counters, whether any peer's worker is busy on a long job).
+        `consumer`: only the peers whose heartbeat counts that consumer's jobs (a beat says which
+        since pools; an older one does not, and counts)."""
+        live = [p for p in self.peers.values() if self.state(p, now) != "lost"
+                and (consumer is None or p.beat.get("consumer") in (None, consumer))]
         return sum(int(p.beat.get("acked") or 0) for p in live), any(p.beat.get("busy") for p in live)
 
     def held_by_live(self, now: float) -> dict[int, int]:
@@ -204,6 +207,18 @@ def plan_release(held: Iterable[list], since_beat: float, ack_wait_for: Callable
         else:
             out.nak.append((seq, delivery, reply))
     return out
+
+
+def reply_consumer(reply: str) -> str | None:
+    """The consumer a `$JS.ACK` reply subject belongs to (a held job's, in a heartbeat): tokens
+    `$JS.ACK.<stream>.<consumer>.<7 numbers>`, or with a domain and account hash before the
+    stream (12 tokens and more); None for anything else."""
+    tokens = reply.split(".")
+    if tokens[:2] != ["$JS", "ACK"]:
+        return None
+    if len(tokens) == 9:
+        return tokens[3]
+    return tokens[5] if len(tokens) >= 12 else None
 
 
 def unlisted_window(since_beat: float, ack_waits: tuple[float, float]) -> tuple[float, float]:

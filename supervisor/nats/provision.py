@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from nats.js import api
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from supervisor.config import Config
 from supervisor.config import schedules as sched
@@ -31,6 +31,8 @@ STORAGE = {"file": api.StorageType.FILE, "memory": api.StorageType.MEMORY}
 # Consumer settings a running server lets us update in place.
 CONSUMER_UPDATABLE = ("ack_wait", "max_deliver", "max_ack_pending", "backoff", "filter_subject", "filter_subjects")
 VALID_BUCKET = re.compile(r"[a-zA-Z0-9_-]+")
+# The server refuses a consumer whose subjects another consumer of a work-queue stream takes too.
+WQ_OVERLAP = (10099, 10100)
 
 
 async def connect_until(cfg: Config, *, name: str, **options: Any) -> Any:
@@ -80,12 +82,15 @@ def consumer_config(cfg: Config, stream_subjects: list[str] | None = None) -> ap
                               deliver_policy=api.DeliverPolicy.ALL)
 
 
-async def ensure(nc: Any, cfg: Config) -> None:
+async def ensure(nc: Any, cfg: Config, pools: list[Config] | None = None) -> None:
+    """The stream, each pool's consumer (`pools`: their effective configs; None: the config's
+    one consumer), the dead-letter stream and the buckets."""
     js = nc.jetstream()
     try:
         stream = await ensure_stream(js, stream_config(cfg), cfg.stream.create, "stream")
         warn_schedules(cfg, stream)
-        await ensure_consumer(js, cfg, list(stream.subjects or ()))
+        for pool_cfg in pools or [cfg]:
+            await ensure_consumer(js, pool_cfg, list(stream.subjects or ()))
         if cfg.restart.dead_letter_stream and cfg.restart.dead_letter_subject:
             dlq = api.StreamConfig(name=cfg.restart.dead_letter_stream, subjects=[cfg.restart.dead_letter_subject],
                                    retention=api.RetentionPolicy.LIMITS, storage=STORAGE[cfg.stream.storage],
@@ -212,7 +217,15 @@ async def ensure_consumer(js: Any, cfg: Config, stream_subjects: list[str] | Non
         if not cfg.stream.create:
             raise NatsUnavailable(f"consumer {cfg.consumer.name} does not exist on stream {cfg.stream.name} "
                                   "and stream.create is false") from None
-        await js.add_consumer(cfg.stream.name, want)
+        try:
+            await js.add_consumer(cfg.stream.name, want)
+        except APIError as exc:
+            if exc.err_code in WQ_OVERLAP:
+                raise NatsUnavailable(f"consumer {cfg.consumer.name}: {_describe(exc)}: another consumer on work-queue "
+                                      f"stream {cfg.stream.name} takes these subjects too (one left by an earlier run, "
+                                      "e.g. the single pool's before [pools.*]; `supervisor lag --consumer NAME` shows "
+                                      "whether it is drained): delete it, or name it as this pool's `consumer`") from None
+            raise
         log.info("created durable pull consumer %s on %s (AckWait %gs, max_ack_pending %d)", want.durable_name,
                  cfg.stream.name, cfg.consumer.ack_wait, cfg.consumer.max_ack_pending,
                  extra={"event": "consumer_created", "consumer": want.durable_name})

@@ -4,8 +4,9 @@
     GET /healthz  200 ok | 503 <reason>
     GET /status   JSON (docs/CONTRACT.md)
     GET /history  JSON: the last monitor.lag_window of ConsumerInfo samples and crash moments
+                  (?pool=NAME: that pool's; the first pool's without)
     GET /metrics  Prometheus text
-    POST /scale?workers=N   loopback clients only
+    POST /scale?workers=N[&pool=NAME]   loopback clients only; with several pools, pool= is needed
 
 A deliberately small HTTP/1.0-style server: one request per connection, bounded reads, a
 timeout; anything malformed gets a 4xx and the connection is closed.
@@ -35,8 +36,9 @@ PAGE_HEADERS = ("Content-Security-Policy: default-src 'none'; connect-src 'self'
                 "style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'; "
                 "frame-ancestors 'none'\r\nX-Content-Type-Options: nosniff\r\n")
 REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
-           405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large", 500: "Internal Server Error",
-           503: "Service Unavailable"}
+           405: "Method Not Allowed", 408: "Request Timeout", 409: "Conflict", 413: "Payload Too Large",
+           500: "Internal Server Error", 503: "Service Unavailable"}
+STOPPING = "supervisor is stopping"         # the one refusal of a scale that is no client's error
 
 
 class Commands(Protocol):
@@ -45,11 +47,14 @@ class Commands(Protocol):
 
     def snapshot(self) -> Snapshot: ...
 
-    def history(self, after: int) -> dict[str, Any] | None:
-        """/history's body (samples newer than `after`), or None while not monitoring yet."""
+    def history(self, after: int, pool: str | None = None) -> dict[str, Any] | None:
+        """/history's body (samples newer than `after`) of a pool, or None while not monitoring yet."""
 
-    def scale(self, n: int, source: str) -> str | None:
-        """Ask for n workers (the loop applies it); None when accepted, else why not."""
+    def pools(self) -> tuple[str, ...]:
+        """The pools that run (config/pools.py; `default` without [pools.*])."""
+
+    def scale(self, n: int, source: str, pool: str | None = None) -> str | None:
+        """Ask for n workers in a pool (the loop applies it); None when accepted, else why not."""
 
 
 class HttpServer:
@@ -116,10 +121,14 @@ class HttpServer:
 
     def get_history(self, query: str, peer: Any) -> tuple[int, str, bytes]:
         """/history[?after=SEQ]: the samples of the window newer than SEQ (all without it)."""
-        values = parse_qs(query).get("after", ["0"])
+        q = parse_qs(query)
+        values = q.get("after", ["0"])
         if len(values) != 1 or not (values[0].isascii() and values[0].isdigit()):
             return 400, "text/plain", b"expected /history or /history?after=SEQ with SEQ a sample number >= 0\n"
-        body = self.commands.history(int(values[0]))
+        pool, bad = self.pool_of(q, required=False)
+        if bad:
+            return 400, "text/plain", bad
+        body = self.commands.history(int(values[0]), pool)
         if body is None:
             return 503, "text/plain", b"not monitoring yet\n"
         return 200, "application/json", json.dumps(body, separators=(",", ":")).encode() + b"\n"
@@ -134,13 +143,30 @@ class HttpServer:
     def post_scale(self, query: str, peer: Any) -> tuple[int, str, bytes]:
         if not is_loopback(peer):
             return 403, "text/plain", b"/scale is accepted from loopback only\n"
-        values = parse_qs(query).get("workers", [])
+        q = parse_qs(query)
+        values = q.get("workers", [])
         if len(values) != 1 or not values[0].isdigit() or int(values[0]) > MAX_WORKERS:
             return 400, "text/plain", f"expected /scale?workers=N with 0 <= N <= {MAX_WORKERS}\n".encode()
-        refused = self.commands.scale(int(values[0]), source="POST /scale")
+        pool, bad = self.pool_of(q, required=True)
+        if bad:
+            return 400, "text/plain", bad
+        refused = self.commands.scale(int(values[0]), source="POST /scale", pool=pool)
         if refused:
-            return 503, "text/plain", f"{refused}\n".encode()
-        return 202, "application/json", json.dumps({"target": int(values[0])}).encode() + b"\n"
+            return (503 if refused == STOPPING else 409), "text/plain", f"{refused}\n".encode()
+        return 202, "application/json", json.dumps({"target": int(values[0]), **({"pool": pool} if pool else {})}
+                                                   ).encode() + b"\n"
+
+    def pool_of(self, q: dict[str, list[str]], required: bool) -> tuple[str | None, bytes]:
+        """The `pool=NAME` of a request (None: none named), or why it will not do: a name that is
+        not one of the pools, or none named (`required`) while several pools run."""
+        pools, names = self.commands.pools(), q.get("pool", [])
+        if len(names) > 1:
+            return None, b"name one pool: pool=NAME once\n"
+        if names and names[0] not in pools:
+            return None, f"no pool {names[0]!r} runs here; pools: {', '.join(pools)}\n".encode()
+        if not names and required and len(pools) > 1:
+            return None, f"several pools run here ({', '.join(pools)}): add pool=NAME\n".encode()
+        return (names[0] if names else None), b""
 
 
 def is_loopback(peer: Any) -> bool:

@@ -1,14 +1,20 @@
 """/metrics: Prometheus text built at scrape time from the Snapshot /status shows.
-prometheus-client is used for exposition only: no registry-wide globals, no HTTP thread."""
+prometheus-client is used for exposition only: no registry-wide globals, no HTTP thread.
+
+With [pools.*] in the config, every series about a pool (its workers, jobs, consumer, lag,
+crash cross-check, autoscaling) carries a `pool` label, one sample per pool; the supervisor's
+own (the loop's step failures, [limits.NAME]) do not. Without pools the series are as they
+always were: one pool, no label."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from supervisor.observe.snapshot import PoolView, Snapshot
+from supervisor.observe.snapshot import PoolSnapshot, Snapshot
 from workers.protocol import slots
 
 P = "jetstream_supervisor_"
@@ -16,44 +22,68 @@ CONSUMER_GAUGES = {"consumer_num_pending": "num_pending", "consumer_num_ack_pend
                    "consumer_num_redelivered": "num_redelivered", "consumer_num_waiting": "num_waiting",
                    "consumer_ack_floor": "ack_floor_consumer_seq", "consumer_delivered": "delivered_consumer_seq"}
 LAG_STATES = ("unknown", "ok", "growing", "stuck")
+CROSSCHECK = (("crash_held_jobs", "jobs_held_at_crash", "Jobs dead workers held at their death"),
+              ("crash_redelivered", "held_jobs_redelivered", "Jobs held at a death seen redelivered"),
+              ("crash_acked_after", "held_jobs_acked_after_crash", "Jobs held at a death acked afterwards"),
+              ("unexplained_redeliveries", "unexplained_redeliveries", "Redeliveries no crash or NAK explains"),
+              ("quarantined", "quarantined", "Poison jobs dead-lettered after repeated worker deaths"))
 
 
 class Collector:
     def __init__(self, snap: Snapshot):
         self.snap = snap
+        self.pools = snap.each()
+        self.label = ["pool"] if snap.labelled else []
+
+    def family(self, kind: type, name: str, help_: str, labels: Iterable[str],
+               samples: Iterable[tuple[PoolSnapshot, list[str], float]]) -> Metric:
+        """One family of per-pool series: each sample's labels, and the pool's name when labelled."""
+        fam = kind(P + name, help_, labels=[*labels, *self.label])
+        for p, values, value in samples:
+            fam.add_metric([*values, *([p.name] if self.label else [])], value)
+        return fam
+
+    def gauge(self, name: str, help_: str, value: Any, labels: Iterable[str] = ()) -> Metric:
+        """A per-pool gauge; `value(pool)` gives [(label values, value), ...], or one number."""
+        return self.family(GaugeMetricFamily, name, help_, labels, self.samples(value))
+
+    def counter(self, name: str, help_: str, value: Any, labels: Iterable[str] = ()) -> Metric:
+        return self.family(CounterMetricFamily, name, help_, labels, self.samples(value))
+
+    def samples(self, value: Any) -> Iterator[tuple[PoolSnapshot, list[str], float]]:
+        for p in self.pools:
+            got = value(p)
+            for values, v in (got if isinstance(got, list) else [([], got)]):
+                yield p, values, v
 
     def collect(self) -> Iterator[Metric]:
-        pool = self.snap.pool
-        yield from self.workers(self.snap)
-        jobs = CounterMetricFamily(P + "jobs", "Jobs settled by workers, by outcome", labels=["outcome"])
-        for outcome, n in pool.jobs.as_dict().items():
-            jobs.add_metric([outcome], n)
-        yield jobs
-        yield self.durations(pool)
-        yield from self.consumer(self.snap)
-        yield from self.crosscheck(self.snap)
+        yield from self.workers()
+        yield self.counter("jobs", "Jobs settled by workers, by outcome",
+                           lambda p: [([k], n) for k, n in p.pool.jobs.as_dict().items()], ["outcome"])
+        yield self.durations()
+        yield from self.consumer()
+        yield from self.crosscheck()
         yield from self.limits(self.snap)
 
-    def workers(self, snap: Snapshot) -> Iterator[Metric]:
-        pool = snap.pool
-        g = GaugeMetricFamily(P + "workers", "Worker processes by state", labels=["state"])
-        states = [w.state for w in pool.workers]
-        for state in ("starting", "ready", "draining"):
-            g.add_metric([state], states.count(state))
-        yield g
-        yield GaugeMetricFamily(P + "workers_target", "Worker count asked for", value=pool.target)
-        autoscale = snap.autoscale
-        yield GaugeMetricFamily(P + "autoscale_target", "Worker count autoscaling runs (workers_target when off)",
-                                value=autoscale["target"])
-        yield GaugeMetricFamily(P + "autoscale_enabled", "1 when autoscale.enabled", value=int(autoscale["enabled"]))
-        yield GaugeMetricFamily(P + "autoscale_paused", "1 while a manual scale pauses autoscaling",
-                                value=int(autoscale["resumes_in_s"] is not None))
-        yield CounterMetricFamily(P + "worker_restarts", "Workers restarted after dying", value=pool.restarts)
-        yield CounterMetricFamily(P + "worker_deaths", "Workers that died unexpectedly", value=pool.worker_deaths)
-        yield CounterMetricFamily(P + "in_progress_pings", "+WPI sent for long jobs", value=pool.pings)
+    def workers(self) -> Iterator[Metric]:
+        yield self.gauge("workers", "Worker processes by state",
+                         lambda p: [([s], [w.state for w in p.pool.workers].count(s))
+                                    for s in ("starting", "ready", "draining")], ["state"])
+        yield self.gauge("workers_target", "Worker count asked for", lambda p: p.pool.target)
+        yield self.gauge("autoscale_target", "Worker count autoscaling runs (workers_target when off)",
+                         lambda p: p.autoscale["target"])
+        yield self.gauge("autoscale_enabled", "1 when autoscale.enabled", lambda p: int(p.autoscale["enabled"]))
+        yield self.gauge("autoscale_paused", "1 while a manual scale pauses autoscaling",
+                         lambda p: int(p.autoscale["resumes_in_s"] is not None))
+        yield self.counter("worker_restarts", "Workers restarted after dying", lambda p: p.pool.restarts)
+        yield self.counter("worker_deaths", "Workers that died unexpectedly", lambda p: p.pool.worker_deaths)
+        yield self.counter("in_progress_pings", "+WPI sent for long jobs", lambda p: p.pool.pings)
+        if self.label:
+            yield self.gauge("pool_halted", "1 once the pool halted at boot (restart.boot_failures_to_halt)",
+                             lambda p: int(bool(p.halted)))
         failures = CounterMetricFamily(P + "loop_step_failures", "Exceptions a step of the parent's loop raised "
                                        "(logged and survived)", labels=["step"])
-        for step, n in snap.loop.get("step_failures", {}).items():
+        for step, n in self.snap.loop.get("step_failures", {}).items():
             failures.add_metric([step], n)
         yield failures
 
@@ -72,47 +102,41 @@ class Collector:
             waited.add_metric([v.name], v.wait_s)
             taken.add_metric([v.name], v.taken)
         yield from (in_use, waiting, waited, taken)
-        yield GaugeMetricFamily(P + "consumer_paused", "1 while the consumer is paused (its PauseUntil)",
-                                value=int(bool(snap.consumer.values.get("paused_until"))))
+        yield self.gauge("consumer_paused", "1 while the consumer is paused (its PauseUntil)",
+                         lambda p: int(bool(p.consumer.values.get("paused_until"))))
 
-    def durations(self, pool: PoolView) -> Metric:
-        buckets, running = [], 0
-        for bound, n in zip([*map(str, slots.DURATION_BUCKETS), "+Inf"], pool.duration_buckets):
-            running += n
-            buckets.append((bound, running))
-        h = HistogramMetricFamily(P + "job_duration_seconds", "Handler run time per job")
-        h.add_metric([], buckets, pool.duration_sum)
+    def durations(self) -> Metric:
+        h = HistogramMetricFamily(P + "job_duration_seconds", "Handler run time per job", labels=self.label)
+        for p in self.pools:
+            buckets, running = [], 0
+            for bound, n in zip([*map(str, slots.DURATION_BUCKETS), "+Inf"], p.pool.duration_buckets):
+                running += n
+                buckets.append((bound, running))
+            h.add_metric([p.name] if self.label else [], buckets, p.pool.duration_sum)
         return h
 
-    def consumer(self, snap: Snapshot) -> Iterator[Metric]:
-        c = snap.consumer
+    def consumer(self) -> Iterator[Metric]:
+        polled = self.pools
+        Sample = tuple[PoolSnapshot, list[str], float]
         for name, key in CONSUMER_GAUGES.items():
-            if c.values.get(key) is not None:
-                yield GaugeMetricFamily(P + name, f"ConsumerInfo {key}", value=c.values[key])
-        if c.poll_age_s is not None:
-            yield GaugeMetricFamily(P + "consumer_poll_age_seconds", "Age of the last good ConsumerInfo",
-                                    value=c.poll_age_s)
-        if snap.lag is not None:
-            g = GaugeMetricFamily(P + "lag_state", "1 for the current lag state", labels=["state"])
-            for s in LAG_STATES:
-                g.add_metric([s], 1.0 if s == snap.lag.state else 0.0)
-            yield g
-            a = CounterMetricFamily(P + "advisories", "JetStream advisories received", labels=["kind"])
-            for kind, n in snap.advisories.items():
-                a.add_metric([kind], n)
-            yield a
+            have: list[Sample] = [(p, [], p.consumer.values[key]) for p in polled if p.consumer.values.get(key) is not None]
+            if have:
+                yield self.family(GaugeMetricFamily, name, f"ConsumerInfo {key}", [], have)
+        ages: list[Sample] = [(p, [], p.consumer.poll_age_s) for p in polled if p.consumer.poll_age_s is not None]
+        if ages:
+            yield self.family(GaugeMetricFamily, "consumer_poll_age_seconds", "Age of the last good ConsumerInfo",
+                              [], ages)
+        lagged = [p for p in polled if p.lag is not None]
+        if lagged:
+            yield self.family(GaugeMetricFamily, "lag_state", "1 for the current lag state", ["state"],
+                              [(p, [s], 1.0 if p.lag and s == p.lag.state else 0.0) for p in lagged for s in LAG_STATES])
+            yield self.family(CounterMetricFamily, "advisories", "JetStream advisories received", ["kind"],
+                              [(p, [kind], n) for p in lagged for kind, n in p.advisories.items()])
 
-    def crosscheck(self, snap: Snapshot) -> Iterator[Metric]:
-        c = snap.ledger
-        for name, key, help_ in (
-                ("crash_held_jobs", "jobs_held_at_crash", "Jobs dead workers held at their death"),
-                ("crash_redelivered", "held_jobs_redelivered", "Jobs held at a death seen redelivered"),
-                ("crash_acked_after", "held_jobs_acked_after_crash", "Jobs held at a death acked afterwards"),
-                ("unexplained_redeliveries", "unexplained_redeliveries", "Redeliveries no crash or NAK explains"),
-                ("quarantined", "quarantined", "Poison jobs dead-lettered after repeated worker deaths")):
-            yield CounterMetricFamily(P + name, help_, value=c[key])
-        yield GaugeMetricFamily(P + "crash_outstanding", "Jobs held at a death not yet seen acked",
-                                value=len(snap.outstanding))
+    def crosscheck(self) -> Iterator[Metric]:
+        for name, key, help_ in CROSSCHECK:
+            yield self.counter(name, help_, lambda p, key=key: p.ledger[key])
+        yield self.gauge("crash_outstanding", "Jobs held at a death not yet seen acked", lambda p: len(p.outstanding))
 
 
 def render(snap: Snapshot) -> bytes:

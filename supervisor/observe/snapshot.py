@@ -42,7 +42,7 @@ class JobView:
 
 @dataclass(frozen=True)
 class WorkerView:
-    slot: int
+    slot: int                # its slot in its pool
     pid: int
     state: str              # starting | ready | draining
     retiring: bool
@@ -53,6 +53,7 @@ class WorkerView:
     heartbeat_age_s: float | None
     uptime_s: float
     jobs: tuple[JobView, ...] = ()
+    pool: str = ""          # its pool's name, with [pools.*] ("" without: one pool)
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,31 @@ class Alert:
     kind: str
     message: str
     t: float = 0.0                         # wall clock when raised
+    pool: str = ""                         # the pool it is about, with [pools.*]
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """One pool ([pools.NAME], or `default`): everything that belongs to its consumer."""
+    name: str
+    cfg: Config                            # the pool's effective config (config/pools.py)
+    pool: PoolView
+    consumer: ConsumerView
+    lag: LagReport | None
+    autoscale: Mapping[str, Any]
+    crosscheck: Mapping[str, Any]
+    ledger: Mapping[str, int]
+    outstanding: tuple[Mapping[str, Any], ...]
+    peers: Mapping[str, Any]
+    advisories: Mapping[str, int]
+    halted: str = ""                       # why it stopped at boot (a crash loop); "" while it runs
 
 
 @dataclass(frozen=True)
 class Snapshot:
+    """With several pools the top-level pool, jobs, ledger, crosscheck, outstanding and
+    advisories are every pool's together (sums; lists joined, each entry naming its pool), and
+    consumer, lag, autoscale and peers the first pool's; `pools` holds each pool's own."""
     at: float                              # monotonic time it was taken
     version: str
     pid: int
@@ -143,3 +165,16 @@ class Snapshot:
     limits: tuple[LimitView, ...] = field(default=())   # [limits.NAME], in the config's order
     limits_error: str = ""                 # the limits bucket did not answer the last read
     schedules: Mapping[str, Any] = field(default_factory=dict)   # what start's reconcile did (nats/schedules.py)
+    pools: tuple[PoolSnapshot, ...] = field(default=())          # each pool's own, in the config's order
+
+    @property
+    def labelled(self) -> bool:
+        """Pools are named (the config has [pools.*]): in /metrics labels, in alerts."""
+        return bool(self.cfg.pools)
+
+    def each(self) -> tuple[PoolSnapshot, ...]:
+        """Every pool; a snapshot built without them (a view's test) is one pool, its top level."""
+        if self.pools:
+            return self.pools
+        return (PoolSnapshot("default", self.cfg, self.pool, self.consumer, self.lag, self.autoscale, self.crosscheck,
+                             self.ledger, self.outstanding, self.peers, self.advisories),)

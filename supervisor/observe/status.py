@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from supervisor.observe.snapshot import Alert, ConsumerView, LimitView, Snapshot, WorkerView
+from supervisor.observe.snapshot import Alert, ConsumerView, LimitView, PoolSnapshot, Snapshot, WorkerView
 from workers.protocol.limitkeys import rate_window
 
 OUTSTANDING_GRACE = 2.0      # poll intervals past AckWait before a missing held job raises an alert
@@ -12,9 +12,13 @@ UNKNOWN_LAG = {"state": "unknown"}
 
 
 def build_status(snap: Snapshot) -> dict[str, Any]:
+    """The /status JSON. With several pools the top-level workers, jobs and crosscheck are every
+    pool's together and consumer, lag and autoscale the first pool's (observe/snapshot.py);
+    `pools` has each pool's own, and `headline` is the worst pool's."""
     lag = snap.lag.as_dict() if snap.lag else dict(UNKNOWN_LAG)
     consumer = consumer_block(snap.consumer)
     pool = snap.pool
+    pools = {p.name: pool_block(p) for p in snap.each()}
     return {
         "version": snap.version,
         "pid": snap.pid,
@@ -38,16 +42,43 @@ def build_status(snap: Snapshot) -> dict[str, Any]:
         "paused_until": consumer.get("paused_until"),
         "pause_reason": (consumer.get("pause_reason") or "") if consumer.get("paused_until") else None,
         "schedules": dict(snap.schedules),
-        "alerts": [{"kind": a.kind, "message": a.message} for a in alerts(snap)],
-        "headline": headline(lag, consumer),
+        "pools": pools,
+        "alerts": [{"kind": a.kind, "message": a.message, **({"pool": a.pool} if a.pool else {})}
+                   for a in alerts(snap)],
+        "headline": headline(lag, consumer) if len(pools) == 1 else worst_headline(pools),
     }
+
+
+def pool_block(p: PoolSnapshot) -> dict[str, Any]:
+    """One pool's part of /status: `pools.NAME`."""
+    lag = p.lag.as_dict() if p.lag else dict(UNKNOWN_LAG)
+    consumer = consumer_block(p.consumer)
+    w = p.pool
+    return {"workers": {"target": w.target, "alive": w.alive, "ready": w.ready, "retiring": w.retiring,
+                        "list": [worker_block(v) for v in w.workers]},
+            "handler": p.cfg.workers.handler, "consumer": consumer, "lag": lag, "crosscheck": dict(p.crosscheck),
+            "autoscale": dict(p.autoscale), "jobs": w.jobs.as_dict(), "halted": p.halted or None,
+            "headline": {"state": "halted", "text": HEADLINES["halted"], "reason": p.halted} if p.halted
+            else headline(lag, consumer)}
+
+
+# The worst first: what a single word for several pools says.
+HEADLINE_ORDER = ("halted", "stuck", "growing", "unknown", "paused", "draining", "idle")
+
+
+def worst_headline(pools: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Several pools: the headline of the one in the worst state, its reason naming it."""
+    name, block = min(pools.items(), key=lambda kv: HEADLINE_ORDER.index(kv[1]["headline"]["state"]))
+    h = block["headline"]
+    return {"state": h["state"], "text": h["text"], "reason": f"pool {name}: {h['reason']}" if h["reason"]
+            else f"pool {name}"}
 
 
 def worker_block(w: WorkerView) -> dict[str, Any]:
     in_flight = [{"stream_seq": j.stream_seq, "delivery": j.delivery, "age_s": round(j.age_s, 3), "state": j.state}
                  for j in w.jobs if j.state in ("held", "running")]
     c = w.counters
-    return {"slot": w.slot, "pid": w.pid, "state": w.state,
+    return {"slot": w.slot, "pid": w.pid, "state": w.state, **({"pool": w.pool} if w.pool else {}),
             "jobs_acked": c.ack, "jobs_nacked": c.nak, "jobs_terminated": c.term, "jobs_started": w.started,
             "jobs_duplicate": c.duplicate, "restarts": w.restarts, "rss_bytes": w.rss_bytes,
             "heartbeat_age_s": None if w.heartbeat_age_s is None else round(w.heartbeat_age_s, 3),
@@ -84,27 +115,11 @@ def consumer_block(c: ConsumerView) -> dict[str, Any]:
 
 
 def alerts(snap: Snapshot) -> list[Alert]:
-    """What the loop raised, then what the snapshot itself says is wrong."""
+    """What the loop raised, then what the snapshot itself says is wrong: each pool's, then the
+    supervisor's."""
     out = list(snap.raised)
-    cfg, counts = snap.cfg, snap.ledger
-    if counts["unexplained_redeliveries"]:
-        slowest = max(snap.pool.slowest_job_s, 0.0)
-        out.append(Alert("ack_wait_too_short", (
-            f"{counts['unexplained_redeliveries']} redelivery(ies) no crash or NAK explains: consumer.ack_wait is "
-            f"{cfg.consumer.ack_wait:g}s and the slowest job seen ran {slowest:.2f}s. AckWait must exceed the "
-            "slowest legitimate job (or keep workers.progress_pings on); otherwise a job held by another "
-            "process (another host, a previous run) timed out.")))
-    grace = cfg.consumer.ack_wait + OUTSTANDING_GRACE * cfg.monitor.interval + 1.0
-    missing = [o for o in snap.outstanding if not o["redelivered"] and o["age_s"] > grace]
-    if missing:
-        seqs = ", ".join(str(o["stream_seq"]) for o in missing[:10])
-        out.append(Alert("held_job_missing", (
-            f"{len(missing)} job(s) held by dead workers not seen again after AckWait + {OUTSTANDING_GRACE:g} polls: "
-            f"seq {seqs}")))
-    if snap.lag and snap.lag.state in ("stuck", "growing"):
-        out.append(Alert(f"lag_{snap.lag.state}", snap.lag.reason))
-    if snap.consumer.error:
-        out.append(Alert("consumer_unavailable", snap.consumer.error))
+    for p in snap.each():
+        out += pool_alerts(p, snap.labelled)
     if not snap.nats.connected:
         out.append(Alert("nats_disconnected", "the supervisor's NATS connection is down"))
     if snap.limits_error:
@@ -112,6 +127,33 @@ def alerts(snap: Snapshot) -> list[Alert]:
     if snap.schedules.get("refused") or snap.schedules.get("error"):
         out.append(Alert("schedules_refused" if snap.schedules.get("refused") else "schedules_failed",
                          f"[schedules] not applied: {snap.schedules.get('refused') or snap.schedules.get('error')}"))
+    return out
+
+
+def pool_alerts(p: PoolSnapshot, labelled: bool) -> list[Alert]:
+    """One pool's: redeliveries nothing explains, held jobs not seen again, its lag, its consumer
+    (named "pool NAME: ..." with [pools.*])."""
+    out = []
+    cfg, counts = p.cfg, p.ledger
+    name, say = (p.name, f"pool {p.name}: ") if labelled else ("", "")
+    if counts["unexplained_redeliveries"]:
+        slowest = max(p.pool.slowest_job_s, 0.0)
+        out.append(Alert("ack_wait_too_short", say + (
+            f"{counts['unexplained_redeliveries']} redelivery(ies) no crash or NAK explains: consumer.ack_wait is "
+            f"{cfg.consumer.ack_wait:g}s and the slowest job seen ran {slowest:.2f}s. AckWait must exceed the "
+            "slowest legitimate job (or keep workers.progress_pings on); otherwise a job held by another "
+            "process (another host, a previous run) timed out."), pool=name))
+    grace = cfg.consumer.ack_wait + OUTSTANDING_GRACE * cfg.monitor.interval + 1.0
+    missing = [o for o in p.outstanding if not o["redelivered"] and o["age_s"] > grace]
+    if missing:
+        seqs = ", ".join(str(o["stream_seq"]) for o in missing[:10])
+        out.append(Alert("held_job_missing", say + (
+            f"{len(missing)} job(s) held by dead workers not seen again after AckWait + {OUTSTANDING_GRACE:g} polls: "
+            f"seq {seqs}"), pool=name))
+    if p.lag and p.lag.state in ("stuck", "growing"):
+        out.append(Alert(f"lag_{p.lag.state}", say + p.lag.reason, pool=name))
+    if p.consumer.error:
+        out.append(Alert("consumer_unavailable", say + p.consumer.error, pool=name))
     return out
 
 
@@ -123,6 +165,7 @@ HEADLINES = {
     "stuck": "Work is waiting, but nothing has been acked for longer than AckWait.",
     "unknown": "No fresh numbers from the consumer.",
     "paused": "The consumer is paused on purpose: nothing is delivered until it resumes.",
+    "halted": "The pool stopped: its workers kept dying before they were ready (fix it, then reload).",
 }
 
 
@@ -141,13 +184,16 @@ def headline(lag: dict[str, Any], consumer: dict[str, Any]) -> dict[str, str]:
 
 
 def health(snap: Snapshot) -> tuple[bool, str]:
-    """(healthy, reason) for /healthz: workers alive and the lag state not stuck."""
+    """(healthy, reason) for /healthz: workers alive, no pool halted, no pool's lag stuck."""
     if snap.state not in ("running", "starting"):
         return False, f"supervisor is {snap.state}"
     if snap.pool.target > 0 and snap.pool.ready == 0:
         return False, f"no worker ready (0/{snap.pool.target})"
-    if snap.lag and snap.lag.state == "stuck":
-        return False, f"lag stuck: {snap.lag.reason}"
+    for p in snap.each():
+        if p.halted:
+            return False, f"pool {p.name} halted: {p.halted}"
+        if p.lag and p.lag.state == "stuck":
+            return False, f"lag stuck: {'pool ' + p.name + ': ' if snap.labelled else ''}{p.lag.reason}"
     return True, "ok"
 
 

@@ -13,6 +13,10 @@ LOG_EVERY with the count in between; and after a tick with a failure the loop sl
 PAUSE (a failing step can leave the loop's reason to wake at once in place: a restart due now, a
 dead worker not yet reaped). Signals and worker exits still wake it at once.
 
+With several pools a step runs once per pool (parent/crew.py), each run guarded on its own: one
+pool's failure neither skips the step for another pool nor the steps after it. Failures are
+counted per step (the pool is in the log line and the alert).
+
 Mechanism only: what each step does is the arbiter's and its rooms' business.
 """
 
@@ -49,32 +53,35 @@ class LoopSteps:
         self._logged: dict[str, tuple[float, str, int]] = {}   # step -> (when, signature, failures then)
         self.failed_this_tick = False
 
-    def guard(self, step: str) -> _Guard:
-        """`with steps.guard("reap"): ...`: an Exception inside is recorded, not raised."""
-        return _Guard(self, step)
+    def guard(self, step: str, pool: str = "") -> _Guard:
+        """`with steps.guard("reap"): ...`: an Exception inside is recorded, not raised. `pool`:
+        whose step it is (several pools: each pool's run of a step is guarded on its own)."""
+        return _Guard(self, step, pool)
 
     def new_tick(self) -> bool:
         """Start a tick; True if a step failed in the one before (the loop then sleeps PAUSE)."""
         failed, self.failed_this_tick = self.failed_this_tick, False
         return failed
 
-    def failed(self, step: str, exc: BaseException) -> None:
+    def failed(self, step: str, exc: BaseException, pool: str = "") -> None:
         now = self.clock()
+        whose = f" (pool {pool})" if pool else ""
         self.failures[step] = self.failures.get(step, 0) + 1
         self.failed_this_tick = True
         said = f"{type(exc).__name__}: {exc}"[:300]
         self.last[step] = (now, said)
         sig = signature(exc)
-        logged = self._logged.get(step)
+        logged = self._logged.get(step + whose)
         if logged is not None and logged[1] == sig and now - logged[0] < LOG_EVERY:
             return                              # the same failure again: counted, said at the next LOG_EVERY
         since = f"; {self.failures[step] - logged[2] - 1} more failure(s) of this step since it was last logged" \
             if logged is not None and self.failures[step] - logged[2] > 1 else ""
-        self._logged[step] = (now, sig, self.failures[step])
-        log.error("parent loop: step %s failed (%s); the loop goes on%s", step, said, since, exc_info=exc,
-                  extra={"event": "loop_step_failed", "step": step, "failures": self.failures[step], "error": said})
-        self.alert("loop_step_failed", f"the supervisor's loop step {step!r} failed {self.failures[step]} time(s); "
-                                       f"last: {said}")
+        self._logged[step + whose] = (now, sig, self.failures[step])
+        log.error("parent loop: step %s%s failed (%s); the loop goes on%s", step, whose, said, since, exc_info=exc,
+                  extra={"event": "loop_step_failed", "step": step, "failures": self.failures[step], "error": said,
+                         **({"pool": pool} if pool else {})})
+        self.alert("loop_step_failed", f"the supervisor's loop step {step!r}{whose} failed {self.failures[step]} "
+                                       f"time(s); last: {said}")
 
     def status(self) -> dict:
         now = self.clock()
@@ -84,8 +91,8 @@ class LoopSteps:
 
 
 class _Guard:
-    def __init__(self, steps: LoopSteps, step: str):
-        self.steps, self.step = steps, step
+    def __init__(self, steps: LoopSteps, step: str, pool: str = ""):
+        self.steps, self.step, self.pool = steps, step, pool
 
     def __enter__(self) -> None:
         return None
@@ -94,5 +101,5 @@ class _Guard:
                  tb: TracebackType | None) -> bool:
         if exc is None or not isinstance(exc, Exception):
             return False                        # CancelledError, KeyboardInterrupt, SystemExit: not ours to stop
-        self.steps.failed(self.step, exc)
+        self.steps.failed(self.step, exc, self.pool)
         return True

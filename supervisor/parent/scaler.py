@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import psutil
 
 from supervisor.config import Config
-from supervisor.core.autoscale import MANUAL_PAUSE_S, Autoscaler, Decision, Inputs, Params, limit_binds
+from supervisor.core.autoscale import MANUAL_PAUSE_S, Autoscaler, Claim, Decision, Inputs, Params, limit_binds
 from supervisor.core.lag import LagAnalyzer
 from supervisor.parent.pool import Pool
 from supervisor.parent.stats import Stats
@@ -43,11 +43,13 @@ log = logging.getLogger("supervisor.autoscale")
 
 
 class Host(Protocol):
-    """What the autoscaler reads of the arbiter, and the one thing it asks of it."""
+    """What the autoscaler reads of its pool (parent/crew.py), and the one thing it asks of it."""
     cfg: Config
     pool: Pool
     stats: Stats
-    stopping: str | None
+
+    @property
+    def stopping(self) -> str | None: ...
 
     def scale(self, n: int, source: str) -> None: ...
 
@@ -57,7 +59,9 @@ class LagSource(Protocol):
     consumer: dict[str, Any] | None
     polled_at: float | None
     analyzer: LagAnalyzer
-    limits: dict[str, dict[str, int]]    # [limits.NAME] in use fleet-wide
+
+    @property
+    def limits(self) -> dict[str, dict[str, int]]: ...    # [limits.NAME] in use fleet-wide
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,8 @@ class Scaler:
         self.paused_until: float | None = None
         self.pause_reason = ""
         self.logged_kind = ""
+        self.cap: int | None = None      # [autoscale] budget: this pool's share (the arbiter's budget step sets it) ...
+        self.capped = ""                 # ... and why no more
 
     @property
     def enabled(self) -> bool:
@@ -174,7 +180,7 @@ class Scaler:
                       in_flight=consumer.get("num_ack_pending", 0), polled_at=mon.polled_at if mon else None,
                       completed=r.completed, job_time=r.job_time,
                       busy=r.busy, running=running, cpu=r.cpu, worker_cpu=r.worker_cpu, cores=self.cores,
-                      limited=self.limited())
+                      limited=self.limited(), cap=self.cap, capped=self.capped)
 
     def limited(self) -> str:
         """A limit our jobs wait for while the fleet uses it up (core/autoscale.py limit_binds)."""
@@ -193,6 +199,21 @@ class Scaler:
             log.info("autoscale: holding at %d worker(s) (%s): %s", d.workers, d.kind, d.reason, extra=extra)
         if d.kind != "settling":
             self.logged_kind = d.kind
+
+    # ------------------------------------------------------------ [autoscale] budget
+
+    def claim(self, name: str) -> Claim:
+        """This pool's part in sharing the budget (core/autoscale.py share); its count is fixed
+        while set by hand, or with autoscaling off."""
+        return self.policy.claim(name, self.arb.pool.target, self.arb.cfg.workers.concurrency,
+                                 fixed=not self.enabled or self.paused_until is not None)
+
+    def share(self, cap: int | None, why: str) -> None:
+        """The budget's share for this pool (None: no budget); above it, down to it at once."""
+        self.cap, self.capped = cap, why
+        if cap is not None and self.enabled and self.paused_until is None and self.arb.pool.target > cap \
+                and not self.arb.stopping:
+            self.apply(self.policy.cut(time.monotonic(), self.arb.pool.target, cap, why))
 
     # ------------------------------------------------------------ people
 
@@ -252,4 +273,6 @@ class Scaler:
         block["next_probe_s"] = None if p.probe_at is None else round(max(0.0, p.probe_at - now), 1)
         block["resumes_in_s"] = round(paused_until - now, 1) if paused_until is not None else None
         block["dwell_s"] = p.params.step_s
+        if a.budget:
+            block["budget"], block["cap"] = a.budget, self.cap
         return block

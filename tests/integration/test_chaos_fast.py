@@ -19,7 +19,7 @@ import pytest
 from chaos import scenarios  # noqa: F401  (registers the scenarios)
 from chaos.checker import Evidence, check
 from chaos.core import SCENARIOS, run_scenario
-from chaos.facts import Fault, Rec, Stored
+from chaos.facts import Fault, Life, Rec, Stored
 
 SEED = int(os.environ["CHAOS_SEED"]) if "CHAOS_SEED" in os.environ else None
 
@@ -157,6 +157,8 @@ def test_checker_takes_an_ackwait_wait_as_outside_only_where_the_ledger_named_it
     report = check(evidence(late, [killed], left_to_ack_wait=named(1, 1, 1)))
     assert (report.counts["ackwait"], report.counts["ackwait_outside"]) == (0, 1)
     assert any(why in f.text for f in report.findings if f.verdict == "ackwait_outside")
+    living = {"crosscheck": {"unexplained_redeliveries": 0, "outstanding": [], "left_to_ack_wait": named(1, 1, 1)}}
+    assert check(evidence(late, [killed], statuses=[living])).counts["ackwait"] == 0    # a living one's /status
     for other in (named(1, 1, 7), named(1, 2, 1), named(2, 1, 1), []):    # another pid, delivery, job; none
         assert check(evidence(late, [killed], left_to_ack_wait=other)).counts["ackwait"] == 1, other
     # A delivery that never started (a drain's NAK unsent at the death): its number alone.
@@ -178,6 +180,22 @@ def test_checker_compares_the_supervisor_word_with_the_journal():
     report = check(evidence(runs, status=status))
     assert report.counts["sup_unexplained"] == 0
     assert [f.verdict for f in report.findings if f.verdict == "crosscheck"] == ["crosscheck"]
+
+
+def test_checker_counts_a_pool_s_job_run_by_another_pool_s_worker():
+    """With pools (chaos/randomized.py draws two): pool b's jobs are keyed bN, the rest are pool
+    a's; each must run only on a worker of its own pool's consumer (from the worker's title)."""
+    pools = {"main": "workers-a", "side": "workers-b"}
+    lives = {1: Life(1, T0, consumer="workers-a"), 2: Life(2, T0, consumer="workers-b")}
+    mine = [("S", 1, 1, 1, 0.1), ("D", 1, 1, 1, 0.2)]
+    assert check(evidence(mine, pools=pools, lives=lives)).counts["wrong_pool"] == 0
+    c = check(evidence([("S", 2, 1, 1, 0.1), ("D", 2, 1, 1, 0.2)], pools=pools, lives=lives)).counts
+    assert (c["wrong_pool"], c["lost"]) == (1, 0)
+    side = Evidence(stored={1: Stored(1, "b1", T0)}, journal=[Rec("S", 2, 1, 1, T0 + 0.1, 0.0, "b1"),
+                                                              Rec("D", 2, 1, 1, T0 + 0.2, 0.0, "b1")],
+                    faults=[], ack_wait=30.0, origin=T0, pools=pools, lives=lives)
+    assert check(side).counts["wrong_pool"] == 0
+    assert check(evidence(mine, lives={1: Life(1, T0, consumer="workers-b")})).counts["wrong_pool"] == 0   # no pools
 
 
 def test_every_scenario_has_a_doc_and_known_verdicts():

@@ -395,6 +395,38 @@ def test_the_page_formatters(crashed, browser):
                      False, "this supervisorhost-apeers2", True]
 
 
+def test_the_page_shows_every_pool_and_the_chosen_pool_below_in_chromium(nats_server, supervisor_factory, browser):
+    """With [pools.*]: a Pools table row per pool; the workers, numbers and chart below are the
+    first pool's until another is clicked, then that pool's (its /history asked with pool=)."""
+    pools = {"email": {"count": 2, "filter_subject": "jobs.email.>"},
+             "reports": {"count": 1, "filter_subject": "jobs.reports.>", "handler": "testhandlers:record_v2"}}
+    sup = supervisor_factory(nats_server, pools=pools)
+    sup.wait_ready(3)
+    publish(nats_server.url, count=2, data="300", extra=("--subject", "jobs.reports.x"))   # one runs, one waits
+    status = wait_until(lambda: (s := sup.try_status()) and s["pools"]["reports"]["consumer"]["num_pending"] == 1
+                        and s, what="a reports job running and one waiting")
+    pids = {name: {w["pid"] for w in p["workers"]["list"]} for name, p in status["pools"].items()}
+    base = f"http://{sup.http}/"
+    page = browser.new_page(1000, 1200)
+    page.goto(base)
+    page.wait_for("Number(document.body.dataset.renders) >= 2", what="two renders")
+    assert texts(page, "#pools-table tr[data-pool] button") == ["email", "reports"]
+    assert "workers-reports" in texts(page, "#pools-table tr[data-pool=reports] td")[-1]
+    assert {int(t) for t in texts(page, "#workers td.pid")} == pids["email"]
+    page.evaluate("document.querySelector('#pools-table tr[data-pool=reports] button').click()")
+    page.wait_for("document.getElementById('lagline').textContent.includes('JOBS/workers-reports')",
+                  what="the reports pool's numbers")
+    assert {int(t) for t in texts(page, "#workers td.pid")} == pids["reports"]
+    assert page.evaluate("document.getElementById('n-pending').textContent") == "1"
+    page.wait_for(f"Number(document.body.dataset.renders) >= "
+                  f"{page.evaluate('Number(document.body.dataset.renders)') + 2}", what="two more renders")
+    page.collect()
+    asked = [u[len(base):] for u in page.requests]
+    assert "history?pool=reports" in asked and any(a.startswith("history?pool=reports&after=") for a in asked)
+    assert page.evaluate("document.querySelector('#pools-table tr[data-pool=reports] button')"
+                         ".getAttribute('aria-pressed')") == "true"
+
+
 # ---------------------------------------------------------------- supervisor demo --dashboard
 
 def test_demo_dashboard_keeps_serving_the_page_after_the_jobs_until_ctrl_c(tmp_path):

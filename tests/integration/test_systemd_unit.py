@@ -21,6 +21,7 @@ import pytest
 from harness import publish, wait_until
 
 UNIT = Path(__file__).resolve().parents[2] / "systemd" / "jetstream-supervisor.service"
+TEMPLATE = UNIT.parent / "jetstream-supervisor@.service"      # one instance per pool (issue 28)
 README = UNIT.parent.parent / "README.md"
 DEFAULT_GRACEFUL_TIMEOUT = 30.0  # docs/CONTRACT.md: workers.graceful_timeout
 
@@ -152,8 +153,8 @@ def analyze() -> str:
     return path
 
 
-def runnable_copy(tmp_path: Path) -> Path:
-    """The unit with ExecStart pointing at a binary that exists here.
+def runnable_copy(tmp_path: Path, unit: Path = UNIT, name: str | None = None) -> Path:
+    """The unit (or `name`, an instance of a template) with ExecStart pointing at a binary that exists here.
 
     `verify` checks that ExecStart= is executable and /opt/jetstream-supervisor is not installed
     on a development machine, so the copy runs this venv's `supervisor` script when it is
@@ -161,10 +162,10 @@ def runnable_copy(tmp_path: Path) -> Path:
     """
     installed = Path(sys.prefix) / "bin" / "supervisor"
     binary = installed if os.access(installed, os.X_OK) else Path("/bin/true")
-    text = UNIT.read_text()
+    text = unit.read_text()
     rewritten = re.sub(r"(?m)^ExecStart=\S+", f"ExecStart={binary}", text, count=1)
     assert rewritten != text
-    copy = tmp_path / UNIT.name
+    copy = tmp_path / (name or unit.name)
     copy.write_text(rewritten)
     return copy
 
@@ -327,3 +328,36 @@ def test_psutil_reads_child_memory_under_procsubset_pid():
     if "SANDBOX-UP" not in proc.stdout:
         pytest.skip(f"cannot build a private /proc here: {proc.stderr.strip()}")
     assert proc.returncode == 0 and "PSUTIL-OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------- one unit per pool
+
+PER_INSTANCE = {"Description", "ExecStart", "SyslogIdentifier", "StateDirectory", "Environment"}
+
+
+def test_the_per_pool_template_is_the_unit_for_one_pool():
+    """Every directive of the template is the unit's, but the few that make an instance one pool's."""
+    unit, template = parse_unit(UNIT.read_text()), parse_unit(TEMPLATE.read_text())
+    assert unit.keys() == template.keys()
+    for section in unit:
+        assert [kv for kv in template[section] if kv[0] not in PER_INSTANCE] == \
+            [kv for kv in unit[section] if kv[0] not in PER_INSTANCE], section
+    exec_start = value(template, "Service", "ExecStart").split()
+    assert exec_start[1:] == ["start", "--config", "/etc/jetstream-supervisor/config.toml", "--pool", "%i"]
+    env = values(template, "Service", "Environment")
+    assert {"SUPERVISOR_MONITOR_HTTP=127.0.0.1:0", "SUPERVISOR_FLEET_NAME=%H-%i",
+            "SUPERVISOR_EMBEDDED_STORE_DIR=%S/jetstream-supervisor-%i"} <= set(env)
+    assert value(template, "Service", "StateDirectory") == "jetstream-supervisor-%i"
+
+
+def test_an_instance_verifies_and_has_the_unit_s_exposure(tmp_path):
+    tool = analyze()
+    copy = runnable_copy(tmp_path, TEMPLATE, "jetstream-supervisor@email.service")
+    proc = subprocess.run([tool, "verify", str(copy)], capture_output=True, text=True, timeout=60)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and [line for line in output.splitlines() if copy.name in line] == [], output
+    proc = subprocess.run([tool, "security", "--offline=yes", str(copy)], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0 and "offline" in proc.stderr:
+        pytest.skip(f"systemd-analyze too old for --offline (needs systemd >= 250): {proc.stderr}")
+    m = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?) (\w+)", proc.stdout)
+    assert m and (float(m.group(1)), m.group(2)) == (readme_exposure(), "OK"), proc.stdout[-2000:]

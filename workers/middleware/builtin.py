@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from supervisor.config import Config
 from workers.middleware.base import Middleware
 from workers.middleware.copies import CopyWaiting
-from workers.middleware.guard import IdempotencyGuard
+from workers.middleware.guard import IdempotencyGuard, scope_of
 from workers.middleware.joblog import JobLog
 from workers.middleware.limits import Limits
 from workers.middleware.retries import Policy
@@ -34,7 +34,8 @@ def instances(entries: Sequence[tuple[str, type[Middleware]]], cfg: Config, is_a
     if cfg.limits:                                 # issue 26: fleet-wide limits, outside the guard
         chain.append(("[limits]", Limits(cfg)))
     if cfg.idempotency.enabled:                    # issue 10: done-markers and leases
-        chain.append(("[idempotency]", IdempotencyGuard(cfg.idempotency.bucket, Policy.from_config(cfg).delay)))
+        chain.append(("[idempotency]", IdempotencyGuard(cfg.idempotency.bucket, Policy.from_config(cfg).delay,
+                                                            scope_of(cfg))))
     chain.append(("[log context]", JobLog(tracing)))   # issue 29: every record logged in a job names it
     if cfg.workers.soft_timeout:
         chain.append(("workers.soft_timeout", soft_timeout(cfg.workers.soft_timeout, is_async)))

@@ -11,6 +11,11 @@ original is acked unrun here (a Duplicate: counted as one, not against max_jobs)
 runs when due. Not found, or not readable: the job runs (a rerun, never a loss). Left: a copy that
 already fired before the original came back (a supervisor down longer than the delay) still
 runs beside it; with [idempotency] on, the guard folds the two by the key the copy carries.
+
+With [pools.*] a copy is its pool's: its Msg-Id names the pool's consumer, and it carries that
+name (OWNER_HEADER). Off a work queue two pools' filters may overlap (each consumer gets every
+message), and the copy, stored to the job's own subject, reaches every such pool: only the pool
+that re-published it runs it; the others ack it unrun (they ran the job in their own right).
 """
 
 from __future__ import annotations
@@ -28,24 +33,37 @@ from workers.middleware.base import Context, Duplicate, Middleware
 log = logging.getLogger("worker")
 
 
-def msg_id(job: Job) -> str:
+OWNER_HEADER = "Supervisor-Consumer"       # with [pools.*]: the consumer whose pool re-published the copy
+
+
+def owner(cfg: Config) -> str:
+    """Whose copies a worker makes and runs: its pool's consumer with [pools.*], else "" (none
+    named: copies as they always were)."""
+    return cfg.consumer.name if cfg.pools else ""
+
+
+def msg_id(job: Job, made_by: str = "") -> str:
     """The Nats-Msg-Id of the copy that replaces `job` (keyed by its sequence, not its attempt: a
-    second copy of one original is the same message)."""
-    return f"retry-{job.stream}-{job.stream_seq}"
+    second copy of one original is the same message; with pools, the same pool's)."""
+    return f"retry-{job.stream}-{made_by}-{job.stream_seq}" if made_by else f"retry-{job.stream}-{job.stream_seq}"
 
 
 class CopyWaiting(Middleware):
     def __init__(self, cfg: Config):
         self.stream = cfg.stream.name
+        self.owner = owner(cfg)
         self.js: Any = None
 
     def setup(self, ctx: Context) -> None:
         self.js = ctx.nc.jetstream()
 
     async def before_job(self, job: Job) -> None:
+        made_by = job.headers.get(OWNER_HEADER)
+        if made_by is not None and made_by != self.owner:
+            raise Duplicate(f"a copy for later re-published by the pool of consumer {made_by}: it runs there")
         if job.delivery == 1:
             return
-        subject = sched.delayed_subject(job.stream, msg_id(job))
+        subject = sched.delayed_subject(job.stream, msg_id(job, self.owner))
         try:
             await self.js.get_last_msg(self.stream, subject)
         except nats.js.errors.NotFoundError:

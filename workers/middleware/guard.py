@@ -86,6 +86,14 @@ def kv_key(key: str) -> str:
     return "".join(c if c in _KEEP else "".join(f"={b:02X}" for b in c.encode()) for c in key)
 
 
+def scope_of(cfg: Any) -> str:
+    """What goes before a pool's keys: with [pools.*], its consumer's name, so each pool's jobs
+    are done in its own right. Two pools whose filters overlap off a work queue (a fan-out: each
+    consumer gets every message) hold one key per message, and one pool's done-marker would make
+    the other ack its delivery unrun. Without [pools.*] keys are as they always were."""
+    return f"{kv_key(cfg.consumer.name)}." if cfg.pools else ""
+
+
 @dataclass(frozen=True)
 class Holder:
     """Who holds a lease, precisely enough to tell on this machine whether it is still alive."""
@@ -160,9 +168,10 @@ def retry_after(delay: float, lease_ttl: float) -> float:
 
 class Guard:
     def __init__(self, nc: Any, bucket: str, name: str, delay_for: Callable[[int], float],
-                 lease_ttl: int = LEASE_TTL):
+                 lease_ttl: int = LEASE_TTL, scope: str = ""):
         self.nc, self.js = nc, nc.jetstream()
         self.bucket, self.name = bucket, name
+        self.scope = scope                               # before every key: a pool's own done-markers (scope_of)
         self.stream, self.prefix = f"KV_{bucket}", f"$KV.{bucket}."
         self.delay_for = delay_for
         self.lease_ttl = lease_ttl
@@ -171,6 +180,9 @@ class Guard:
         self.lost: dict[str, tuple[int, bytes]] = {}     # leases that expired or were taken over mid-job
         self.last_warning = 0.0
         self.renewer: asyncio.Task | None = None
+
+    def kv_key(self, job_key: str) -> str:
+        return self.scope + kv_key(job_key)
 
     def start(self) -> Guard:
         self.renewer = asyncio.ensure_future(self.renew_forever())
@@ -195,7 +207,7 @@ class Guard:
         return verdict
 
     async def claim(self, job: Any) -> Verdict:
-        key, value = kv_key(job.key), self.me.lease_value(secrets.token_hex(4), job)
+        key, value = self.kv_key(job.key), self.me.lease_value(secrets.token_hex(4), job)
         try:
             revision = await self.write(key, value, last=0, ttl=self.lease_ttl)
         except Conflict:
@@ -247,7 +259,7 @@ class Guard:
         held = self.held.pop(job.key, None) or self.lost.pop(job.key, None)
         if held is None:
             return
-        key = kv_key(job.key)
+        key = self.kv_key(job.key)
         done = (f"done seq={job.stream_seq} delivery={job.delivery} pid={self.me.pid} host={self.me.host} "
                 f"at={time.time():.3f}").encode()
         try:
@@ -265,7 +277,7 @@ class Guard:
         if held is None:
             return
         try:
-            await self.replace(kv_key(job_key), held, b"", op="DEL")
+            await self.replace(self.kv_key(job_key), held, b"", op="DEL")
         except Exception as exc:         # it expires by its TTL anyway
             log.debug("%s: releasing the lease on key %s: %s", self.name, job_key, exc)
 
@@ -291,7 +303,7 @@ class Guard:
 
     async def renew(self, job_key: str, held: tuple[int, bytes]) -> None:
         try:
-            revision = await self.replace(kv_key(job_key), held, held[1], ttl=self.lease_ttl)
+            revision = await self.replace(self.kv_key(job_key), held, held[1], ttl=self.lease_ttl)
         except Exception as exc:         # the next round tries again; the TTL leaves room for two misses
             log.debug("%s: renewing the lease on key %s: %s", self.name, job_key, exc)
             return
@@ -344,12 +356,12 @@ class IdempotencyGuard(Middleware):
     after it, the held leases released when the worker exits. Its hooks are async: for a sync
     handler they run on the worker's loop while the handler thread waits (chain.py)."""
 
-    def __init__(self, bucket: str, delay_for: Callable[[int], float]):
-        self.bucket, self.delay_for = bucket, delay_for
+    def __init__(self, bucket: str, delay_for: Callable[[int], float], scope: str = ""):
+        self.bucket, self.delay_for, self.scope = bucket, delay_for, scope
         self.guard: Guard | None = None
 
     async def setup(self, ctx: Context) -> None:
-        self.guard = Guard(ctx.nc, self.bucket, f"worker {ctx.slot}", self.delay_for).start()
+        self.guard = Guard(ctx.nc, self.bucket, f"worker {ctx.slot}", self.delay_for, scope=self.scope).start()
 
     async def before_job(self, job: Job) -> None:
         assert self.guard is not None, "setup() makes the guard"

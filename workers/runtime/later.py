@@ -40,7 +40,7 @@ from supervisor.config import Config
 from supervisor.config import schedules as sched
 from supervisor.config.subjects import subject_matches
 from workers import Job
-from workers.middleware.copies import msg_id
+from workers.middleware.copies import OWNER_HEADER, msg_id, owner
 from workers.middleware.retries import ATTEMPTS_HEADER
 
 log = logging.getLogger("worker")
@@ -50,13 +50,14 @@ REASON_HEADER = "Supervisor-Retry-Reason"
 PUBLISH_TIMEOUT = 5.0
 
 
-def copy_of(job: Job, attempt: int, reason: str, due: dt.datetime) -> sched.ScheduleMsg:
+def copy_of(job: Job, attempt: int, reason: str, due: dt.datetime, made_by: str = "") -> sched.ScheduleMsg:
     """The schedule: the job's data and its own headers (Nats-* are the server's, as for any
     schedule: a job a schedule fired carries Nats-Scheduler, which a client may not publish),
     plus the attempts spent, the key and why."""
     own = {k: v for k, v in job.headers.items() if not k.lower().startswith("nats-")}
-    ours = {ATTEMPTS_HEADER: str(attempt), KEY_HEADER: job.key, REASON_HEADER: " ".join(reason.split())[:200]}
-    return sched.ScheduleMsg(sched.delayed_subject(job.stream, msg_id(job)), sched.at_pattern(due), job.subject,
+    ours = {ATTEMPTS_HEADER: str(attempt), KEY_HEADER: job.key, REASON_HEADER: " ".join(reason.split())[:200],
+            **({OWNER_HEADER: made_by} if made_by else {})}
+    return sched.ScheduleMsg(sched.delayed_subject(job.stream, msg_id(job, made_by)), sched.at_pattern(due), job.subject,
                              job.data, tuple(sorted({**own, **ours}.items())))
 
 
@@ -65,14 +66,14 @@ async def republish_later(nc: Any, cfg: Config, job: Job, delay: float, attempt:
     the attempts it has spent; raises when the stream does not take it (the caller NAKs instead).
     The original is the caller's to ack once this returned: its PubAck means the copy is stored
     (or was already: the same Msg-Id inside the duplicate window)."""
-    due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay)
-    copy = copy_of(job, attempt, reason, due)
+    due, made_by = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay), owner(cfg)
+    copy, copy_id = copy_of(job, attempt, reason, due, made_by), msg_id(job, made_by)
     ack = await nc.jetstream().publish(copy.subject, copy.data, timeout=PUBLISH_TIMEOUT,
-                                       headers={**copy.publish_headers(), "Nats-Msg-Id": msg_id(job)})
+                                       headers={**copy.publish_headers(), "Nats-Msg-Id": copy_id})
     if getattr(ack, "duplicate", False):
         log.warning("seq=%d was re-published for later already (%s, an earlier delivery whose ack did not land): "
-                    "the stream dropped this copy", job.stream_seq, msg_id(job),
-                    extra={"event": "republish_deduped", "seq": job.stream_seq, "msg_id": msg_id(job)})
+                    "the stream dropped this copy", job.stream_seq, copy_id,
+                    extra={"event": "republish_deduped", "seq": job.stream_seq, "msg_id": copy_id})
 
 
 async def why_not(nc: Any, cfg: Config) -> str | None:

@@ -31,6 +31,7 @@ own PID 1, are two peers, not one).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -76,10 +77,11 @@ class Peers:
         self.heard: dict[str, float] = {}        # origin -> when we last heard from it
         self.gone: set[str] = set()              # peers that said goodbye: they hold nothing
         self.echo_at: float | None = None        # our own last hello, heard back
+        self.sub: Any = None                     # our subscription to the consumer's ledger subject
 
     async def start(self) -> None:
         try:
-            await self.nc.subscribe(self.subject, cb=self.on_message)
+            self.sub = await self.nc.subscribe(self.subject, cb=self.on_message)
             self.listening_since = time.monotonic()
             await self._publish({"origin": self.origin, "hello": 1, "ask": 1})   # peers: say hello now
         except Exception as exc:
@@ -149,6 +151,15 @@ class Peers:
                 await self.nc.flush(timeout=1)
             except Exception as exc:
                 log.debug("goodbye not confirmed: %s", exc)
+
+    async def close(self) -> None:
+        """This pool is done here (a reload took it out, or failed after making it): goodbye, so
+        that no peer counts it for good (alone() would stay False), and stop listening."""
+        await self.goodbye()
+        if self.sub is not None:
+            with contextlib.suppress(Exception):
+                await self.sub.unsubscribe()
+            self.sub = None
 
     async def flush(self) -> None:
         now = time.monotonic()

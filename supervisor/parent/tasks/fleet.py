@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -82,12 +83,14 @@ from supervisor.core.fleetview import (
     beat_key,
     lease_ttl,
     plan_release,
+    reply_consumer,
     unlisted_window,
 )
 from supervisor.core.policy import ack_wait_for
 from supervisor.nats.fix import server_info
 from supervisor.observe.snapshot import Snapshot
 from supervisor.parent.arbiter import Arbiter
+from supervisor.parent.crew import Crew
 
 log = logging.getLogger("supervisor.fleet")
 
@@ -134,14 +137,21 @@ def cap_held(held: list[list], budget: int) -> list[list]:
 
 def build_beat(snap: Snapshot, name: str, started: float, jobs_per_s: float,
                held_budget: int = int(HELD_SHARE * DEFAULT_MAX_PAYLOAD)) -> dict:
+    """Workers, jobs/s, crashes and held jobs of every pool; `acked` and `busy` (the fleet's
+    progress for the lag analysis) of the first pool, whose `consumer` the beat names: the one
+    the fleet's shared samples are about."""
     counts, pool = snap.ledger, snap.pool
+    lead = snap.pools[0] if snap.pools else None
     held = held_jobs(snap)
     return {"name": name, "host": socket.gethostname(), "pid": snap.pid, "version": snap.version,
             "state": snap.state, "workers": {"ready": pool.ready, "target": pool.target},
             "jobs_per_s": round(jobs_per_s, 2), "crashes": counts["crashes"],
             "unexplained": counts["unexplained_redeliveries"], "started": started, "t": time.time(),
-            "heartbeat": snap.cfg.fleet.heartbeat, "capacity": pool.capacity, "acked": pool.jobs.ack,
-            "busy": pool.busy, "held": cap_held(held, held_budget), "held_total": len(held)}
+            "heartbeat": snap.cfg.fleet.heartbeat, "capacity": pool.capacity,
+            "acked": (lead.pool if lead else pool).jobs.ack, "busy": (lead.pool if lead else pool).busy,
+            "consumer": (lead.consumer if lead else snap.consumer).name,
+            "consumers": [p.consumer.name for p in snap.pools] if snap.pools else [snap.consumer.name],
+            "held": cap_held(held, held_budget), "held_total": len(held)}
 
 
 # ================================================================ the parent's fleet task
@@ -153,7 +163,11 @@ class Fleet:
 
     Long because heartbeat, lease, watch, loss handling and sample sharing are one task's steps
     around one piece of state (whether we hold the lease, at which revision); the decisions are
-    already outside it (FleetView, Fallback, plan_release, unlisted_window), each pure."""
+    already outside it (FleetView, Fallback, plan_release, unlisted_window), each pure.
+
+    With pools: one heartbeat for the whole supervisor (every pool's held jobs); the shared
+    ConsumerInfo samples and the fleet's progress are the first pool's consumer (the lead); a
+    lost peer's jobs are released and explained by the pool of the consumer each was held on."""
 
     def __init__(self, cfg: Config, nc: Any, arbiter: Arbiter, snapshot: Callable[[], Snapshot]):
         self.cfg, self.nc, self.arbiter = cfg, nc, arbiter
@@ -189,13 +203,21 @@ class Fleet:
     def poller(self) -> bool:
         return self.lease_rev > 0
 
+    @property
+    def lead(self) -> Crew:
+        return self.arbiter.lead
+
+    def samples_subject(self) -> str:
+        """Where the poller shares the lead pool's ConsumerInfo."""
+        return sample_subject(self.cfg.stream.name, self.lead.cfg.consumer.name)
+
     def apply_config(self, cfg: Any) -> None:
         self.cfg = cfg
         if self.view:
             self.view.heartbeat = cfg.fleet.heartbeat
 
     async def run(self) -> None:
-        await self.nc.subscribe(sample_subject(self.cfg.stream.name, self.cfg.consumer.name), cb=self.on_sample)
+        await self.nc.subscribe(self.samples_subject(), cb=self.on_sample)
         await self.nc.subscribe(alive_subject(self.cfg.stream.name, self.cfg.consumer.name, self.key), cb=self.on_probe)
         while True:
             started = time.monotonic()
@@ -401,9 +423,9 @@ class Fleet:
             since = view.age(peer, now)
             if since is None or await self.answers(peer, since, now):
                 continue
-            plan = self.plan(peer.beat.get("held") or [], since)
-            if await self.mark(peer, plan):
-                await self.lost(peer, since, plan)
+            plans = self.plans(peer, since)
+            if await self.mark(peer, plans):
+                await self.lost(peer, since, plans)
 
     async def answers(self, peer: Peer, since: float, now: float) -> bool:
         """Evidence before a loss: does the silent peer's parent answer over core NATS? One that
@@ -429,15 +451,15 @@ class Fleet:
         self.probed[peer.key] = now
         return True
 
-    async def mark(self, peer: Peer, plan: Release) -> bool:
+    async def mark(self, peer: Peer, plans: dict[str, Release]) -> bool:
         """Write the lost mark into the peer's entry, checked against the revision we saw. Only
         the poller that wins this write acts on the loss, and not at all if the peer beat again,
         nor if an orphan of its claimed its jobs there (workers/protocol/fleetclaim.py): the
-        mark names what `plan` releases, which such an orphan, coming later, must not NAK."""
+        mark names what `plans` release, which such an orphan, coming later, must not NAK."""
         from nats.js.errors import KeyWrongLastSequenceError
 
-        beat = dict(peer.beat, lost={"by": self.name, "t": time.time(), "server_t": peer.server_t,
-                                     "released": [[s, d] for s, d, _ in plan.nak]})
+        released = [[s, d] for plan in plans.values() for s, d, _ in plan.nak]
+        beat = dict(peer.beat, lost={"by": self.name, "t": time.time(), "server_t": peer.server_t, "released": released})
         try:
             peer.rev = await self.kv.update(peer.key, json.dumps(beat, separators=(",", ":")).encode(), last=peer.rev)
         except KeyWrongLastSequenceError:
@@ -445,51 +467,81 @@ class Fleet:
         peer.marked = True
         return True
 
-    async def lost(self, peer: Peer, since: float, plan: Release) -> None:
+    def plans(self, peer: Peer, since: float) -> dict[str, Release]:
+        """What to release of a lost peer's jobs, by the pool here whose consumer each was held on."""
+        by_pool, _ = self.by_pool(peer.beat.get("held") or [])
+        return {crew.name: self.plan(by_pool.get(crew.name, []), since, crew) for crew in self.arbiter.crews.values()}
+
+    async def lost(self, peer: Peer, since: float, plans: dict[str, Release]) -> None:
         held = peer.beat.get("held") or []
-        window = unlisted_window(since, ack_wait_range(self.cfg))
+        by_pool, foreign = self.by_pool(held)
         # Jobs the beat could not list (held_total) come back after AckWait, explained by the window.
         budget = max(0, int(peer.beat.get("capacity") or 0) - len(held), int(peer.beat.get("held_total") or 0) - len(held))
-        self.arbiter.peers.lost_peer(peer.name, [(s, d) for s, d, *_ in held], window, budget)
-        await self.arbiter.peers.flush()    # the word first: our NAKs' redeliveries may land anywhere
-        for _seq, _delivery, reply in plan.nak:
-            await self.nc.publish(reply, b"-NAK")
-        self.released += len(plan.nak)
-        if plan.nak:
+        theirs = set(peer.beat.get("consumers") or [peer.beat.get("consumer") or self.lead.cfg.consumer.name])
+        for crew in self.arbiter.crews.values():
+            if crew.cfg.consumer.name in theirs:
+                window = unlisted_window(since, ack_wait_range(crew.cfg))
+                crew.peers.lost_peer(peer.name, [(s, d) for s, d, *_ in by_pool.get(crew.name, [])], window, budget)
+                await crew.peers.flush()    # the word first: our NAKs' redeliveries may land anywhere
+        naked: list[int] = []
+        skipped: list[tuple[int, int, str]] = [(s, d, "held on a consumer no pool here runs") for s, d, *_ in foreign]
+        for plan in plans.values():
+            for seq, _delivery, reply in plan.nak:
+                await self.nc.publish(reply, b"-NAK")
+                naked.append(seq)
+            skipped += plan.skipped
+        self.released += len(naked)
+        if naked:
             with contextlib.suppress(Exception):    # NATS away: the NAKs wait in nats-py's buffer; say what we did
                 await self.nc.flush(timeout=2)
         log.warning("supervisor %s (pid %s on %s) is lost: no heartbeat for %.1fs; it held %d job(s): "
                     "released %d now, left %d alone%s", peer.name, peer.beat.get("pid"), peer.beat.get("host"),
-                    since, len(held), len(plan.nak), len(plan.skipped),
-                    "".join(f"; seq {s}: {why}" for s, _, why in plan.skipped[:5]),
+                    since, len(held), len(naked), len(skipped),
+                    "".join(f"; seq {s}: {why}" for s, _, why in skipped[:5]),
                     extra={"event": "fleet_peer_lost", "peer": peer.name, "held": len(held),
-                           "released": [s for s, _, _ in plan.nak], "skipped": [s for s, _, _ in plan.skipped]})
+                           "released": naked, "skipped": [s for s, _, _ in skipped]})
 
-    def plan(self, held: list[list], since: float) -> Release:
-        """What to NAK of a lost peer's jobs: a job anybody else (a live peer's heartbeat, our
-        own workers, a redelivery any supervisor reported) has at a later delivery is not its."""
+    def by_pool(self, held: list[list]) -> tuple[dict[str, list[list]], list[list]]:
+        """A lost peer's held jobs by the pool here whose consumer each was held on (its reply
+        subject says which), and those of consumers no pool here runs: never released from here
+        (their AckWait is not ours to know), they come back after it."""
+        pools = {c.cfg.consumer.name: c.name for c in self.arbiter.crews.values()}
+        out: dict[str, list[list]] = {}
+        foreign = []
+        for job in held:
+            consumer = reply_consumer(str(job[3])) if len(job) > 3 and job[3] else self.lead.cfg.consumer.name
+            if consumer in pools:
+                out.setdefault(pools[consumer], []).append(job)
+            else:
+                foreign.append(job)
+        return out, foreign
+
+    def plan(self, held: list[list], since: float, crew: Crew) -> Release:
+        """What to NAK of a lost peer's jobs on `crew`'s consumer: a job anybody else (a live
+        peer's heartbeat, our own workers, a redelivery any supervisor reported) has at a later
+        delivery is not its."""
         if not self.cfg.fleet.release_lost:
             return Release(skipped=[(s, d, "fleet.release_lost is false") for s, d, *_ in held])
         now = time.monotonic()
         live = self.view.held_by_live(now) if self.view else {}
         own = {e[0]: e[1] for e in held_jobs(self.snapshot())}
-        peers = self.arbiter.peers
-        c = self.cfg.consumer
+        c = crew.cfg.consumer
         return plan_release(held, since, lambda d: ack_wait_for(c.ack_wait, c.backoff, d),
-                            lambda seq: max(live.get(seq, 0), own.get(seq, 0), peers.seen_delivery(seq)))
+                            lambda seq: max(live.get(seq, 0), own.get(seq, 0), crew.peers.seen_delivery(seq)))
 
     # ------------------------------------------------------------ samples and the fleet summary
 
     def own_summary(self) -> dict:
         now = time.monotonic()
+        lead = self.lead
         counts = self.view.counts(now) if self.view else {}
-        acked, busy = self.view.progress(now) if self.view else (0, False)
+        acked, busy = self.view.progress(now, lead.cfg.consumer.name) if self.view else (0, False)
         # Our own share straight from the pool's counters: the Snapshot reads status(), which reads this.
-        stats = self.arbiter.stats
+        stats = lead.stats
         return {"poller": self.name, "poller_key": self.key, "ok": counts.get("ok", 0) + counts.get("silent", 0),
                 "silent": counts.get("silent", 0), "lost": counts.get("lost", 0),
-                "acked": acked + stats.worker_counters()["ack"],
-                "busy": busy or stats.progress_beat(self.cfg.workers.job_timeout) is not None}
+                "acked": acked + stats.worker_counters()["ack"], "consumer": lead.cfg.consumer.name,
+                "busy": busy or stats.progress_beat(lead.cfg.workers.job_timeout) is not None}
 
     def progress(self) -> tuple[int, bool]:
         """Fleet-wide progress for the lag analysis: a sum of every supervisor's acks (it moves
@@ -498,6 +550,8 @@ class Fleet:
         host's long job, or its steady acks behind an ack floor pinned by a lost ack, as stuck."""
         summary = self.own_summary() if self.poller else self.summary \
             if time.monotonic() - self.summary_at < LOST_AFTER * self.heartbeat else {}
+        if summary.get("consumer") not in (None, self.lead.cfg.consumer.name):
+            return 0, False                 # the poller's first pool is another consumer: its progress is not ours
         return int(summary.get("acked") or 0), bool(summary.get("busy"))
 
     async def share(self, consumer: dict) -> None:
@@ -511,8 +565,7 @@ class Fleet:
                 "heartbeat": self.heartbeat, "fleet": self.own_summary()}
         if consumer is not None:
             body["consumer"] = consumer
-        await self.nc.publish(sample_subject(self.cfg.stream.name, self.cfg.consumer.name),
-                              json.dumps(body, separators=(",", ":"), default=str).encode())
+        await self.nc.publish(self.samples_subject(), json.dumps(body, separators=(",", ":"), default=str).encode())
 
     async def on_sample(self, msg: Any) -> None:
         try:
@@ -557,8 +610,9 @@ class Fleet:
 
         silent = self.view.counts(time.monotonic())["silent"] if self.view else self.summary.get("silent", 0)
         if silent:
-            until, ledger = time.monotonic() + max(SUSPECT_GRACE, 2 * self.heartbeat), self.arbiter.ledger
-            self.arbiter.post(lambda: ledger.hold_suspects(until))      # the arbiter's loop writes the ledger
+            until = time.monotonic() + max(SUSPECT_GRACE, 2 * self.heartbeat)
+            for crew in self.arbiter.crews.values():      # the arbiter's loop writes the ledgers
+                self.arbiter.post(functools.partial(crew.ledger.hold_suspects, until))
 
     def status(self) -> dict:
         now = time.monotonic()

@@ -6,7 +6,8 @@ crashes nothing: the numbers age (`poll_age_s`) until the lag state turns `unkno
 Advisories: MAX_DELIVERIES means the server gave up on a job; it is still in the stream, so it is
 copied to the dead-letter subject and nothing vanishes silently. MSG_TERMINATED is counted.
 
-In a fleet (supervisor/parent/tasks/fleet.py) only the elected poller asks the server; the others take its
+One monitor per pool (its consumer; parent/crew.py). In a fleet (supervisor/parent/tasks/fleet.py)
+only the elected poller asks the server about the first pool's consumer; the others take its
 samples and ask themselves only when those stop coming. In a cluster ConsumerInfo comes from the
 consumer leader, whichever node that is now; `SampleGuard` keeps an answer that cannot be right
 (a leader still catching up after a move, reporting consumer sequences that went backwards)
@@ -21,6 +22,8 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -33,7 +36,7 @@ from supervisor.core.lag import LagAnalyzer, Sample
 from supervisor.nats import limits
 from supervisor.nats.consumer import consumer_dict
 from supervisor.observe.history import History
-from supervisor.parent.arbiter import Arbiter
+from supervisor.parent.crew import Crew
 from supervisor.parent.tasks.fleet import Fleet
 from workers import Job
 from workers.runtime.deadletter import dead_letter
@@ -98,11 +101,21 @@ class SampleGuard:
         return ""
 
 
+@dataclass
+class LimitsReading:
+    """[limits.NAME] in use fleet-wide: the stream's limits, one reading for every pool (the
+    first pool's monitor polls; each pool's autoscaler and /status read it)."""
+    in_use: dict[str, dict[str, int]] = field(default_factory=dict)
+    error: str = ""
+
+
 class Monitor:
-    def __init__(self, cfg: Config, nc: Any, arbiter: Arbiter):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, nc: Any, crew: Crew, on_polled: Callable[[], None] | None = None,
+                 limits: LimitsReading | None = None, reads_limits: Callable[[], bool] = lambda: True):
+        self.cfg = cfg                      # the pool's effective config
         self.nc = nc
-        self.arbiter = arbiter
+        self.crew = crew                    # the pool it watches: its ledger, counters, in-transit check
+        self.on_polled = on_polled          # after each poll (parent/supervisor.py: systemd's STATUS=)
         self.analyzer = LagAnalyzer(cfg.monitor.lag_window, cfg.consumer.ack_wait, cfg.monitor.interval)
         self.history = History(cfg.monitor.lag_window, cfg.monitor.interval)
         self.consumer: dict[str, Any] | None = None
@@ -116,8 +129,8 @@ class Monitor:
         self.copied: set[int] = set()       # stream seqs given up on and dead-lettered by us
         self.given_up_due = 0.0             # next search for jobs the consumer gave up on (find_given_up) ...
         self.reconnects_seen = -1           # ... and at once after a reconnect
-        self.limits: dict[str, dict[str, int]] = {}   # [limits.NAME] in use fleet-wide (supervisor/nats/limits.py)
-        self.limits_error = ""
+        self.reading = limits or LimitsReading()     # [limits.NAME] in use fleet-wide (supervisor/nats/limits.py) ...
+        self.reads_limits = reads_limits             # ... polled by this monitor while this says so
         self.paused_until: str | None = None          # as last seen, to log a pause once
 
     def apply_config(self, cfg: Config) -> None:
@@ -184,7 +197,7 @@ class Monitor:
         self.consumer = consumer
         self.polled_at = now
         self.note_pause(consumer)
-        beat = self.arbiter.stats.progress_beat(self.arbiter.cfg.workers.job_timeout)
+        beat = self.crew.stats.progress_beat(self.crew.cfg.workers.job_timeout)
         # In a fleet, progress anywhere counts (supervisor/parent/tasks/fleet.py Fleet.progress).
         fleet_acked, fleet_busy = self.fleet.progress() if self.fleet else (0, False)
         self.analyzer.add(Sample(t=self.polled_at, num_pending=consumer["num_pending"],
@@ -192,19 +205,19 @@ class Monitor:
                                  num_redelivered=consumer["num_redelivered"],
                                  delivered_consumer_seq=consumer["delivered_consumer_seq"],
                                  ack_floor_consumer_seq=consumer["ack_floor_consumer_seq"],
-                                 local_acked=self.arbiter.stats.worker_counters()["ack"] + fleet_acked,
+                                 local_acked=self.crew.stats.worker_counters()["ack"] + fleet_acked,
                                  progress_alive=beat is not None or fleet_busy, progress_at=beat,
                                  paused=bool(consumer.get("paused_until"))))
         self.history.add(self.polled_at, consumer, self.analyzer.report(self.polled_at).state)
-        ledger, c, t = self.arbiter.ledger, consumer, self.polled_at
+        ledger, c, t = self.crew.ledger, consumer, self.polled_at
 
         def record() -> None:
             ledger.ack_floor(c["ack_floor_stream_seq"])
             ledger.delivered_seen(t, c["delivered_stream_seq"])
-        self.arbiter.post(record)
+        self.crew.post(record)
         if asked is not None:            # bounds what a later death can have had in transit (in_transit.py)
-            in_transit = self.arbiter.in_transit
-            self.arbiter.post(lambda: in_transit.observed(asked, t, c["delivered_stream_seq"], c["num_waiting"],
+            in_transit = self.crew.in_transit
+            self.crew.post(lambda: in_transit.observed(asked, t, c["delivered_stream_seq"], c["num_waiting"],
                                                           c["delivered_consumer_seq"], c["paused_until"] is not None))
         await self.resolve_acks_in_doubt(js)
         return True
@@ -223,25 +236,33 @@ class Monitor:
             log.info("consumer %s resumed", name, extra={"event": "consumer_resumed"})
         self.paused_until = until
 
+    @property
+    def limits(self) -> dict[str, dict[str, int]]:
+        return self.reading.in_use
+
+    @property
+    def limits_error(self) -> str:
+        return self.reading.error
+
     async def poll_limits(self) -> None:
         """[limits.NAME] in use across the fleet, for /status and autoscaling."""
-        if not self.cfg.limits:
+        if not self.cfg.limits or not self.reads_limits():
             return
         try:
-            self.limits = await limits.in_use(self.nc.jetstream(), self.cfg)
+            self.reading.in_use = await limits.in_use(self.nc.jetstream(), self.cfg)
         except Exception as exc:
             error = f"limits bucket {self.cfg.fleet.limits_bucket}: {type(exc).__name__}: {exc}"[:200]
-            if error != self.limits_error:
+            if error != self.reading.error:
                 log.warning("%s", error)
-            self.limits_error = error
+            self.reading.error = error
             return
-        self.limits_error = ""
+        self.reading.error = ""
 
     def leader_moved(self, before: dict, after: dict, t_before: float, now: float) -> None:
         start, end, budget = lost_ack_window(before, after, t_before, now, ack_wait_range(self.cfg))
         why = f"ack possibly lost while the consumer leader moved ({before.get('leader')} -> {after.get('leader')})"
-        ledger = self.arbiter.ledger
-        self.arbiter.post(lambda: ledger.expect_window(start, end, budget, why, counter="leader_move_redeliveries"))
+        ledger = self.crew.ledger
+        self.crew.post(lambda: ledger.expect_window(start, end, budget, why, counter="leader_move_redeliveries"))
         log.info("consumer leader is %s now (was %s)", after.get("leader"), before.get("leader"),
                  extra={"event": "consumer_leader_moved"})
 
@@ -250,12 +271,12 @@ class Monitor:
         is deleted, so a message that is gone was acked (the NAK we sent just in case was a no-op)."""
         if self.cfg.stream.retention != "workqueue":
             return                  # the ack floor settles these
-        for seq in self.arbiter.ledger.in_doubt()[:20]:
+        for seq in self.crew.ledger.in_doubt()[:20]:
             try:
                 await js.get_msg(self.cfg.stream.name, seq)
             except NotFoundError:
-                ledger = self.arbiter.ledger
-                self.arbiter.post(partial(ledger.resolve, seq, "acked before the death (message gone)"))
+                ledger = self.crew.ledger
+                self.crew.post(partial(ledger.resolve, seq, "acked before the death (message gone)"))
             except Exception:
                 return              # try again next poll
 
@@ -273,13 +294,14 @@ class Monitor:
             report = self.analyzer.report(now)
             level = logging.WARNING if report.state in ("stuck", "growing") else logging.INFO
             log.log(level, "lag state %s -> %s: %s", change[0], change[1], report.reason)
-        if self.arbiter.notifier:
-            self.arbiter.notifier.status(self.status_line(now))
+        if self.on_polled:
+            self.on_polled()
 
     def status_line(self, now: float) -> str:
+        """The pool's part of systemd's STATUS= line (parent/supervisor.py puts the pools together)."""
         c = self.consumer or {}
-        return (f"{self.arbiter.status_line()}; pending {c.get('num_pending', '?')}, "
-                f"in flight {c.get('num_ack_pending', '?')}; lag {self.analyzer.report(now).state}")
+        return (f"pending {c.get('num_pending', '?')}, in flight {c.get('num_ack_pending', '?')}; "
+                f"lag {self.analyzer.report(now).state}")
 
     def poll_age(self) -> float | None:
         return None if self.polled_at is None else time.monotonic() - self.polled_at
@@ -332,7 +354,7 @@ class Monitor:
             return False
         self.copied.add(seq)
         message = f"job seq={seq} gave up after {deliveries} deliveries; copied to {self.cfg.restart.dead_letter_subject}"
-        self.arbiter.post(lambda: self.arbiter.alert("max_deliveries", message))
+        self.crew.post(lambda: self.crew.alert("max_deliveries", message))
         return True
 
     # ------------------------------------------------------------ jobs the consumer gave up on (R11a)
