@@ -22,6 +22,7 @@ from chaos.facts import read_journal
 from chaos.rig import CONSUMER, STREAM, Run
 from supervisor.parent.safety.in_transit import SLACK
 from workers.runtime.puller import PULL_EXPIRES
+from workers.runtime.shutdown import SHUTDOWN_NAK_DELAY
 
 ACK_WAIT = 30.0
 JSON_LOGS = ("--log-format", "json")
@@ -312,19 +313,8 @@ def test_an_orphans_nak_redelivered_to_a_worker_that_dies_comes_back_at_once(tmp
     alpha_worker, beta_worker = r"^alpha worker 0$", r"^beta worker 0$"
 
     def orphan_nak_on_the_wire(run: Run) -> None:
-        server = run.start_server()
-        run.connect([server.url])
-        proxy = run.start_proxy(server)
-        run.bg.call(proxy.tap(alpha_worker, (b"-NAK",)))
+        proxy, alpha, orphan = alpha_running_one_and_holding_more(run, alpha_worker, "1.0")
         run.bg.call(proxy.tap(beta_worker, (NEXT,)))
-        alpha = run.start_supervisor([proxy.url], nats={"name": "alpha"},
-                                     workers={"count": 1, "batch": 8, "heartbeat_timeout": 60.0})
-        run.load(40, rate=400, what="0", window=8).result(30)     # fast jobs: the worker learns to buffer
-        wait_until(lambda: run.done_count() == 40, 30, "the warm-up done")
-        run.load(6, rate=400, what="1.0", window=6).result(30)
-        [orphan] = alpha.worker_pids()
-        wait_until(lambda: len([e for w in alpha.status()["workers"]["list"] for e in w["in_flight"]
-                                if e["state"] == "held"]) >= 2, 10, "alpha's worker running a job and holding more")
         os.kill(orphan, signal.SIGSTOP)
         t_kill = time.monotonic()
         alpha.proc.kill()
@@ -363,6 +353,76 @@ def test_an_orphans_nak_redelivered_to_a_worker_that_dies_comes_back_at_once(tmp
     assert [f for f in result.findings if f.verdict == "redelivered"], result.summary()
     assert result.counts["ackwait"] == 0, result.summary()
     assert result.passed, result.summary()
+
+
+def test_an_orphans_naks_reach_a_successor_that_started_after_it_left(tmp_path):
+    """F9's successor, started only after the orphan left: found by `python -m chaos --random
+    --seed 18 --minutes 0.25` on branch f7 (1 run of 20, with the orphans' fleet claim): the new
+    supervisor took 2.6 s to start on the loaded box, the orphans had NAKed what they had not
+    started and said goodbye before it listened on the ledger subject; the redeliveries went to its
+    worker, SIGKILLed right after a server stop before reading them, and 6 jobs waited for
+    AckWait. (Before the claim, the poller's release of what the dead parent's last heartbeat
+    listed brought them back, by luck: seed 52.) An orphan now leaves its NAKs and goodbye in the
+    fleet bucket too, and every supervisor reads those records from its start. Here alpha's worker
+    holds jobs it has not started, alpha is SIGKILLed, and the orphan NAKs them and exits; then
+    beta starts, its worker's first pull request reaches the server and its link stalls right
+    after (the redeliveries stay on its wire), and the worker is SIGKILLed: they must be back at
+    once. Red without the record: every one of them after AckWait."""
+    alpha_worker, beta_worker = r"^alpha worker 0$", r"^beta worker 0$"
+
+    def orphan_gone_before_its_successor(run: Run) -> None:
+        proxy, alpha, orphan = alpha_running_one_and_holding_more(run, alpha_worker, "0.5")
+        t_kill = time.monotonic()
+        alpha.proc.kill()
+        alpha.proc.wait()
+        run.stopped.add(run.sups.index(alpha))                  # on purpose: no death to count
+        parent = run.fault("parent SIGKILL", t_kill, pids={orphan})
+        wait_until(lambda: not run.watcher.alive(orphan), 10, "the orphan gone")
+        parent.t1 = time.monotonic()
+        naks = [t for t, _ in run.bg.call(proxy.tapped(alpha_worker))]
+        assert naks, "the orphan NAKed nothing"
+        # Their delay over: the redeliveries wait for the first pull request to come (beta's worker's).
+        time.sleep(max(0.0, max(naks) + SHUTDOWN_NAK_DELAY + 0.2 - time.monotonic()))
+        run.bg.call(proxy.hold(beta_worker, NEXT, after=True))
+        beta = run.start_supervisor([proxy.url], nats={"name": "beta"},
+                                    workers={"count": 1, "heartbeat_timeout": 60.0})
+        [victim] = beta.worker_pids()
+        wait_until(lambda: run.bg.call(proxy.holding(beta_worker)), 10, "beta's worker's request out, its link held")
+        kill = run.fault("worker link held, then SIGKILL", time.monotonic(), pids={victim})
+        wait_until(lambda: [o for o in beta.status()["peers"]["gone"] if "orphan of" in o], 10,
+                   "the orphan's record read")
+        wait_until(lambda: waiting(run) == 0, 10, "the redeliveries handed to beta's worker's request")
+        alone_and_polled(run, time.monotonic() - 30)
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: not run.watcher.alive(victim), 30, "beta's worker gone")
+        kill.t1 = time.monotonic()
+        run.bg.call(proxy.reset(beta_worker))
+        wait_until(lambda: beta.status()["peers"]["in_transit_checks"]["redeliveries_naked"], 15, "the redeliveries NAKed")
+
+    result = run_with("orphan-gone-before-its-successor", 0, orphan_gone_before_its_successor, dict(VERDICTS),
+                      tmp_path / "run")
+    assert not result.error, result.summary()
+    assert [f for f in result.findings if f.verdict == "bounced"], f"nothing on the wire at the death: {result.summary()}"
+    assert result.counts["ackwait"] == 0, result.summary()
+    assert result.passed, result.summary()
+
+
+def alpha_running_one_and_holding_more(run: Run, alpha_worker: str, seconds: str):
+    """A server, the proxy (alpha's worker's NAKs tapped), supervisor alpha with one worker that
+    runs a job of `seconds` and holds at least two more it has not started. (proxy, alpha, its worker's pid)"""
+    server = run.start_server()
+    run.connect([server.url])
+    proxy = run.start_proxy(server)
+    run.bg.call(proxy.tap(alpha_worker, (b"-NAK",)))
+    alpha = run.start_supervisor([proxy.url], nats={"name": "alpha"},
+                                 workers={"count": 1, "batch": 8, "heartbeat_timeout": 60.0})
+    run.load(40, rate=400, what="0", window=8).result(30)     # fast jobs: the worker learns to buffer
+    wait_until(lambda: run.done_count() == 40, 30, "the warm-up done")
+    run.load(6, rate=400, what=seconds, window=6).result(30)
+    [orphan] = alpha.worker_pids()
+    wait_until(lambda: len([e for w in alpha.status()["workers"]["list"] for e in w["in_flight"]
+                            if e["state"] == "held"]) >= 2, 10, "alpha's worker running a job and holding more")
+    return proxy, alpha, orphan
 
 
 PARENT = r"^jetstream-supervisor$"    # the proxy's name pattern for the parent's own connection

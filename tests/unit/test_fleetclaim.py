@@ -3,7 +3,7 @@ poller's lost mark it reads (seed 52: a release, then the orphan's NAK hit the n
 
 from __future__ import annotations
 
-from workers.protocol.fleetclaim import claimed, released
+from workers.protocol.fleetclaim import claimed, orphan_key, released
 
 REPLY = "$JS.ACK.JOBS.workers.1.{}.{}.1796162710029000000.0"
 
@@ -28,3 +28,7 @@ def test_the_poller_mark_says_what_it_released_or_else_everything_listed():
     assert released(beat(lost={"by": "beta", "released": [[6, 2]]})) == {(6, 2)}
     assert released(beat(lost={"by": "beta", "released": []})) == set()     # release_lost off: nothing
     assert released(beat(lost={"by": "beta"})) == {(5, 1), (6, 2), (7, 1)}   # an older poller's mark
+
+
+def test_an_orphans_record_sits_beside_the_heartbeats_under_its_parents_name():
+    assert orphan_key("sup.vm.4321.a1b2c3", "deadbeef") == "orphan.vm.4321.a1b2c3.deadbeef"

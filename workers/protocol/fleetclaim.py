@@ -17,6 +17,11 @@ and releases what none of them claimed. If the mark came first, the claim fails 
 revision, and the orphan reads the mark: it must not NAK what the poller released (the mark
 says which; an older poller's mark, without that list, everything listed).
 
+An orphan also leaves its NAKs, and its goodbye, in the fleet bucket at its exit (`orphan_key`):
+the supervisor started in its parent's place may not have been listening when it said them on
+the ledger subject (a loaded host takes seconds to start one), and without them it cannot tell
+that a redelivery of one went to a worker of its own that died before reading it (F9).
+
 Pure functions of the entry's JSON: both sides read this format.
 """
 
@@ -25,6 +30,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 Job = tuple[int, int]           # (stream seq, delivery)
+ORPHAN_PREFIX = "orphan."       # an orphan's record in the fleet bucket (beside the `sup.` heartbeats)
+
+
+def orphan_key(parent_key: str, token: str) -> str:
+    """Where an orphan (`token`) of the supervisor whose heartbeat key is `parent_key` leaves its record."""
+    return f"{ORPHAN_PREFIX}{parent_key.partition('.')[2]}.{token}"
 
 
 def released(beat: dict) -> set[Job] | None:

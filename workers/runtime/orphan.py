@@ -19,7 +19,9 @@ does (a parent alive then may have announced some too: a NAK explained twice). E
 what a supervisor on the same host needs to NAK its redelivery again if that went to a worker
 of its own that died before reading it (F9, supervisor/parent/safety/in_transit.py): the
 delivery, when it was sent and held on the host's monotonic clock, its delay; and the goodbye
-says whether the server had read every NAK (the settler's last fence went through).
+says whether the server had read every NAK (the settler's last fence went through). It leaves
+the same in the fleet bucket at its exit (leave_record): the supervisor started in its parent's
+place may come up only after it said them.
 
 Before it NAKs anything as an orphan it claims its jobs in its parent's fleet heartbeat
 (workers/protocol/fleetclaim.py, a revision-checked write): the fleet's poller, finding the
@@ -66,6 +68,7 @@ ORPHAN_GRACE = 2.0          # running jobs (and their acks' fence) get this long
 ANNOUNCED_MAX = 500         # an orphan's NAKs said again with its goodbye, at most (one ledger message)
 BOOT = boot_id()            # with its NAKs' times: a supervisor on another host cannot read them
 CLAIM_RETRY = 0.05          # at most this long (at random) between two tries of a claim another write beat
+RECORD_TIMEOUT = 1.0        # an orphan's record in the fleet bucket: each step of it waits this long at most
 
 
 class OrphanHost(Protocol):
@@ -86,6 +89,8 @@ class ParentWatch:
         self.owner = owner
         slot, parent_pid = spec.slot, spec.parent_pid
         self.fleet = (spec.cfg.fleet.bucket, spec.fleet_key)   # the parent's fleet heartbeat ("" key: none)
+        c = spec.cfg.consumer                 # our record (leave_record) is of use while our NAKs' AckWait runs
+        self.record_ttl = 2 * max(c.ack_wait, *c.backoff, 1.0)
         self.claiming: asyncio.Future | None = None   # the claim on it: the jobs not ours to NAK (claim())
         self.slot = slot
         self.parent_pid = parent_pid
@@ -95,8 +100,8 @@ class ParentWatch:
         self.stop_naks: list[list] = []  # [seq, why] of the NAKs since the stop began (module docstring) ...
         self.naked: list[list] = []      # ... and [seq, delivery, at, delay, held_at] of each
         self.announcing: asyncio.Future | None = None
-        self.origin = (f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)} "
-                       f"(worker {slot}, orphan of pid {parent_pid})")
+        self.token = secrets.token_hex(4)
+        self.origin = f"{socket.gethostname()}/{os.getpid()}/{self.token} (worker {slot}, orphan of pid {parent_pid})"
 
     def tell(self, event: Event) -> None:
         self.events.send(event)        # best effort, never blocks, never raises (workers/runtime/events.py)
@@ -211,6 +216,22 @@ class ParentWatch:
         if self.orphaned and self.stop_naks:
             await self.publish(self.naks_said(self.stop_naks, self.naked))
             await self.publish({"origin": self.origin, "bye": 1, **({"fenced": 1} if fenced else {})})
+            await self.leave_record(fenced)
+
+    async def leave_record(self, fenced: bool) -> None:
+        """The same, kept in the fleet bucket (workers/protocol/fleetclaim.py orphan_key): the
+        supervisor started in our parent's place may not have been listening yet. Best effort."""
+        bucket, key = self.fleet
+        if not key:
+            return
+        body = {**self.naks_said(self.stop_naks, self.naked), "bye": 1, "consumer": self.owner.consumer,
+                **({"fenced": 1} if fenced else {})}
+        try:
+            kv = await asyncio.wait_for(self.owner.nc.jetstream().key_value(bucket), RECORD_TIMEOUT)
+            await asyncio.wait_for(kv.create(fleetclaim.orphan_key(key, self.token), json.dumps(
+                body, separators=(",", ":")).encode(), msg_ttl=self.record_ttl), RECORD_TIMEOUT)
+        except Exception as exc:
+            log.warning("worker %d: cannot leave our NAKs in the fleet bucket: %s", self.slot, exc or type(exc).__name__)
 
     async def publish(self, body: dict) -> None:
         w = self.owner

@@ -91,6 +91,7 @@ from supervisor.nats.fix import server_info
 from supervisor.observe.snapshot import Snapshot
 from supervisor.parent.arbiter import Arbiter
 from supervisor.parent.crew import Crew
+from workers.protocol.fleetclaim import ORPHAN_PREFIX
 
 log = logging.getLogger("supervisor.fleet")
 
@@ -194,6 +195,7 @@ class Fleet:
         self.released = 0                     # lost peers' jobs we NAKed (as the poller)
         self.beats = 0                        # heartbeats that got through
         self.probed: dict[str, float] = {}    # peer key -> when it last answered our probe
+        self.records: asyncio.Task | None = None     # reading the orphans' records (read_records)
 
     @property
     def heartbeat(self) -> float:
@@ -232,6 +234,8 @@ class Fleet:
     async def tick(self) -> None:
         if self.kv is None and not await self.open():
             return
+        if self.records is None or self.records.done():
+            self.records = asyncio.ensure_future(self.read_records())
         await self.beat()
         await self.hold_lease()
         if self.poller:
@@ -529,6 +533,33 @@ class Fleet:
         return plan_release(held, since, lambda d: ack_wait_for(c.ack_wait, c.backoff, d),
                             lambda seq: max(live.get(seq, 0), own.get(seq, 0), crew.peers.seen_delivery(seq)))
 
+    # ------------------------------------------------------------ orphans' records (every supervisor)
+
+    async def read_records(self) -> None:
+        """The records orphans leave at their exit (workers/protocol/fleetclaim.py orphan_key),
+        from the oldest kept: the supervisor started in place of a dead one may have come up
+        after its orphans said their NAKs on the ledger subject. Each goes to the pool of its
+        consumer, as its ledger messages would have (peers.py receive)."""
+        from nats.js.kv import KV_DEL, KV_PURGE
+
+        watcher = await self.kv.watch(f"{ORPHAN_PREFIX}>")
+        try:
+            async for entry in watcher:
+                if entry is not None and entry.operation not in (KV_DEL, KV_PURGE) and entry.value:
+                    self.orphan_record(entry.value)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
+    def orphan_record(self, value: bytes) -> None:
+        try:
+            body = json.loads(value)
+            for crew in self.arbiter.crews.values():
+                if crew.cfg.consumer.name == body.get("consumer"):
+                    crew.peers.receive(body, record=True)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            log.warning("ignoring a malformed orphan record in %s: %r", self.cfg.fleet.bucket, value[:100])
+
     # ------------------------------------------------------------ samples and the fleet summary
 
     def own_summary(self) -> dict:
@@ -632,6 +663,8 @@ class Fleet:
     async def close(self) -> None:
         """A clean stop leaves the fleet: our entry goes (not `lost`), and the lease is freed."""
         await self.stop_watch()
+        if self.records is not None:
+            self.records.cancel()
         if self.kv is None:
             return
         try:
