@@ -35,7 +35,11 @@ the journal, not trusted). Per job (stream sequence):
   when jobs queue: after a stalled worker link healed, the backlog went to the pull requests
   the dead connection had carried, and the later jobs started only after the heal.) A fault
   that is outside its control for started jobs may be inside for unstarted ones, or the other
-  way round (chaos/facts.py Fault.unstarted_in_control).
+  way round (chaos/facts.py Fault.unstarted_in_control). One more wait counts as outside: a job
+  whose worker died with its NAK sent but not fenced (F10: the parent must not NAK it again, a
+  second NAK could land on the next holder), but only when a supervisor's ledger named that
+  very job, delivery and worker pid at the death (`/status` `crosscheck.left_to_ack_wait`),
+  never by a rule about the faults around it.
 - unacked: still in the work-queue stream at the end (an ack that never landed).
 - ticks_extra: firings of the drawn `[schedules.tick]` beyond one per period over the time it
   could exist (from the first supervisor's start to its removal when the load ends): a schedule
@@ -124,6 +128,10 @@ class Evidence:
     bad_exits: int = 0                          # supervisors that did not exit 0 when stopped
     healthz_s: float | None = None
     ticks_extra: int = 0                        # [schedules.tick] firings beyond one per period (rig.py)
+    # Jobs a supervisor's ledger left to AckWait at a worker's death, with why: /status
+    # `crosscheck.left_to_ack_wait` entries (each: stream_seq, delivery, pid, waits) of the
+    # supervisors SIGKILLed on the way, from their last /status (the living's: `statuses`).
+    left_to_ack_wait: list[dict] = field(default_factory=list)
     pools: dict[str, str] = field(default_factory=dict)    # with pools: "main"/"side" -> consumer
 
     def pool_of(self, key: str) -> str:
@@ -168,6 +176,10 @@ class Checker:
         self.keys.update({s.seq: s.key for s in ev.stored.values()})
         self.findings: list[Finding] = []
         self.first_start = self._first_starts()
+        self.named: dict[tuple[int, int], dict[int, str]] = defaultdict(dict)   # (seq, delivery) -> {pid: why}
+        ends = ev.statuses or ([ev.status] if ev.status is not None else [])
+        for w in [*ev.left_to_ack_wait, *(w for st in ends for w in st["crosscheck"].get("left_to_ack_wait", []))]:
+            self.named[(int(w["stream_seq"]), int(w["delivery"]))][int(w["pid"])] = str(w.get("waits", ""))
         self.pool_note = ""
 
     def _first_starts(self) -> list[tuple[int, float]]:
@@ -336,9 +348,10 @@ class Checker:
         if lag < ACKWAIT_FRACTION * self.ev.ack_wait:
             return
         outside = culprits and all(not f.controls(started=bool(before)) for f in culprits)
-        verdict = "ackwait_outside" if outside else "ackwait"
+        named = "" if outside else self.named_at_death(seq, before, run)
+        verdict = "ackwait_outside" if outside or named else "ackwait"
         c[verdict] += 1
-        why = self.wait_context(run.start, culprits)
+        why = self.wait_context(run.start, culprits) + (f"; named at the death by the ledger: {named}" if named else "")
         self.find(verdict, seq, f"delivery {run.delivery} started {lag:.1f}s after the previous delivery was last "
                                 f"seen{'' if before else ' (it never started)'}; {why}")
 
@@ -400,6 +413,16 @@ class Checker:
         ends = [r.ended for s, runs in self.runs.items() if s < seq and self.order_of(s) == key
                 for r in runs if r.ended is not None and r.ended <= t]
         return max(ends, default=float("-inf"))
+
+    def named_at_death(self, seq: int, before: list[RunOfJob], run: RunOfJob) -> str:
+        """Why a supervisor's ledger said, at a worker's death, that this redelivery would wait
+        for AckWait (F10), or "": the previous run's own delivery and pid must be the ones it
+        named, and this run the very next delivery; when the delivery before this one never
+        started (NAKed unstarted by a drain), its number alone (no run to take a pid from)."""
+        named = self.named.get((seq, run.delivery - 1), {})
+        if before and before[-1].delivery == run.delivery - 1:
+            return named.get(before[-1].pid, "")
+        return next(iter(named.values()), "")
 
     def sent_by(self, seq: int) -> float:
         """A time by which a never-journaled first delivery of `seq` had surely been sent: the

@@ -543,6 +543,8 @@ def parent_kill(act: Act, p: dict) -> None:
     if not act.live(sup):
         return
     pids = sup.worker_pids()
+    before = sup.try_status()         # what its ledger left to AckWait so far, with why (checker.py)
+    act.run.left_to_ack_wait += before["crosscheck"]["left_to_ack_wait"] if before else []
     f = act.run.fault("parent SIGKILL, then a new supervisor", time.monotonic(), pids=pids, **peer_rule(act))
     sup.proc.kill()
     sup.proc.wait()

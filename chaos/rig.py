@@ -318,6 +318,7 @@ class Run:
         self.after_settle: list[Callable[[], None]] = []    # faults only known after the fact
         self.status: dict | None = None
         self.notes: list[str] = []                   # what the run saw that the verdicts do not say
+        self.left_to_ack_wait: list[dict] = []       # what SIGKILLed supervisors' ledgers had named (checker.py)
 
     def pick(self, quick: Any, full: Any) -> Any:
         return quick if self.quick else full
@@ -506,7 +507,8 @@ class Run:
                       origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead,
                       status=self.status, statuses=[s for s in statuses if s],
                       sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), drains=self.drains,
-                      healthz_s=max(self.healthz) if self.healthz else None, pools=dict(self.pools))
+                      healthz_s=max(self.healthz) if self.healthz else None, pools=dict(self.pools),
+                      left_to_ack_wait=self.left_to_ack_wait)
         return check(ev)
 
     def ledger_status(self, sup: SupervisorProc) -> dict | None:

@@ -61,6 +61,7 @@ class Arbiter:
                  reload_config: Callable[[], Any] | None = None, server_dies_with_parent: bool = False):
         self.cfg = cfg
         self.server_dies_with_parent = server_dies_with_parent   # the embedded server: workers' orphan rule
+        self.fleet_key = ""              # our fleet heartbeat's key (set by supervisor.py): an orphan claims there
         self.nc = nc
         self.connect_worker = connect_worker
         self.notifier = notifier

@@ -258,6 +258,7 @@ class Supervisor:
                 await self.inherit_pending(crew)
                 self.watch(crew)
             self.fleet = arbiter.lead.monitor.fleet = Fleet(cfg, self.nc, arbiter, self.snapshot)
+            arbiter.fleet_key = self.fleet.key          # before the first fork (arbiter.run)
             if cfg.monitor.http:
                 host, port = parse_hostport(cfg.monitor.http, "monitor.http")
                 self.http = HttpServer(self, host, port)

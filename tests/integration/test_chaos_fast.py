@@ -145,6 +145,28 @@ def test_checker_flags_a_redelivery_after_ackwait_and_spares_a_prompt_one():
     assert (c["ackwait"], c["ackwait_outside"]) == (0, 1)
 
 
+def test_checker_takes_an_ackwait_wait_as_outside_only_where_the_ledger_named_it_at_the_death():
+    """F10: a handler's NAK unsent when its worker was SIGKILLed (the kill is in the supervisor's
+    control). The wait counts as outside only for the job, delivery and pid the ledger named."""
+    killed = Fault("worker SIGKILL", T0 + 0.3, T0 + 0.31, frozenset({1}))
+    late = [("S", 1, 1, 1, 0.1), ("R", 1, 1, 1, 0.2), ("S", 2, 1, 2, 30.2), ("D", 2, 1, 2, 30.3)]
+    why = "its NAK was unsent when the worker died; a second NAK could land on the next holder"
+
+    def named(seq: int, delivery: int, pid: int) -> list[dict]:
+        return [{"stream_seq": seq, "delivery": delivery, "pid": pid, "waits": why}]
+    report = check(evidence(late, [killed], left_to_ack_wait=named(1, 1, 1)))
+    assert (report.counts["ackwait"], report.counts["ackwait_outside"]) == (0, 1)
+    assert any(why in f.text for f in report.findings if f.verdict == "ackwait_outside")
+    living = {"crosscheck": {"unexplained_redeliveries": 0, "outstanding": [], "left_to_ack_wait": named(1, 1, 1)}}
+    assert check(evidence(late, [killed], statuses=[living])).counts["ackwait"] == 0    # a living one's /status
+    for other in (named(1, 1, 7), named(1, 2, 1), named(2, 1, 1), []):    # another pid, delivery, job; none
+        assert check(evidence(late, [killed], left_to_ack_wait=other)).counts["ackwait"] == 1, other
+    # A delivery that never started (a drain's NAK unsent at the death): its number alone.
+    unstarted = [("S", 2, 1, 2, 30.3), ("D", 2, 1, 2, 30.4)]
+    assert check(evidence(unstarted, [killed], left_to_ack_wait=named(1, 1, 9))).counts["ackwait"] == 0
+    assert check(evidence(unstarted, [killed], left_to_ack_wait=named(1, 2, 9))).counts["ackwait"] == 1
+
+
 def test_checker_flags_an_unfinished_run_nothing_touched():
     runs = [("S", 1, 1, 1, 0.1), ("S", 2, 1, 2, 1.0), ("D", 2, 1, 2, 1.1)]
     assert check(evidence(runs)).counts["unexplained"] == 1

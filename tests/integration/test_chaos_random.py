@@ -44,19 +44,13 @@ def run_seed(seed: int, tmp_path, known: set[str] = frozenset()) -> None:
     assert result.passed, result.summary()
 
 
-F10 = pytest.mark.xfail(raises=KnownDefect, strict=False, reason=(
-    "F10 (docs/RELIABILITY.md): a handler's NAK still unsent when its worker is SIGKILLed (its loop busy "
-    "right after a server stop) leaves the job to AckWait: the parent cannot prove the NAK will not land "
-    "late on the next holder's delivery, so it does not NAK it again (1 run of 10 on the f7 branch). "
-    "F7's second form and F9, which it failed on before, are fixed"))
-
-
 @pytest.mark.parametrize("seed, known", [
     # async, 2 workers x 4, max_rss_mb, failing/retried/CPU/growing jobs: parent SIGKILL and a
     # new supervisor at once, the server SIGSTOPped with a worker SIGKILLed meanwhile, a SIGHUP
     # (failed on R3 until its fix: the orphans' jobs waited for AckWait; then now and then on F7's
-    # second form and F9, both fixed; now and then on F10, open by design)
-    pytest.param(18, {"ackwait"}, marks=F10),
+    # second form and F9, both fixed, and on F10: a handler's NAK unsent at its worker's SIGKILL
+    # waits for AckWait by design, now named at the death and counted outside by that word)
+    (18, set()),
     # sync, 2 workers, idempotency + max_jobs 20 + tracing, [ordering] over 8 keys (since issue
     # 27): a worker SIGSTOPped past heartbeat_timeout
     (40, set()),

@@ -386,3 +386,14 @@ def test_an_orphans_nak_times_count_only_from_this_host_and_its_goodbye_only_whe
     assert sink.read == [] and orphan in peers.gone
     say({"origin": orphan, "bye": 1, "fenced": 1})
     assert sink.read == [orphan]
+    # Its record from the fleet bucket (read by a supervisor that was not listening yet): the
+    # NAKs first, then the goodbye, in one; a ledger message with "bye" alone is only a goodbye.
+    later, sink.naks, sink.read = "vm/42/cd (worker 1, orphan of pid 40)", [], []
+    record = {"origin": later, "naks": [[8, "NAKed by worker 1"]], "naked": [[8, 1, 101.0, 2.0, 99.5]],
+              "boot": peers_module.BOOT, "bye": 1, "fenced": 1, "consumer": "workers"}
+    peers.receive(dict(record), record=True)
+    assert sink.naks == [(8, 1, 101.0, 2.0, 99.5, later)] and sink.read == [later] and later in peers.gone
+    assert led.expecting(8)
+    peers.receive({"origin": "vm/43/ef (worker 2, orphan of pid 40)", "naked": [[9, 1, 1.0, 2.0, 1.0]],
+                   "boot": peers_module.BOOT, "bye": 1})
+    assert [n[0] for n in sink.naks] == [8]

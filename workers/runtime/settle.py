@@ -54,7 +54,7 @@ class SettleHost(Protocol):
     wake_pull: asyncio.Event               # a released entry can take another message
 
     def emit(self, event: Event) -> None: ...
-    async def before_nak(self, job: Job, reason: str, delay: float, held_at: float) -> None: ...   # orphan.py
+    async def before_nak(self, job: Job, reason: str, delay: float, held_at: float) -> bool: ...   # orphan.py
 
 
 class Settler:
@@ -93,8 +93,9 @@ class Settler:
     async def settle(self, i: int, job: Job, payload: bytes, outcome: str, reason: str) -> None:
         """Publish the ack/nak/term and keep the entry until a flush confirms it."""
         w = self.owner
-        if outcome == "nak":
-            await w.before_nak(job, reason, nak_delay(payload), w.table.held_at(i))
+        if outcome == "nak" and not await w.before_nak(job, reason, nak_delay(payload), w.table.held_at(i)):
+            w.table.release(i)           # an orphan's job the fleet released: its next holder settles it
+            return
         sent, held_at = time.monotonic(), w.table.held_at(i)
         generation, refused = await self.publish(i, payload)
         # A NAK that went out says when, with what delay, and since when it was held (events.Settled).

@@ -164,7 +164,7 @@ class Worker:
         self.threads = HandlerThreads(self, self.start_lock, self.wcfg.concurrency, spec.job_limit,
                                       batching=0.0 if cfg.ordering.key else OUTCOME_EVERY)
         self.shutdown = Shutdown(self, spec.slot)
-        self.parent = ParentWatch(self, spec.slot, spec.parent_pid, spec.events_fd, spec.server_dies_with_parent)
+        self.parent = ParentWatch(self, spec)
 
     # -- lifecycle
 
@@ -447,8 +447,8 @@ class Worker:
     def emit(self, event: Event) -> None:
         self.parent.tell(event)
 
-    async def before_nak(self, job: Job, reason: str, delay: float, held_at: float) -> None:
-        await self.parent.announce_nak(job, reason, delay, held_at)
+    async def before_nak(self, job: Job, reason: str, delay: float, held_at: float) -> bool:
+        return await self.parent.announce_nak(job, reason, delay, held_at)
 
 
 # ---------------------------------------------------------------- small pure helpers

@@ -91,6 +91,7 @@ from supervisor.nats.fix import server_info
 from supervisor.observe.snapshot import Snapshot
 from supervisor.parent.arbiter import Arbiter
 from supervisor.parent.crew import Crew
+from workers.protocol.fleetclaim import ORPHAN_PREFIX
 
 log = logging.getLogger("supervisor.fleet")
 
@@ -195,6 +196,7 @@ class Fleet:
         self.released = 0                     # lost peers' jobs we NAKed (as the poller)
         self.beats = 0                        # heartbeats that got through
         self.probed: dict[str, float] = {}    # peer key -> when it last answered our probe
+        self.records: asyncio.Task | None = None     # reading the orphans' records (read_records)
 
     @property
     def heartbeat(self) -> float:
@@ -233,6 +235,8 @@ class Fleet:
     async def tick(self) -> None:
         if self.kv is None and not await self.open():
             return
+        if self.records is None or self.records.done():
+            self.records = asyncio.ensure_future(self.read_records())
         await self.beat()
         await self.hold_lease()
         if self.poller:
@@ -424,8 +428,9 @@ class Fleet:
             since = view.age(peer, now)
             if since is None or await self.answers(peer, since, now):
                 continue
-            if await self.mark(peer, since):
-                await self.lost(peer, since)
+            plans = self.plans(peer, since)
+            if await self.mark(peer, plans):
+                await self.lost(peer, since, plans)
 
     async def answers(self, peer: Peer, since: float, now: float) -> bool:
         """Evidence before a loss: does the silent peer's parent answer over core NATS? One that
@@ -451,12 +456,15 @@ class Fleet:
         self.probed[peer.key] = now
         return True
 
-    async def mark(self, peer: Peer, since: float) -> bool:
+    async def mark(self, peer: Peer, plans: dict[str, Release]) -> bool:
         """Write the lost mark into the peer's entry, checked against the revision we saw. Only
-        the poller that wins this write acts on the loss, and not at all if the peer beat again."""
+        the poller that wins this write acts on the loss, and not at all if the peer beat again,
+        nor if an orphan of its claimed its jobs there (workers/protocol/fleetclaim.py): the
+        mark names what `plans` release, which such an orphan, coming later, must not NAK."""
         from nats.js.errors import KeyWrongLastSequenceError
 
-        beat = dict(peer.beat, lost={"by": self.name, "t": time.time(), "server_t": peer.server_t})
+        released = [[s, d] for plan in plans.values() for s, d, _ in plan.nak]
+        beat = dict(peer.beat, lost={"by": self.name, "t": time.time(), "server_t": peer.server_t, "released": released})
         try:
             peer.rev = await self.kv.update(peer.key, json.dumps(beat, separators=(",", ":")).encode(), last=peer.rev)
         except KeyWrongLastSequenceError:
@@ -464,7 +472,12 @@ class Fleet:
         peer.marked = True
         return True
 
-    async def lost(self, peer: Peer, since: float) -> None:
+    def plans(self, peer: Peer, since: float) -> dict[str, Release]:
+        """What to release of a lost peer's jobs, by the pool here whose consumer each was held on."""
+        by_pool, _ = self.by_pool(peer.beat.get("held") or [])
+        return {crew.name: self.plan(by_pool.get(crew.name, []), since, crew) for crew in self.arbiter.crews.values()}
+
+    async def lost(self, peer: Peer, since: float, plans: dict[str, Release]) -> None:
         held = peer.beat.get("held") or []
         by_pool, foreign = self.by_pool(held)
         # Jobs the beat could not list (held_total) come back after AckWait, explained by the window.
@@ -477,8 +490,7 @@ class Fleet:
                 await crew.peers.flush()    # the word first: our NAKs' redeliveries may land anywhere
         naked: list[int] = []
         skipped: list[tuple[int, int, str]] = [(s, d, "held on a consumer no pool here runs") for s, d, *_ in foreign]
-        for crew in self.arbiter.crews.values():
-            plan = self.plan(by_pool.get(crew.name, []), since, crew)
+        for plan in plans.values():
             for seq, _delivery, reply in plan.nak:
                 await self.nc.publish(reply, b"-NAK")
                 naked.append(seq)
@@ -521,6 +533,33 @@ class Fleet:
         c = crew.cfg.consumer
         return plan_release(held, since, lambda d: ack_wait_for(c.ack_wait, c.backoff, d),
                             lambda seq: max(live.get(seq, 0), own.get(seq, 0), crew.peers.seen_delivery(seq)))
+
+    # ------------------------------------------------------------ orphans' records (every supervisor)
+
+    async def read_records(self) -> None:
+        """The records orphans leave at their exit (workers/protocol/fleetclaim.py orphan_key),
+        from the oldest kept: the supervisor started in place of a dead one may have come up
+        after its orphans said their NAKs on the ledger subject. Each goes to the pool of its
+        consumer, as its ledger messages would have (peers.py receive)."""
+        from nats.js.kv import KV_DEL, KV_PURGE
+
+        watcher = await self.kv.watch(f"{ORPHAN_PREFIX}>")
+        try:
+            async for entry in watcher:
+                if entry is not None and entry.operation not in (KV_DEL, KV_PURGE) and entry.value:
+                    self.orphan_record(entry.value)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
+    def orphan_record(self, value: bytes) -> None:
+        try:
+            body = json.loads(value)
+            for crew in self.arbiter.crews.values():
+                if crew.cfg.consumer.name == body.get("consumer"):
+                    crew.peers.receive(body, record=True)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            log.warning("ignoring a malformed orphan record in %s: %r", self.cfg.fleet.bucket, value[:100])
 
     # ------------------------------------------------------------ samples and the fleet summary
 
@@ -625,6 +664,8 @@ class Fleet:
     async def close(self) -> None:
         """A clean stop leaves the fleet: our entry goes (not `lost`), and the lease is freed."""
         await self.stop_watch()
+        if self.records is not None:
+            self.records.cancel()
         if self.kv is None:
             return
         try:
