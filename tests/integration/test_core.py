@@ -10,7 +10,7 @@ import sys
 import time
 
 import psutil
-from harness import NatsServer, backlog_of, child_env, popen_at_a_terminal, publish, publish_now, run_cli, wait_until
+from harness import NatsServer, backlog_of, child_env, popen_at_a_terminal, publish, run_cli, wait_until
 
 ACK_WAIT = 60.0      # far longer than any wait below: a job back within seconds was NAKed, not expired
 
