@@ -7,7 +7,6 @@ import os
 import signal
 
 import psutil
-import pytest
 import tomli_w
 from harness import publish_now, wait_until
 from test_fleet_cluster import fleet_view
@@ -141,13 +140,13 @@ def test_a_pool_a_reload_took_out_sends_the_nak_it_held_back_for_its_last_worker
         proxy.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="the fleet's one poller releases only the jobs of consumers its own pools run: "
-                                       "a lost host's jobs of another pool wait for AckWait (review of issue 28)")
-def test_a_lost_hosts_jobs_are_released_when_the_poller_runs_another_pool(nats_server, supervisor_factory):
+def test_a_lost_hosts_jobs_are_released_when_the_poller_runs_another_pool(nats_server, supervisor_factory, tmp_path):
     """The systemd template's way: one supervisor per pool per host (`start --pool NAME`), all in
-    one fleet bucket with one poller. X runs pool a and is the poller; W and Y run pool b, and Y's
+    one fleet bucket. X runs pool a and is the first poller; Y and then W run pool b, and Y's
     whole host dies (its process group SIGKILLed) while it runs a long job of b. AckWait 300 s:
-    only a release brings the job back to W within the test."""
+    only a release brings the job back to W within the test. A poller per bucket ran pool a
+    and released only a's jobs; with a poller per consumer, W takes b's lease from the dead Y
+    and releases it (X, polling a, leaves b's jobs to b's poller)."""
     pools = {"a": {"count": 1, "filter_subject": "jobs.a.>"},
              "b": {"count": 1, "filter_subject": "jobs.b.>", "ack_wait": 300.0}}
 
@@ -159,7 +158,7 @@ def test_a_lost_hosts_jobs_are_released_when_the_poller_runs_another_pool(nats_s
     wait_until(lambda: (x.try_status() or {}).get("fleet", {}).get("is_poller"), what="x the poller")
     y = host("y", "b")
     y.wait_ready(1)
-    [seq] = publish_now(nats_server.url, count=1, data="20", subject="jobs.b.x")
+    [seq] = publish_now(nats_server.url, count=1, data=f"until:{tmp_path / 'gate'}", subject="jobs.b.x")
     wait_until(lambda: [r for r in y.jobs.running() if r.seq == seq], what="y running b's job")
     w = host("w", "b")
     w.wait_ready(1)
@@ -167,9 +166,12 @@ def test_a_lost_hosts_jobs_are_released_when_the_poller_runs_another_pool(nats_s
                what="y's heartbeat listing the job", interval=0.25)
     os.killpg(y.proc.pid, signal.SIGKILL)
     y.proc.wait()
-    lost = x.wait_event("fleet_peer_lost", peer="y")
-    assert lost["released"] == [seq], {k: lost.get(k) for k in ("message", "msg", "skipped")}
+    lost = w.wait_event("fleet_peer_lost", peer="y")
+    assert lost["released"] == [seq] and lost["consumers"] == ["workers-b"], lost
     wait_until(lambda: [r for r in w.jobs.started() if r.seq == seq], timeout=20, what="b's job run again on w")
+    assert x.status()["fleet"]["polls"] == ["workers-a"] and not x.events("fleet_peer_lost")
+    (tmp_path / "gate").touch()
+    assert w.stop() == 0 and x.stop() == 0
 
 
 def test_two_sighups_in_a_row_that_add_a_pool_start_it_once(nats_server, supervisor_factory):
