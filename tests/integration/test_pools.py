@@ -164,7 +164,8 @@ def test_a_budget_shifts_workers_to_the_pool_whose_backlog_they_drain_and_back(n
     """[autoscale] budget = 3 for two pools (min 1, max 2 each): a backlog in a takes a to 2 while
     b keeps 1; b's backlog, come meanwhile, waits (held by the budget) until a's is drained, then
     the workers go to b; then back to a. The pools together never have more than 3. (A worker is
-    given where it does the most work: tests/unit/test_autoscale_budget.py.)"""
+    given where it does the most work: tests/unit/test_autoscale_budget.py.) A count set by hand
+    past the budget is kept, and its reason says by how much."""
     pools = {"a": {"count": 1, "filter_subject": "jobs.a.>"}, "b": {"count": 1, "filter_subject": "jobs.b.>"}}
     sup = supervisor_factory(nats_server, pools=pools, args=("--log-format", "json"),
                              autoscale={"enabled": True, "min": 1, "max": 2, "interval": 0.5, "budget": 3})
@@ -181,3 +182,9 @@ def test_a_budget_shifts_workers_to_the_pool_whose_backlog_they_drain_and_back(n
     assert steps == [("a", 1, 2), ("a", 2, 1), ("b", 1, 2), ("b", 2, 1), ("a", 1, 2)], steps
     status = sup.status()["pools"]["a"]["autoscale"]
     assert (status["budget"], status["cap"]) == (3, 2)
+    # The budget binds autoscaling, not a person: a count set by hand past it is kept, and says so.
+    r = run_cli("scale", "3", "--pool", "a", "--url", sup.http)
+    assert r.returncode == 0, r.stderr
+    reason = wait_until(lambda: (s := sup.status()["pools"]["a"])["workers"]["target"] == 3 and s["autoscale"]["reason"],
+                        what="a at 3 by hand")
+    assert "1 worker(s) over autoscale.budget = 3" in reason, reason
