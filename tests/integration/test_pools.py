@@ -139,6 +139,23 @@ def test_a_pool_that_halts_at_boot_stops_alone_and_every_pool_halted_is_exit_5(n
     assert "halting: every pool has halted: pool " in both.log()
 
 
+def test_a_reload_that_leaves_only_a_halted_pool_ends_in_exit_5(nats_server, supervisor_factory):
+    """Pool bad halts at boot while good runs; a SIGHUP takes good out of the config. Nothing
+    would run then: the reload gives bad another try (as any SIGHUP does a halted pool), and
+    when it halts again it is the last pool, so every pool has halted: exit 5, not a
+    supervisor left up with nothing running."""
+    restart = {"backoff_initial": 0.01, "backoff_max": 0.05, "boot_failures_to_halt": 2}
+    pools = {"good": {"count": 1, "filter_subject": "jobs.good.>"},
+             "bad": {"count": 1, "filter_subject": "jobs.bad.>", "init": "testhandlers:boom_init"}}
+    sup = supervisor_factory(nats_server, pools=pools, restart=restart, args=("--log-format", "json"))
+    sup.wait_event("pool_halted", pool="bad")
+    sup.config_path.write_text(tomli_w.dumps({**sup.config, "pools": {"bad": pools["bad"]}}))
+    sup.signal(signal.SIGHUP)
+    assert sup.wait() == EXIT_HALTED
+    assert sup.events("pool_removed", pool="good") and sup.events("pool_revived", pool="bad")
+    assert "halting: every pool has halted: pool bad" in sup.log()
+
+
 def test_start_pool_runs_that_pool_alone(nats_server, supervisor_factory):
     """What each instance of systemd/jetstream-supervisor@.service runs: one pool of the shared config."""
     sup = supervisor_factory(nats_server, pools=TWO_POOLS, args=("--pool", "reports"))
