@@ -40,6 +40,11 @@ the journal, not trusted). Per job (stream sequence):
 - ticks_extra: firings of the drawn `[schedules.tick]` beyond one per period over the time it
   could exist (from the first supervisor's start to its removal when the load ends): a schedule
   doubled by two supervisors, or by a restart.
+- copied: a job whose handler asked for a retry longer than `retry.republish_after`, so the
+  worker stored a copy for later (a new sequence, the same key) and acked it: not lost while its
+  copy is there (the copy, a job of its own here, must complete). copy_dup: a key completed
+  under a sequence and under a copy of it (README "Long delays": a copy that fired before its
+  original came back; reported).
 - wrong_pool: with pools, a run by a worker of another pool's consumer than the job's (pool b's
   jobs are keyed `bN`, the rest are pool a's): each pool's jobs must run on its own workers only.
   Stream order is per consumer, so a later job bounds when an earlier one was sent only within
@@ -63,7 +68,8 @@ VERDICTS = {
     "jobs": None, "lost": 0, "vanished": 0, "dead_lettered": 0, "deduplicated": None, "dup": None,
     "dup_unexplained": 0, "redelivered": None, "bounced": None, "unexplained": 0,
     "ackwait": 0, "ackwait_outside": None, "unacked": 0, "sup_unexplained": 0, "sup_open": 0,
-    "sup_died": 0, "exit": 0, "healthz_s": None, "ticks_extra": 0, "wrong_pool": 0,
+    "sup_died": 0, "exit": 0, "healthz_s": None, "ticks_extra": 0, "wrong_pool": 0, "copies": None,
+    "copied": None, "copy_dup": None,
 }
 SIDE_KEY = "b"              # with pools: the key prefix of pool b's jobs (chaos/randomized.py)
 
@@ -112,6 +118,7 @@ class Evidence:
     healthz_s: float | None = None
     ticks_extra: int = 0                        # [schedules.tick] firings beyond one per period (rig.py)
     pools: dict[str, str] = field(default_factory=dict)    # with pools: "main"/"side" -> consumer
+    copies: set[int] = field(default_factory=set)           # seqs of [retry] copies for later (in `stored` too)
 
     def pool_of(self, key: str) -> str:
         """The pool a job belongs to ("" without pools)."""
@@ -199,7 +206,8 @@ class Checker:
 
     def check(self) -> Report:
         c = dict.fromkeys(VERDICTS, 0)
-        c["jobs"] = len(self.ev.stored)
+        c["jobs"] = len(self.ev.stored) - len(self.ev.copies)
+        c["copies"] = len(self.ev.copies)
         for seq in sorted(set(self.ev.stored) | set(self.runs)):
             runs = self.runs.get(seq, [])
             if seq not in self.ev.stored:
@@ -207,6 +215,10 @@ class Checker:
             if not runs and seq not in self.ev.unacked and self.done_elsewhere(seq):
                 c["deduplicated"] += 1
                 self.find("deduplicated", seq, "its key was done under another sequence; acked without running")
+            elif not any(r.done is not None for r in runs) and self.copied(seq):
+                c["copied"] += 1
+                self.find("copied", seq, f"ran {len(runs)}x and was re-published for later as seq "
+                                         f"{self.copied(seq)} (its own job here)")
             elif not any(r.done is not None for r in runs):
                 verdict = ("dead_lettered" if seq in self.ev.dead_lettered else
                            "vanished" if not runs and seq not in self.ev.unacked else "lost")
@@ -225,6 +237,7 @@ class Checker:
             for i, run in enumerate(runs):
                 if i > 0 or run.delivery > 1:
                     self.redelivery(seq, runs[:i], run, c)
+        c["copy_dup"] = self.copy_dups()
         c["ticks_extra"] = self.ev.ticks_extra
         self.wrong_pools(c)
         c["unacked"] = len(self.ev.unacked)
@@ -233,6 +246,26 @@ class Checker:
         self.supervisor_word(c)
         notes = self.queueing_note() + ([self.pool_note] if self.pool_note else [])
         return Report(c, self.findings, notes)
+
+    def copied(self, seq: int) -> int:
+        """The first copy for later made of this job (0: none): a copy at a higher sequence with
+        its key (a copy of a copy too)."""
+        key = self.keys.get(seq)
+        return min((s for s in self.ev.copies if s > seq and self.keys.get(s) == key), default=0)
+
+    def copy_dups(self) -> int:
+        """Keys completed under a job and again under a copy of it."""
+        done: dict[str, set[int]] = defaultdict(set)
+        for seq, runs in self.runs.items():
+            if any(r.done is not None for r in runs):
+                done[self.keys.get(seq, "")].add(seq)
+        out = 0
+        for key, seqs in done.items():
+            if len(seqs) > 1 and seqs & self.ev.copies and seqs - self.ev.copies:
+                out += 1
+                self.find("copy_dup", min(seqs), f"key {key} completed as seqs {sorted(seqs)}, copies for later "
+                                                 f"among them: {sorted(seqs & self.ev.copies)}")
+        return out
 
     def done_elsewhere(self, seq: int) -> bool:
         """Another stored job with the same key (a publisher's retry after the duplicate window)
