@@ -516,8 +516,7 @@ class Run:
         dead = self.bg.call(self.dead_letters())
         stored = {**self.publisher.stored, **self.publisher.fired(self.tail.poll(), self.notes, self.origin)}
         ticks = self.publisher.ticks_beyond(sum(s.key == "tick" for s in stored.values()))
-        copies = copies_for_later(self.tail.poll(), self.publisher.stored)   # a delayed job's copy is no firing
-        stored.update(copies)
+        stored.update(copies := copies_for_later(self.tail.poll(), self.publisher.stored))  # no firing of a delayed job
         ev = Evidence(ticks_extra=ticks, stored=stored, journal=self.tail.poll(), faults=self.faults, ack_wait=self.ack_wait,
                       origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead,
                       status=self.status, statuses=[s for s in statuses if s],
