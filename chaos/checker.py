@@ -40,6 +40,17 @@ the journal, not trusted). Per job (stream sequence):
 - ticks_extra: firings of the drawn `[schedules.tick]` beyond one per period over the time it
   could exist (from the first supervisor's start to its removal when the load ends): a schedule
   doubled by two supervisors, or by a restart.
+- reordered ([ordering] drawn): a run of a job that started before a run of an earlier job of
+  its key had ended (chaos/order.py; a run with no end ended at its worker's death, or at the
+  next run of its job, whichever came first: the next run is a redelivery of it, NAKed after
+  that death). A reorder is what a job run twice can cause, so it is explained exactly as a
+  duplicate is: by a fault that touched a worker of a run of the earlier job between that
+  run's start and the later job's start (its link cut or stalled past AckWait, so the job ran
+  again elsewhere and that ack let the key go on while the first run went on; a parent whose
+  +WPI stopped; a host declared lost while alive; graceful_timeout running out), or by a
+  server SIGKILL after the earlier job was stored (the restarted server had lost the ack's
+  removal, so the job came back). Otherwise it is reorder_unexplained. With pools a key is a
+  pool's: jobs of one key name in two pools are two keys.
 - copied: a job whose handler asked for a retry longer than `retry.republish_after`, so the
   worker stored a copy for later (a new sequence, the same key) and acked it: not lost while its
   copy is there (the copy, a job of its own here, must complete). copy_dup: a key completed
@@ -58,6 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .facts import Fault, Life, Rec, Stored
+from .order import Run, reorders
 
 ACKWAIT_FRACTION = 0.5      # a redelivery later than this share of AckWait waited for AckWait
 SLACK = 0.05                # seconds: journal lines and fault times come from different processes
@@ -68,8 +80,8 @@ VERDICTS = {
     "jobs": None, "lost": 0, "vanished": 0, "dead_lettered": 0, "deduplicated": None, "dup": None,
     "dup_unexplained": 0, "redelivered": None, "bounced": None, "unexplained": 0,
     "ackwait": 0, "ackwait_outside": None, "unacked": 0, "sup_unexplained": 0, "sup_open": 0,
-    "sup_died": 0, "exit": 0, "healthz_s": None, "ticks_extra": 0, "wrong_pool": 0, "copies": None,
-    "copied": None, "copy_dup": None,
+    "sup_died": 0, "exit": 0, "healthz_s": None, "ticks_extra": 0, "reordered": None, "reorder_unexplained": 0,
+    "wrong_pool": 0, "copies": None, "copied": None, "copy_dup": None,
 }
 SIDE_KEY = "b"              # with pools: the key prefix of pool b's jobs (chaos/randomized.py)
 
@@ -239,6 +251,7 @@ class Checker:
                     self.redelivery(seq, runs[:i], run, c)
         c["copy_dup"] = self.copy_dups()
         c["ticks_extra"] = self.ev.ticks_extra
+        self.order(c)
         self.wrong_pools(c)
         c["unacked"] = len(self.ev.unacked)
         for seq in self.ev.unacked:
@@ -345,6 +358,7 @@ class Checker:
             # bound of that moment (a later job's first start: late when jobs queue); a delivery
             # that came back by expiry was handed out one AckWait before it came back.
             culprits = self.overlapping(min(t_ref, run.start - self.ev.ack_wait) - EXPIRY_SLACK, run.start)
+        t_ref = max(t_ref, self.key_free(seq, run.start))       # it waited for its key's turn meanwhile
         lag = run.start - t_ref
         cause = culprits[0].name(self.ev.origin) if culprits else (
             "an earlier delivery never started" if not before else
@@ -359,6 +373,65 @@ class Checker:
         why = self.wait_context(run.start, culprits)
         self.find(verdict, seq, f"delivery {run.delivery} started {lag:.1f}s after the previous delivery was last "
                                 f"seen{'' if before else ' (it never started)'}; {why}")
+
+    # ------------------------------------------------------------ [ordering]
+
+    def order_of(self, seq: int) -> str:
+        """Job `seq`'s [ordering] key ("" for none); with pools its pool's (a key name in two
+        pools is two keys: each pool's consumer and workers order their own jobs)."""
+        s = self.ev.stored.get(seq)
+        if s is None or not s.order:
+            return ""
+        return f"{self.pool(seq)}/{s.order}" if self.ev.pools else s.order
+
+    def order(self, c: dict) -> None:
+        keys = {seq: key for seq in self.ev.stored if (key := self.order_of(seq))}
+        if not keys:
+            c["reordered"] = c["reorder_unexplained"] = None
+            return
+        for bad in reorders(self.order_runs(), keys):
+            a, b = bad.before, bad.after
+            faults = [f for r in self.runs.get(a.seq, []) if r.start <= b.start
+                      for f in self.touching(r.pid, r.start, b.start)] or self.lost_by_server(a.seq, b.start)
+            if faults:
+                c["reordered"] += 1
+                self.find("reordered", b.seq, f"{bad.describe()}: {faults[0].name(self.ev.origin)}")
+            else:
+                c["reorder_unexplained"] += 1
+                self.find("reorder_unexplained", b.seq, f"{bad.describe()}; no fault touched seq {a.seq}'s workers "
+                                                        "in between")
+
+    def order_runs(self) -> list[Run]:
+        """Every run, with when it ended: its done or retried line, else its worker's death or
+        the next run of its job, whichever came first (a death is seen a few ms late; the next
+        run is its redelivery, after it)."""
+        out = []
+        for seq, runs in self.runs.items():
+            for k, r in enumerate(runs):
+                end = r.ended
+                if end is None:
+                    life = self.ev.lives.get(r.pid)
+                    bounds = [t for t in (life.died if life else None, *(n.start for n in runs[k + 1:])) if t]
+                    end = min(bounds, default=None)
+                out.append(Run(seq, r.pid, r.delivery, r.start, end))
+        return out
+
+    def lost_by_server(self, seq: int, before: float) -> list[Fault]:
+        """A server SIGKILLed after `seq` was stored and before `before`: it may have lost the
+        removal of an acked job, which then came back."""
+        stored = self.ev.stored.get(seq)
+        lo = stored.t if stored else self.ev.origin
+        return [f for f in self.ev.faults if f.kind.startswith("nats-server SIGKILL") and lo - SLACK <= f.t0 <= before]
+
+    def key_free(self, seq: int, t: float) -> float:
+        """[ordering]: when the last run of an earlier job of `seq`'s key before `t` ended (a job
+        of the key could not start before): what a redelivery's lag counts from."""
+        key = self.order_of(seq)
+        if not key:
+            return float("-inf")
+        ends = [r.ended for s, runs in self.runs.items() if s < seq and self.order_of(s) == key
+                for r in runs if r.ended is not None and r.ended <= t]
+        return max(ends, default=float("-inf"))
 
     def sent_by(self, seq: int) -> float:
         """A time by which a never-journaled first delivery of `seq` had surely been sent: the

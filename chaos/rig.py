@@ -39,7 +39,7 @@ from supervisor.parent.safety.peers import SUSPECT_GRACE
 from workers.runtime.deadletter import DLQ_HEADER
 
 from .checker import SIDE_KEY, Evidence, Report, check
-from .facts import Fault, Life, Rec, Stored
+from .facts import Fault, Life, Rec, Stored, order_key
 from .proxy import Proxy
 
 STREAM, CONSUMER, SUBJECT, DLQ_STREAM = "JOBS", "workers", "jobs.chaos", "JOBS_DLQ"
@@ -201,6 +201,7 @@ class Publisher:
         self.failures = 0
         self.futures: list[Any] = []
         self.finished_at = 0.0
+        self.subject_of: Callable[[int], str] = lambda i: SUBJECT   # job i's subject ([ordering]: its key's)
 
     def start(self, count: int, rate: float, what: Callable[[int], str] | str, window: int = 1) -> Any:
         make = what if callable(what) else (lambda i: what)
@@ -242,13 +243,14 @@ class Publisher:
         key, again, rest = what.partition("=")
         key, what = (key, rest) if again else (f"{SIDE_KEY if side else 'j'}{i}", what)
         js = self.run.nc.jetstream()
+        target = SIDE_SUBJECT if side else self.subject_of(i)
         while True:
             sent = time.monotonic()       # the job exists from here on at the earliest: a PubAck read
-            subject, headers = SIDE_SUBJECT if side else SUBJECT, {"Nats-Msg-Id": f"chaos-{key}"}
+            subject, headers = target, {"Nats-Msg-Id": f"chaos-{key}"}
             if delay:
                 due = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=delay)
                 subject = sched.delayed_subject(STREAM, f"chaos-{key}")
-                headers.update({sched.PATTERN: sched.at_pattern(due), sched.TARGET: SUBJECT})
+                headers.update({sched.PATTERN: sched.at_pattern(due), sched.TARGET: target})
             try:                          # late on a busy box must not make a drain look later than it
                 ack = await js.publish(subject, f"{key}:{what}".encode(), timeout=2.0, headers=headers)
             except NATS_ERRORS:
@@ -256,9 +258,9 @@ class Publisher:
                 await asyncio.sleep(0.25)
                 continue
             if delay:
-                self.delayed[key] = Stored(ack.seq, key, sent + delay)
+                self.delayed[key] = Stored(ack.seq, key, sent + delay, order_key(target))
             else:
-                self.stored[ack.seq] = Stored(ack.seq, key, sent)
+                self.stored[ack.seq] = Stored(ack.seq, key, sent, order_key(target))
             return
 
     async def end_schedules(self) -> None:
@@ -288,7 +290,7 @@ class Publisher:
         out = {}
         for key, s in self.delayed.items():
             for seq in seen.get(key, {s.seq}):
-                out[seq] = Stored(seq, key, s.t)
+                out[seq] = Stored(seq, key, s.t, s.order)
         ticks = sorted(first[seq] for seq in seen.get("tick", ()))
         for seq in seen.get("tick", ()):
             out[seq] = Stored(seq, "tick", first[seq])
@@ -560,7 +562,7 @@ class Run:
                 continue                  # [schedules.tick] stays in the stream by design
             left.append(seq)
             key = (msg.data or b"").decode(errors="replace").partition(":")[0]
-            self.publisher.stored.setdefault(seq, Stored(seq, key, self.origin))
+            self.publisher.stored.setdefault(seq, Stored(seq, key, self.origin, order_key(msg.subject or "")))
         return left
 
     async def dead_letters(self) -> list[int]:

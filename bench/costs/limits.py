@@ -5,8 +5,9 @@
    NATS), and with a rate it never reaches (one KV write per job). Against "no limit" of the same
    repeat: the ratio and the extra wall time per job.
 2. Holding: `rate = 10` over 30 s and more (300 jobs; the smoke profile's are far fewer) by two
-   workers of 4 handlers each, every start journalled by the handler (`stamp`): the most starts
-   in any one-second window, and the rate achieved.
+   workers of 4 handlers each: every start taken, by the server's timestamp of its key
+   (`watch_starts`), and every start journalled by the handler (`stamp`): the most starts in any
+   one-second window each way, and the rate achieved.
 
 `stamp` is the handler of part 2; this module's top level stays light, since workers import it.
 """
@@ -73,22 +74,51 @@ async def rate_holds(ctx: Any) -> dict:
 
     n, jobs = 2, RATE_JOBS.get(ctx.profile.name, 300)
     await drop_stream(ctx.server.url, "KV_SUPERVISOR_LIMITS")
+    limits = {"bench": {"rate": RATE, "subjects": EVERYTHING}}
+    writes, watching = await watch_starts(ctx.server.url, limits)
     rundir = ctx.rundir("limits-rate")
     journal = rundir / "starts"
-    config = ours_config(ctx, n, "bench.costs.limits:stamp", workers={"concurrency": 4},
-                         limits={"bench": {"rate": RATE, "subjects": EVERYTHING}})
-    result, contender = await drain(
-        ctx.server.url, jobs, lambda: procs.start_supervisor("supervisor-sync", config, rundir,
-                                                             ctx.product_env(**{JOURNAL_ENV: str(journal)})),
-        data=b"x", server_pid=ctx.server.proc.pid, parent_pid=lambda c: c.pid)
-    contender.stop()
+    config = ours_config(ctx, n, "bench.costs.limits:stamp", workers={"concurrency": 4}, limits=limits)
+    try:
+        result, contender = await drain(
+            ctx.server.url, jobs, lambda: procs.start_supervisor("supervisor-sync", config, rundir,
+                                                                 ctx.product_env(**{JOURNAL_ENV: str(journal)})),
+            data=b"x", server_pid=ctx.server.proc.pid, parent_pid=lambda c: c.pid)
+        contender.stop()
+    finally:
+        await watching.close()
     starts = sorted(float(line) for line in journal.read_text().split())
     span = starts[-1] - starts[0] if len(starts) > 1 else 0.0
+    taken = sorted(writes)
     out = {"rate": RATE, "jobs": jobs, "starts": len(starts), "span_s": round(span, 2),
            "achieved_per_s": round((len(starts) - 1) / span, 2) if span else None,
            "most_in_1s": most_in_window(starts, 1.0), "most_in_0.95s": most_in_window(starts, 0.95),
-           "jobs_per_s": result.jobs_per_s}
+           "taken": len(taken), "most_taken_in_1s": most_in_window(taken, 1.0), "jobs_per_s": result.jobs_per_s}
     ctx.say(f"  rate {RATE:g}/s: {len(starts)} starts over {span:.1f} s ({out['achieved_per_s']}/s); at most "
-            f"{out['most_in_1s']} in any 1 s ({out['most_in_0.95s']} in any 0.95 s)")
+            f"{out['most_in_1s']} in any 1 s ({out['most_in_0.95s']} in any 0.95 s) by the handlers' stamps; "
+            f"{len(taken)} starts taken, at most {out['most_taken_in_1s']} in any 1 s by the server's clock")
     return out
 
+
+async def watch_starts(url: str, limits: dict) -> tuple[list[float], Any]:
+    """The limits bucket made now (as `supervisor start` makes it), and the server's timestamp of
+    every start key written to it from now on (an ordered consumer: each is seen before its
+    window's TTL removes it). The bound the rate keeps is on these, by the server's clock; a
+    handler's stamp comes a few ms after its take (its queue, a thread), more on a loaded box.
+    (The connection to close, as the second item.)"""
+    import nats
+    from nats.js.api import DeliverPolicy
+
+    from supervisor.config import Config
+    from supervisor.nats.provision import ensure_limits_bucket
+
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await ensure_limits_bucket(js, Config().replace(limits=limits))
+    stamps: list[float] = []
+
+    async def seen(msg: Any) -> None:
+        stamps.append(msg.metadata.timestamp.timestamp())
+    await js.subscribe("$KV.SUPERVISOR_LIMITS.bench.r.*", cb=seen, ordered_consumer=True,
+                       deliver_policy=DeliverPolicy.NEW)
+    return stamps, nc

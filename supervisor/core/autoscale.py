@@ -182,6 +182,7 @@ class Measurement:
     work: int                   # pending + in flight at the last sample
     work_slope: float | None    # jobs/s between the first and last poll: < 0 draining; None: one poll
     jobs: float = 0.0           # jobs finished in the samples `rate` spans
+    limited: str = ""           # the last sample's reason a limit bound, if one did in any sample
 
     @property
     def eta(self) -> float | None:
@@ -212,7 +213,8 @@ class Measurement:
                    worker_cpu=sum(wcpu) / len(wcpu) if wcpu else None,
                    backlog=all(x.pending > 0 for x in xs), any_pending=any(x.pending > 0 for x in xs),
                    work=xs[-1].work, work_slope=(xs[-1].work - xs[0].work) / polled if polled > 0 else None,
-                   jobs=sum(x.completed for x in xs) * interval)
+                   jobs=sum(x.completed for x in xs) * interval,
+                   limited=next((x.limited for x in reversed(xs) if x.limited), ""))
 
     def cpus_full(self, p: Params) -> bool:
         return self.cpu >= p.cpu_full and self.worker_cpu is not None and self.worker_cpu >= p.cpu_bound
@@ -354,8 +356,9 @@ class Autoscaler:
                                                f"more would not either")
             if n >= p.max:
                 return self.hold(x, "max", f"{want}; at autoscale.max = {p.max}")
-            if x.limited:
-                return self.hold(x, "limit", f"{want}, but {x.limited}: more workers would only wait for it")
+            limited = x.limited or m.limited       # any sample: a slot between two jobs may read free
+            if limited:
+                return self.hold(x, "limit", f"{want}, but {limited}: more workers would only wait for it")
             if x.cap is not None and n >= x.cap:
                 return self.hold(x, "budget", f"{want}, but {x.capped or f'the budget leaves this pool {x.cap}'}")
             if m.cpus_full(p):
@@ -529,15 +532,19 @@ def why_capped(budget: int, c: Claim, out: dict[str, int]) -> str:
             "the most work)")
 
 
-def limit_binds(rows: list[tuple[str, int, int | None, int, int | None, int]]) -> str:
-    """Why a fleet-wide limit keeps more workers from helping, or "": jobs of ours wait for it
-    while it is used up across the fleet. Each row: (name, concurrency, slots in use fleet-wide,
-    starts its rate allows per window, starts in the window now, jobs of ours waiting for it)."""
-    for name, concurrency, in_use, window, starts, waiting in rows:
-        if waiting <= 0:
-            continue
-        if concurrency and in_use is not None and in_use >= concurrency:
+def limit_binds(rows: list[tuple[str, int, int | None, int, int | None, int, int]], running: int) -> str:
+    """Why a fleet-wide limit keeps more workers from helping, or "": it is used up across the
+    fleet, and the jobs here need it: some wait for it, or (a cap) every job running here holds
+    it, so the next job a new worker would take is one more waiting for it. (Jobs that need no
+    limit running beside them: more workers may help those, so no claim.) Each row: (name,
+    concurrency, slots in use fleet-wide, starts its rate allows per window, starts in the window
+    now, jobs of ours waiting for it, slots jobs of ours hold); `running`: jobs running here."""
+    for name, concurrency, in_use, window, starts, waiting, held in rows:
+        full = bool(concurrency) and in_use is not None and in_use >= concurrency
+        if full and waiting > 0:
             return f"limit {name} is full ({in_use}/{concurrency} in use, {waiting} job(s) here waiting for it)"
-        if window and starts is not None and starts >= window:
+        if full and running > 0 and held >= running:
+            return f"limit {name} is full ({in_use}/{concurrency} in use, every job running here holds it)"
+        if waiting > 0 and window and starts is not None and starts >= window:
             return f"limit {name}'s rate is used up ({starts} starts in its window, {waiting} job(s) here waiting)"
     return ""

@@ -180,15 +180,16 @@ class Scaler:
                       in_flight=consumer.get("num_ack_pending", 0), polled_at=mon.polled_at if mon else None,
                       completed=r.completed, job_time=r.job_time,
                       busy=r.busy, running=running, cpu=r.cpu, worker_cpu=r.worker_cpu, cores=self.cores,
-                      limited=self.limited(), cap=self.cap, capped=self.capped)
+                      limited=self.limited(running), cap=self.cap, capped=self.capped)
 
-    def limited(self) -> str:
-        """A limit our jobs wait for while the fleet uses it up (core/autoscale.py limit_binds)."""
+    def limited(self, running: int) -> str:
+        """A limit the fleet uses up while our jobs need it (core/autoscale.py limit_binds)."""
         cfg, here = self.arb.cfg, self.arb.stats.limits()
         fleet = self.monitor.limits if self.monitor else {}
         return limit_binds([(name, lim.concurrency, fleet.get(name, {}).get("in_use"),
                              rate_window(lim.rate)[0] if lim.rate else 0, fleet.get(name, {}).get("starts"),
-                             int(here.get(name, {}).get("waiting", 0))) for name, lim in cfg.limits.items()])
+                             int(here.get(name, {}).get("waiting", 0)), int(here.get(name, {}).get("held", 0)))
+                            for name, lim in cfg.limits.items()], running)
 
     def apply(self, d: Decision) -> None:
         extra = {"event": "autoscale", "kind": d.kind, "workers": d.workers, "target": d.target, "reason": d.reason}

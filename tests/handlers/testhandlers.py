@@ -28,6 +28,9 @@ def _act(job: Job) -> float:
     text = job.data.decode(errors="replace").strip()
     if text == "crash" or (text == "crash-once" and job.delivery == 1):
         os._exit(13)
+    if text.startswith("crash-after:"):  # dies mid-job, every time (a poison job that takes a while)
+        time.sleep(float(text.split(":")[1]))
+        os._exit(13)
     if text == "reject":
         raise Reject("payload asked to be rejected")
     if text.startswith("retry:") and job.delivery == 1:
@@ -71,6 +74,18 @@ class Declined(Exception):
 def record(job: Job) -> None:
     _log("start", job)
     seconds = _act(job)
+    time.sleep(seconds)
+    _log("done", job)
+
+
+def record_raises(job: Job) -> None:
+    """`record` that also journals a run its payload made raise (`raised`): when it ended."""
+    _log("start", job)
+    try:
+        seconds = _act(job)
+    except Exception:
+        _log("raised", job)
+        raise
     time.sleep(seconds)
     _log("done", job)
 

@@ -264,3 +264,55 @@ def test_checker_takes_a_key_done_under_another_sequence_as_deduplicated():
     ev.unacked = [2]                                  # still in the stream: the guard never acked it
     assert check(ev).counts["lost"] == 1
     assert check(evidence([], stored=2)).counts["vanished"] == 2
+
+
+def ordered(journal: list[tuple], faults: list[Fault] = (), stored: int = 2, **kw) -> Evidence:
+    """evidence() with every job of one [ordering] key, k."""
+    ev = evidence(journal, faults, stored, **kw)
+    ev.stored = {s: Stored(s, f"j{s}", T0, "k") for s in ev.stored}
+    return ev
+
+
+def test_checker_flags_a_job_started_before_the_previous_one_of_its_key_ended():
+    """seq 2 of key k starts while seq 1 still runs: unexplained, unless a fault touched seq 1's
+    worker in between (its link cut past AckWait, so seq 1 ran again elsewhere and that ack let
+    the key go on)."""
+    runs = [("S", 1, 1, 1, 0.1), ("S", 2, 2, 1, 0.15), ("D", 1, 1, 1, 0.2), ("D", 2, 2, 1, 0.25)]
+    c = check(ordered(runs)).counts
+    assert (c["reordered"], c["reorder_unexplained"]) == (0, 1)
+    cut = Fault("network: worker 0's connection cut", T0 + 0.11, T0 + 0.14, frozenset({1}))
+    c = check(ordered(runs, [cut])).counts
+    assert (c["reordered"], c["reorder_unexplained"]) == (1, 0)
+    in_order = [("S", 1, 1, 1, 0.1), ("D", 1, 1, 1, 0.2), ("S", 2, 2, 1, 0.25), ("D", 2, 2, 1, 0.3)]
+    assert check(ordered(in_order)).counts["reorder_unexplained"] == 0
+    assert check(evidence(runs, stored=2)).counts["reorder_unexplained"] is None      # [ordering] off
+
+
+def test_checker_takes_a_killed_run_as_ended_at_its_death_or_its_rerun():
+    """seq 1's run dies with its worker (seen a little late), seq 1 runs again, then seq 2: in
+    order. seq 1 running again after seq 2 started is a reorder a server SIGKILL can explain."""
+    killed = [("S", 1, 1, 1, 0.1), ("S", 3, 1, 2, 0.2), ("D", 3, 1, 2, 0.25), ("S", 2, 2, 1, 0.3), ("D", 2, 2, 1, 0.35)]
+    lives = {1: Life(1, T0, T0 + 0.4)}                  # the watcher saw it gone after the rest happened
+    assert check(ordered(killed, lives=lives)).counts["reorder_unexplained"] == 0
+    again = [("S", 1, 1, 1, 0.1), ("D", 1, 1, 1, 0.2), ("S", 2, 2, 1, 0.3), ("D", 2, 2, 1, 0.35),
+             ("S", 3, 1, 1, 0.5), ("D", 3, 1, 1, 0.55)]
+    assert check(ordered(again)).counts["reorder_unexplained"] == 1
+    server = Fault("nats-server SIGKILL, back 1s later", T0 + 0.25, T0 + 1.25, None, in_control=False)
+    c = check(ordered(again, [server])).counts
+    assert (c["reordered"], c["reorder_unexplained"]) == (1, 0)
+
+
+def test_checker_judges_a_key_within_its_pool():
+    """With pools a key is a pool's: pool a's seq 1 and pool b's seq 2 on a key of one name (k)
+    may run side by side; two jobs of k in one pool may not."""
+    pools = {"main": "workers-a", "side": "workers-b"}
+    lives = {1: Life(1, T0, consumer="workers-a"), 2: Life(2, T0, consumer="workers-b")}
+    runs = [("S", 1, 1, 1, 0.1), ("S", 2, 2, 1, 0.15), ("D", 1, 1, 1, 0.2), ("D", 2, 2, 1, 0.25)]
+    keys = {1: "j1", 2: "b2"}                          # pool b's jobs are keyed bN
+    ev = Evidence(stored={s: Stored(s, keys[s], T0, "k") for s in keys}, faults=[], ack_wait=30.0, origin=T0,
+                  journal=[Rec(e, pid, seq, d, T0 + t, 0.0, keys[seq]) for e, pid, seq, d, t in runs],
+                  pools=pools, lives=lives)
+    c = check(ev).counts
+    assert (c["reorder_unexplained"], c["wrong_pool"]) == (0, 0)
+    ev.pools = {}
+    assert check(ev).counts["reorder_unexplained"] == 1

@@ -14,6 +14,7 @@ import time
 from datetime import datetime
 
 import nats
+import pytest
 from harness import publish_now, run_cli, wait_until
 
 from bench.costs.limits import most_in_window
@@ -143,6 +144,30 @@ def test_a_soft_timeout_while_waiting_in_a_limit_block_gives_its_slot_back(nats_
     wait_until(lambda: c in sup.jobs.done_seqs(), timeout=30, what="a later block")
     wait_until(lambda: sup.status()["limits"]["db"]["held_here"] == 0, what="no slot held once all is done")
     assert sup.stop() == 0 and holder.stop() == 0
+
+
+# ---------------------------------------------------------------- autoscaling beside a limit
+
+def test_autoscaling_holds_where_a_limit_binds_and_says_so(nats_server, supervisor_factory):
+    """A backlog of jobs that all need `db` (concurrency 2), autoscale from 1 up to 6 workers of
+    one handler each: a third worker would only wait for the limit, so the count holds at 2 or
+    below (never past it), and /status autoscale says the limit is why. (Without the limit the
+    same backlog takes it to 5 or more: test_autoscale.py.)"""
+    two = {"db": {"concurrency": 2, "subjects": ["jobs.db.>"]}}
+    sup = supervisor_factory(nats_server, workers={"count": 1}, limits=two, monitor={"interval": 0.25},
+                             autoscale={"enabled": True, "min": 1, "max": 6, "interval": 0.25},
+                             args=("--log-format", "json"))
+    sup.wait_ready()
+    publish_to(nats_server.url, "jobs.db.write", ["0.1"] * 400)      # 20 s of work at 2 at a time
+    a = wait_until(lambda: (a := sup.status()["autoscale"])["kind"] == "limit" and a, timeout=40,
+                   what="autoscale holding for the limit")
+    assert "limit db is full (2/2 in use" in a["reason"], a
+    done = len(sup.jobs.done())
+    wait_until(lambda: len(sup.jobs.done()) >= done + 40, what="40 more jobs (8 decisions) while it holds")
+    targets = [sup.config["workers"]["count"], *(e["to"] for e in sup.events("scaling"))]
+    assert max(targets) <= 2, f"workers added that could only wait for the limit: {targets}"
+    assert sup.status()["workers"]["target"] <= 2
+    assert most_at_once(sup.jobs.records()) <= 2
 
 
 # ---------------------------------------------------------------- a worker that dies holding a slot
@@ -310,6 +335,49 @@ def test_a_drain_gives_back_parked_jobs_and_their_limits(nats_server, supervisor
     wait_until(lambda: second.status()["limits"]["db"]["in_use"] == 0, what="the slot free")
 
 
+def test_limits_beside_the_idempotency_guard(nats_server, supervisor_factory):
+    """[idempotency] inside [limits]: three copies of one job (one key) and three others, a cap
+    of 1. The first copy runs; the other two get the slot in turn, are acked as duplicates
+    without running, and give the slot back: still one at a time, all at delivery 1, the slot
+    free at the end."""
+    one = {"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}
+    sup = supervisor_factory(nats_server, workers={"count": 2}, limits=one, idempotency={"enabled": True})
+    sup.wait_ready()
+
+    async def publish_copies() -> None:
+        nc = await nats.connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+            for k in range(6):
+                key = {"Supervisor-Key": "same"} if k % 2 == 0 else None
+                await js.publish("jobs.db.write", b"0.1", headers=key)
+        finally:
+            await nc.close()
+    asyncio.run(publish_copies())
+    status = wait_until(lambda: (st := sup.status())["jobs"]["duplicate"] == 2 and st["jobs"]["ack"] == 4 and st,
+                        what="two copies acked as duplicates, four jobs run")
+    recs = sup.jobs.records()
+    assert len(sup.jobs.started()) == 4 and most_at_once(recs) == 1 and {r.delivery for r in recs} == {1}
+    wait_until(lambda: sup.status()["limits"]["db"]["in_use"] == 0, what="the slot free")
+    assert status["limits"]["db"]["waiting"] == 0
+
+
+def test_limits_through_a_reconnect(nats_server, supervisor_factory):
+    """The server restarted while jobs hold and wait for a cap of 1: the workers reconnect, the
+    slot their jobs held is kept or taken again, never two at once, every job done, the slot free
+    at the end."""
+    one = {"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}
+    sup = supervisor_factory(nats_server, workers={"count": 2}, limits=one)
+    sup.wait_ready()
+    seqs = publish_to(nats_server.url, "jobs.db.write", ["0.2"] * 6)
+    wait_until(lambda: len(sup.jobs.done()) >= 2, what="jobs running through the limit")
+    nats_server.stop()
+    nats_server.start()
+    wait_until(lambda: all_done([sup], seqs), timeout=60, what="every job done after the reconnect")
+    assert most_at_once(sup.jobs.records()) == 1
+    wait_until(lambda: (st := sup.try_status()) and st["limits"]["db"]["in_use"] == 0, what="the slot free")
+
+
 # ---------------------------------------------------------------- the dashboard
 
 def test_the_dashboard_shows_limits_in_use_and_a_pause_in_chromium(nats_server, supervisor_factory, tmp_path):
@@ -346,3 +414,157 @@ def test_the_dashboard_shows_limits_in_use_and_a_pause_in_chromium(nats_server, 
         b.close()
         gate.write_text("go")
         run_cli("resume", "--config", str(cfg))
+
+
+# ---------------------------------------------------------------- a server that forgot what it delivered
+
+def test_a_parked_job_delivered_again_at_delivery_1_runs_and_gives_its_slot_back(nats_server, supervisor_factory,
+                                                                                 tmp_path):
+    """The consumer deleted and made again (what a server that lost the consumer's state does):
+    every unacked job comes again at delivery 1, here to the worker where its first delivery is
+    still parked for the limit. Both deliveries run (the rerun is the server's loss), and every
+    slot comes back. Before (parked jobs kept by seq and delivery): the second delivery
+    overwrote the first's entry and was never admitted, held for good."""
+    gate = tmp_path / "gate"
+    one = {"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}
+    sup = supervisor_factory(nats_server, workers={"count": 1, "concurrency": 2}, limits=one)
+    sup.wait_ready()
+    a, b = publish_to(nats_server.url, "jobs.db.write", [f"until:{gate}", "0"])
+    wait_until(lambda: sup.jobs.started() and sup.status()["limits"]["db"]["waiting"] == 1, what="A runs, B waits")
+
+    async def forget() -> None:
+        nc = await nats.connect(nats_server.url)
+        try:
+            js = nc.jetstream()
+            info = await js.consumer_info("JOBS", "workers")
+            await js.delete_consumer("JOBS", "workers")
+            await js.add_consumer("JOBS", config=info.config)
+        finally:
+            await nc.close()
+    asyncio.run(forget())
+    wait_until(lambda: sup.status()["limits"]["db"]["waiting"] == 3, what="A and B parked again at delivery 1")
+    gate.touch()
+    wait_until(lambda: sum(r.seq == b for r in sup.jobs.done()) == 2, what="both deliveries of B run")
+    wait_until(lambda: (db := sup.status()["limits"]["db"])["in_use"] == 0 and db["held_here"] == 0
+               and db["waiting"] == 0, what="every slot given back")
+
+
+# ---------------------------------------------------------------- a renewal on its way (one worker's Limiter, in-process)
+
+async def limiter_on(url: str):
+    from supervisor.config import Config
+    from supervisor.nats.provision import ensure_limits_bucket
+    from workers.middleware.limits import Limiter
+
+    nc = await nats.connect(url)
+    cfg = Config().replace(limits={"db": {"concurrency": 1}})
+    await ensure_limits_bucket(nc.jetstream(), cfg)
+    return nc, cfg, await Limiter(nc, asyncio.get_running_loop(), cfg, 0, None).start()
+
+
+def test_a_renewal_answered_after_the_slot_was_given_back_leaves_it_free(nats_server, monkeypatch):
+    """The job gives its slot back while the slot's renewal is on its way: the release purges
+    below the revision it knew, and the renewal, landed first, wrote a newer one. That one is
+    purged too (before: the slot stayed held by nobody until its TTL, 10 s)."""
+    import workers.middleware.limits as limits_mod
+    from supervisor.nats.limits import held_keys
+
+    async def run() -> dict:
+        nc, cfg, limiter = await limiter_on(nats_server.url)
+        gate = limiter.gate("db")
+        grant = await gate.take()
+        k = grant.slot
+        gate.wanted()                                   # a worker elsewhere waits: the give-back releases
+        real = limits_mod.kv_write
+
+        async def answered_after_the_give_back(*args, **kwargs):
+            revision = await real(*args, **kwargs)
+            gate.give_back(grant)                       # the job ends as the answer is on its way
+            await asyncio.gather(*limiter.tasks)        # its release: a purge below the old revision
+            return revision
+        monkeypatch.setattr(limits_mod, "kv_write", answered_after_the_give_back)
+        await limiter.renew(gate, k, gate.held[k])
+        monkeypatch.setattr(limits_mod, "kv_write", real)
+        await asyncio.gather(*limiter.tasks)
+        try:
+            return await held_keys(nc.jetstream(), cfg.fleet.limits_bucket)
+        finally:
+            await limiter.close()
+            await nc.close()
+    assert asyncio.run(run()) == {}, "the slot stays held by nobody until its TTL"
+
+
+@pytest.mark.parametrize("given_back", [False, True], ids=["held", "given-back-while-read"])
+def test_a_renewal_that_landed_but_timed_out_is_not_a_lost_slot(nats_server, monkeypatch, given_back):
+    """A renewal the server wrote but whose answer timed out: the next one (from the old
+    revision) conflicts. The slot is still this worker's (its value says so): it is renewed from
+    the newer revision, no `limit_slot_lost` (before: dropped as lost while the job ran on, so
+    it expired and a second job could take it). Given back while the conflict's read is out:
+    not taken up again (held and renewed by nobody's job for good), but purged up to that
+    newer revision."""
+    import workers.middleware.limits as limits_mod
+    from supervisor.nats.limits import held_keys
+
+    async def run() -> tuple[int, bool, dict]:
+        nc, cfg, limiter = await limiter_on(nats_server.url)
+        gate = limiter.gate("db")
+        gate.wanted()                                   # a worker elsewhere waits: the give-back releases
+        grant = await gate.take()
+        k, old = grant.slot, gate.held[grant.slot]
+        real, read = limits_mod.kv_write, limiter.ours_at
+
+        async def lands_then_times_out(*args, **kwargs):
+            await real(*args, **kwargs)
+            raise TimeoutError("no answer in time")
+
+        async def given_back_while_read(key):
+            revision = await read(key)
+            gate.give_back(grant)
+            await asyncio.gather(*limiter.tasks)
+            return revision
+        monkeypatch.setattr(limits_mod, "kv_write", lands_then_times_out)
+        await limiter.renew(gate, k, old)
+        monkeypatch.setattr(limits_mod, "kv_write", real)
+        if given_back:
+            monkeypatch.setattr(limiter, "ours_at", given_back_while_read)
+        await limiter.renew(gate, k, gate.held[k])
+        renewed = gate.held.get(k, 0) > old + 1
+        lost = limiter.lost
+        gate.give_back(grant)
+        await asyncio.gather(*limiter.tasks)
+        try:
+            return lost, renewed, await held_keys(nc.jetstream(), cfg.fleet.limits_bucket)
+        finally:
+            await limiter.close()
+            await nc.close()
+    lost, renewed, keys = asyncio.run(run())
+    assert (lost, renewed, keys) == (0, not given_back, {}), (lost, renewed, keys)
+
+
+def test_a_take_out_when_the_worker_exits_leaves_no_slot_behind(nats_server, monkeypatch):
+    """The worker exits (Limiter.close) while a take's create is out: the server wrote the slot,
+    its answer is on its way. The take is let finish and the slot given back; before, the take
+    was cancelled and the slot held by nobody until its TTL (a recycled worker's exit stalled a
+    cap of 1 for 10 s: `python -m chaos --random --seed 56`)."""
+    import workers.middleware.limits as limits_mod
+    from supervisor.nats.limits import held_keys
+
+    async def run() -> dict:
+        nc, cfg, limiter = await limiter_on(nats_server.url)
+        gate, real, landed = limiter.gate("db"), limits_mod.kv_write, asyncio.Event()
+
+        async def answered_late(*args, **kwargs):
+            revision = await real(*args, **kwargs)
+            landed.set()
+            await asyncio.sleep(0.3)
+            return revision
+        monkeypatch.setattr(limits_mod, "kv_write", answered_late)
+        waiter = asyncio.ensure_future(gate.take())
+        await landed.wait()
+        waiter.cancel()                                 # its parked job given back (Limits.close)
+        await limiter.close()
+        try:
+            return await held_keys(nc.jetstream(), cfg.fleet.limits_bucket)
+        finally:
+            await nc.close()
+    assert asyncio.run(run()) == {}, "a slot left held by nobody until its TTL"

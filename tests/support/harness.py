@@ -153,7 +153,7 @@ class NatsServer:
 
 @dataclass(frozen=True)
 class Record:
-    event: str          # start | done
+    event: str          # start | done | raised (testhandlers:record_raises: the payload made it raise)
     pid: int
     seq: int
     delivery: int
@@ -181,7 +181,7 @@ class JobLog:
         return [r for r in self.records() if r.event == "start"]
 
     def running(self) -> list[Record]:
-        finished = {(r.pid, r.seq, r.delivery) for r in self.done()}
+        finished = {(r.pid, r.seq, r.delivery) for r in self.records() if r.event in ("done", "raised")}
         return [r for r in self.started() if (r.pid, r.seq, r.delivery) not in finished]
 
     def done_seqs(self) -> set[int]:

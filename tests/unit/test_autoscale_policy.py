@@ -555,9 +555,23 @@ def test_a_hold_between_steps_up_starts_the_growth_over():
     assert p.growth == 1
 
 
-def test_a_limit_binds_only_when_jobs_wait_for_it_and_the_fleet_has_used_it_up():
-    assert limit_binds([("db", 3, 3, 0, None, 2)]) == "limit db is full (3/3 in use, 2 job(s) here waiting for it)"
-    assert limit_binds([("db", 3, 3, 0, None, 0)]) == ""          # full, but nobody of ours waits
-    assert limit_binds([("db", 3, 2, 0, None, 2)]) == ""          # a slot is free: waiting is brief
-    assert limit_binds([("db", 3, None, 0, None, 2)]) == ""       # not read yet: no claim either way
-    assert "rate is used up" in limit_binds([("db", 3, 1, 0, None, 0), ("api", 0, None, 10, 10, 5)])
+def test_a_limit_binds_only_when_the_fleet_has_used_it_up_and_jobs_here_need_it():
+    full = "limit db is full (3/3 in use, 2 job(s) here waiting for it)"
+    assert limit_binds([("db", 3, 3, 0, None, 2, 1)], running=1) == full
+    assert limit_binds([("db", 3, 3, 0, None, 0, 2)], running=2) == \
+        "limit db is full (3/3 in use, every job running here holds it)"    # a new worker's job would wait
+    assert limit_binds([("db", 3, 3, 0, None, 0, 1)], running=2) == ""     # a job here needs none: more may help
+    assert limit_binds([("db", 3, 3, 0, None, 0, 0)], running=0) == ""     # full, nothing of ours needs it
+    assert limit_binds([("db", 3, 2, 0, None, 2, 2)], running=2) == ""     # a slot is free: waiting is brief
+    assert limit_binds([("db", 3, None, 0, None, 2, 2)], running=2) == ""  # not read yet: no claim either way
+    assert "rate is used up" in limit_binds([("db", 3, 1, 0, None, 0, 1), ("api", 0, None, 10, 10, 5, 0)], running=1)
+
+
+def test_a_limit_that_bound_in_any_sample_of_the_measurement_holds_the_count():
+    """Between two jobs a slot may read free for an instant: a limit seen binding in any sample of
+    the measurement holds, as one seen now does."""
+    p = Autoscaler(params(hi=64))
+    bound = "limit db is full (2/2 in use, every job running here holds it)"
+    feed(p, 0, 2, workers=2, ready=2, completed=20.0, busy=2.0, running=2, pending=150, limited=bound)
+    d = feed(p, 2, 2, workers=2, ready=2, completed=20.0, busy=2.0, running=2, pending=150)
+    assert (d.kind, d.target) == ("limit", 2) and bound in d.reason, d

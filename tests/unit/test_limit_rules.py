@@ -85,11 +85,12 @@ def test_metrics_of_limits():
 
 
 class FakeBucket:
-    """The Limiter's bucket calls, in memory: create-if-absent; which keys were asked."""
+    """The Limiter's bucket calls, in memory: create-if-absent; which keys were asked, released,
+    and how often this worker said it waits."""
 
     def __init__(self, taken: set[str] = frozenset()):
-        self.keys, self.asked = set(taken), []
-        self.table = None
+        self.keys, self.asked, self.released, self.wants = set(taken), [], [], 0
+        self.table, self.closing = None, False
 
     async def create(self, key: str, ttl: int) -> int:
         from workers.middleware.guard import Conflict
@@ -98,6 +99,17 @@ class FakeBucket:
             raise Conflict(key)
         self.keys.add(key)
         return len(self.asked)
+
+    async def release(self, name: str, k: int, revision: int) -> None:
+        self.released.append(slot_key(name, k))
+        self.keys.discard(slot_key(name, k))
+
+    def spawn(self, coro) -> None:
+        import asyncio
+        asyncio.ensure_future(coro)
+
+    def want(self, name: str) -> None:
+        self.wants += 1
 
 
 def test_a_take_looks_again_while_the_limit_had_room_and_waits_once_it_is_full():
@@ -108,26 +120,35 @@ def test_a_take_looks_again_while_the_limit_had_room_and_waits_once_it_is_full()
 
     from workers.middleware.limits import Gate
 
+    async def take(gate) -> int | None:
+        await gate.take_slots(1)
+        return gate.spares.pop() if gate.spares else None
+
     async def run() -> None:
         roomy = FakeBucket()
         gate = Gate(roomy, 0, "db", concurrency=1000, rate=0.0)     # type: ignore[arg-type]
-        assert [await gate.take_slot() is not None for _ in range(5)] == [True] * 5
+        assert [await take(gate) is not None for _ in range(5)] == [True] * 5
 
         full = FakeBucket({slot_key("db", k) for k in range(3)})
         gate = Gate(full, 0, "db", concurrency=3, rate=0.0)        # type: ignore[arg-type]
-        assert await gate.take_slot() is None and len(full.asked) == 3
-        assert await gate.take_slot() is None and len(full.asked) == 3, "looked again while full, no word"
+        assert await take(gate) is None and len(full.asked) == 3
+        assert await take(gate) is None and len(full.asked) == 3, "looked again while full, no word"
         full.keys.discard(slot_key("db", 1))
         gate.on_freed(1)
-        assert await gate.take_slot() == 1 and full.asked[-1] == slot_key("db", 1)
+        assert await take(gate) == 1 and full.asked[-1] == slot_key("db", 1)
     asyncio.run(run())
 
 
-def test_a_job_redelivered_to_the_worker_that_parks_it_gives_back_both_deliveries_grants():
+@pytest.mark.parametrize("deliveries", [(1, 2), (1, 1)], ids=["redelivered", "delivery-1-again"])
+def test_a_job_redelivered_to_the_worker_that_parks_it_gives_back_both_deliveries_grants(deliveries):
     """A job parked past AckWait (the parent's +WPI stalled) can come back, to the same worker,
-    while its first delivery still waits. Each delivery is parked, admitted and settled with its
-    own grants (before: the second overwrote the first's entry, and one set of grants was never
-    given back: a slot held and renewed until the worker exits)."""
+    while its first delivery still waits; at delivery 1 again when the server lost the consumer's
+    state meanwhile (a server SIGKILLed, a consumer deleted and made again). Both deliveries are
+    the job's (at least once: the server's loss explains the rerun), so each is parked, admitted
+    and settled with its own grants. Before (keys by seq and delivery): the second overwrote the
+    first's entry, one set of grants was never given back (a slot held and renewed until the
+    worker exits), and with equal keys the second delivery was never admitted at all (held,
+    kept alive by +WPI, never run)."""
     import asyncio
 
     from workers import Job
@@ -153,18 +174,82 @@ def test_a_job_redelivered_to_the_worker_that_parks_it_gives_back_both_deliverie
         limits = Limits(Config().replace(limits={"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}))
         gate = FakeGate()
         limits.limiter = type("FakeLimiter", (), {"gate": lambda self, name: gate})()   # type: ignore[assignment]
-        first, second = (Job(b"x", "jobs.db.w", stream_seq=7, delivery=d) for d in (1, 2))
+        first, second = (Job(b"x", "jobs.db.w", stream_seq=7, delivery=d) for d in deliveries)
         admitted: list[Job] = []
         limits.park(first, first, admitted.append)
         limits.park(second, second, admitted.append)
         await asyncio.sleep(0)
         assert len(limits.parked) == len(limits.waiting) == 2      # both parked, both waiting
         gate.free.set()
-        while len(admitted) < 2:
+        for _ in range(100):
             await asyncio.sleep(0)
-        assert admitted == [first, second] and len(gate.held) == 2
+        assert admitted == [first, second] and admitted[0] is first and admitted[1] is second
+        assert len(gate.held) == 2
         for job in admitted:
             await limits.before_job(job)                               # taken already: nothing more
             await limits.after_job(job, "ack", None)
         assert gate.held == [] and not limits.parked and not limits.granted
+    asyncio.run(run())
+
+
+def test_a_slot_passes_from_job_to_job_in_a_worker_until_someone_elsewhere_wants_it(monkeypatch):
+    """A roomy concurrency limit: a slot given back goes to the next job waiting here, or lingers
+    as a spare the next job takes at once, with no request (the per-job cost measured by
+    `python -m bench --only limits`); a spare nobody takes goes back after LINGER. Once a worker
+    elsewhere says it waits (`wanted`), spares go back at once and every slot goes back to the
+    fleet when its job ends; past KEEP_FOR too. A limit with a rate never keeps a slot."""
+    import asyncio
+
+    import workers.middleware.limits as limits_mod
+    from workers.middleware.limits import Gate
+
+    monkeypatch.setattr(limits_mod, "LINGER", 0.05)
+
+    async def run() -> None:
+        bucket = FakeBucket()
+        gate = Gate(bucket, 0, "db", concurrency=100, rate=0.0)   # type: ignore[arg-type]
+        first = await gate.take()
+        slot, asked = first.slot, len(bucket.asked)
+        waiting = asyncio.ensure_future(gate.take())
+        await asyncio.sleep(0)
+        gate.roomy = False                                        # (no lingering: the hand-over itself)
+        gate.give_back(first)                                     # handed over, not released
+        second = await waiting
+        assert second.slot == slot and not bucket.released
+        gate.roomy = True
+        gate.give_back(second)                                    # nobody waits: it lingers
+        third = gate.take_now()
+        assert third is not None and third.slot == slot and len(bucket.asked) == asked and not bucket.released
+        gate.give_back(third)
+        await asyncio.sleep(0.1)                                  # LINGER passed: back to the fleet
+        assert bucket.released == [slot_key("db", slot)] and gate.take_now() is None and not gate.held
+
+        fourth = await gate.take()
+        lingering = fourth.slot
+        gate.give_back(fourth)                                    # it lingers ...
+        gate.wanted()                                             # ... until a worker elsewhere waits
+        await asyncio.sleep(0)                                    # (a release is a task)
+        assert gate.take_now() is None and bucket.released[-1] == slot_key("db", lingering)
+        fifth = await gate.take()
+        waiting = asyncio.ensure_future(gate.take())
+        await asyncio.sleep(0)
+        released = len(bucket.released)
+        gate.give_back(fifth)                                     # back to the fleet, not to our waiter
+        await asyncio.sleep(0)
+        assert len(bucket.released) == released + 1
+        gate.give_back(await waiting)
+
+        gate.wanted_until = 0.0
+        old = await gate.take()
+        gate.kept[old.slot] -= limits_mod.KEEP_FOR                # taken from the bucket long ago
+        released = len(bucket.released)
+        gate.give_back(old)
+        await asyncio.sleep(0)
+        assert len(bucket.released) == released + 1, "kept past KEEP_FOR"
+
+        rated = Gate(FakeBucket(), 1, "api", concurrency=10, rate=100.0)   # type: ignore[arg-type]
+        grant = await rated.take()
+        rated.give_back(grant)
+        assert rated.take_now() is None and not rated.held, "a limit with a rate kept a slot"
+        await asyncio.sleep(0)
     asyncio.run(run())

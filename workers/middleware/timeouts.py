@@ -31,6 +31,7 @@ from typing import Any
 
 from workers import Job, SoftTimeout
 from workers.middleware.base import Context, Middleware
+from workers.middleware.limits import give_back_stranded
 
 log = logging.getLogger("worker")
 
@@ -108,7 +109,7 @@ class Watchdog:
                         self.fired += 1
                         raise_in(thread_id, SoftTimeout)
                         # Raised at the thread's next bytecode: a thread blocked in C (a sleep, a
-                        # lock, `with limit()` waiting) sees it only when that call returns.
+                        # lock) sees it only when that call returns (`with limit()` waits in 0.25 s steps).
                         log.info("worker: seq=%d past workers.soft_timeout: SoftTimeout raised in its thread", seq,
                                  extra={"event": "soft_timeout", "seq": seq})
                     self.firing = 0
@@ -130,6 +131,9 @@ class SoftTimeoutSync(Middleware):
             return call_next()
         finally:
             self.watchdog.disarm(token)
+            # Nothing can be raised in this thread any more: a `with limit()` block that SoftTimeout
+            # interrupted before it could give its limit back has it given back now.
+            give_back_stranded()
 
     def close(self) -> None:
         self.watchdog.stop()

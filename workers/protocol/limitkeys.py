@@ -44,6 +44,18 @@ def freed_subject(bucket: str, name: str) -> str:
     return f"_SUPERVISOR.limits.{bucket}.{name}.freed"
 
 
+def wanted_subject(bucket: str, name: str) -> str:
+    """Core NATS: a worker that found the limit full says so here while it waits (its holder's
+    nonce as the payload), so holders elsewhere give each slot back to the fleet when its job
+    ends instead of passing it to a job of their own."""
+    return f"_SUPERVISOR.limits.{bucket}.{name}.wanted"
+
+
+def words_subject(bucket: str) -> str:
+    """Both words of every limit of the bucket, for one subscription."""
+    return f"_SUPERVISOR.limits.{bucket}.*.*"
+
+
 def pause_key(stream: str, consumer: str) -> str:
     return f"pause.{stream}.{consumer}"
 

@@ -40,6 +40,8 @@ class PullHost(Protocol):
     changed: asyncio.Event                 # wind_down waits on it
 
     def outstanding(self) -> int: ...      # queued and running jobs
+    def busy(self) -> int: ...             # jobs that take a handler (queued, running, ...)
+    def waiting(self) -> int: ...          # received jobs parked for their key's turn ([ordering])
 
 
 class Puller:
@@ -190,8 +192,19 @@ class Puller:
         outstanding = self.owner.outstanding() + self.credits
         # A worker due for recycling takes no job it will not run: what it may still start is the
         # limit less what it started or still may (received, not given back) and what is on its way.
-        jobs_left = self.job_limit - (self.received - self.given_back) - self.credits if self.job_limit else None
-        return self.sizer.size(now, outstanding, self.credits, table.free_entries(), jobs_left)
+        # Jobs parked for their key's turn count once they start: a worker whose budget they took
+        # would stop pulling, and the job their key waits for may need a pull to come back.
+        taken = self.received - self.given_back - self.owner.waiting()
+        jobs_left = self.job_limit - taken - self.credits if self.job_limit else None
+        n = self.sizer.size(now, outstanding, self.credits, table.free_entries(), jobs_left)
+        if n == 0 and not self.credits and self.owner.waiting():
+            # [ordering]: a handler idle beside parked jobs always has a request out, whatever the
+            # look ahead holds: the job their key waits for may be one only a pull brings back (a
+            # NAKed retry, a dead worker's job after AckWait). Parking stays bounded by the
+            # consumer's max_ack_pending, which the table has room for.
+            n = min(self.sizer.concurrency - self.owner.busy(), table.free_entries(),
+                    self.sizer.ceiling if jobs_left is None else jobs_left)
+        return max(n, 0)
 
     def not_started(self, n: int = 1) -> None:
         """A message received and settled without running: its handler was never called because a

@@ -56,6 +56,12 @@ machine, which is what the buffer must hide). The bounds:
 What a worker may have on the wire when it dies (its credits) is at most its capacity, and
 `concurrency` once it has been idle IDLE_STALE seconds.
 
+With [ordering] a buffered job is a cost, not a saving: it waits for a handler while every later
+job of its key waits for it. So nothing is prefetched; the room beyond `concurrency` is a look
+ahead (`lookahead`) of jobs parked until their key's turn (workers/runtime/ordering.py), which
+the worker counts as outstanding only while they wait, and outcomes go back to the loop at once
+(`batching` 0).
+
 Pure: no clock is read here, every time is passed in.
 """
 
@@ -79,8 +85,12 @@ class PullSizer:
     worker's fair share of consumer.max_ack_pending; `threads`: sync handlers, whose finished jobs
     reach the loop up to `batching` seconds late."""
 
-    def __init__(self, concurrency: int, ceiling: int, share: int, threads: bool = False, batching: float = 0.0):
+    def __init__(self, concurrency: int, ceiling: int, share: int, threads: bool = False, batching: float = 0.0,
+                 lookahead: int = 0):
         self.concurrency = concurrency
+        # [ordering]: jobs held beyond those running are not a buffer (a job waiting for a handler
+        # delays every later job of its key) but a look ahead: this many, parked for their key's turn.
+        self.lookahead = lookahead
         self.hops, self.batching = (2, batching) if threads else (1, 0.0)
         self.ceiling = max(1, ceiling)
         self.share = max(1, share)
@@ -157,6 +167,8 @@ class PullSizer:
 
     def prefetch(self, now: float) -> int:
         """Jobs to hold beyond those running."""
+        if self.lookahead:
+            return self.lookahead
         if self.job_time is None or self.stale or self.idle(now) or self.spread():
             return 0
         return min(BUFFER_REQUESTS * self.ceiling, int(self.concurrency * DEPTH * self.rtt / self.job_time + 0.5))

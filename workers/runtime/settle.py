@@ -62,6 +62,9 @@ class Settler:
                  acked: Callable[[int, str], None] = lambda seq, reply: None):
         self.owner = owner
         self.acked = acked                         # (seq, reply) of each plain ack sent: reack.py
+        # (entry, job, outcome) of every settle once it is on the wire ([ordering] says so to the
+        # workers waiting for the job's key: workers/runtime/ordering.py)
+        self.on_settled: Callable[[int, Job, str], None] = lambda i, job, outcome: None
         self.slot = slot
         self.double_ack = double_ack
         self.replies: list[str] = [""] * entries   # reply subject by entry index
@@ -83,6 +86,7 @@ class Settler:
                 w.table.count(OUTCOME_COUNTERS[outcome])
                 self.report(job, outcome, "")
                 w.table.release(i)
+                self.on_settled(i, job, outcome)
                 return
         await self.settle(i, job, b"+ACK", outcome, "")
 
@@ -104,6 +108,7 @@ class Settler:
             self.unsent(job, outcome, refused)
         self.unconfirmed.append((i, generation, outcome in ACKS))
         self.wake_settle.set()
+        self.on_settled(i, job, outcome)
 
     async def publish(self, i: int, payload: bytes) -> tuple[int, str]:
         """Send a settle: (the connection generation it went out on, ""), or (UNSENT, the error)

@@ -52,8 +52,12 @@ class ThreadsHost(Protocol):
 
 
 class HandlerThreads:
-    def __init__(self, owner: ThreadsHost, start_lock: threading.Lock, concurrency: int, job_limit: int):
+    def __init__(self, owner: ThreadsHost, start_lock: threading.Lock, concurrency: int, job_limit: int,
+                 batching: float = OUTCOME_EVERY):
         self.owner = owner
+        # How long an outcome may wait for others (0: each goes back at once; [ordering]: a job's
+        # ack is what the next job of its key waits for).
+        self.batching = batching
         self.concurrency = concurrency
         self.job_limit = job_limit
         # Jobs handed to the threads (guarded by start_lock), outcomes coming back, and whether
@@ -193,7 +197,7 @@ class HandlerThreads:
             if self.rung:
                 return True
             busy = bool(self.ready) and self.owner.mode == SERVING and isinstance(ran.exc, (Exception, type(None)))
-            if busy and now + ran.elapsed - self.outcomes_since < OUTCOME_EVERY:
+            if busy and now + ran.elapsed - self.outcomes_since < self.batching:
                 return True
             self.rung = True
         try:

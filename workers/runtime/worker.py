@@ -41,6 +41,7 @@ from workers.protocol.events import Event, PauseAsked, Ready, RecycleDue, Redeli
 from workers.protocol.exits import EXIT_CONNECT_FAILED, EXIT_CRASHED, EXIT_DRAINED, EXIT_INIT_FAILED
 from workers.protocol.fork import neutralise_inherited_fds, scrub_child_env, set_parent_death_signal
 from workers.protocol.modes import RETIRING, SERVING, STOPPING
+from workers.runtime.ordering import Ordering
 from workers.runtime.orphan import ParentWatch
 from workers.runtime.outcome import Outcomes
 from workers.runtime.puller import Puller
@@ -56,6 +57,7 @@ log = logging.getLogger("worker")
 
 LIVENESS_EVERY = 0.25       # a worker proves its NATS connection with a PING/PONG this often ...
 LIVENESS_TIMEOUT = 2.0      # ... and gives up waiting for the PONG after this
+LOOKAHEAD = 4               # [ordering]: jobs parked ahead per handler, beyond those it runs (pulls.py)
 
 
 # ---------------------------------------------------------------- process hygiene after fork
@@ -118,8 +120,10 @@ def run_worker(spec: ChildSpec) -> int:
 class Worker:
     """The worker's loop, wiring its rooms: pulling (workers/runtime/puller.py), the handler threads for
     sync handlers (workers/runtime/threads.py), settling and fencing (workers/runtime/settle.py), the shutdown
-    path (workers/runtime/shutdown.py), its parent (workers/runtime/orphan.py). It owns the mode, the
-    queue of pulled jobs, and running them."""
+    path (workers/runtime/shutdown.py), its parent (workers/runtime/orphan.py), jobs parked for their
+    key's turn (workers/runtime/ordering.py). It owns the mode, the queue of pulled jobs, and running
+    them. Long because it is where those rooms meet: what each asks of the others (the Protocols
+    in their modules) is answered here, in methods of a few lines each; the room folder is full."""
 
     def __init__(self, spec: ChildSpec):
         cfg = spec.cfg
@@ -132,7 +136,8 @@ class Worker:
         self.running = 0                 # taken from the queue (sync: handed to the threads), not finished
         sizer = PullSizer(self.wcfg.concurrency, self.wcfg.batch,
                           fair_share(cfg.consumer.max_ack_pending, self.wcfg.count),
-                          threads=not self.is_async, batching=OUTCOME_EVERY)
+                          threads=not self.is_async, batching=0.0 if cfg.ordering.key else OUTCOME_EVERY,
+                          lookahead=LOOKAHEAD * self.wcfg.concurrency if cfg.ordering.key else 0)
         self.pulls = Puller(self, spec.slot, sizer, spec.job_limit,
                             f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.consumer}")
         self.reacker = Reacker(self, spec.slot, self.stream, cfg.consumer)
@@ -153,8 +158,11 @@ class Worker:
         self.start_lock = threading.Lock()
         self.chain = Chain(spec.handler)  # every job runs through it: workers/middleware/chain.py
         self.limits: Limits | None = None  # [limits]: jobs waiting for theirs are parked there
+        # [ordering]: jobs wait, parked, until they are the first of their key in the stream
+        self.ordering = Ordering(cfg, spec.slot, self) if cfg.ordering.key else None
         self.gate = AsyncGate(spec.suspects)   # suspects run alone (workers/runtime/solo.py)
-        self.threads = HandlerThreads(self, self.start_lock, self.wcfg.concurrency, spec.job_limit)
+        self.threads = HandlerThreads(self, self.start_lock, self.wcfg.concurrency, spec.job_limit,
+                                      batching=0.0 if cfg.ordering.key else OUTCOME_EVERY)
         self.shutdown = Shutdown(self, spec.slot)
         self.parent = ParentWatch(self, spec.slot, spec.parent_pid, spec.events_fd, spec.server_dies_with_parent)
 
@@ -184,6 +192,8 @@ class Worker:
             log.error("worker %d: starting workers.middleware raised %s", self.spec.slot, describe_exception(exc))
             log.debug("workers.middleware traceback", exc_info=True)
             return EXIT_INIT_FAILED
+        if self.ordering is not None:
+            await self.ordering.start(self.nc)
         self.pulls.inbox = self.nc.new_inbox()
         self.sub = await self.nc.subscribe(self.pulls.inbox, cb=self.on_message, pending_msgs_limit=0,
                                            pending_bytes_limit=0)
@@ -206,6 +216,8 @@ class Worker:
         for task in tasks + self.runners:
             task.cancel()
         self.threads.stop_threads()
+        if self.ordering is not None:
+            self.ordering.close()
         await settling                 # never cancel a task inside a flush: see supervisor/nats/fix.py
         self.reacker.close()
         beating.cancel()               # only now: waiting for NATS to take our acks is no hang
@@ -299,18 +311,29 @@ class Worker:
 
     # -- receiving (the requests themselves: workers/runtime/puller.py)
 
+    def busy(self) -> int:
+        """Jobs that take a handler: queued, running, and parked ones that count as taking one
+        (workers/middleware/limits.py, workers/runtime/ordering.py `occupying`)."""
+        return len(self.queue) + self.running + (self.limits.occupying() if self.limits else 0) + \
+            (self.ordering.occupying() if self.ordering else 0)
+
     def outstanding(self) -> int:
         """Jobs pulled and not finished: what pull sizing counts besides the credits. Jobs parked
-        for a limit take no handler once they wait, up to `concurrency` of them
-        (workers/middleware/limits.py)."""
-        return len(self.queue) + self.running + (self.limits.occupying() if self.limits else 0)
+        for their key's turn fill the look ahead (pulls.py)."""
+        return self.busy() + self.waiting()
 
     def parked(self) -> int:
-        """Jobs pulled and waiting for their limits: not started, not queued."""
-        return len(self.limits.parked) if self.limits else 0
+        """Jobs pulled and waiting for their limits or their key's turn: not started, not queued."""
+        return (len(self.limits.parked) if self.limits else 0) + (self.ordering.parked() if self.ordering else 0)
+
+    def waiting(self) -> int:
+        """Jobs parked for their key's turn: received, but not yet counted against max_jobs."""
+        return self.ordering.waiting() if self.ordering else 0
 
     def take_parked(self) -> list[tuple[Any, int, Job]]:
-        return self.limits.take_parked() if self.limits else []
+        """A drain: what waits for its key's turn, in stream order, then what waits for a limit."""
+        return (self.ordering.take_parked() if self.ordering else []) + \
+            (self.limits.take_parked() if self.limits else [])
 
     def release_limits(self, job: Job) -> None:
         if self.limits is not None:
@@ -335,11 +358,19 @@ class Worker:
             self.emit(Settled(job.stream_seq, job.delivery, "nak", "table full"))
             await self.nc.publish(msg.reply, b"-NAK")
             return
-        if self.limits is not None and self.limits.needs(job):
-            self.limits.park((msg, i, job), job, self.admitted)   # it waits for its limits without a handler
+        if self.ordering is not None and self.ordering.admit((msg, i, job)):
+            self.changed.set()           # it waits for its key's turn without a handler (cleared() next)
+            return
+        self.cleared((msg, i, job))
+
+    def cleared(self, item: tuple[Any, int, Job]) -> None:
+        """A pulled job may start as far as its key goes: on to its limits, or the queue."""
+        _, _, job = item
+        if self.limits is not None and self.limits.needs(job) and not self.limits.hold_now(job):
+            self.limits.park(item, job, self.admitted)   # it waits for its limits without a handler
             self.changed.set()           # a shutdown NAKs it at once; a retirement lets it wait
             return
-        self.queue.append((msg, i, job))
+        self.queue.append(item)
         self.wake_run.set()
         self.changed.set()               # a shutdown NAKs it at once; a retirement runs it
 

@@ -128,7 +128,8 @@ def alive_subject(stream: str, consumer: str, key: str) -> str:
 
 def held_jobs(snap: Snapshot) -> list[list]:
     """[seq, delivery, seconds its AckWait timer has run, reply, state] for every job a worker
-    holds (state: held = pulled, running, acked = ack sent, not yet confirmed)."""
+    holds (state: held = pulled, parked = waiting for its key's turn ([ordering]), running, acked = ack
+    sent, not yet confirmed)."""
     return [[j.stream_seq, j.delivery, round(j.timer_age_s, 3), j.reply, j.state]
             for w in snap.pool.workers for j in w.jobs]
 

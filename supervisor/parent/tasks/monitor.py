@@ -33,7 +33,7 @@ from supervisor.config import Config
 from supervisor.config.schedules import job_subjects
 from supervisor.core.fleetview import ack_wait_range
 from supervisor.core.lag import LagAnalyzer, Sample
-from supervisor.nats import limits
+from supervisor.nats import limits, ordering
 from supervisor.nats.consumer import consumer_dict
 from supervisor.observe.history import History
 from supervisor.parent.crew import Crew
@@ -101,6 +101,14 @@ class SampleGuard:
         return ""
 
 
+def deletes_given_up(c: Config) -> bool:
+    """A job the consumer gave up on is deleted from the work queue once its dead-letter copy
+    is stored. With [ordering], whatever the copy (none without restart.dead_letter_subject):
+    stored, the job would hold back every later job of its key for good."""
+    return c.stream.retention == "workqueue" and (bool(c.ordering.key) or bool(
+        c.restart.dead_letter_subject and c.restart.dead_letter_stream))
+
+
 @dataclass
 class LimitsReading:
     """[limits.NAME] in use fleet-wide: the stream's limits, one reading for every pool (the
@@ -132,6 +140,7 @@ class Monitor:
         self.reading = limits or LimitsReading()     # [limits.NAME] in use fleet-wide (supervisor/nats/limits.py) ...
         self.reads_limits = reads_limits             # ... polled by this monitor while this says so
         self.paused_until: str | None = None          # as last seen, to log a pause once
+        self.backlog = ordering.Backlog()             # [ordering]: jobs stored per key
 
     def apply_config(self, cfg: Config) -> None:
         old, self.cfg = self.cfg, cfg
@@ -146,6 +155,7 @@ class Monitor:
             started = time.monotonic()
             await self.poll()
             await self.poll_limits()
+            await self.backlog.poll(self.nc, self.cfg)
             self.after_poll()
             await asyncio.sleep(max(0.0, self.cfg.monitor.interval - (time.monotonic() - started)))
 
@@ -345,8 +355,7 @@ class Monitor:
                   delivery=deliveries, msg_id=headers.get("Nats-Msg-Id"))
         try:
             await dead_letter(self.nc, self.cfg, job, reason)
-            if self.cfg.restart.dead_letter_subject and self.cfg.restart.dead_letter_stream \
-                    and self.cfg.stream.retention == "workqueue":
+            if deletes_given_up(self.cfg):
                 await self.nc.jetstream().delete_msg(self.cfg.stream.name, seq)
         except NotFoundError:
             pass                    # deleted meanwhile (another supervisor copied it: one copy, by its Msg-Id)
