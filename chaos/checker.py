@@ -227,10 +227,9 @@ class Checker:
             if not runs and seq not in self.ev.unacked and self.done_elsewhere(seq):
                 c["deduplicated"] += 1
                 self.find("deduplicated", seq, "its key was done under another sequence; acked without running")
-            elif not any(r.done is not None for r in runs) and self.copied(seq):
+            elif not any(r.done is not None for r in runs) and (copy := first_copy(seq, self.keys, self.ev.copies)):
                 c["copied"] += 1
-                self.find("copied", seq, f"ran {len(runs)}x and was re-published for later as seq "
-                                         f"{self.copied(seq)} (its own job here)")
+                self.find("copied", seq, f"ran {len(runs)}x and was re-published for later as seq {copy} (its own job)")
             elif not any(r.done is not None for r in runs):
                 verdict = ("dead_lettered" if seq in self.ev.dead_lettered else
                            "vanished" if not runs and seq not in self.ev.unacked else "lost")
@@ -249,7 +248,10 @@ class Checker:
             for i, run in enumerate(runs):
                 if i > 0 or run.delivery > 1:
                     self.redelivery(seq, runs[:i], run, c)
-        c["copy_dup"] = self.copy_dups()
+        for key, seqs in copy_dups(self.runs, self.keys, self.ev.copies):
+            c["copy_dup"] += 1
+            self.find("copy_dup", min(seqs), f"key {key} completed as seqs {sorted(seqs)}, copies for later among "
+                                             f"them: {sorted(seqs & self.ev.copies)}")
         c["ticks_extra"] = self.ev.ticks_extra
         self.order(c)
         self.wrong_pools(c)
@@ -259,26 +261,6 @@ class Checker:
         self.supervisor_word(c)
         notes = self.queueing_note() + ([self.pool_note] if self.pool_note else [])
         return Report(c, self.findings, notes)
-
-    def copied(self, seq: int) -> int:
-        """The first copy for later made of this job (0: none): a copy at a higher sequence with
-        its key (a copy of a copy too)."""
-        key = self.keys.get(seq)
-        return min((s for s in self.ev.copies if s > seq and self.keys.get(s) == key), default=0)
-
-    def copy_dups(self) -> int:
-        """Keys completed under a job and again under a copy of it."""
-        done: dict[str, set[int]] = defaultdict(set)
-        for seq, runs in self.runs.items():
-            if any(r.done is not None for r in runs):
-                done[self.keys.get(seq, "")].add(seq)
-        out = 0
-        for key, seqs in done.items():
-            if len(seqs) > 1 and seqs & self.ev.copies and seqs - self.ev.copies:
-                out += 1
-                self.find("copy_dup", min(seqs), f"key {key} completed as seqs {sorted(seqs)}, copies for later "
-                                                 f"among them: {sorted(seqs & self.ev.copies)}")
-        return out
 
     def done_elsewhere(self, seq: int) -> bool:
         """Another stored job with the same key (a publisher's retry after the duplicate window)
@@ -484,6 +466,22 @@ class Checker:
         if worst >= ACKWAIT_FRACTION * self.ev.ack_wait:
             return [f"jobs waited up to {worst:.1f}s in the queue: AckWait waits may be overcounted"]
         return []
+
+
+def first_copy(seq: int, keys: dict[int, str], copies: set[int]) -> int:
+    """The first copy for later made of job `seq` (0: none): a copy at a higher sequence with its
+    key (a copy of a copy too)."""
+    key = keys.get(seq)
+    return min((s for s in copies if s > seq and keys.get(s) == key), default=0)
+
+
+def copy_dups(runs: dict[int, list[RunOfJob]], keys: dict[int, str], copies: set[int]) -> list[tuple[str, set[int]]]:
+    """(key, its completed seqs) of each key completed under a job and again under a copy of it."""
+    done: dict[str, set[int]] = defaultdict(set)
+    for seq, rs in runs.items():
+        if any(r.done is not None for r in rs):
+            done[keys.get(seq, "")].add(seq)
+    return [(key, seqs) for key, seqs in done.items() if len(seqs) > 1 and seqs & copies and seqs - copies]
 
 
 def check(ev: Evidence) -> Report:
