@@ -77,9 +77,10 @@ class Stats:
         long job yet then stops buffering short jobs ahead of its first one, like the rest."""
         live = self.living()
         sums = [w.table.spread() for w in live]
-        fleet = residual(sum(a for a, _ in sums), sum(b for _, b in sums))
+        fleet = residual(sum(a for a, _, _ in sums), sum(b for _, b, _ in sums))
+        seen = sum(n for _, _, n in sums)
         for w in live:
-            w.table.set_fleet_residual(fleet)
+            w.table.set_fleet_spread(fleet, seen)
         return fleet
 
     def limits(self) -> dict[str, dict[str, float]]:

@@ -69,6 +69,9 @@ class CopyWaiting(Middleware):
     def __init__(self, cfg: Config):
         self.stream = cfg.stream.name
         self.owner = owner(cfg)
+        # The chain calls before_job for deliveries after the first only: nothing to look at on a
+        # first (another pool's copy on a first delivery is NotOurs', in the chain off a work queue).
+        self.redeliveries_only = True
         self.js: Any = None
 
     def setup(self, ctx: Context) -> None:

@@ -39,15 +39,16 @@ ENTRY_STATES = {HELD: "held", RUNNING: "running", ACKED: "acked", SETTLED: "sett
 # parent can tell a beating worker whose connection has gone half-open from a healthy one, and
 # which deliveries a worker has surely read (supervisor/parent/safety/in_transit.py).
 # DUPLICATE_N: jobs acked without running because their key was already done ([idempotency]).
-# SPENT, SPENT_SQ: the worker's recent job times, summed and squared (workers/runtime/pulls.py, the
-# spread); FLEET_RESIDUAL: what the parent made of every worker's (the one word it writes here).
+# SPENT, SPENT_SQ, SEEN: the worker's recent job times, summed, squared and counted
+# (workers/runtime/pulls.py, the spread); FLEET_RESIDUAL, FLEET_SEEN: what the parent made of
+# every worker's (the words it writes here).
 # ORDER_PARKED: jobs parked now until they are the first of their key in the stream ([ordering]:
 # workers/runtime/ordering.py); ORDER_CHECKS: the stream asked, ever; ORDER_WAITED: seconds parked
 # jobs waited, summed when they leave parking (a double).
 (PID, STATE, HEARTBEAT, ACKED_N, NAKED_N, TERMED_N, STARTED_N, CREDITS, HIGH_WATER,
- MAX_DURATION, DURATION_SUM, SERVER_SEEN, DUPLICATE_N, SPENT, SPENT_SQ, FLEET_RESIDUAL,
- ORDER_PARKED, ORDER_CHECKS, ORDER_WAITED) = range(19)
-BUCKETS_AT = 19
+ MAX_DURATION, DURATION_SUM, SERVER_SEEN, DUPLICATE_N, SPENT, SPENT_SQ, FLEET_RESIDUAL, SEEN, FLEET_SEEN,
+ ORDER_PARKED, ORDER_CHECKS, ORDER_WAITED) = range(21)
+BUCKETS_AT = 21
 HEADER_WORDS = BUCKETS_AT + len(DURATION_BUCKETS) + 1
 
 # Per-limit words, after the entries (one block per [limits.NAME], in the config's order):
@@ -115,8 +116,9 @@ class SlotTable:
     def free_entries(self) -> int:
         return len(self._free)
 
-    def hold(self, sseq: int, cseq: int, delivery: int, reply: bytes) -> int:
-        """Record a pulled message; returns its entry index (or -1 when the table is full)."""
+    def hold(self, sseq: int, cseq: int, delivery: int, reply: bytes, now: float | None = None) -> int:
+        """Record a pulled message (that came at `now`, the monotonic clock); returns its entry
+        index (or -1 when the table is full)."""
         if not self._free:
             return -1
         i = self._free.pop()
@@ -129,7 +131,7 @@ class SlotTable:
         q[base + SSEQ] = sseq
         q[base + CSEQ] = cseq
         q[base + DELIVERY] = delivery
-        self.d[base + T_HELD] = time.monotonic()
+        self.d[base + T_HELD] = time.monotonic() if now is None else now
         self.d[base + T_STARTED] = 0.0      # not the start time of the entry's previous job
         q[base + WAIT_SEQ] = q[base + KEY_LEN] = 0
         if len(reply) <= self.reply_words * 8:
@@ -161,8 +163,8 @@ class SlotTable:
         self.mark(i, FREE)
         self._free.append(i)
 
-    def count(self, which: int) -> None:
-        self.q[which] += 1
+    def count(self, which: int, n: int = 1) -> None:
+        self.q[which] += n
 
     def park(self, i: int, key: bytes) -> None:
         """Entry i waits to be the first of its key ([ordering]); its key is kept (up to the room
@@ -202,12 +204,13 @@ class SlotTable:
     def set_credits(self, n: int) -> None:
         self.q[CREDITS] = n
 
-    def share_spread(self, spent: float, spent_sq: float) -> None:
+    def share_spread(self, spent: float, spent_sq: float, seen: float) -> None:
         d = self.d
-        d[SPENT], d[SPENT_SQ] = spent, spent_sq
+        d[SPENT], d[SPENT_SQ], d[SEEN] = spent, spent_sq, seen
 
-    def fleet_residual(self) -> float:
-        return self.d[FLEET_RESIDUAL]
+    def fleet_spread(self) -> tuple[float, float]:
+        """The fleet's residual and the count of jobs it rests on, as the parent last wrote them."""
+        return self.d[FLEET_RESIDUAL], self.d[FLEET_SEEN]
 
     def limit_add(self, k: int, word: int, n: int = 1) -> None:
         """Limit k's LIMIT_IN_USE / LIMIT_WAITING / LIMIT_TAKEN moved by n (the worker's loop is
@@ -240,12 +243,12 @@ class SlotTable:
     def max_duration(self) -> float:
         return self.d[MAX_DURATION]
 
-    def spread(self) -> tuple[float, float]:
-        """The worker's recent job times: (sum, sum of squares), as it last shared them."""
-        return self.d[SPENT], self.d[SPENT_SQ]
+    def spread(self) -> tuple[float, float, float]:
+        """The worker's recent job times: (sum, sum of squares, count), as it last shared them."""
+        return self.d[SPENT], self.d[SPENT_SQ], self.d[SEEN]
 
-    def set_fleet_residual(self, seconds: float) -> None:
-        self.d[FLEET_RESIDUAL] = seconds
+    def set_fleet_spread(self, seconds: float, seen: float) -> None:
+        self.d[FLEET_RESIDUAL], self.d[FLEET_SEEN] = seconds, seen
 
     def histogram(self) -> tuple[list[int], float]:
         """Per-bucket counts (not cumulative, +Inf last) and the sum of durations."""

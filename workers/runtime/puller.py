@@ -188,7 +188,7 @@ class Puller:
     def pull_size(self) -> int:
         now, table = time.monotonic(), self.owner.table
         table.share_spread(*self.sizer.shared(now))        # the fleet's spread, through the parent
-        self.sizer.fleet_residual = table.fleet_residual()
+        self.sizer.fleet_residual, self.sizer.fleet_seen = table.fleet_spread()
         outstanding = self.owner.outstanding() + self.credits
         # A worker due for recycling takes no job it will not run: what it may still start is the
         # limit less what it started or still may (received, not given back) and what is on its way.
@@ -217,8 +217,9 @@ class Puller:
             self.given_back += n
             self.owner.wake_pull.set()
 
-    def arrived(self, reply: str) -> None:
-        """A message came for a request (already held in the table: see Worker.on_message)."""
+    def arrived(self, pending: int, now: float) -> None:
+        """A message came for a request at `now` (already held in the table: see
+        Worker.on_message); `pending`: how many more the stream held for the consumer then."""
         self.received += 1
         if self.credits > 0:
             self.credits -= 1
@@ -227,7 +228,7 @@ class Puller:
                 self.owner.changed.set()     # a stopping worker waits for it (shutdown.py)
         else:
             self.came_unasked()
-        self.timed(reply)
+        self.timed(pending, now)
 
     def came_unasked(self) -> None:
         """A message no credit accounts for: a request we gave up for lost was live after all (a
@@ -240,17 +241,16 @@ class Puller:
             log.info("worker %d: a message came that none of its pull requests accounted for (%d so far)",
                      self.slot, self.unasked, extra={"event": "pull_unasked", "slot": self.slot, "count": self.unasked})
 
-    def timed(self, reply: str) -> None:
+    def timed(self, pending: int, now: float) -> None:
         """Feed pull sizing: a message arrived (idleness); whether more are pending; the round
         trip of a request sent alone while they were."""
-        now = time.monotonic()
-        self.sizer.message(now, pending_after(reply))
+        self.sizer.message(now, pending)
         if self.pull_sent:
             self.sizer.round_trip(now - self.pull_sent)
             self.pull_sent = 0.0
 
-    def on_status(self, msg: Any) -> None:
-        headers = msg.headers or {}
+    def on_status(self, headers: dict[str, str]) -> None:
+        """A status message on our inbox (its headers): a request that ended unfilled, or refused."""
         status = headers.get("Status")
         if status in ("408", "409"):
             unfilled = int(headers.get("Nats-Pending-Messages", "0") or 0)
@@ -268,8 +268,3 @@ class Puller:
             log.warning("worker %d: pull request refused: %s", self.slot, why)
             self.last_refusal = (why, now)
 
-
-def pending_after(reply: str) -> int:
-    """Messages pending for the consumer after this one, from a $JS.ACK reply subject (v1 or v2)."""
-    t = reply.split(".")
-    return int(t[8 if len(t) == 9 else 10])

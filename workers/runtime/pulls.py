@@ -39,6 +39,12 @@ the gaps between a worker's long jobs), and starts over with a new burst after I
 worker shares its sums in its slot table and the parent hands back the fleet's residual
 (supervisor/parent/stats.py share_spread): the worse of the two counts, so a worker that has not
 met a long job yet learns from those that have, within a tick of the parent's loop.
+Until the fleet has seen KNOWN_JOBS recent jobs the spread is unknown, and unknown counts as
+wide: without a backlog a worker takes only what it can start now. The first long job is
+otherwise met by a worker with a buffer open: its pull request, still live at the server, fills
+with short jobs that then wait behind it (the fairness scenario's warm-up: 2-3 short jobs of
+1,000 waited 2 s behind a 2 s job, before any long job had finished). What that costs is a pull
+request per job for the first few hundred jobs of a stream without a backlog.
 
 Both figures are measured, not configured: the job time is the handler's own duration (an
 average that takes a slower job into account at once and forgets it slowly, since hoarding
@@ -75,7 +81,8 @@ RTT_CAP = 0.2          # ... and at most this one: never hoard more than DEPTH x
 RTT_SAMPLES = 8        # the round trip is the worst of this many recent samples (2 s of PING/PONGs)
 UP, DOWN = 0.5, 0.1    # job-time average weights: a slower job counts at once, faster ones slowly
 IDLE_STALE = 5.0       # seconds without a message before the job time is no longer trusted
-SPREAD_JOBS = 1000     # the residual is an average over about this many recent jobs
+SPREAD_JOBS = 1000     # the residual is an average over about this many recent jobs ...
+KNOWN_JOBS = 500       # ... trusted once the fleet's recent jobs count this many (about 700 after a start)
 BACKLOG_RUN = 3        # a backlog: this many messages in a row said more were pending
 BUFFER_REQUESTS = 4    # the buffer holds at most this many requests of workers.batch (within the fair share)
 
@@ -95,8 +102,10 @@ class PullSizer:
         self.ceiling = max(1, ceiling)
         self.share = max(1, share)
         self.job_time: float | None = None    # seconds per job, per handler
-        self.spent = self.spent_sq = 0.0      # sums of T and T^2 over the recent jobs (SPREAD_JOBS), decayed
-        self.fleet_residual = 0.0             # every worker's, from the parent
+        self.spent = self.spent_sq = 0.0      # sums of T and T^2 over the recent jobs (SPREAD_JOBS), decayed ...
+        self.seen = 0.0                       # ... and of 1: how many they are
+        self.fleet_residual = 0.0             # every worker's, from the parent ...
+        self.fleet_seen = 0.0                 # ... and how many jobs it rests on
         self.rtts: deque[float] = deque(maxlen=RTT_SAMPLES)
         self.last_message = 0.0                # when the last message arrived ...
         self.pending_run = 0                   # ... and how many in a row said more were pending
@@ -108,11 +117,12 @@ class PullSizer:
         seconds = max(seconds, 1e-6)
         if self.job_time is None or self.stale:
             self.job_time, self.stale = seconds, False
-            self.spent, self.spent_sq = seconds, seconds * seconds
+            self.spent, self.spent_sq, self.seen = seconds, seconds * seconds, 1.0
         else:
             keep = 1.0 - 1.0 / SPREAD_JOBS
             self.spent = self.spent * keep + seconds
             self.spent_sq = self.spent_sq * keep + seconds * seconds
+            self.seen = self.seen * keep + 1.0
             weight = UP if seconds > self.job_time else DOWN
             self.job_time += weight * (seconds - self.job_time)
 
@@ -132,16 +142,22 @@ class PullSizer:
         came: E[T^2] / 2 E[T] over the recent jobs (0 before any)."""
         return residual(self.spent, self.spent_sq)
 
-    def shared(self, now: float) -> tuple[float, float]:
-        """The sums this worker shares with the fleet: none once idle (its last burst says
-        nothing of the next)."""
-        return (0.0, 0.0) if self.idle(now) else (self.spent, self.spent_sq)
+    def shared(self, now: float) -> tuple[float, float, float]:
+        """The sums this worker shares with the fleet (of T, T^2 and 1): none once idle (its last
+        burst says nothing of the next)."""
+        return (0.0, 0.0, 0.0) if self.idle(now) else (self.spent, self.spent_sq, self.seen)
+
+    @property
+    def known(self) -> bool:
+        """Enough recent jobs, here or in the fleet, to trust their spread (KNOWN_JOBS)."""
+        return max(self.seen, self.fleet_seen) >= KNOWN_JOBS
 
     def spread(self) -> bool:
-        """The job times vary too much to buffer while there is no backlog: a buffered job would
-        wait longer for a handler than the buffer is sized to hide (see the module's docstring)."""
+        """The job times vary too much to buffer while there is no backlog, or may (not known
+        yet): a buffered job would wait longer for a handler than the buffer is sized to hide
+        (see the module's docstring)."""
         worst = max(self.residual, self.fleet_residual)
-        return not self.backlog and worst > self.concurrency * DEPTH * self.rtt
+        return not self.backlog and (not self.known or worst > self.concurrency * DEPTH * self.rtt)
 
     def wait_for_batch(self) -> float:
         """How late a finished job's outcome reaches the loop: a handler thread hands outcomes back

@@ -48,7 +48,7 @@ class SuspectBoard:
     def suspect(self, seq: int) -> bool:
         """In a worker: is this job to run alone?"""
         n = min(self.q[0], self.capacity)
-        return any(self.q[1 + k] == seq for k in range(n))
+        return n > 0 and any(self.q[1 + k] == seq for k in range(n))
 
 
 class Gate:

@@ -195,8 +195,8 @@ class Worker:
         if self.ordering is not None:
             await self.ordering.start(self.nc)
         self.pulls.inbox = self.nc.new_inbox()
-        self.sub = await self.nc.subscribe(self.pulls.inbox, cb=self.on_message, pending_msgs_limit=0,
-                                           pending_bytes_limit=0)
+        self.sub = await self.nc.subscribe(self.pulls.inbox, pending_msgs_limit=0, pending_bytes_limit=0)
+        self.nc.deliver_directly(self.sub, self.on_message)     # from the read loop: supervisor/nats/fix.py
         await self.reacker.start()
         loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
         loop.add_signal_handler(signal.SIGUSR1, self.on_sigusr1)
@@ -339,29 +339,29 @@ class Worker:
         if self.limits is not None:
             self.limits.finished(job)
 
-    async def on_message(self, msg: Any) -> None:
-        if not msg.reply:
-            self.reacker.on_pull_status(msg)   # a leader change, or no leader, may have lost acks
-            self.pulls.on_status(msg)
+    async def on_message(self, subject: str, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
+        if not reply:
+            self.reacker.on_pull_status(headers or {})   # a leader change, or no leader, may have lost acks
+            self.pulls.on_status(headers or {})
             return
-        job = make_job(msg)
+        job, pending = make_job(subject, reply, data, headers)
         # Record it before anything else, credits after: a death between the two leaves the
         # parent counting the message twice (held and in transit), never zero times.
-        i = self.table.hold(job.stream_seq, job.consumer_seq, job.delivery, msg.reply.encode())
-        self.pulls.arrived(msg.reply)
+        i = self.table.hold(job.stream_seq, job.consumer_seq, job.delivery, reply.encode(), now := time.monotonic())
+        self.pulls.arrived(pending, now)
         if i >= 0:
-            self.settler.replies[i] = msg.reply
+            self.settler.replies[i] = reply
         if job.delivery > 1:
             self.emit(Redelivered(job.stream_seq, job.delivery))
         if i < 0:                        # table full (more came than asked): told first, the NAK after
             self.pulls.not_started()
             self.emit(Settled(job.stream_seq, job.delivery, "nak", "table full"))
-            await self.nc.publish(msg.reply, b"-NAK")
+            await self.nc.publish(reply, b"-NAK")
             return
-        if self.ordering is not None and self.ordering.admit((msg, i, job)):
+        if self.ordering is not None and self.ordering.admit((reply, i, job)):
             self.changed.set()           # it waits for its key's turn without a handler (cleared() next)
             return
-        self.cleared((msg, i, job))
+        self.cleared((reply, i, job))
 
     def cleared(self, item: tuple[Any, int, Job]) -> None:
         """A pulled job may start as far as its key goes: on to its limits, or the queue."""
@@ -425,10 +425,14 @@ class Worker:
         await self.finish(i, job, ran.exc, ran.elapsed, ran.started)
 
     async def finish(self, i: int, job: Job, exc: BaseException | None, elapsed: float, started: bool = True) -> None:
-        """Ack, NAK or TERM by the outcome of the job's chain (its handler's, or a hook's). A job
-        whose handler never ran (a duplicate, a hook's Retry) is not one of max_jobs (R1), nor a
-        sample of how long jobs take. Its limits go back whichever hook stopped it. A Pause
-        (workers.Pause) is NAKed like a Retry, and the parent pauses the consumer."""
+        """Ack, NAK or TERM by the outcome of the job's chain (its handler's, or a hook's)."""
+        self.finished(job, exc, elapsed, started)
+        await self.outcomes.settle(i, job, exc)
+
+    def finished(self, job: Job, exc: BaseException | None, elapsed: float, started: bool) -> None:
+        """A job's chain is done. One whose handler never ran (a duplicate, a hook's Retry) is not
+        one of max_jobs (R1), nor a sample of job times; its limits go back whichever hook stopped
+        it. A Pause (workers.Pause) is NAKed like a Retry, and the parent pauses the consumer."""
         self.release_limits(job)
         if isinstance(exc, Pause):
             self.emit(PauseAsked(exc.delay, exc.reason, job.stream_seq))
@@ -437,7 +441,6 @@ class Worker:
             self.pulls.sizer.job_done(elapsed)
         else:
             self.pulls.not_started()
-        await self.outcomes.settle(i, job, exc)
 
     # -- reporting rare events to the parent
 
@@ -459,24 +462,26 @@ def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
-def make_job(msg: Any) -> Job:
-    sseq, cseq, delivery = parse_ack_reply(msg.reply)
-    headers = {k: v for k, v in (msg.headers or {}).items() if isinstance(k, str)}
-    return Job(data=msg.data, subject=msg.subject, headers=headers, stream_seq=sseq, consumer_seq=cseq,
-               delivery=delivery, msg_id=headers.get("Nats-Msg-Id"), stream=ack_reply_stream(msg.reply))
+def make_job(subject: str, reply: str, data: bytes, headers: dict[str, str] | None) -> tuple[Job, int]:
+    """The job a message is, and how many more the stream held for the consumer after it (from
+    its $JS.ACK reply subject, read once: this runs for every message)."""
+    stream, sseq, cseq, delivery, pending = parse_ack_reply(reply)
+    headers = {k: v for k, v in headers.items() if isinstance(k, str)} if headers else {}
+    # Job(...) itself, without its frozen __init__'s object.__setattr__ per field (a third of the
+    # cost of taking a message in; tests/unit/test_take_message.py checks the two are equal).
+    job = _new(Job)
+    vars(job).update(data=data, subject=subject, headers=headers, stream_seq=sseq, consumer_seq=cseq,
+                     delivery=delivery, msg_id=headers.get("Nats-Msg-Id"), stream=stream)
+    return job, pending
 
 
-def parse_ack_reply(reply: str) -> tuple[int, int, int]:
-    """(stream seq, consumer seq, delivery count) from a $JS.ACK reply subject (v1 or v2 form)."""
+_new = object.__new__
+
+
+def parse_ack_reply(reply: str) -> tuple[str, int, int, int, int]:
+    """(stream, stream seq, consumer seq, delivery count, messages pending after this one) from a
+    $JS.ACK reply subject: $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<time>.<pending>
+    (v1), or with <domain>.<account hash> after $JS.ACK and a token more at the end (v2)."""
     t = reply.split(".")
-    at = 4 if len(t) == 9 else 6         # v2 adds domain and account hash after $JS.ACK
-    return int(t[at + 1]), int(t[at + 2]), int(t[at])
-
-
-def ack_reply_stream(reply: str) -> str:
-    """The stream name in a $JS.ACK reply subject: $JS.ACK.<stream>... (v1) or
-    $JS.ACK.<domain>.<account hash>.<stream>... (v2)."""
-    t = reply.split(".")
-    return t[2] if len(t) == 9 else t[4]
-
-
+    at = 2 if len(t) == 9 else 4
+    return t[at], int(t[at + 3]), int(t[at + 4]), int(t[at + 2]), int(t[at + 6])
