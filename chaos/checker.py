@@ -55,6 +55,11 @@ the journal, not trusted). Per job (stream sequence):
   server SIGKILL after the earlier job was stored (the restarted server had lost the ack's
   removal, so the job came back). Otherwise it is reorder_unexplained. With pools a key is a
   pool's: jobs of one key name in two pools are two keys.
+- copied: a job whose handler asked for a retry longer than `retry.republish_after`, so the
+  worker stored a copy for later (a new sequence, the same key) and acked it: not lost while its
+  copy is there (the copy, a job of its own here, must complete). copy_dup: a key completed
+  under a sequence and under a copy of it (README "Long delays": a copy that fired before its
+  original came back; reported).
 - wrong_pool: with pools, a run by a worker of another pool's consumer than the job's (pool b's
   jobs are keyed `bN`, the rest are pool a's): each pool's jobs must run on its own workers only.
   Stream order is per consumer, so a later job bounds when an earlier one was sent only within
@@ -80,7 +85,7 @@ VERDICTS = {
     "dup_unexplained": 0, "redelivered": None, "bounced": None, "unexplained": 0,
     "ackwait": 0, "ackwait_outside": None, "unacked": 0, "sup_unexplained": 0, "sup_open": 0,
     "sup_died": 0, "exit": 0, "healthz_s": None, "ticks_extra": 0, "reordered": None, "reorder_unexplained": 0,
-    "wrong_pool": 0,
+    "wrong_pool": 0, "copies": None, "copied": None, "copy_dup": None,
 }
 SIDE_KEY = "b"              # with pools: the key prefix of pool b's jobs (chaos/randomized.py)
 
@@ -133,6 +138,7 @@ class Evidence:
     # supervisors SIGKILLed on the way, from their last /status (the living's: `statuses`).
     left_to_ack_wait: list[dict] = field(default_factory=list)
     pools: dict[str, str] = field(default_factory=dict)    # with pools: "main"/"side" -> consumer
+    copies: set[int] = field(default_factory=set)           # seqs of [retry] copies for later (in `stored` too)
 
     def pool_of(self, key: str) -> str:
         """The pool a job belongs to ("" without pools)."""
@@ -224,7 +230,8 @@ class Checker:
 
     def check(self) -> Report:
         c = dict.fromkeys(VERDICTS, 0)
-        c["jobs"] = len(self.ev.stored)
+        c["jobs"] = len(self.ev.stored) - len(self.ev.copies)
+        c["copies"] = len(self.ev.copies)
         for seq in sorted(set(self.ev.stored) | set(self.runs)):
             runs = self.runs.get(seq, [])
             if seq not in self.ev.stored:
@@ -232,6 +239,9 @@ class Checker:
             if not runs and seq not in self.ev.unacked and self.done_elsewhere(seq):
                 c["deduplicated"] += 1
                 self.find("deduplicated", seq, "its key was done under another sequence; acked without running")
+            elif not any(r.done is not None for r in runs) and (copy := first_copy(seq, self.keys, self.ev.copies)):
+                c["copied"] += 1
+                self.find("copied", seq, f"ran {len(runs)}x and was re-published for later as seq {copy} (its own job)")
             elif not any(r.done is not None for r in runs):
                 verdict = ("dead_lettered" if seq in self.ev.dead_lettered else
                            "vanished" if not runs and seq not in self.ev.unacked else "lost")
@@ -250,6 +260,10 @@ class Checker:
             for i, run in enumerate(runs):
                 if i > 0 or run.delivery > 1:
                     self.redelivery(seq, runs[:i], run, c)
+        for key, seqs in copy_dups(self.runs, self.keys, self.ev.copies):
+            c["copy_dup"] += 1
+            self.find("copy_dup", min(seqs), f"key {key} completed as seqs {sorted(seqs)}, copies for later among "
+                                             f"them: {sorted(seqs & self.ev.copies)}")
         c["ticks_extra"] = self.ev.ticks_extra
         self.order(c)
         self.wrong_pools(c)
@@ -348,7 +362,7 @@ class Checker:
         if lag < ACKWAIT_FRACTION * self.ev.ack_wait:
             return
         outside = culprits and all(not f.controls(started=bool(before)) for f in culprits)
-        named = "" if outside else self.named_at_death(seq, before, run)
+        named = "" if outside else named_at_death(self.named, seq, before, run)
         verdict = "ackwait_outside" if outside or named else "ackwait"
         c[verdict] += 1
         why = self.wait_context(run.start, culprits) + (f"; named at the death by the ledger: {named}" if named else "")
@@ -370,7 +384,7 @@ class Checker:
         if not keys:
             c["reordered"] = c["reorder_unexplained"] = None
             return
-        for bad in reorders(self.order_runs(), keys):
+        for bad in reorders(order_runs(self.runs, self.ev.lives), keys):
             a, b = bad.before, bad.after
             faults = [f for r in self.runs.get(a.seq, []) if r.start <= b.start
                       for f in self.touching(r.pid, r.start, b.start)] or self.lost_by_server(a.seq, b.start)
@@ -381,21 +395,6 @@ class Checker:
                 c["reorder_unexplained"] += 1
                 self.find("reorder_unexplained", b.seq, f"{bad.describe()}; no fault touched seq {a.seq}'s workers "
                                                         "in between")
-
-    def order_runs(self) -> list[Run]:
-        """Every run, with when it ended: its done or retried line, else its worker's death or
-        the next run of its job, whichever came first (a death is seen a few ms late; the next
-        run is its redelivery, after it)."""
-        out = []
-        for seq, runs in self.runs.items():
-            for k, r in enumerate(runs):
-                end = r.ended
-                if end is None:
-                    life = self.ev.lives.get(r.pid)
-                    bounds = [t for t in (life.died if life else None, *(n.start for n in runs[k + 1:])) if t]
-                    end = min(bounds, default=None)
-                out.append(Run(seq, r.pid, r.delivery, r.start, end))
-        return out
 
     def lost_by_server(self, seq: int, before: float) -> list[Fault]:
         """A server SIGKILLed after `seq` was stored and before `before`: it may have lost the
@@ -413,16 +412,6 @@ class Checker:
         ends = [r.ended for s, runs in self.runs.items() if s < seq and self.order_of(s) == key
                 for r in runs if r.ended is not None and r.ended <= t]
         return max(ends, default=float("-inf"))
-
-    def named_at_death(self, seq: int, before: list[RunOfJob], run: RunOfJob) -> str:
-        """Why a supervisor's ledger said, at a worker's death, that this redelivery would wait
-        for AckWait (F10), or "": the previous run's own delivery and pid must be the ones it
-        named, and this run the very next delivery; when the delivery before this one never
-        started (NAKed unstarted by a drain), its number alone (no run to take a pid from)."""
-        named = self.named.get((seq, run.delivery - 1), {})
-        if before and before[-1].delivery == run.delivery - 1:
-            return named.get(before[-1].pid, "")
-        return next(iter(named.values()), "")
 
     def sent_by(self, seq: int) -> float:
         """A time by which a never-journaled first delivery of `seq` had surely been sent: the
@@ -475,6 +464,49 @@ class Checker:
         if worst >= ACKWAIT_FRACTION * self.ev.ack_wait:
             return [f"jobs waited up to {worst:.1f}s in the queue: AckWait waits may be overcounted"]
         return []
+
+
+def order_runs(runs_by: dict[int, list[RunOfJob]], lives: dict) -> list[Run]:
+    """Every run, with when it ended: its done or retried line, else its worker's death or the
+    next run of its job, whichever came first (a death is seen a few ms late; the next run is its
+    redelivery, after it)."""
+    out = []
+    for seq, runs in runs_by.items():
+        for k, r in enumerate(runs):
+            end = r.ended
+            if end is None:
+                life = lives.get(r.pid)
+                bounds = [t for t in (life.died if life else None, *(n.start for n in runs[k + 1:])) if t]
+                end = min(bounds, default=None)
+            out.append(Run(seq, r.pid, r.delivery, r.start, end))
+    return out
+
+
+def named_at_death(names: dict, seq: int, before: list[RunOfJob], run: RunOfJob) -> str:
+    """Why a supervisor's ledger said, at a worker's death, that this redelivery would wait for
+    AckWait (F10), or "": the previous run's own delivery and pid must be the ones it named, and
+    this run the very next delivery; when the delivery before this one never started (NAKed
+    unstarted by a drain), its number alone (no run to take a pid from)."""
+    named = names.get((seq, run.delivery - 1), {})
+    if before and before[-1].delivery == run.delivery - 1:
+        return named.get(before[-1].pid, "")
+    return next(iter(named.values()), "")
+
+
+def first_copy(seq: int, keys: dict[int, str], copies: set[int]) -> int:
+    """The first copy for later made of job `seq` (0: none): a copy at a higher sequence with its
+    key (a copy of a copy too)."""
+    key = keys.get(seq)
+    return min((s for s in copies if s > seq and keys.get(s) == key), default=0)
+
+
+def copy_dups(runs: dict[int, list[RunOfJob]], keys: dict[int, str], copies: set[int]) -> list[tuple[str, set[int]]]:
+    """(key, its completed seqs) of each key completed under a job and again under a copy of it."""
+    done: dict[str, set[int]] = defaultdict(set)
+    for seq, rs in runs.items():
+        if any(r.done is not None for r in rs):
+            done[keys.get(seq, "")].add(seq)
+    return [(key, seqs) for key, seqs in done.items() if len(seqs) > 1 and seqs & copies and seqs - copies]
 
 
 def check(ev: Evidence) -> Report:

@@ -149,6 +149,13 @@ SETTINGS: list[Setting] = [
     # beside it on a subject of its own, with short jobs of its own and no fault aimed at it.
     Setting("chaos.pools", lambda r, c: r.random() < 0.2, own=True),
     Setting("chaos.pool_b", lambda r, c: r.randint(1, 2), needs=lambda c: c["chaos.pools"], own=True),
+    # [retry]'s copies for later (issue 24; with pools, each pool's own: issue 28): a delay past
+    # republish_after re-publishes the job (a new sequence, its key kept) and acks it. 60 s (the
+    # default) leaves every delay a NAK; 0.5 makes copies of `retry1` jobs and of failures whose
+    # drawn backoff is longer. Drawn beside idempotency (the guard folds a copy by its key) and
+    # pools as they fall.
+    Setting("retry.republish_after", lambda r, c: weighted(r, [(60.0, 2), (0.5, 1)]), own=True,
+            needs=lambda c: c["chaos.retry"] > 0 or c["chaos.fail"] > 0),
 ]
 
 SIDE_SHARE = 0.25           # with pools: a job for pool b (`b|SECONDS`, rig.py SIDE) a quarter of the time

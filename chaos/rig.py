@@ -55,6 +55,22 @@ def named_schedule(subject: str) -> bool:
     return kind in sched.NAMED_KINDS
 
 
+def copies_for_later(journal: list[Rec], published: dict[int, Stored]) -> dict[int, Stored]:
+    """[retry]'s copies for later (retry.republish_after: a long delay re-publishes the job as a
+    new message, its key kept): a sequence the publisher did not store that runs a key an
+    earlier sequence of which ended a run asking for a retry (a delayed job's firing is the
+    first sequence of its key to run: no earlier one asked). Each counts as stored from its
+    first start (it exists from its due time; the server fires it then)."""
+    asked: dict[str, int] = {}                  # key -> the lowest seq whose run ended asking for a retry
+    first: dict[int, Rec] = {}
+    for r in sorted(journal, key=lambda r: r.t):
+        first.setdefault(r.seq, r)
+        if r.event == "R" and r.key != "tick":
+            asked[r.key] = min(asked.get(r.key, r.seq), r.seq)
+    return {seq: Stored(seq, r.key, r.t) for seq, r in first.items()
+            if seq not in published and r.key in asked and asked[r.key] < seq}
+
+
 class Background:
     """An asyncio loop in a thread, for the runner's NATS client, publisher and proxy."""
 
@@ -499,16 +515,16 @@ class Run:
         for i, s in enumerate(self.sups):
             if i not in self.stopped:
                 self.stop_supervisor(s)
-        unacked = self.bg.call(self.unacked())
-        dead = self.bg.call(self.dead_letters())
+        unacked, dead = self.bg.call(self.unacked()), self.bg.call(self.dead_letters())
         stored = {**self.publisher.stored, **self.publisher.fired(self.tail.poll(), self.notes, self.origin)}
         ticks = self.publisher.ticks_beyond(sum(s.key == "tick" for s in stored.values()))
+        stored.update(copies := copies_for_later(self.tail.poll(), self.publisher.stored))  # no firing of a delayed job
         ev = Evidence(ticks_extra=ticks, stored=stored, journal=self.tail.poll(), faults=self.faults, ack_wait=self.ack_wait,
                       origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead,
                       status=self.status, statuses=[s for s in statuses if s],
                       sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), drains=self.drains,
                       healthz_s=max(self.healthz) if self.healthz else None, pools=dict(self.pools),
-                      left_to_ack_wait=self.left_to_ack_wait)
+                      left_to_ack_wait=self.left_to_ack_wait, copies=set(copies))
         return check(ev)
 
     def ledger_status(self, sup: SupervisorProc) -> dict | None:

@@ -189,8 +189,9 @@ class AutoscaleConfig:
     min: int = key(1, "never fewer workers than this", reload=LIVE, lo=0, hi=1024)
     max: int = key(8, "never more workers than this", reload=LIVE, lo=1, hi=1024)
     interval: float = key(1.0, "seconds between decisions", reload=LIVE, lo=0.1)
-    budget: int = key(0, "at most this many workers in all pools together (0 = no shared cap); the next goes to the "
-                         "pool where it does the most work (README: Pools)", reload=LIVE, lo=0, hi=65536)
+    budget: int = key(0, "autoscaling keeps all pools together at most this many workers (0 = no shared cap; a count "
+                         "set by hand may pass it); the next goes to the pool where it does the most work (README: "
+                         "Pools)", reload=LIVE, lo=0, hi=65536)
 
 
 @dataclass(frozen=True)

@@ -257,7 +257,9 @@ class Supervisor:
             for crew in arbiter.crews.values():
                 await self.inherit_pending(crew)
                 self.watch(crew)
-            self.fleet = arbiter.lead.monitor.fleet = Fleet(cfg, self.nc, arbiter, self.snapshot)
+            self.fleet = Fleet(cfg, self.nc, arbiter, self.snapshot)
+            for crew in arbiter.crews.values():
+                crew.monitor.fleet = self.fleet
             arbiter.fleet_key = self.fleet.key          # before the first fork (arbiter.run)
             if cfg.monitor.http:
                 host, port = parse_hostport(cfg.monitor.http, "monitor.http")
@@ -420,6 +422,7 @@ class Supervisor:
             await crew.peers.start()
         await self.inherit_pending(crew)
         self.watch(crew)
+        crew.monitor.fleet = self.fleet
         self.start_monitor(crew)
         return crew
 

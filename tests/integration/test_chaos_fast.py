@@ -20,6 +20,7 @@ from chaos import scenarios  # noqa: F401  (registers the scenarios)
 from chaos.checker import Evidence, check
 from chaos.core import SCENARIOS, run_scenario
 from chaos.facts import Fault, Life, Rec, Stored
+from chaos.rig import copies_for_later
 
 SEED = int(os.environ["CHAOS_SEED"]) if "CHAOS_SEED" in os.environ else None
 
@@ -95,6 +96,29 @@ def test_checker_tells_a_job_the_server_lost_from_one_still_queued():
     assert check(evidence([])).counts["vanished"] == 1
     c = check(evidence([], unacked=[1])).counts
     assert (c["lost"], c["vanished"], c["unacked"]) == (1, 0, 1)
+
+
+def test_checker_counts_a_job_re_published_for_later_by_its_copy():
+    """[retry] republish_after: job 1 asked for a long retry (R), the worker stored a copy (seq 5,
+    its key, nobody published it) and acked the original. Not lost while the copy completes; the
+    copy is a job of its own (lost if it never completes); one completed under both is a copy_dup."""
+    def run(journal):
+        recs = [Rec(e, pid, seq, d, T0 + t, 0.0, "j1") for e, pid, seq, d, t in journal]
+        stored = {1: Stored(1, "j1", T0)}
+        copies = copies_for_later(recs, stored)
+        return copies, check(Evidence(stored={**stored, **copies}, journal=recs, faults=[], ack_wait=30.0, origin=T0,
+                                      copies=set(copies))).counts
+    copies, c = run([("S", 1, 1, 1, 0.1), ("R", 1, 1, 1, 0.2), ("S", 1, 5, 1, 1.2), ("D", 1, 5, 1, 1.3)])
+    assert list(copies) == [5] and copies[5].t == T0 + 1.2
+    assert (c["jobs"], c["copies"], c["copied"], c["lost"], c["copy_dup"]) == (1, 1, 1, 0, 0)
+    _, c = run([("S", 1, 1, 1, 0.1), ("R", 1, 1, 1, 0.2), ("S", 1, 5, 1, 1.2)])
+    assert (c["copied"], c["lost"]) == (1, 1)                       # the copy never completed
+    _, c = run([("S", 1, 1, 1, 0.1), ("R", 1, 1, 1, 0.2), ("S", 2, 1, 2, 0.3), ("D", 2, 1, 2, 0.4),
+                ("S", 1, 5, 1, 1.2), ("D", 1, 5, 1, 1.3)])
+    assert (c["copy_dup"], c["lost"]) == (1, 0)
+    assert copies_for_later([Rec("S", 1, 9, 1, T0, 0.0, "j1")], {1: Stored(1, "j1", T0)}) == {}   # no retry asked
+    fired = [Rec("S", 1, 3, 1, T0, 0.0, "j1"), Rec("R", 1, 3, 1, T0, 0.0, "j1"), Rec("S", 1, 7, 1, T0 + 1, 0.0, "j1")]
+    assert list(copies_for_later(fired, {})) == [7]          # a delayed job (its firing unpublished) and its copy
 
 
 def test_checker_names_a_dead_lettered_job():

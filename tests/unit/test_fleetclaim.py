@@ -24,10 +24,18 @@ def test_a_claim_takes_out_the_orphans_jobs_and_brings_the_rest_up_to_now():
 
 
 def test_the_poller_mark_says_what_it_released_or_else_everything_listed():
-    assert released(beat()) is None                                          # no mark: claim it
-    assert released(beat(lost={"by": "beta", "released": [[6, 2]]})) == {(6, 2)}
-    assert released(beat(lost={"by": "beta", "released": []})) == set()     # release_lost off: nothing
-    assert released(beat(lost={"by": "beta"})) == {(5, 1), (6, 2), (7, 1)}   # an older poller's mark
+    assert released(beat(), "workers") is None                                          # no mark: claim it
+    assert released(beat(lost={"by": "beta", "released": [[6, 2]]}), "workers") == {(6, 2)}
+    assert released(beat(lost={"by": "beta", "released": []}), "workers") == set()     # release_lost off: nothing
+    assert released(beat(lost={"by": "beta"}), "workers") == {(5, 1), (6, 2), (7, 1)}   # an older poller's mark
+
+
+def test_with_pools_the_mark_speaks_for_the_consumers_whose_pollers_acted():
+    mark = {"by": "beta", "consumers": ["emails"], "released": {"emails": [[6, 2]]}}
+    assert released(beat(lost=mark), "emails") == {(6, 2)}
+    assert released(beat(lost=mark), "workers") is None     # its own poller has not acted: claim
+    both = {**mark, "consumers": ["emails", "workers"], "released": {"emails": [[6, 2]], "workers": []}}
+    assert released(beat(lost=both), "workers") == set()
 
 
 def test_an_orphans_record_sits_beside_the_heartbeats_under_its_parents_name():

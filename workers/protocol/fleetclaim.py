@@ -38,13 +38,20 @@ def orphan_key(parent_key: str, token: str) -> str:
     return f"{ORPHAN_PREFIX}{parent_key.partition('.')[2]}.{token}"
 
 
-def released(beat: dict) -> set[Job] | None:
-    """The jobs a poller's lost mark in `beat` released (or may have: every job listed when
-    the mark does not say); None when the entry carries no mark."""
+def released(beat: dict, consumer: str) -> set[Job] | None:
+    """The jobs a poller's lost mark in `beat` released on `consumer` (or may have: every job
+    listed when the mark does not say); None when no poller has acted on that consumer (the mark
+    names the consumers its pollers acted for: with pools, each consumer has its own poller)."""
     mark = beat.get("lost")
     if not mark:
         return None
-    which = mark.get("released") if isinstance(mark, dict) else None
+    if not isinstance(mark, dict):
+        return {(int(s), int(d)) for s, d, *_ in beat.get("held") or []}
+    if "consumers" in mark and consumer not in mark["consumers"]:
+        return None
+    which = mark.get("released")
+    if isinstance(which, dict):
+        which = which.get(consumer, [])
     return {(int(s), int(d)) for s, d, *_ in (which if which is not None else beat.get("held") or [])}
 
 

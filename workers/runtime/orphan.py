@@ -193,7 +193,7 @@ class ParentWatch:
             except KeyNotFoundError:
                 return set()             # it never beat: nothing listed, nothing to release
             beat = json.loads(entry.value or b"{}")
-            released = fleetclaim.released(beat)
+            released = fleetclaim.released(beat, self.owner.consumer)
             if released is not None:
                 return released
             mine = {(e.stream_seq, e.delivery) for e in self.owner.table.snapshot() if e.state != slots.FREE}

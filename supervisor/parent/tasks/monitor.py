@@ -7,8 +7,8 @@ Advisories: MAX_DELIVERIES means the server gave up on a job; it is still in the
 copied to the dead-letter subject and nothing vanishes silently. MSG_TERMINATED is counted.
 
 One monitor per pool (its consumer; parent/crew.py). In a fleet (supervisor/parent/tasks/fleet.py)
-only the elected poller asks the server about the first pool's consumer; the others take its
-samples and ask themselves only when those stop coming. In a cluster ConsumerInfo comes from the
+only the consumer's elected poller asks the server about it; the others take its samples and
+ask themselves only when those stop coming. In a cluster ConsumerInfo comes from the
 consumer leader, whichever node that is now; `SampleGuard` keeps an answer that cannot be right
 (a leader still catching up after a move, reporting consumer sequences that went backwards)
 out of the lag analysis and the ledger. Acks sent while the leader moves can be lost (measured on
@@ -163,14 +163,15 @@ class Monitor:
         js = self.nc.jetstream()
         now = time.monotonic()
         fleet = self.fleet
-        shared = fleet.shared_sample(now) if fleet else None
+        name = self.cfg.consumer.name
+        shared = fleet.shared_sample(now, name) if fleet else None
         if fleet and shared is not None:
             consumer, seq = shared
             if seq != self.shared_seq:          # a sample we have not taken yet
-                self.shared_seq, self.source = seq, fleet.summary.get("poller") or "poller"
+                self.shared_seq, self.source = seq, fleet.poller_name(name)
                 await self.accept(js, consumer)
             return
-        if self.fleet and not self.fleet.may_poll(now):
+        if self.fleet and not self.fleet.may_poll(now, name):
             return                              # a failover in a big fleet: the readings age meanwhile
         try:
             info = await js.consumer_info(self.cfg.stream.name, self.cfg.consumer.name,
@@ -186,7 +187,7 @@ class Monitor:
             consumer["pause_reason"] = await limits.pause_reason(js, self.cfg)
         if await self.accept(js, consumer, asked=now):
             if self.fleet:
-                await self.fleet.share(consumer)
+                await self.fleet.share(consumer, name)
             await self.find_given_up(js, consumer)
 
     async def accept(self, js: Any, consumer: dict[str, Any], asked: float | None = None) -> bool:
@@ -209,7 +210,7 @@ class Monitor:
         self.note_pause(consumer)
         beat = self.crew.stats.progress_beat(self.crew.cfg.workers.job_timeout)
         # In a fleet, progress anywhere counts (supervisor/parent/tasks/fleet.py Fleet.progress).
-        fleet_acked, fleet_busy = self.fleet.progress() if self.fleet else (0, False)
+        fleet_acked, fleet_busy = self.fleet.progress(self.cfg.consumer.name) if self.fleet else (0, False)
         self.analyzer.add(Sample(t=self.polled_at, num_pending=consumer["num_pending"],
                                  num_ack_pending=consumer["num_ack_pending"],
                                  num_redelivered=consumer["num_redelivered"],
