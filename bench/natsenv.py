@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,14 +175,14 @@ async def reset_queue(url: str, spec: QueueSpec) -> None:
         await nc.close()
 
 
-async def publish(url: str, count: int, data: bytes = b"x") -> float:
-    """The backlog: publish_async (nats-py's window of 4,000 PubAcks), every PubAck checked;
-    returns the seconds it took."""
+async def publish(url: str, count: int, data: bytes = b"x", subject_of: Callable[[int], str] | None = None) -> float:
+    """The backlog: publish_async (nats-py's window of 4,000 PubAcks), every PubAck checked; job i
+    on `subject_of(i)` (default: SUBJECT); returns the seconds it took."""
     nc = await nats.connect(url)
     started = time.monotonic()
     try:
         js = nc.jetstream()
-        futures = [await js.publish_async(SUBJECT, data) for _ in range(count)]
+        futures = [await js.publish_async(subject_of(i) if subject_of else SUBJECT, data) for i in range(count)]
         acks = await asyncio.wait_for(asyncio.gather(*futures), 60)
         assert all(a.stream == STREAM for a in acks)
     finally:

@@ -54,6 +54,12 @@ class Profile:
     # 11. [tracing]'s cost (no-op, sync and async, tracing off and on)
     tracing_jobs: int = 20_000
     tracing_workers: int = 2
+    # 13. [ordering]: ordering_jobs sleep jobs of ordering_job_s over each count of keys, on each
+    # count of workers, beside the same jobs unordered; and the no-op's cost at 2 workers
+    ordering_jobs: int = 2_000
+    ordering_job_s: float = 0.005
+    ordering_workers: tuple[int, ...] = (1, 2, 4)
+    ordering_keys: tuple[int, ...] = (1, 4, 16, 64)
 
 
 PROFILES = {
@@ -62,12 +68,14 @@ PROFILES = {
                     paced_s=15.0, idle_workers=4, many_workers=64, idle_s=5.0),
     "quick": Profile("quick", repeats=1, jobs=20_000, workers=(1, 2, 8), tuned_workers=(2, 8), cpu_jobs=800,
                      cpu_job_s=0.003, cpu_workers=(1, 2), kills=5, ack_wait=30.0, paced_rate=10_000, paced_s=6.0,
-                     idle_workers=4, many_workers=64, publish_count=20_000, latency_s=5.0, fair_s=30.0),
+                     idle_workers=4, many_workers=64, publish_count=20_000, latency_s=5.0, fair_s=30.0,
+                     ordering_jobs=1_000, ordering_workers=(2, 4), ordering_keys=(1, 16, 64)),
     # The test suite's: every code path, tiny counts, a short AckWait; figures are not meaningful.
     "smoke": Profile("smoke", repeats=1, jobs=400, workers=(1,), tuned_workers=(1,), cpu_jobs=40, cpu_job_s=0.001,
                      cpu_workers=(1, 2), kills=2, ack_wait=2.0, paced_rate=500, paced_s=1.5,
                      idle_workers=2, many_workers=4, seed_jobs=6, seed_job_s=0.05, publish_count=500,
                      settle_s=0.2, idle_s=0.5, with_faststream=False, guard_jobs=400, latency_rate=200,
                      latency_s=1.0, fair_rate=50, fair_long_s=0.5, fair_long_every=1.0, fair_s=2.0,
-                     fair_warmup_s=0.5, waits_all=False, tracing_jobs=400),
+                     fair_warmup_s=0.5, waits_all=False, tracing_jobs=400, ordering_jobs=60, ordering_workers=(1,),
+                     ordering_keys=(4,)),
 }

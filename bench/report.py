@@ -295,6 +295,19 @@ def limits_table(res: dict) -> str:
                    f"({r['most_in_0.95s']} in any 0.95 s) by the handlers' stamps{taken}.")
 
 
+def ordering_table(res: dict) -> str:
+    """bench/costs/ordering.py's: jobs/s by workers and keys beside unordered, then the no-op's cost."""
+    rows = [[str(r["workers"]), "unordered" if not r["keys"] else str(r["keys"]), num(r["jobs_per_s"]),
+             "-" if not r["keys"] else num(r["vs_unordered"], ".2f", "x"), num(r["bound_per_s"]),
+             num(None if r["of_bound"] is None else 100 * r["of_bound"], ".0f", " %")] for r in res["summary"]]
+    text = table(["N", "keys", "jobs/s", "vs unordered", "bound (min(N, keys) at a time)", "of bound"], rows)
+    noop = [[r["variant"], str(r["workers"]), num(r["jobs_per_s"]), num(r["vs_unordered"], ".2f", "x"),
+             num(r["extra_us_per_job"], ".0f"), num(r["cpu_ms_per_1k_jobs"]), num(r["server_cpu_ms_per_1k_jobs"])]
+            for r in res["noop"]]
+    return text + "\n\n" + table(["sync no-op", "N", "jobs/s", "vs unordered", "extra µs/job", "CPU ms/1k jobs",
+                                   "server CPU ms/1k"], noop)
+
+
 def render(results: dict) -> str:
     parts = []
     if "throughput" in results:
@@ -326,6 +339,10 @@ def render(results: dict) -> str:
     if "limits" in results:
         parts += [f"### 12. A limit's cost ({results['limits']['jobs']:,} jobs, defaults), and a rate held",
                   limits_table(results["limits"])]
+    if "ordering" in results:
+        o = results["ordering"]
+        parts += [f"### 13. Ordered per key: {o['jobs']:,} jobs of {1000 * o['job_s']:g} ms by keys and workers "
+                  "(one handler each), beside unordered", ordering_table(o)]
     parts += ["### Targets", targets_table(targets(results))]
     return "\n\n".join(parts) + "\n"
 

@@ -126,11 +126,12 @@ def starter(ctx: Ctx, name: str, n: int, rundir: Path, section: str = DEFAULTS, 
 
 async def measured_drain(ctx: Ctx, name: str, n: int, total: int, data: bytes, section: str = DEFAULTS,
                          handler: str | None = None, batch: int | None = None,
-                         sections: dict | None = None) -> DrainResult:
+                         sections: dict | None = None, subject_of: Callable[[int], str] | None = None) -> DrainResult:
     start = starter(ctx, name, n, ctx.rundir(f"{name}-{n}"), section, handler, batch, sections)
     result, contender = await drain(ctx.server.url, total, start, data=data, spec=QUEUES[section],
                                     server_pid=ctx.server.proc.pid,
-                                    parent_pid=lambda c: c.pid if isinstance(c, procs.Supervisor) else None)
+                                    parent_pid=lambda c: c.pid if isinstance(c, procs.Supervisor) else None,
+                                    subject_of=subject_of)
     contender.stop()
     result.contender, result.workers = name, n
     return result

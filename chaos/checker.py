@@ -35,11 +35,31 @@ the journal, not trusted). Per job (stream sequence):
   when jobs queue: after a stalled worker link healed, the backlog went to the pull requests
   the dead connection had carried, and the later jobs started only after the heal.) A fault
   that is outside its control for started jobs may be inside for unstarted ones, or the other
-  way round (chaos/facts.py Fault.unstarted_in_control).
+  way round (chaos/facts.py Fault.unstarted_in_control). One more wait counts as outside: a job
+  whose worker died with its NAK sent but not fenced (F10: the parent must not NAK it again, a
+  second NAK could land on the next holder), but only when a supervisor's ledger named that
+  very job, delivery and worker pid at the death (`/status` `crosscheck.left_to_ack_wait`),
+  never by a rule about the faults around it.
 - unacked: still in the work-queue stream at the end (an ack that never landed).
 - ticks_extra: firings of the drawn `[schedules.tick]` beyond one per period over the time it
   could exist (from the first supervisor's start to its removal when the load ends): a schedule
   doubled by two supervisors, or by a restart.
+- reordered ([ordering] drawn): a run of a job that started before a run of an earlier job of
+  its key had ended (chaos/order.py; a run with no end ended at its worker's death, or at the
+  next run of its job, whichever came first: the next run is a redelivery of it, NAKed after
+  that death). A reorder is what a job run twice can cause, so it is explained exactly as a
+  duplicate is: by a fault that touched a worker of a run of the earlier job between that
+  run's start and the later job's start (its link cut or stalled past AckWait, so the job ran
+  again elsewhere and that ack let the key go on while the first run went on; a parent whose
+  +WPI stopped; a host declared lost while alive; graceful_timeout running out), or by a
+  server SIGKILL after the earlier job was stored (the restarted server had lost the ack's
+  removal, so the job came back). Otherwise it is reorder_unexplained. With pools a key is a
+  pool's: jobs of one key name in two pools are two keys.
+- copied: a job whose handler asked for a retry longer than `retry.republish_after`, so the
+  worker stored a copy for later (a new sequence, the same key) and acked it: not lost while its
+  copy is there (the copy, a job of its own here, must complete). copy_dup: a key completed
+  under a sequence and under a copy of it (README "Long delays": a copy that fired before its
+  original came back; reported).
 - wrong_pool: with pools, a run by a worker of another pool's consumer than the job's (pool b's
   jobs are keyed `bN`, the rest are pool a's): each pool's jobs must run on its own workers only.
   Stream order is per consumer, so a later job bounds when an earlier one was sent only within
@@ -53,6 +73,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .facts import Fault, Life, Rec, Stored
+from .order import Run, reorders
 
 ACKWAIT_FRACTION = 0.5      # a redelivery later than this share of AckWait waited for AckWait
 SLACK = 0.05                # seconds: journal lines and fault times come from different processes
@@ -63,7 +84,8 @@ VERDICTS = {
     "jobs": None, "lost": 0, "vanished": 0, "dead_lettered": 0, "deduplicated": None, "dup": None,
     "dup_unexplained": 0, "redelivered": None, "bounced": None, "unexplained": 0,
     "ackwait": 0, "ackwait_outside": None, "unacked": 0, "sup_unexplained": 0, "sup_open": 0,
-    "sup_died": 0, "exit": 0, "healthz_s": None, "ticks_extra": 0, "wrong_pool": 0,
+    "sup_died": 0, "exit": 0, "healthz_s": None, "ticks_extra": 0, "reordered": None, "reorder_unexplained": 0,
+    "wrong_pool": 0, "copies": None, "copied": None, "copy_dup": None,
 }
 SIDE_KEY = "b"              # with pools: the key prefix of pool b's jobs (chaos/randomized.py)
 
@@ -111,7 +133,12 @@ class Evidence:
     bad_exits: int = 0                          # supervisors that did not exit 0 when stopped
     healthz_s: float | None = None
     ticks_extra: int = 0                        # [schedules.tick] firings beyond one per period (rig.py)
+    # Jobs a supervisor's ledger left to AckWait at a worker's death, with why: /status
+    # `crosscheck.left_to_ack_wait` entries (each: stream_seq, delivery, pid, waits) of the
+    # supervisors SIGKILLed on the way, from their last /status (the living's: `statuses`).
+    left_to_ack_wait: list[dict] = field(default_factory=list)
     pools: dict[str, str] = field(default_factory=dict)    # with pools: "main"/"side" -> consumer
+    copies: set[int] = field(default_factory=set)           # seqs of [retry] copies for later (in `stored` too)
 
     def pool_of(self, key: str) -> str:
         """The pool a job belongs to ("" without pools)."""
@@ -155,6 +182,10 @@ class Checker:
         self.keys.update({s.seq: s.key for s in ev.stored.values()})
         self.findings: list[Finding] = []
         self.first_start = self._first_starts()
+        self.named: dict[tuple[int, int], dict[int, str]] = defaultdict(dict)   # (seq, delivery) -> {pid: why}
+        ends = ev.statuses or ([ev.status] if ev.status is not None else [])
+        for w in [*ev.left_to_ack_wait, *(w for st in ends for w in st["crosscheck"].get("left_to_ack_wait", []))]:
+            self.named[(int(w["stream_seq"]), int(w["delivery"]))][int(w["pid"])] = str(w.get("waits", ""))
         self.pool_note = ""
 
     def _first_starts(self) -> list[tuple[int, float]]:
@@ -199,7 +230,8 @@ class Checker:
 
     def check(self) -> Report:
         c = dict.fromkeys(VERDICTS, 0)
-        c["jobs"] = len(self.ev.stored)
+        c["jobs"] = len(self.ev.stored) - len(self.ev.copies)
+        c["copies"] = len(self.ev.copies)
         for seq in sorted(set(self.ev.stored) | set(self.runs)):
             runs = self.runs.get(seq, [])
             if seq not in self.ev.stored:
@@ -207,6 +239,9 @@ class Checker:
             if not runs and seq not in self.ev.unacked and self.done_elsewhere(seq):
                 c["deduplicated"] += 1
                 self.find("deduplicated", seq, "its key was done under another sequence; acked without running")
+            elif not any(r.done is not None for r in runs) and (copy := first_copy(seq, self.keys, self.ev.copies)):
+                c["copied"] += 1
+                self.find("copied", seq, f"ran {len(runs)}x and was re-published for later as seq {copy} (its own job)")
             elif not any(r.done is not None for r in runs):
                 verdict = ("dead_lettered" if seq in self.ev.dead_lettered else
                            "vanished" if not runs and seq not in self.ev.unacked else "lost")
@@ -225,7 +260,12 @@ class Checker:
             for i, run in enumerate(runs):
                 if i > 0 or run.delivery > 1:
                     self.redelivery(seq, runs[:i], run, c)
+        for key, seqs in copy_dups(self.runs, self.keys, self.ev.copies):
+            c["copy_dup"] += 1
+            self.find("copy_dup", min(seqs), f"key {key} completed as seqs {sorted(seqs)}, copies for later among "
+                                             f"them: {sorted(seqs & self.ev.copies)}")
         c["ticks_extra"] = self.ev.ticks_extra
+        self.order(c)
         self.wrong_pools(c)
         c["unacked"] = len(self.ev.unacked)
         for seq in self.ev.unacked:
@@ -312,6 +352,7 @@ class Checker:
             # bound of that moment (a later job's first start: late when jobs queue); a delivery
             # that came back by expiry was handed out one AckWait before it came back.
             culprits = self.overlapping(min(t_ref, run.start - self.ev.ack_wait) - EXPIRY_SLACK, run.start)
+        t_ref = max(t_ref, self.key_free(seq, run.start))       # it waited for its key's turn meanwhile
         lag = run.start - t_ref
         cause = culprits[0].name(self.ev.origin) if culprits else (
             "an earlier delivery never started" if not before else
@@ -321,11 +362,56 @@ class Checker:
         if lag < ACKWAIT_FRACTION * self.ev.ack_wait:
             return
         outside = culprits and all(not f.controls(started=bool(before)) for f in culprits)
-        verdict = "ackwait_outside" if outside else "ackwait"
+        named = "" if outside else named_at_death(self.named, seq, before, run)
+        verdict = "ackwait_outside" if outside or named else "ackwait"
         c[verdict] += 1
-        why = self.wait_context(run.start, culprits)
+        why = self.wait_context(run.start, culprits) + (f"; named at the death by the ledger: {named}" if named else "")
         self.find(verdict, seq, f"delivery {run.delivery} started {lag:.1f}s after the previous delivery was last "
                                 f"seen{'' if before else ' (it never started)'}; {why}")
+
+    # ------------------------------------------------------------ [ordering]
+
+    def order_of(self, seq: int) -> str:
+        """Job `seq`'s [ordering] key ("" for none); with pools its pool's (a key name in two
+        pools is two keys: each pool's consumer and workers order their own jobs)."""
+        s = self.ev.stored.get(seq)
+        if s is None or not s.order:
+            return ""
+        return f"{self.pool(seq)}/{s.order}" if self.ev.pools else s.order
+
+    def order(self, c: dict) -> None:
+        keys = {seq: key for seq in self.ev.stored if (key := self.order_of(seq))}
+        if not keys:
+            c["reordered"] = c["reorder_unexplained"] = None
+            return
+        for bad in reorders(order_runs(self.runs, self.ev.lives), keys):
+            a, b = bad.before, bad.after
+            faults = [f for r in self.runs.get(a.seq, []) if r.start <= b.start
+                      for f in self.touching(r.pid, r.start, b.start)] or self.lost_by_server(a.seq, b.start)
+            if faults:
+                c["reordered"] += 1
+                self.find("reordered", b.seq, f"{bad.describe()}: {faults[0].name(self.ev.origin)}")
+            else:
+                c["reorder_unexplained"] += 1
+                self.find("reorder_unexplained", b.seq, f"{bad.describe()}; no fault touched seq {a.seq}'s workers "
+                                                        "in between")
+
+    def lost_by_server(self, seq: int, before: float) -> list[Fault]:
+        """A server SIGKILLed after `seq` was stored and before `before`: it may have lost the
+        removal of an acked job, which then came back."""
+        stored = self.ev.stored.get(seq)
+        lo = stored.t if stored else self.ev.origin
+        return [f for f in self.ev.faults if f.kind.startswith("nats-server SIGKILL") and lo - SLACK <= f.t0 <= before]
+
+    def key_free(self, seq: int, t: float) -> float:
+        """[ordering]: when the last run of an earlier job of `seq`'s key before `t` ended (a job
+        of the key could not start before): what a redelivery's lag counts from."""
+        key = self.order_of(seq)
+        if not key:
+            return float("-inf")
+        ends = [r.ended for s, runs in self.runs.items() if s < seq and self.order_of(s) == key
+                for r in runs if r.ended is not None and r.ended <= t]
+        return max(ends, default=float("-inf"))
 
     def sent_by(self, seq: int) -> float:
         """A time by which a never-journaled first delivery of `seq` had surely been sent: the
@@ -378,6 +464,49 @@ class Checker:
         if worst >= ACKWAIT_FRACTION * self.ev.ack_wait:
             return [f"jobs waited up to {worst:.1f}s in the queue: AckWait waits may be overcounted"]
         return []
+
+
+def order_runs(runs_by: dict[int, list[RunOfJob]], lives: dict) -> list[Run]:
+    """Every run, with when it ended: its done or retried line, else its worker's death or the
+    next run of its job, whichever came first (a death is seen a few ms late; the next run is its
+    redelivery, after it)."""
+    out = []
+    for seq, runs in runs_by.items():
+        for k, r in enumerate(runs):
+            end = r.ended
+            if end is None:
+                life = lives.get(r.pid)
+                bounds = [t for t in (life.died if life else None, *(n.start for n in runs[k + 1:])) if t]
+                end = min(bounds, default=None)
+            out.append(Run(seq, r.pid, r.delivery, r.start, end))
+    return out
+
+
+def named_at_death(names: dict, seq: int, before: list[RunOfJob], run: RunOfJob) -> str:
+    """Why a supervisor's ledger said, at a worker's death, that this redelivery would wait for
+    AckWait (F10), or "": the previous run's own delivery and pid must be the ones it named, and
+    this run the very next delivery; when the delivery before this one never started (NAKed
+    unstarted by a drain), its number alone (no run to take a pid from)."""
+    named = names.get((seq, run.delivery - 1), {})
+    if before and before[-1].delivery == run.delivery - 1:
+        return named.get(before[-1].pid, "")
+    return next(iter(named.values()), "")
+
+
+def first_copy(seq: int, keys: dict[int, str], copies: set[int]) -> int:
+    """The first copy for later made of job `seq` (0: none): a copy at a higher sequence with its
+    key (a copy of a copy too)."""
+    key = keys.get(seq)
+    return min((s for s in copies if s > seq and keys.get(s) == key), default=0)
+
+
+def copy_dups(runs: dict[int, list[RunOfJob]], keys: dict[int, str], copies: set[int]) -> list[tuple[str, set[int]]]:
+    """(key, its completed seqs) of each key completed under a job and again under a copy of it."""
+    done: dict[str, set[int]] = defaultdict(set)
+    for seq, rs in runs.items():
+        if any(r.done is not None for r in rs):
+            done[keys.get(seq, "")].add(seq)
+    return [(key, seqs) for key, seqs in done.items() if len(seqs) > 1 and seqs & copies and seqs - copies]
 
 
 def check(ev: Evidence) -> Report:

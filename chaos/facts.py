@@ -20,6 +20,13 @@ class Stored:
     seq: int
     key: str
     t: float                    # monotonic time its publish was sent (or of the end-of-run scan)
+    order: str = ""             # its [ordering] key (its subject's third token), "" for none
+
+
+def order_key(subject: str) -> str:
+    """The [ordering] key the randomized runs give a job: `jobs.chaos.<key>` (subject:3)."""
+    tokens = subject.split(".")
+    return tokens[2] if len(tokens) > 2 else ""
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The handler the chaos runs put inside real workers, and the init hooks that constrain them.
 
-Every job's payload is `KEY:A1[:A2...]`: what delivery 1, 2, ... does (the last one repeats for
-later deliveries), each either seconds to sleep, seconds of CPU to burn (`0.01cpu`), `oom`,
-`grow8` (keep 8 MB more of this worker's memory, as a leaking handler does), `fail` (raise: the
-worker NAKs with workers.retry_backoff) or `retry0.5` (raise Retry(0.5)).
+Every job's payload is `KEY:A1[:A2...]`: what attempt 1, 2, ... does (the last one repeats for
+later attempts; an attempt is a delivery, counted across a job's [retry] copies for later),
+each either seconds to sleep, seconds of CPU to burn (`0.01cpu`), `oom`, `grow8` (keep 8 MB
+more of this worker's memory, as a leaking handler does), `fail` (raise: the worker NAKs with
+workers.retry_backoff) or `retry0.5` (raise Retry(0.5)).
 The handler journals each run to $CHAOS_JOURNAL before and after the work, one line per event written with a single
 O_APPEND write (line-atomic between processes, no fsync: a SIGKILLed worker loses nothing it
 wrote, and nothing it did not write can appear):
@@ -26,6 +27,7 @@ import resource
 import time
 
 from workers import Context, Job, Middleware, Retry
+from workers.middleware.retries import attempt_of
 
 _fd: int | None = None
 _hoard: list[bytearray] = []     # memory an `oom` job keeps on purpose
@@ -52,7 +54,9 @@ class Failed(RuntimeError):
 
 def begin(job: Job) -> tuple[str, str, float]:
     """Journal the start; (key, action, seconds to sleep after the synchronous part)."""
-    key, what = parse_payload(job.data, job.delivery)
+    # By attempt, not delivery: a [retry] copy for later (retry.republish_after) counts its
+    # deliveries from 1 again, and says what the copies before it spent.
+    key, what = parse_payload(job.data, attempt_of(job.headers, job.delivery))
     _journal("S", job, key)
     if what == "fail":
         _journal("R", job, key)

@@ -11,6 +11,12 @@ name (`^jetstream-supervisor$` is the parent alone):
                      connection nobody notices until a ping goes unanswered
     reset(pattern)   abort with an RST, once (clients reconnect through the proxy at once)
     heal(pattern)    lift cut/stall rules; stalled connections flow again
+    hold(pattern, needle)   stall a connection of that name right before it forwards, to the
+                     server, the next chunk holding `needle` (a worker's `-NAK`): the chunk waits
+                     in the proxy; heal() delivers it late, reset() throws it away with the
+                     connection (`holding(pattern)`: when each hold began). `after=True`: right
+                     after forwarding it instead (a pull request reaches the server; what it
+                     sends back waits in the proxy)
 
 and can tell a test when something passed: `tap(pattern, to_server, to_client)` notes, from then
 on, each time a connection of that name forwards one of those byte strings that way (a pull
@@ -63,6 +69,8 @@ class Proxy:
         self.rules: dict[str, str] = {}       # pattern -> "cut" | "stall"
         self.taps: dict[str, tuple[tuple[bytes, ...], tuple[bytes, ...]]] = {}   # pattern -> needles noted (tap)
         self.noted: list[tuple[float, str, bytes]] = []     # (when, connection name, needle), closed ones too
+        self.holds: dict[str, tuple[bytes, bool]] = {}     # pattern -> (needle, after) of a hold
+        self.held: list[tuple[float, str]] = []             # (when, connection name) of each hold
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
         self.accepted = 0
@@ -126,6 +134,23 @@ class Proxy:
         oldest first: (time.monotonic() once written on, needle), one per occurrence."""
         return [(t, needle) for t, name, needle in self.noted if re.search(pattern, name)]
 
+    async def hold(self, pattern: str, needle: bytes, after: bool = False) -> None:
+        self.holds[pattern] = (needle, after)
+
+    async def holding(self, pattern: str) -> list[float]:
+        """When a connection of that name stalled to hold a chunk (hold), oldest first."""
+        return [t for t, name in self.held if re.search(pattern, name)]
+
+    def hold_if(self, conn: Conn, to_server: bool, data: bytes, after: bool) -> None:
+        """A hold whose needle `data` carries: stall the connection before forwarding it, or
+        right after (`after`, nothing awaited in between: no answer can slip through), once."""
+        for pattern, (needle, when) in list(self.holds.items()):
+            if to_server and when == after and conn.name is not None and re.search(pattern, conn.name) \
+                    and needle in data:
+                del self.holds[pattern]
+                conn.flowing.clear()
+                self.held.append((time.monotonic(), conn.name))
+
     def rule_for(self, name: str | None) -> str | None:
         for pattern, mode in self.rules.items():
             if name is not None and re.search(pattern, name):
@@ -177,8 +202,10 @@ class Proxy:
                 data = await reader.read(CHUNK)
                 if not data:
                     break
+                self.hold_if(conn, reader is conn.client[0], data, after=False)
                 await conn.flowing.wait()      # a stall holds what was read; the kernel buffers the rest
                 writer.write(data)
+                self.hold_if(conn, reader is conn.client[0], data, after=True)
                 await writer.drain()
                 tail = self.note(conn, reader is conn.client[0], tail, data)
         except (ConnectionError, OSError):

@@ -47,7 +47,7 @@ from workers.protocol.limitkeys import LEASE_TTL, RENEW_EVERY
 
 from .checker import VERDICTS
 from .core import Result, run_with
-from .rig import SIDE, SIDE_SUBJECT, ChaosNats, Run
+from .rig import SIDE, SIDE_SUBJECT, SUBJECT, ChaosNats, Run
 
 Cfg = dict[str, Any]             # "section.key" (a supervisor key) or "chaos.knob" -> value
 
@@ -142,10 +142,20 @@ SETTINGS: list[Setting] = [
             own=True),
     Setting("chaos.limit_rate", lambda r, c: weighted(r, [(0.0, 4), (float(r.choice([5, 10, 20])), 1)]), own=True),
     Setting("chaos.pause", lambda r, c: r.random() < 0.3, own=True),
+    # [ordering] (issue 27): jobs on `jobs.chaos.<key>` over this many keys, ordered per key
+    # (key = "subject:3"); the checker's `reorder_unexplained` must stay 0.
+    Setting("chaos.keys", lambda r, c: weighted(r, [(0, 2), (r.choice([3, 8, 20, 50]), 1)]), own=True),
     # Pools (issue 28): the drawn configuration is pool `a` (its jobs, every fault), and pool `b`
     # beside it on a subject of its own, with short jobs of its own and no fault aimed at it.
     Setting("chaos.pools", lambda r, c: r.random() < 0.2, own=True),
     Setting("chaos.pool_b", lambda r, c: r.randint(1, 2), needs=lambda c: c["chaos.pools"], own=True),
+    # [retry]'s copies for later (issue 24; with pools, each pool's own: issue 28): a delay past
+    # republish_after re-publishes the job (a new sequence, its key kept) and acks it. 60 s (the
+    # default) leaves every delay a NAK; 0.5 makes copies of `retry1` jobs and of failures whose
+    # drawn backoff is longer. Drawn beside idempotency (the guard folds a copy by its key) and
+    # pools as they fall.
+    Setting("retry.republish_after", lambda r, c: weighted(r, [(60.0, 2), (0.5, 1)]), own=True,
+            needs=lambda c: c["chaos.retry"] > 0 or c["chaos.fail"] > 0),
 ]
 
 SIDE_SHARE = 0.25           # with pools: a job for pool b (`b|SECONDS`, rig.py SIDE) a quarter of the time
@@ -158,8 +168,8 @@ def retry_rules(r: random.Random) -> list[dict[str, Any]]:
 
 
 # Runner knobs that are not drawn, and what a key not drawn falls back to.
-DEFAULTS: Cfg = {"chaos.limit": 0, "chaos.limit_rate": 0.0, "chaos.pause": False, "chaos.pools": False,
-                 "chaos.pool_b": 0,
+DEFAULTS: Cfg = {"chaos.limit": 0, "chaos.limit_rate": 0.0, "chaos.pause": False, "chaos.keys": 0,
+                 "chaos.pools": False, "chaos.pool_b": 0,
                  "chaos.delayed": 0.0, "chaos.delay": 0.0, "chaos.tick": 0, "workers.soft_timeout": 0.0,
                  "workers.max_jobs_jitter": 0, "autoscale.enabled": False, "chaos.beyond_ackwait": False,
                  "tracing.enabled": False, "chaos.collector": "up",
@@ -187,11 +197,15 @@ def sections(c: Cfg) -> dict[str, dict[str, Any]]:
     if c["chaos.limit"] or c["chaos.limit_rate"]:
         out["limits"] = {"chaos": {"concurrency": c["chaos.limit"], "rate": c["chaos.limit_rate"],
                                    "subjects": ["jobs.>"]}}
-    if c["chaos.tick"]:
-        out["schedules"] = {"tick": {"every": float(c["chaos.tick"]), "subject": "jobs.chaos", "data": "tick:0.01"}}
-    if c["chaos.pools"]:
-        out["pools"] = {"a": {"filter_subject": "jobs.chaos"},
-                        "b": {"filter_subject": SIDE_SUBJECT, "count": c["chaos.pool_b"]}}
+    keyed = bool(c["chaos.keys"])
+    if c["chaos.tick"]:                  # with pools and keys pool a takes `jobs.chaos.>`: the tick is a key there
+        tick = f"{SUBJECT}.tick" if keyed and c["chaos.pools"] else SUBJECT
+        out["schedules"] = {"tick": {"every": float(c["chaos.tick"]), "subject": tick, "data": "tick:0.01"}}
+    if c["chaos.pools"]:                 # [ordering] drawn: pool a's own (b's `jobs.b` has no third token)
+        a = {"filter_subject": f"{SUBJECT}.>", "ordering_key": "subject:3"} if keyed else {"filter_subject": SUBJECT}
+        out["pools"] = {"a": a, "b": {"filter_subject": SIDE_SUBJECT, "count": c["chaos.pool_b"]}}
+    elif keyed:                          # the ticks' `jobs.chaos` has no third token: they run unordered
+        out["ordering"] = {"key": "subject:3"}
     return out
 
 
@@ -265,9 +279,11 @@ def kind_of(actions: str) -> str:
 
 
 def slots_of(c: Cfg) -> int:
-    """Jobs the smallest pool the schedule can leave runs at once (within the drawn limit)."""
+    """Jobs the smallest pool the schedule can leave runs at once (within the drawn limit, and
+    [ordering]'s keys: one job of a key at a time)."""
     pool = max(1, c["workers.count"] - 1) * c["workers.concurrency"] * c["chaos.supervisors"]
-    return min(pool, c["chaos.limit"]) if c.get("chaos.limit") else pool
+    pool = min(pool, c["chaos.limit"]) if c.get("chaos.limit") else pool
+    return min(pool, c["chaos.keys"]) if c.get("chaos.keys") else pool
 
 
 def rate_for(c: Cfg, mean_s: float) -> float:
@@ -327,6 +343,7 @@ class Plan:
     rate: float
     load_s: float
     schedule: list[Step] = field(default_factory=list)
+    subjects: list[str] = field(default_factory=list)     # [ordering]: job i's subject (its key's)
 
     @property
     def proxy(self) -> bool:
@@ -357,6 +374,9 @@ def draw(seed: int, minutes: float) -> Plan:
     jobs = delayed(jobs, c, random.Random(f"delayed:{seed}"))
     jobs = side_jobs(jobs, c, random.Random(f"pools:{seed}"))
     plan = Plan(seed, minutes, c, jobs, rate, load_s)
+    if c["chaos.keys"]:
+        keys = random.Random(f"keys:{seed}")
+        plan.subjects = [f"{SUBJECT}.k{keys.randrange(c['chaos.keys'])}" for _ in jobs]
     kinds = [k for k in FAULTS if k.needs(c)]
     t = 0.1 * load_s
     while True:
@@ -530,6 +550,8 @@ def parent_kill(act: Act, p: dict) -> None:
     if not act.live(sup):
         return
     pids = sup.worker_pids()
+    before = sup.try_status()         # what its ledger left to AckWait so far, with why (checker.py)
+    act.run.left_to_ack_wait += before["crosscheck"]["left_to_ack_wait"] if before else []
     f = act.run.fault("parent SIGKILL, then a new supervisor", time.monotonic(), pids=pids, **peer_rule(act))
     sup.proc.kill()
     sup.proc.wait()
@@ -756,6 +778,8 @@ def execute(run: Run, plan: Plan) -> None:
     run.after_settle.append(lambda: cut_short(run, act))
     run.undo.append(lambda: kill_orphans(act))
     start = time.monotonic()
+    if plan.subjects:
+        run.publisher.subject_of = plan.subjects.__getitem__
     run.load(len(plan.jobs), plan.rate, lambda i: plan.jobs[i])
     locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
     errors: list[BaseException] = []

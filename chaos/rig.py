@@ -39,7 +39,7 @@ from supervisor.parent.safety.peers import SUSPECT_GRACE
 from workers.runtime.deadletter import DLQ_HEADER
 
 from .checker import SIDE_KEY, Evidence, Report, check
-from .facts import Fault, Life, Rec, Stored
+from .facts import Fault, Life, Rec, Stored, order_key
 from .proxy import Proxy
 
 STREAM, CONSUMER, SUBJECT, DLQ_STREAM = "JOBS", "workers", "jobs.chaos", "JOBS_DLQ"
@@ -53,6 +53,22 @@ def named_schedule(subject: str) -> bool:
     """A recurring schedule's own message (it lives in the stream); a delayed job's counts as a job."""
     kind = (sched.parse_subject(STREAM, subject) or ("", ""))[0]
     return kind in sched.NAMED_KINDS
+
+
+def copies_for_later(journal: list[Rec], published: dict[int, Stored]) -> dict[int, Stored]:
+    """[retry]'s copies for later (retry.republish_after: a long delay re-publishes the job as a
+    new message, its key kept): a sequence the publisher did not store that runs a key an
+    earlier sequence of which ended a run asking for a retry (a delayed job's firing is the
+    first sequence of its key to run: no earlier one asked). Each counts as stored from its
+    first start (it exists from its due time; the server fires it then)."""
+    asked: dict[str, int] = {}                  # key -> the lowest seq whose run ended asking for a retry
+    first: dict[int, Rec] = {}
+    for r in sorted(journal, key=lambda r: r.t):
+        first.setdefault(r.seq, r)
+        if r.event == "R" and r.key != "tick":
+            asked[r.key] = min(asked.get(r.key, r.seq), r.seq)
+    return {seq: Stored(seq, r.key, r.t) for seq, r in first.items()
+            if seq not in published and r.key in asked and asked[r.key] < seq}
 
 
 class Background:
@@ -185,6 +201,7 @@ class Publisher:
         self.failures = 0
         self.futures: list[Any] = []
         self.finished_at = 0.0
+        self.subject_of: Callable[[int], str] = lambda i: SUBJECT   # job i's subject ([ordering]: its key's)
 
     def start(self, count: int, rate: float, what: Callable[[int], str] | str, window: int = 1) -> Any:
         make = what if callable(what) else (lambda i: what)
@@ -226,13 +243,14 @@ class Publisher:
         key, again, rest = what.partition("=")
         key, what = (key, rest) if again else (f"{SIDE_KEY if side else 'j'}{i}", what)
         js = self.run.nc.jetstream()
+        target = SIDE_SUBJECT if side else self.subject_of(i)
         while True:
             sent = time.monotonic()       # the job exists from here on at the earliest: a PubAck read
-            subject, headers = SIDE_SUBJECT if side else SUBJECT, {"Nats-Msg-Id": f"chaos-{key}"}
+            subject, headers = target, {"Nats-Msg-Id": f"chaos-{key}"}
             if delay:
                 due = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=delay)
                 subject = sched.delayed_subject(STREAM, f"chaos-{key}")
-                headers.update({sched.PATTERN: sched.at_pattern(due), sched.TARGET: SUBJECT})
+                headers.update({sched.PATTERN: sched.at_pattern(due), sched.TARGET: target})
             try:                          # late on a busy box must not make a drain look later than it
                 ack = await js.publish(subject, f"{key}:{what}".encode(), timeout=2.0, headers=headers)
             except NATS_ERRORS:
@@ -240,9 +258,9 @@ class Publisher:
                 await asyncio.sleep(0.25)
                 continue
             if delay:
-                self.delayed[key] = Stored(ack.seq, key, sent + delay)
+                self.delayed[key] = Stored(ack.seq, key, sent + delay, order_key(target))
             else:
-                self.stored[ack.seq] = Stored(ack.seq, key, sent)
+                self.stored[ack.seq] = Stored(ack.seq, key, sent, order_key(target))
             return
 
     async def end_schedules(self) -> None:
@@ -272,7 +290,7 @@ class Publisher:
         out = {}
         for key, s in self.delayed.items():
             for seq in seen.get(key, {s.seq}):
-                out[seq] = Stored(seq, key, s.t)
+                out[seq] = Stored(seq, key, s.t, s.order)
         ticks = sorted(first[seq] for seq in seen.get("tick", ()))
         for seq in seen.get("tick", ()):
             out[seq] = Stored(seq, "tick", first[seq])
@@ -316,6 +334,7 @@ class Run:
         self.after_settle: list[Callable[[], None]] = []    # faults only known after the fact
         self.status: dict | None = None
         self.notes: list[str] = []                   # what the run saw that the verdicts do not say
+        self.left_to_ack_wait: list[dict] = []       # what SIGKILLed supervisors' ledgers had named (checker.py)
 
     def pick(self, quick: Any, full: Any) -> Any:
         return quick if self.quick else full
@@ -496,15 +515,16 @@ class Run:
         for i, s in enumerate(self.sups):
             if i not in self.stopped:
                 self.stop_supervisor(s)
-        unacked = self.bg.call(self.unacked())
-        dead = self.bg.call(self.dead_letters())
+        unacked, dead = self.bg.call(self.unacked()), self.bg.call(self.dead_letters())
         stored = {**self.publisher.stored, **self.publisher.fired(self.tail.poll(), self.notes, self.origin)}
         ticks = self.publisher.ticks_beyond(sum(s.key == "tick" for s in stored.values()))
+        stored.update(copies := copies_for_later(self.tail.poll(), self.publisher.stored))  # no firing of a delayed job
         ev = Evidence(ticks_extra=ticks, stored=stored, journal=self.tail.poll(), faults=self.faults, ack_wait=self.ack_wait,
                       origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead,
                       status=self.status, statuses=[s for s in statuses if s],
                       sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), drains=self.drains,
-                      healthz_s=max(self.healthz) if self.healthz else None, pools=dict(self.pools))
+                      healthz_s=max(self.healthz) if self.healthz else None, pools=dict(self.pools),
+                      left_to_ack_wait=self.left_to_ack_wait, copies=set(copies))
         return check(ev)
 
     def ledger_status(self, sup: SupervisorProc) -> dict | None:
@@ -542,7 +562,7 @@ class Run:
                 continue                  # [schedules.tick] stays in the stream by design
             left.append(seq)
             key = (msg.data or b"").decode(errors="replace").partition(":")[0]
-            self.publisher.stored.setdefault(seq, Stored(seq, key, self.origin))
+            self.publisher.stored.setdefault(seq, Stored(seq, key, self.origin, order_key(msg.subject or "")))
         return left
 
     async def dead_letters(self) -> list[int]:

@@ -17,6 +17,29 @@ from harness import NatsServer, SupervisorProc, base_config  # noqa: E402
 SESSION_MARK = "JSS_TEST_SESSION"
 OUR_TEMP_DIRS = ("jetstream-supervisor-*", "jsbench-*")   # embedded.py's throw-away stores, bench workdirs
 SETTLE = 10.0          # seconds the last teardowns get to finish killing what they started
+# Set to a file's path, each test process appends a line per test to it: the xdist worker, the
+# test's id, and when its setup started and its teardown ended (wall clock), so a run shows how
+# busy each worker was and how long the tail after the others ran out is (tests/support/timeline.py).
+TIMELINE = "JSS_TEST_TIMELINE"
+
+# xdist hands tests out in collection order, one at a time (pyproject: --maxschedchunk 1), so the
+# longest start first and the short ones fill the end: no worker is left running a long test
+# while the others have nothing to do. The files by their tests' total time, most first (a run
+# with JSS_TEST_TIMELINE set, then tests/support/timeline.py, measures them); the rest keep their
+# order after these. Only the order changes: each test does what it did. A file not here yet
+# (test_ordering.py, coming) is simply not moved.
+LONG_FIRST = tuple(f"tests/integration/{name}.py" for name in (
+    "test_bench_smoke", "test_observability", "test_found_by_random", "test_autoscale", "test_crash_safety",
+    "test_chaos_fast", "test_reliability", "test_schedules", "test_fleet_cluster", "test_in_transit",
+    "test_idempotency", "test_operations", "test_worker_edges", "test_bad_input", "test_parent_loop",
+    "test_ordering", "test_chaos_random", "test_auth_e2e", "test_limits", "test_pools", "test_once",
+    "test_promises_contract", "test_tracing", "test_limits_cluster", "test_status_cli_demo", "test_core",
+    "test_fleet_release", "test_promises_delivery", "test_soak", "test_cluster_acks", "test_ux",
+    "test_middleware")) + ("tests/unit/test_structure.py",)      # mypy and ruff: 10 s, last in collection
+# Fixtures one test builds for the whole session while every other test that uses them waits on a
+# lock (test_bench_smoke's `smoke`: 80 s and more). Its first user starts first (its file leads
+# LONG_FIRST); the others go last, when it is long built, instead of holding workers idle on the lock.
+BUILT_ONCE = ("smoke",)
 
 
 def our_processes(mark: str, basetemp: Path) -> list[psutil.Process]:
@@ -43,6 +66,26 @@ def describe(p: psutil.Process) -> str:
         return f"pid {p.pid}: {' '.join(p.cmdline()).strip()[:200]}"
     except psutil.Error:
         return f"pid {p.pid} (gone)"
+
+
+@pytest.hookimpl(trylast=True)          # after pytest groups tests by their fixtures' parameters
+def pytest_collection_modifyitems(items):
+    rank = {path: i for i, path in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))     # stable: the rest keep their order
+    for name in BUILT_ONCE:
+        waiting = [item for item in items if name in item.fixturenames][1:]
+        items[:] = [item for item in items if item not in waiting] + waiting
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.environ.get(TIMELINE)
+    began = time.time()
+    yield
+    if path:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(path, "a") as out:       # one short write per line: the workers' lines do not mix
+            out.write(f"{worker} {began:.3f} {time.time():.3f} {item.nodeid}\n")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -13,6 +13,14 @@ twice: the copy's Nats-Msg-Id is derived from the dead letter, so the work strea
 second copy as a duplicate (within its `stream.duplicate_window`), says so in the PubAck, and
 the dead letter is deleted then. A retry later than the window runs the job twice: at least
 once, as everywhere else.
+
+A dead letter names the consumer that gave up on it. Off a work queue, pools whose filters
+overlap each get every message (a fan-out), and each may give up on its own copy: the replay
+goes back to that consumer's pool alone. The copy carries the consumer's name
+(`Supervisor-Consumer`), and the other pools' workers ack it unrun (workers/middleware/copies.py
+NotOurs), as they do a copy for later. Only while that consumer exists and takes the subject
+the copy goes to (`--subject` too): otherwise it is left unnamed, for every pool on the subject
+(said on the replay's line), never for a consumer that would never get it.
 """
 
 from __future__ import annotations
@@ -28,8 +36,9 @@ from nats.js.errors import NotFoundError
 
 from supervisor.cli.oneshot import connect_oneshot, one_line
 from supervisor.cli.publish import publish_failure
-from supervisor.config import Config, client_config, from_args
+from supervisor.config import Config, client_config, from_args, subject_matches
 from supervisor.errors import EXIT_OK, ConfigError, NatsUnavailable
+from workers.middleware.copies import OWNER_HEADER
 from workers.runtime.deadletter import DLQ_HEADER
 
 REPLAYED_FROM = "Supervisor-Replayed-From"
@@ -59,14 +68,17 @@ class Letter:
     def as_dict(self) -> dict[str, Any]:
         deliveries = self.about("Deliveries")
         return {"seq": self.seq, "time": self.time, "subject": self.subject, "stream": self.about("Stream"),
+                "consumer": self.about("Consumer"),
                 "stream_seq": self.job_seq, "deliveries": int(deliveries) if deliveries and deliveries.isdigit()
                 else None, "reason": self.about("Reason"), "msg_id": self.about("Msg-Id"),
                 "data": self.data.decode(errors="replace"), "headers": self.job_headers()}
 
     def job_headers(self) -> dict[str, str]:
-        """The job's own headers: what it was published with, without the dead-letter ones."""
+        """The job's own headers: what it was published with, without the dead-letter ones (nor
+        the consumer a copy for later was made for: a replay names its own, replay_for)."""
         return {k: v for k, v in self.headers.items()
-                if not k.lower().startswith(DLQ_HEADER.lower()) and k.lower() != "nats-msg-id"}
+                if not k.lower().startswith(DLQ_HEADER.lower()) and k.lower() not in ("nats-msg-id",
+                                                                                       OWNER_HEADER.lower())}
 
 
 def replay_id(dlq_stream: str, letter: Letter) -> str:
@@ -187,22 +199,43 @@ async def replay(cfg: Config, seqs: list[int] | None, subject: str | None) -> in
     return EXIT_OK
 
 
-async def publish_copy(js: Any, stream: str, letter: Letter, subject: str | None) -> Any:
-    """Step one of a replay: the copy, stored (PubAck) or known to be stored already."""
+async def replay_for(js: Any, letter: Letter, target: str) -> tuple[str, str]:
+    """(the consumer the replay is for, "") when the dead letter names one that exists and takes
+    `target`; else ("", why it goes to every pool on the subject), "" for a letter naming none."""
+    consumer, stream = letter.about("Consumer"), letter.about("Stream")
+    if not consumer or not stream:
+        return "", ""
+    try:
+        info = await js.consumer_info(stream, consumer, timeout=5.0)
+    except NotFoundError:
+        return "", f"consumer {consumer} is gone from {stream}: for every pool on {target}"
+    except Exception as exc:
+        raise NatsUnavailable(f"dead letter {letter.seq}: cannot read consumer {consumer} "
+                              f"({one_line(publish_failure(exc))}); it stays") from None
+    filters = [f for f in [info.config.filter_subject, *(info.config.filter_subjects or ())] if f]
+    if filters and not any(subject_matches(f, target) for f in filters):
+        return "", f"consumer {consumer} does not take {target}: for every pool on it"
+    return consumer, ""
+
+
+async def publish_copy(js: Any, stream: str, letter: Letter, subject: str | None) -> tuple[Any, str]:
+    """Step one of a replay: the copy, stored (PubAck) or known to be stored already; and a note
+    when it could not be sent back to the consumer that gave up on it alone."""
     target = subject or letter.subject
     if not target:
         raise ConfigError("--subject", f"dead letter {letter.seq} does not say its original subject; pass --subject")
+    consumer, note = await replay_for(js, letter, target)
     headers = {**letter.job_headers(), "Nats-Msg-Id": replay_id(stream, letter),
-               REPLAYED_FROM: f"{stream}:{letter.seq}"}
+               REPLAYED_FROM: f"{stream}:{letter.seq}", **({OWNER_HEADER: consumer} if consumer else {})}
     try:
-        return await js.publish(target, letter.data, headers=headers, timeout=5.0)
+        return await js.publish(target, letter.data, headers=headers, timeout=5.0), note
     except Exception as exc:
         raise NatsUnavailable(f"dead letter {letter.seq}: publishing to {target} failed "
                               f"({one_line(publish_failure(exc))}); it stays in {stream}") from None
 
 
 async def replay_one(js: Any, stream: str, letter: Letter, subject: str | None) -> str:
-    ack = await publish_copy(js, stream, letter, subject)
+    ack, note = await publish_copy(js, stream, letter, subject)
     try:
         await js.delete_msg(stream, letter.seq)
     except NotFoundError:
@@ -212,4 +245,4 @@ async def replay_one(js: Any, stream: str, letter: Letter, subject: str | None) 
     if ack.duplicate:
         return (f"dead letter {letter.seq} ({origin}) was already in {ack.stream} as seq {ack.seq} "
                 "(an earlier replay was cut short); removed it")
-    return f"dead letter {letter.seq} ({origin}) -> {target}: {ack.stream} seq {ack.seq}"
+    return f"dead letter {letter.seq} ({origin}) -> {target}: {ack.stream} seq {ack.seq}" + (f" ({note})" if note else "")

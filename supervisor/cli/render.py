@@ -44,9 +44,10 @@ def render_status(s: dict[str, Any], color: bool = False) -> str:
     several pools (or any [pools.NAME]) a section per pool between the header and the alerts."""
     pools = s.get("pools") or {}
     if len(pools) > 1 or any(name != "default" for name in pools):
-        lines = status_header(s, color, with_autoscale=False)
+        lines = status_header(s, color, with_pool=False)
         for name, p in pools.items():
-            lines += ["", *pool_header(name, p, color), *autoscale_line(p.get("autoscale")), "",
+            lines += ["", *pool_header(name, p, color), *autoscale_line(p.get("autoscale")),
+                      *ordering_line(p.get("ordering")), "",
                       *workers_table(p.get("workers") or {}), "", *consumer_lines(p, color),
                       *crosscheck_lines(p.get("crosscheck") or {})]
         return "\n".join([*lines, "", *alert_lines(s.get("alerts") or [], color)])
@@ -63,7 +64,8 @@ def pool_header(name: str, p: dict[str, Any], color: bool) -> list[str]:
             f"target {w.get('target', '?')}, handler {p.get('handler', '?')}{halted}"]
 
 
-def status_header(s: dict[str, Any], color: bool, with_autoscale: bool = True) -> list[str]:
+def status_header(s: dict[str, Any], color: bool, with_pool: bool = True) -> list[str]:
+    """The supervisor's lines; `with_pool`: the one pool's autoscale and ordering too."""
     state = s.get("state", "?")
     shown = paint(state, "green" if state == "running" else "yellow", color)
     nats = s.get("nats") or {}
@@ -74,7 +76,7 @@ def status_header(s: dict[str, Any], color: bool, with_autoscale: bool = True) -
             f"(jetstream-supervisor {s.get('version', '?')})",
             f"nats        {where} {link}{', embedded server' if nats.get('embedded') else ''}",
             f"workers     {w.get('alive', 0)} alive, {w.get('ready', '?')} ready, target {w.get('target', '?')}",
-            *(autoscale_line(s.get("autoscale")) if with_autoscale else [])]
+            *(autoscale_line(s.get("autoscale")) + ordering_line(s.get("ordering")) if with_pool else [])]
 
 
 def autoscale_line(a: dict[str, Any] | None) -> list[str]:
@@ -84,6 +86,18 @@ def autoscale_line(a: dict[str, Any] | None) -> list[str]:
         return ["autoscale   off"]
     return [f"autoscale   {a.get('min', '?')}..{a.get('max', '?')}, target {a.get('target', '?')} "
             f"({a.get('kind', '?')}): {a.get('reason', '')}"]
+
+
+def ordering_line(o: dict[str, Any] | None) -> list[str]:
+    """[ordering]: the jobs parked here and the key waited on longest."""
+    if not o:
+        return []
+    blocked = o.get("blocked") or []
+    first = blocked[0] if blocked else None
+    behind = "asking" if first is None or first.get("head_seq") is None else f"behind seq {first['head_seq']}"
+    longest = f"; longest: key {first['key']} {behind}, {fmt_age(first['since_s'])}" if first else ""
+    return [f"ordering    {o.get('key', '?')}: {o.get('parked', 0)} job(s) parked on {o.get('waiting_keys', 0)} "
+            f"key(s){longest}"]
 
 
 WORKER_COLUMNS = (("slot", ">4"), ("pid", ">7"), ("state", "<9"), ("acked", ">6"), ("nacked", ">6"),

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import supervisor.config.pools as pool_rules
-from supervisor.config.schedules import ROOT, entry_problems, in_space
+from supervisor.config.ordering import problems as ordering_problems
+from supervisor.config.ordering import token_of
+from supervisor.config.schedules import ROOT, entry_problems, in_space, job_subjects
 from supervisor.config.subjects import parse_hostport, subject_matches, valid_subject
 from supervisor.errors import ConfigError
 
@@ -187,8 +189,9 @@ class AutoscaleConfig:
     min: int = key(1, "never fewer workers than this", reload=LIVE, lo=0, hi=1024)
     max: int = key(8, "never more workers than this", reload=LIVE, lo=1, hi=1024)
     interval: float = key(1.0, "seconds between decisions", reload=LIVE, lo=0.1)
-    budget: int = key(0, "at most this many workers in all pools together (0 = no shared cap); the next goes to the "
-                         "pool where it does the most work (README: Pools)", reload=LIVE, lo=0, hi=65536)
+    budget: int = key(0, "autoscaling keeps all pools together at most this many workers (0 = no shared cap; a count "
+                         "set by hand may pass it); the next goes to the pool where it does the most work (README: "
+                         "Pools)", reload=LIVE, lo=0, hi=65536)
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,14 @@ class TracingConfig:
     endpoint: str = key("http://127.0.0.1:4318", "the collector's OTLP/HTTP base URL (/v1/traces is added); "
                                                  "OTEL_EXPORTER_OTLP_ENDPOINT wins when set", reload=REPLACE)
     service_name: str = key("jetstream-supervisor", "the spans' service.name", reload=REPLACE)
+
+
+@dataclass(frozen=True)
+class OrderingConfig:
+    # Workers read it at fork (workers/runtime/ordering.py); the parent for /status.
+    key: str = key("", "\"\": unordered. \"subject:N\": the N-th token (1-based) of a job's subject is its key; jobs "
+                       "of one key run one at a time in stream order, keys in parallel (README: Ordered per key)",
+                   reload=REPLACE)
 
 
 @dataclass(frozen=True)
@@ -246,15 +257,19 @@ class LimitConfig:
 
 
 def _pool_fields() -> list[tuple[str, Any, Any]]:
-    """[pools.NAME]'s keys, derived, not declared again: every [workers] key and the
-    pool_rules.CONSUMER_KEYS of [consumer], each with its declaration's comment, bounds and
-    reload rule but no default (unset: None, the pool takes the section's value); and the pool's
-    own `consumer`, its durable name."""
-    hints = {**typing.get_type_hints(WorkersConfig), **typing.get_type_hints(ConsumerConfig)}
-    inherited = [(f, "workers") for f in dataclasses.fields(WorkersConfig)] + \
-        [(f, "consumer") for f in dataclasses.fields(ConsumerConfig) if f.name in pool_rules.CONSUMER_KEYS]
-    out = [(f.name, hints[f.name] | None, field(default=None, metadata={**f.metadata, "inherits": f"{s}.{f.name}"}))
-           for f, s in inherited]
+    """[pools.NAME]'s keys, derived, not declared again: every [workers] key, the
+    pool_rules.CONSUMER_KEYS of [consumer] and pool_rules.RENAMED's ([ordering]'s key as
+    `ordering_key`), each with its declaration's comment, bounds and reload rule but no default
+    (unset: None, the pool takes the section's value); and the pool's own `consumer`, its durable
+    name."""
+    classes = {"workers": WorkersConfig, "consumer": ConsumerConfig, "ordering": OrderingConfig}
+    declared = {(s, f.name): f for s, c in classes.items() for f in dataclasses.fields(c)}
+    inherited = [*((f.name, ("workers", f.name)) for f in dataclasses.fields(WorkersConfig)),
+                 *((f.name, ("consumer", f.name)) for f in dataclasses.fields(ConsumerConfig)
+                   if f.name in pool_rules.CONSUMER_KEYS), *pool_rules.RENAMED.items()]
+    out = [(name, typing.get_type_hints(classes[s])[k] | None,
+            field(default=None, metadata={**declared[s, k].metadata, "inherits": f"{s}.{k}"}))
+           for name, (s, k) in inherited]
     own = (pool_rules.OWN, str, key("", "its durable pull consumer; \"\" = \"<consumer.name>-<NAME>\" (a change restarts "
                                         "the pool on the new one)", reload=LIVE))
     first = ("handler", "count", "filter_subject")         # what `config init`'s example shows first
@@ -265,6 +280,12 @@ PoolConfig = dataclasses.make_dataclass("PoolConfig", _pool_fields(), frozen=Tru
 PoolConfig.__doc__ = "One [pools.NAME]: a queue of its own in this supervisor (config/pools.py)."
 
 NAMED: dict[str, type] = {"schedules": ScheduleConfig, "limits": LimitConfig, "pools": PoolConfig}
+
+# Keys that were in a plan or a release and are no more: setting one is exit 2 saying why.
+RETIRED: dict[str, str] = {
+    "ordering.partitions": "jobs are ordered per key by the stream itself: there are no partitions to hash keys "
+                           "into, and keys never wait for each other (README: Ordered per key); remove it",
+}
 
 
 @dataclass(frozen=True)
@@ -281,6 +302,7 @@ class Config:
     autoscale: AutoscaleConfig = AutoscaleConfig()
     monitor: MonitorConfig = MonitorConfig()
     tracing: TracingConfig = TracingConfig()
+    ordering: OrderingConfig = OrderingConfig()
     log: LogConfig = LogConfig()
     schedules: Mapping[str, ScheduleConfig] = field(default_factory=lambda: Entries())
     limits: Mapping[str, LimitConfig] = field(default_factory=lambda: Entries())
@@ -516,6 +538,10 @@ def _check_together(cfg: Config, sources: Mapping[str, str]) -> None:
             fail("nats.servers", "each server must be a URL like nats://host:4222")
     _check_limits(cfg, fail)
     _check_schedules(cfg, fail)
+    if cfg.pools:                 # each pool's, on its own filter: _check_pools
+        _check_ordering_spec(cfg, fail)
+    else:
+        _check_ordering(cfg, fail)
     _check_pools(cfg, sources)
 
 
@@ -555,7 +581,7 @@ def _check_pools(cfg: Config, sources: Mapping[str, str]) -> None:
     consumers: dict[str, str] = {}
     for name, entry in cfg.pools.items():
         def fail(dotted: str, problem: str, name: str = name, entry: Any = entry) -> None:
-            section, k = dotted.split(".", 1)
+            section, k = dotted.split(".", 1)[0], pool_rules.pool_key(dotted)
             if getattr(entry, k, None) is not None:
                 raise ConfigError(f"pools.{name}.{k}", problem, sources.get(f"pools.{name}.{k}", ""))
             raise ConfigError(f"pools.{name}", f"{dotted} (not set in the pool, so [{section}]'s): {problem}",
@@ -564,6 +590,7 @@ def _check_pools(cfg: Config, sources: Mapping[str, str]) -> None:
             raise ConfigError(f"pools.{name}.consumer", why, sources.get(f"pools.{name}.consumer", ""))
         pool_cfg = pool_rules.effective(cfg, name)
         _check_queue(pool_cfg, fail)
+        _check_ordering(pool_cfg, fail)
         durable = pool_cfg.consumer.name
         if durable in consumers:
             raise ConfigError(f"pools.{name}.consumer", f"pools {consumers[durable]} and {name} would share consumer "
@@ -577,6 +604,26 @@ def _check_pools(cfg: Config, sources: Mapping[str, str]) -> None:
                 f"pools {other} and {name} overlap: {theirs!r} and {mine!r} both take {subject!r}; on a work-queue "
                 "stream each message goes to one consumer, so the server would refuse the second (give each pool "
                 "a filter_subject of its own)"), sources.get(f"pools.{name}.filter_subject", ""))
+
+
+def _check_ordering_spec(cfg: Config, fail: Any) -> None:
+    """With pools, [ordering]'s key alone (a pool that inherits it has it checked on its filter)."""
+    try:
+        token_of(cfg.ordering.key)
+    except ValueError as exc:
+        fail("ordering.key", str(exc))
+
+
+def _check_ordering(cfg: Config, fail: Any) -> None:
+    """[ordering] on a queue: its key reachable in every job subject the consumer takes, on a
+    work-queue stream. Checked for the config, and again for each pool's effective config."""
+    if not cfg.ordering.key:
+        return
+    for problem in ordering_problems(cfg.ordering.key, job_subjects(cfg)):
+        fail("ordering.key", problem)
+    if cfg.stream.retention != "workqueue":
+        fail("ordering.key", f"needs stream.retention = \"workqueue\" (got {cfg.stream.retention!r}): a job is known done "
+                             "when the stream no longer stores it")
 
 
 def _check_limits(cfg: Config, fail: Any) -> None:

@@ -18,6 +18,7 @@ from supervisor.config.keys import (
     ENV_PREFIX,
     NAME_CHARS,
     NAMED,
+    RETIRED,
     SECTIONS,
     Config,
     as_dict,
@@ -131,6 +132,8 @@ def _overlay_entry(raw: dict, sources: dict, section: str, name: str, entry: Any
 def _overlay_keys(raw: dict, sources: dict, section: str, prefix: str, values: Mapping[str, Any], source: str) -> None:
     known = section_keys(section)
     for name, value in values.items():
+        if f"{prefix}.{name}" in RETIRED:
+            raise ConfigError(f"{prefix}.{name}", "no longer a key: " + RETIRED[f"{prefix}.{name}"], source)
         if name not in known:
             raise ConfigError(f"{prefix}.{name}", "unknown key" + _suggest(name, known, prefix), source)
         raw[name] = value
@@ -162,6 +165,8 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
         if section is None:
             continue
         name = rest[len(section) + 1:]
+        if f"{section}.{name}" in RETIRED:
+            raise ConfigError(var, "no longer a key: " + RETIRED[f"{section}.{name}"], "environment")
         if name not in section_keys(section):
             raise ConfigError(var, "unknown key" + _suggest(name, section_keys(section), section), "environment")
         secret = section_keys(section)[name].metadata["secret"]

@@ -1,11 +1,12 @@
 """Pools: several queues in one supervisor, each a [pools.NAME] with its own durable consumer,
 handler and workers. What a pool's entry means, as pure functions of the config tree.
 
-A pool declares none of its keys again (keys.py derives [pools.NAME] from [workers] and
-CONSUMER_KEYS of [consumer]); a key it leaves unset is [workers]' or [consumer]'s. `effective`
-turns one pool into the Config its workers and the parent's rooms for it read: the same tree with
-its [workers] and [consumer] sections replaced, so nothing downstream knows pools exist. With no
-[pools.*] there is one pool, DEFAULT, whose effective config is the config itself.
+A pool declares none of its keys again (keys.py derives [pools.NAME] from [workers], CONSUMER_KEYS
+of [consumer] and RENAMED's keys of other sections); a key it leaves unset is that section's.
+`effective` turns one pool into the Config its workers and the parent's rooms for it read: the
+same tree with its [workers], [consumer] (and [ordering]) sections replaced, so nothing downstream
+knows pools exist. With no [pools.*] there is one pool, DEFAULT, whose effective config is the
+config itself.
 
 Imports only the subject grammar: keys.py imports this module to check pools.
 """
@@ -23,6 +24,8 @@ DEFAULT = "default"             # the one pool of a config without [pools.*]
 # The [consumer] keys a pool may set; its durable name is its own `consumer` key.
 CONSUMER_KEYS = ("filter_subject", "ack_wait", "max_deliver", "max_ack_pending", "backoff")
 OWN = "consumer"
+# Keys of other sections a pool may set, under a name of its own: pool key -> (section, key).
+RENAMED = {"ordering_key": ("ordering", "key")}
 # What a durable consumer's name may not hold (the server refuses it; it is a subject token).
 BAD_DURABLE = frozenset(" \t\r\n.*>/\\")
 
@@ -38,6 +41,16 @@ def set_keys(entry: Any) -> dict[str, Any]:
             if f.name != OWN and getattr(entry, f.name) is not None}
 
 
+def source(pool_key: str) -> tuple[str, str]:
+    """The section and key a pool's key stands for: ("consumer", "ack_wait"), ("ordering", "key")."""
+    return RENAMED.get(pool_key) or ("consumer" if pool_key in CONSUMER_KEYS else "workers", pool_key)
+
+
+def pool_key(dotted: str) -> str:
+    """The name a pool sets `dotted` ("workers.count", "ordering.key") by: "count", "ordering_key"."""
+    return next((k for k, where in RENAMED.items() if where == tuple(dotted.split(".", 1))), dotted.split(".", 1)[1])
+
+
 def consumer_name(cfg: Any, name: str) -> str:
     """A pool's durable consumer: its `consumer`, else "<consumer.name>-<NAME>"."""
     if not cfg.pools:
@@ -46,17 +59,17 @@ def consumer_name(cfg: Any, name: str) -> str:
 
 
 def effective(cfg: Any, name: str) -> Any:
-    """The Config pool `name` runs with: [workers] and [consumer] with the pool's keys over them
-    and its consumer's name. Without [pools.*], DEFAULT's is the config itself."""
+    """The Config pool `name` runs with: [workers], [consumer] and [ordering] with the pool's keys
+    over them and its consumer's name. Without [pools.*], DEFAULT's is the config itself."""
     if not cfg.pools:
         if name != DEFAULT:
             raise KeyError(name)
         return cfg
-    keys = set_keys(cfg.pools[name])
-    consumer = {k: v for k, v in keys.items() if k in CONSUMER_KEYS}
-    workers = {k: v for k, v in keys.items() if k not in CONSUMER_KEYS}
-    return dataclasses.replace(cfg, workers=dataclasses.replace(cfg.workers, **workers),
-                               consumer=dataclasses.replace(cfg.consumer, name=consumer_name(cfg, name), **consumer))
+    sections: dict[str, dict[str, Any]] = {"consumer": {"name": consumer_name(cfg, name)}}
+    for k, v in set_keys(cfg.pools[name]).items():
+        section, key = source(k)
+        sections.setdefault(section, {})[key] = v
+    return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **v) for s, v in sections.items()})
 
 
 def select(cfg: Any, only: Sequence[str]) -> tuple[str, ...]:

@@ -76,6 +76,9 @@ def plan(old: Config, new: Config) -> Plan:
             p.scale_to = new.workers.count
         elif section == "consumer":
             p.update_consumer = True
+            # [ordering]'s workers size their tables by max_ack_pending and ask the stream for
+            # the jobs of a key by the consumer's filter: both read at fork.
+            p.replace_workers |= bool(new.ordering.key) and name in ("max_ack_pending", "filter_subject")
         if how(dotted) == REPLACE:
             p.replace_workers = True
     p.effective = dataclasses.replace(new, **{s: dataclasses.replace(getattr(new, s), **v) for s, v in keep.items()})

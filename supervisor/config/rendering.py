@@ -48,8 +48,9 @@ def render(cfg: Config, *, redact: bool = True, comments: bool = True) -> str:
 
 # [pools.NAME]'s keys are [workers]' and [consumer]'s, unset by default: the example shows a few.
 POOL_EXAMPLE = {"handler": "app.mail:send", "count": 2, "filter_subject": "jobs.email.>", "consumer": ""}
-POOL_NOTE = ("# ... and any [workers] key, or ack_wait, max_deliver, max_ack_pending, backoff of [consumer]; unset "
-             "keys are theirs.\n# No [pools.*]: one pool, `default`, of [workers] and [consumer] (README: Pools).")
+POOL_NOTE = ("# ... and any [workers] key, ack_wait, max_deliver, max_ack_pending, backoff of [consumer], or "
+             "ordering_key ([ordering]'s key); unset keys are theirs.\n"
+             "# No [pools.*]: one pool, `default`, of [workers] and [consumer] (README: Pools).")
 
 
 def _tables(section: str, name: str, entries: list[dict[str, Any]], parent: dict[str, Any], comments: bool) -> list[str]:

@@ -15,6 +15,7 @@ from supervisor.config import Config
 from supervisor.core.policy import ack_wait_for
 
 BEAT_PREFIX = "sup."
+LEASE_PREFIX = "poller."
 LOST_AFTER = 3              # missed heartbeats before a peer is lost (docs/CONTRACT.md)
 RELEASE_MARGIN = 2.0        # seconds of AckWait that must be left to release a job (and 20 % of it)
 WINDOW_SLACK = 2.0          # seconds around the AckWait window of a lost peer's unlisted jobs
@@ -34,6 +35,34 @@ def ack_wait_range(cfg: Config) -> tuple[float, float]:
     return min(waits), max(waits)
 
 
+def lease_key(stream: str, consumer: str) -> str:
+    """The poller lease of one consumer: each consumer has a poller of its own, elected among the
+    supervisors that run a pool on it (a lost host's jobs are released by one that runs their
+    consumer: its ledger, its AckWait, the redeliveries its peers report)."""
+    def safe(name: str) -> str:
+        return re.sub(r"[^-_=a-zA-Z0-9]+", "_", name) or "_"
+    return f"{LEASE_PREFIX}{safe(stream)}.{safe(consumer)}"
+
+
+def consumers_of(beat: dict) -> dict[str, dict]:
+    """The consumers a heartbeat's supervisor runs pools on, each with what it says of it
+    (`capacity`, `held`, `acked`, `busy`; empty from a beat older than per-consumer numbers: a
+    plain list, or only its first pool's `consumer`). {} from a beat that names none."""
+    named = beat.get("consumers")
+    if isinstance(named, dict):
+        return {str(k): v if isinstance(v, dict) else {} for k, v in named.items()}
+    if isinstance(named, list):
+        return {str(k): {} for k in named}
+    return {str(beat["consumer"]): {}} if beat.get("consumer") else {}
+
+
+def job_consumer(job: list, beat: dict) -> str:
+    """The consumer a held job of a heartbeat was delivered on: its reply subject's, else the
+    beat's first pool's, else "" (unknown)."""
+    reply = str(job[3]) if len(job) > 3 and job[3] else ""
+    return reply_consumer(reply) or str(beat.get("consumer") or "")
+
+
 def lease_ttl(heartbeat: float) -> int:
     """Whole seconds (the server's per-message TTL granularity), never under 1."""
     return max(1, math.ceil(LOST_AFTER * heartbeat))
@@ -47,7 +76,13 @@ class Peer:
     beat: dict
     server_t: float          # when the server stored this beat (seconds since the epoch)
     rev: int
-    marked: bool = False     # a poller wrote the lost mark into its entry
+    # The consumers whose pollers have acted on its loss (the lost mark in its entry); None: not
+    # marked; ALL: marked by a poller of one lease per fleet (older), which acted for everyone.
+    handled: frozenset[str] | None = None
+
+    @property
+    def marked(self) -> bool:
+        return self.handled is not None
 
     @property
     def heartbeat(self) -> float:
@@ -56,6 +91,15 @@ class Peer:
     @property
     def name(self) -> str:
         return str(self.beat.get("name") or self.key)
+
+
+ALL: frozenset[str] = frozenset({"*"})
+
+
+def handled_by(mark: dict) -> frozenset[str]:
+    """The consumers a lost mark says have been acted on."""
+    named = mark.get("consumers")
+    return frozenset(map(str, named)) if isinstance(named, list) else ALL
 
 
 class FleetView:
@@ -90,7 +134,7 @@ class FleetView:
         mark = beat.get("lost")
         if mark:                   # a poller's mark: last seen when the marked beat was stored, not now
             server_t = float(mark.get("server_t", server_t))
-        self.peers[key] = Peer(key, beat, server_t, rev, bool(mark))
+        self.peers[key] = Peer(key, beat, server_t, rev, handled_by(mark) if mark else None)
 
     def gone(self, key: str) -> None:
         """The key was deleted: a clean stop."""
@@ -121,9 +165,22 @@ class FleetView:
             return "lost"
         return "silent" if s - peer.server_t > 1.5 * peer.heartbeat else "ok"
 
-    def due_lost(self, now: float) -> list[Peer]:
-        """Lost and not yet marked: the poller's to handle."""
-        return [p for p in self.peers.values() if not p.marked and self.state(p, now) == "lost"]
+    def due_lost(self, now: float, consumers: Iterable[str] | None = None) -> list[Peer]:
+        """Lost, with jobs on one of `consumers` (those we poll) no poller has acted on yet: ours
+        to handle. `consumers` None: any peer not yet marked."""
+        mine = None if consumers is None else frozenset(consumers)
+        return [p for p in self.peers.values() if self.state(p, now) == "lost" and self.todo(p, mine)]
+
+    @staticmethod
+    def todo(peer: Peer, mine: frozenset[str] | None) -> frozenset[str]:
+        """The consumers of `mine` on which the lost peer's jobs are still to be acted on. A beat
+        that names no consumer (older than pools) is taken to run ours."""
+        if mine is None:
+            return ALL if peer.handled is None else frozenset()
+        if peer.handled == ALL:
+            return frozenset()
+        theirs = frozenset(consumers_of(peer.beat)) or mine
+        return (theirs & mine) - (peer.handled or frozenset())
 
     def counts(self, now: float) -> dict[str, int]:
         out = {"ok": 0, "silent": 0, "lost": 0, "unknown": 0}
@@ -133,19 +190,31 @@ class FleetView:
 
     def progress(self, now: float, consumer: str | None = None) -> tuple[int, bool]:
         """(the sum of the peers' ack counters, whether any peer's worker is busy on a long job).
-        `consumer`: only the peers whose heartbeat counts that consumer's jobs (a beat says which
-        since pools; an older one does not, and counts)."""
-        live = [p for p in self.peers.values() if self.state(p, now) != "lost"
-                and (consumer is None or p.beat.get("consumer") in (None, consumer))]
-        return sum(int(p.beat.get("acked") or 0) for p in live), any(p.beat.get("busy") for p in live)
+        `consumer`: that consumer's numbers of each peer that runs it (a beat has them per
+        consumer since pools; an older one only for its first pool's `consumer`, or for the one
+        consumer it does not name)."""
+        acked, busy = 0, False
+        for p in self.peers.values():
+            if self.state(p, now) == "lost":
+                continue
+            entry = consumers_of(p.beat).get(consumer or "") if consumer else None
+            if entry and "acked" in entry:
+                acked, busy = acked + int(entry.get("acked") or 0), busy or bool(entry.get("busy"))
+            elif consumer is None or p.beat.get("consumer") in (None, consumer):
+                acked, busy = acked + int(p.beat.get("acked") or 0), busy or bool(p.beat.get("busy"))
+        return acked, busy
 
-    def held_by_live(self, now: float) -> dict[int, int]:
-        """seq -> highest delivery any not-lost peer listed in its last heartbeat."""
-        out: dict[int, int] = {}
+    def held_by_live(self, now: float) -> dict[tuple[str, int], int]:
+        """(consumer, seq) -> highest delivery any not-lost peer listed in its last heartbeat. A
+        sequence is one message of the stream, but each consumer of a fan-out (pools whose
+        filters overlap off a work queue) delivers it on its own: only the same consumer's
+        delivery stops a release ("" : a job whose consumer its beat does not say)."""
+        out: dict[tuple[str, int], int] = {}
         for p in self.peers.values():
             if self.state(p, now) != "lost":
-                for seq, delivery, *_ in p.beat.get("held", ()):
-                    out[seq] = max(out.get(seq, 0), delivery)
+                for job in p.beat.get("held", ()):
+                    key = (job_consumer(job, p.beat), job[0])
+                    out[key] = max(out.get(key, 0), job[1])
         return out
 
 
@@ -219,6 +288,20 @@ def reply_consumer(reply: str) -> str | None:
     if len(tokens) == 9:
         return tokens[3]
     return tokens[5] if len(tokens) >= 12 else None
+
+
+def unlisted_budget(beat: dict, consumer: str, listed: int) -> int:
+    """At most how many jobs the lost peer took on `consumer` after its last heartbeat (or could
+    not list in it): its capacity on that consumer less the jobs listed there, or the jobs it
+    held there but did not list. A beat without per-consumer numbers (older) gives its whole
+    capacity less every listed job: the most any one consumer can have had."""
+    entry = consumers_of(beat).get(consumer) or {}
+    if "capacity" in entry:
+        cap, total = int(entry.get("capacity") or 0), int(entry.get("held") or 0)
+    else:
+        cap, total = int(beat.get("capacity") or 0), int(beat.get("held_total") or 0)
+        listed = len(beat.get("held") or ())
+    return max(0, cap - listed, total - listed)
 
 
 def unlisted_window(since_beat: float, ack_waits: tuple[float, float]) -> tuple[float, float]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from supervisor.core.policy import ack_wait_for
@@ -25,6 +26,17 @@ HISTORY = 200               # deaths and unexplained redeliveries kept for /stat
 LOST_PEER = "held by lost supervisor "      # how a lost fleet peer's held jobs are explained
 FOUND_IN_TRANSIT = "in transit to "         # how the in-transit check's NAKs are explained (in_transit_naked)
 HOLD_MAX = 30.0             # a suspect is held back for a silent fleet peer at most this long past its grace
+# Why a dead worker's settled job is not NAKed by the parent, so waits for AckWait (F10): named at
+# the death, by what the worker had sent (its Settled event), and the redelivery explained by it.
+NAK_UNSENT = "its NAK was unsent when the worker died; a second NAK could land on the next holder"
+TERM_UNSENT = ("its TERM was unsent when the worker died; not NAKed: the TERM could still land on the next "
+               "holder, and a NAK would rerun a job its handler rejected")
+SETTLE_UNSENT = "its NAK or TERM was unsent when the worker died; a NAK could land on the next holder"
+COUNTERS = ("crashes", "crashes_holding_jobs", "jobs_held_at_crash", "held_jobs_naked", "held_jobs_redelivered",
+            "held_jobs_acked_after_crash", "unexplained_redeliveries", "explained_redeliveries",
+            "in_transit_redeliveries", "in_transit_naked", "quarantined", "lost_peer_redeliveries",
+            "leader_move_redeliveries", "acks_resent", "acks_resent_confirmed", "acks_resent_unconfirmed",
+            "held_jobs_left_to_ack_wait")      # /status crosscheck: all of them (CONTRACT.md names the first eight)
 
 
 @dataclass
@@ -33,9 +45,13 @@ class HeldJob:
     delivery: int
     state: str                  # held | running | acked (ack in doubt) | settled
     naked: bool                 # the parent sent -NAK for it at the death
+    timer: float | None = None  # when its AckWait timer last started (held, or our last +WPI)
     redelivered_at: float | None = None
     acked_at: float | None = None
     resolved: str = ""          # "" while outstanding; else how it was settled
+    # Named at the death: why its redelivery comes after AckWait (or sooner, if what the worker
+    # sent lands after all), when the parent does not NAK it (F10). "" for a job NAKed at once.
+    waits: str = ""
 
     def as_dict(self, death: Death, now: float) -> dict:
         return {"stream_seq": self.seq, "delivery": self.delivery, "state_at_death": self.state,
@@ -52,7 +68,7 @@ class HeldJob:
         return {"stream_seq": self.seq, "delivery": self.delivery, "state_at_death": self.state,
                 "naked": self.naked, "came_back_after_s": after(self.redelivered_at),
                 "acked_after_s": after(self.acked_at) if self.resolved == "ack" else None,
-                "resolved": self.resolved}
+                "resolved": self.resolved, **({"waits": self.waits} if self.waits else {})}
 
 
 @dataclass
@@ -111,11 +127,8 @@ class CrashLedger:
     backoff: tuple[float, ...] = ()         # consumer.backoff: AckWait per delivery when set
     deaths: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     unexplained: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
-    counts: dict = field(default_factory=lambda: dict.fromkeys(
-        ("crashes", "crashes_holding_jobs", "jobs_held_at_crash", "held_jobs_naked", "held_jobs_redelivered",
-         "held_jobs_acked_after_crash", "unexplained_redeliveries", "explained_redeliveries",
-         "in_transit_redeliveries", "in_transit_naked", "quarantined", "lost_peer_redeliveries",
-         "leader_move_redeliveries", "acks_resent", "acks_resent_confirmed", "acks_resent_unconfirmed"), 0))
+    counts: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    waits: deque = field(default_factory=lambda: deque(maxlen=HISTORY))    # (Death, HeldJob) left to AckWait
 
     def __post_init__(self) -> None:
         self._inherited_up_to = 0       # stream seqs pending (delivered, unacked) when we started ...
@@ -130,16 +143,16 @@ class CrashLedger:
         self._windows: deque[Window] = deque(maxlen=HISTORY)
         self.cluster_explained: deque[Redelivery] = deque(maxlen=HISTORY)
         self._hold_until = 0.0                                      # see hold_suspects
+        self._settles: OrderedDict[int, tuple[int, str]] = OrderedDict()  # seq -> (delivery, "nak"|"term") a worker sent
 
     # ------------------------------------------------------------ inputs
 
-    def record_death(self, t: float, slot: int, pid: int, cause: str, held: list[tuple[int, int, str, bool]],
+    def record_death(self, t: float, slot: int, pid: int, cause: str, held: Sequence[tuple],
                      in_transit: int = 0, job_to_blame: bool = True, blame: int | None = None,
                      in_transit_since: float | None = None) -> Death:
-        """`held`: (stream seq, delivery, entry state, NAKed by the parent) per slot-table entry.
-        `job_to_blame` is False when the supervisor itself ended the worker (SIGQUIT, a drain
-        past its deadline): the jobs it was running did not kill it, so it is no poison evidence.
-        `blame`: the one job the cause names (a job_timeout kill)."""
+        """`held`: (stream seq, delivery, entry state, NAKed by the parent[, its AckWait timer's start]) per
+        entry; a settled one not NAKed gets why it waits for AckWait (F10). `job_to_blame`: False when the
+        supervisor ended the worker (SIGQUIT, a drain past its deadline). `blame`: the job a cause names."""
         death = Death(next(self._ids), t, slot, pid, cause, [HeldJob(*h) for h in held], in_transit,
                       in_transit_since=in_transit_since or None)
         self.deaths.append(death)
@@ -150,6 +163,10 @@ class CrashLedger:
             self.counts["jobs_held_at_crash"] += 1
             self.counts["held_jobs_naked"] += job.naked
             self._open.setdefault(job.seq, []).append((death, job))
+            if job.state == "settled" and not job.naked:
+                job.waits = unsent(self._settles.get(job.seq), job.delivery)
+                self.waits.append((death, job))
+                self.counts["held_jobs_left_to_ack_wait"] += 1
         if job_to_blame:
             self._weigh(death, blame)
         return death
@@ -262,8 +279,9 @@ class CrashLedger:
         held = self._mark_redelivered(t, seq, delivery)
         if held:
             self._expected.pop(seq, None)   # a NAK sent before the death explains this same redelivery
-            death = held[-1][0]
-            return f"held by worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
+            death, job = held[-1]
+            why = f"held by worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
+            return f"{why}: {job.waits}" if job.waits else why
         if seq in self._expected:
             why = self._expected.pop(seq)
             if why.startswith(LOST_PEER):
@@ -310,6 +328,11 @@ class CrashLedger:
     def settled(self, t: float, seq: int, delivery: int, outcome: str) -> None:
         """A worker acked, NAKed or terminated `seq` at `delivery`."""
         self._probation.pop(seq, None)      # it ran to an outcome: it did not kill its worker
+        self._settles.pop(seq, None)        # what it sent last, for a death before its fence (unsent)
+        if outcome in ("nak", "term"):
+            self._settles[seq] = (delivery, outcome)
+            while len(self._settles) > EXPECT_LIMIT:
+                self._settles.popitem(last=False)
         if outcome == "nak":
             self.expect(seq, f"NAKed at delivery {delivery}", delivery)
             return
@@ -388,16 +411,9 @@ class CrashLedger:
         return [job.as_dict(death, now) for jobs in self._open.values() for death, job in jobs]
 
     def crosscheck(self, now: float) -> dict:
-        out = {k: self.counts[k] for k in ("crashes", "crashes_holding_jobs", "jobs_held_at_crash", "held_jobs_naked",
-                                           "held_jobs_redelivered", "held_jobs_acked_after_crash",
-                                           "unexplained_redeliveries", "quarantined")}
-        out["explained_redeliveries"] = self.counts["explained_redeliveries"]
-        out["in_transit_redeliveries"] = self.counts["in_transit_redeliveries"]
-        out["in_transit_naked"] = self.counts["in_transit_naked"]
-        out["lost_peer_redeliveries"] = self.counts["lost_peer_redeliveries"]
-        out["leader_move_redeliveries"] = self.counts["leader_move_redeliveries"]
-        for key in ("acks_resent", "acks_resent_confirmed", "acks_resent_unconfirmed"):
-            out[key] = self.counts[key]
+        out = dict(self.counts)
+        out["left_to_ack_wait"] = [left_row(death, job, ack_wait_for(self.ack_wait, self.backoff, job.delivery))
+                                   for death, job in self.waits]
         out["outstanding"] = self.outstanding(now)
         out["recent_deaths"] = [d.summary(now) for d in list(self.deaths)[-10:]]
         out["recent_cluster_explained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "why": r.why,
@@ -405,3 +421,19 @@ class CrashLedger:
         out["recent_unexplained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "age_s": round(now - r.t, 3)}
                                      for r in list(self.unexplained)[-10:]]
         return out
+
+
+def unsent(said: tuple[int, str] | None, delivery: int) -> str:
+    """Why a dead worker's settled entry (`delivery`) waits for AckWait, by what its worker said
+    it sent for the job last (`said`: its delivery and "nak" or "term")."""
+    if said is None or said[0] != delivery:
+        return SETTLE_UNSENT                # its Settled event never came (a full event pipe)
+    return NAK_UNSENT if said[1] == "nak" else TERM_UNSENT
+
+
+def left_row(death: Death, job: HeldJob, ack_wait: float) -> dict:
+    """A job a death left to AckWait, for /status: why (named at the death), when its AckWait
+    runs out (seconds after the death; None when its timer's start is unknown), what became of it."""
+    due = None if job.timer is None else round(job.timer + ack_wait - death.t, 3)
+    return {**job.fate(death.t), "death": death.id, "slot": death.slot, "pid": death.pid, "cause": death.cause,
+            "due_after_s": due}

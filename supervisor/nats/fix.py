@@ -1,7 +1,8 @@
 """Everything this project relies on inside nats-py, in one place, checked against the pinned version.
 
-`Client` is nats-py's client with three changes; `supervisor.natsconn.connect()` is the one place
-clients are made, so every connection of ours (parent, workers, one-shot commands) gets them:
+`Client` is nats-py's client with these changes and two additions; `supervisor.nats.connect`
+is the one place clients are made, so every connection of ours (parent, workers, one-shot
+commands) gets them:
 
 - `fence()`: returns once the server has read everything published before the call. nats-py's
   `flush()` writes its PING straight to the socket while `publish()` queues its bytes for the
@@ -29,6 +30,12 @@ clients are made, so every connection of ours (parent, workers, one-shot command
   the PING went out with 1 ms left, overtaking bytes still queued. Now the deadline raises
   FlushTimeoutError and no PING is written after it.
 
+- Two additions for a worker's hot path, both through nats-py's own internals: `deliver_directly`
+  hands a subscription's messages to a callback from the read loop (`_process_msg`, called by
+  the parser for each MSG), not through the subscription's queue and its task; `publish_each`
+  puts a batch of acks into the write buffer as one command (`_send_command`), with publish()'s
+  checks made once (what each saves: docs/BENCHMARKS.md, issue 25).
+
 The other private attributes we read (server INFO, the transport, the current server) are
 wrapped below too, and tests/integration/test_natsfix.py checks each premise against the installed nats-py.
 """
@@ -38,15 +45,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 from importlib.metadata import version
 from typing import Any, NoReturn
 
 import nats.errors
 from nats.aio.client import Client as _NatsClient
+from nats.aio.subscription import Subscription
 
 from supervisor.errors import SupervisorError
 
 log = logging.getLogger("supervisor.nats")
+
+# A deliver_directly callback: (subject, reply, data, headers or None).
+Delivery = Callable[[str, str, bytes, "dict[str, str] | None"], Awaitable[None]]
 
 PINNED_NATS_PY = "2.16.0"      # pyproject pins it; the premises below were read in this version
 
@@ -65,6 +77,35 @@ def check_version() -> None:
 
 
 class Client(_NatsClient):
+    def __init__(self) -> None:
+        super().__init__()
+        self._direct: dict[int, Delivery] = {}    # sid -> deliver_directly's callback
+
+    def deliver_directly(self, sub: Subscription, callback: Delivery) -> None:
+        """Hand each message of `sub` (subscribed without a callback) to `callback(subject, reply,
+        data, headers)` from the read loop, as the parser meets it, in order: not through the
+        subscription's queue and the task that empties it (nats-py's `cb=`), whose hand-over cost
+        a worker as much per message as holding the job did, and with no Msg object made. The
+        headers are parsed by nats-py (a status line too: "Status", "Description"), None when
+        there are none. The callback must not wait long: nothing else is read meanwhile. An
+        exception from it goes to the error callback, as one from `cb=` does."""
+        self._direct[sub._id] = callback
+
+    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes,  # type: ignore[override]
+                           headers: bytes) -> None:
+        deliver = self._direct.get(sid)
+        if deliver is None:
+            return await super()._process_msg(sid, subject, reply, data, headers)
+        if sid not in self._subs:        # unsubscribed: what the server sent before it heard is dropped
+            return
+        self.stats["in_msgs"] += 1       # type: ignore[operator]
+        self.stats["in_bytes"] += len(data)  # type: ignore[operator]
+        parsed = await self._process_headers(headers) if headers else None
+        try:
+            await deliver(subject.decode(), reply.decode(), data, parsed)
+        except Exception as exc:
+            await self._error_cb(exc)
+
     async def flush(self, timeout: float = 10.0) -> None:  # type: ignore[override]   # nats-py types it int
         """A PING and its PONG, or an error: never nats-py's no-op fallback (see above)."""
         if self.is_reconnecting:     # no PONG can come back on the old socket, and nats-py drops the PING's future
@@ -84,6 +125,27 @@ class Client(_NatsClient):
                     extra={"event": "nats_deaf"})
         await self._process_op_err(nats.errors.StaleConnectionError())
         raise nats.errors.StaleConnectionError
+
+    async def publish_each(self, subjects: Sequence[str], payload: bytes) -> None:
+        """`payload` published to each subject, all or none: one command in nats-py's write
+        buffer for them all, with publish()'s checks made once (a worker acks a batch of jobs
+        this way; per message, publish() cost more than the rest of an ack's path). The
+        subjects are not validated: they are the server's own reply subjects."""
+        if self.is_closed:
+            raise nats.errors.ConnectionClosedError
+        if self.is_draining_pubs:
+            raise nats.errors.ConnectionDrainingError
+        size = len(payload)
+        tail = b" %d\r\n%s\r\n" % (size, payload)
+        command = b"".join([b"PUB " + subject.encode() + tail for subject in subjects])
+        if not self.is_connected and (self._max_pending_size <= 0
+                                      or len(command) + self._pending_data_size > self._max_pending_size):
+            raise nats.errors.OutboundBufferLimitError    # publish()'s refusal while it reconnects
+        self.stats["out_msgs"] += len(subjects)
+        self.stats["out_bytes"] += size * len(subjects)
+        await self._send_command(command)
+        if self._flush_queue is not None and self._flush_queue.empty():
+            await self._flush_pending()
 
     async def fence(self, timeout: float = 5.0) -> None:
         """The server has read every command this client published before the call; `timeout`

@@ -90,7 +90,7 @@ async def ensure(nc: Any, cfg: Config, pools: list[Config] | None = None) -> Non
         stream = await ensure_stream(js, stream_config(cfg), cfg.stream.create, "stream")
         warn_schedules(cfg, stream)
         for pool_cfg in pools or [cfg]:
-            await ensure_consumer(js, pool_cfg, list(stream.subjects or ()))
+            await ensure_queue(js, pool_cfg, stream)
         if cfg.restart.dead_letter_stream and cfg.restart.dead_letter_subject:
             dlq = api.StreamConfig(name=cfg.restart.dead_letter_stream, subjects=[cfg.restart.dead_letter_subject],
                                    retention=api.RetentionPolicy.LIMITS, storage=STORAGE[cfg.stream.storage],
@@ -245,6 +245,34 @@ async def ensure_consumer(js: Any, cfg: Config, stream_subjects: list[str] | Non
                     cfg.consumer.name, name, had, wanted,
                     extra={"event": "consumer_differs", "consumer": cfg.consumer.name, "setting": name,
                            "have": had, "want": wanted})
+
+
+async def ensure_queue(js: Any, pool_cfg: Config, stream: api.StreamConfig | None = None) -> None:
+    """One pool's consumer (its effective config), and what its [ordering] needs of it and of the
+    stream: at start for every pool, on a reload for a pool added or whose consumer or ordering
+    changed. `stream`: the stream's config when the caller has it."""
+    await ensure_consumer(js, pool_cfg, list(stream.subjects or ()) if stream else None)
+    if pool_cfg.ordering.key:
+        await check_ordering(js, pool_cfg, stream or (await js.stream_info(pool_cfg.stream.name)).config)
+
+
+async def check_ordering(js: Any, cfg: Config, stream: api.StreamConfig) -> None:
+    """[ordering] knows a job is done when the stream no longer stores it: a work queue, whose
+    consumer delivers exactly the subjects the workers ask the stream about (job_subjects). With
+    pools, each ordered pool's consumer is checked on its own filter."""
+    if stream.retention != api.RetentionPolicy.WORK_QUEUE:
+        kind = getattr(stream.retention, "value", stream.retention)
+        raise ConfigError("ordering.key", f"stream {cfg.stream.name} is not a work queue (retention {kind}): a job of "
+                                          f"consumer {cfg.consumer.name} would stay stored once done, and its key would "
+                                          "wait for it for good")
+    have = (await js.consumer_info(cfg.stream.name, cfg.consumer.name)).config
+    delivers = have.filter_subjects or ([have.filter_subject] if have.filter_subject else
+                                        [s for s in stream.subjects or () if not sched.in_space(s)])
+    ours = sched.job_subjects(cfg)
+    if sorted(delivers) != sorted(ours):
+        raise ConfigError("ordering.key", f"consumer {cfg.consumer.name} delivers {', '.join(delivers)} but the config "
+                                          f"names {', '.join(ours)} (consumer.filter_subject, else stream.subjects): "
+                                          "workers would ask the stream about other jobs than theirs")
 
 
 async def ensure_idempotency(js: Any, cfg: Config) -> None:

@@ -2,9 +2,9 @@
 prometheus-client is used for exposition only: no registry-wide globals, no HTTP thread.
 
 With [pools.*] in the config, every series about a pool (its workers, jobs, consumer, lag,
-crash cross-check, autoscaling) carries a `pool` label, one sample per pool; the supervisor's
-own (the loop's step failures, [limits.NAME]) do not. Without pools the series are as they
-always were: one pool, no label."""
+crash cross-check, autoscaling, [ordering]) carries a `pool` label, one sample per pool (the
+ordering_* series only for pools ordered); the supervisor's own (the loop's step failures,
+[limits.NAME]) do not. Without pools the series are as they always were: one pool, no label."""
 
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ class Collector:
         yield from self.consumer()
         yield from self.crosscheck()
         yield from self.limits(self.snap)
+        yield from self.ordering()
 
     def workers(self) -> Iterator[Metric]:
         yield self.gauge("workers", "Worker processes by state",
@@ -104,6 +105,33 @@ class Collector:
         yield from (in_use, waiting, waited, taken)
         yield self.gauge("consumer_paused", "1 while the consumer is paused (its PauseUntil)",
                          lambda p: int(bool(p.consumer.values.get("paused_until"))))
+
+    def ordering(self) -> Iterator[Metric]:
+        """[ordering], for each pool that has it: jobs parked for their key's turn here; the jobs
+        its keys have in the stream (under its consumer's filter)."""
+        ordered = [(p, p.ordering) for p in self.pools if p.ordering is not None]
+        if not ordered:
+            return
+        Sample = tuple[PoolSnapshot, list[str], float]
+
+        def series(kind: type, name: str, help_: str, values: list[Sample]) -> Iterator[Metric]:
+            if values:
+                yield self.family(kind, name, help_, [], values)
+        yield from series(GaugeMetricFamily, "ordering_parked", "Jobs parked now until they are the first of their key",
+                          [(p, [], v.parked) for p, v in ordered])
+        yield from series(GaugeMetricFamily, "ordering_waiting_keys", "Distinct keys of the parked jobs",
+                          [(p, [], v.waiting_keys) for p, v in ordered])
+        yield from series(GaugeMetricFamily, "ordering_longest_wait_seconds", "How long the longest-parked job has "
+                          "waited", [(p, [], max((b.since_s for b in v.blocked), default=0.0)) for p, v in ordered])
+        yield from series(CounterMetricFamily, "ordering_checks", "Times workers asked the stream for a key's first job",
+                          [(p, [], v.checks) for p, v in ordered])
+        yield from series(CounterMetricFamily, "ordering_wait_seconds", "Seconds jobs spent parked for their key's turn",
+                          [(p, [], v.waited_s) for p, v in ordered])
+        counted = [(p, v.backlog) for p, v in ordered if v.backlog.get("keys") is not None]
+        yield from series(GaugeMetricFamily, "ordering_backlog_keys", "Keys with jobs in the stream",
+                          [(p, [], b["keys"]) for p, b in counted])
+        yield from series(GaugeMetricFamily, "ordering_backlog_jobs", "Jobs in the stream that have a key",
+                          [(p, [], b["jobs"]) for p, b in counted])
 
     def durations(self) -> Metric:
         h = HistogramMetricFamily(P + "job_duration_seconds", "Handler run time per job", labels=self.label)

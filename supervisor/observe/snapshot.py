@@ -34,7 +34,8 @@ class JobView:
     """One job a worker holds."""
     stream_seq: int
     delivery: int
-    state: str              # held (pulled, not started) | running | acked (ack sent, not yet fenced)
+    state: str              # held (pulled, not started) | parked (waiting for its key's turn) | running
+                            # | acked (ack sent, not yet fenced)
     age_s: float            # since it was held; a running job: since it started
     timer_age_s: float      # how long its AckWait timer has run (since it was held or last pinged)
     reply: str              # its $JS.ACK reply subject
@@ -113,6 +114,29 @@ class LimitView:
 
 
 @dataclass(frozen=True)
+class KeyWait:
+    """A key whose jobs wait here, parked until they are the first of it in the stream."""
+    key: str
+    head_seq: int | None                   # the first job of it the stream last said it stores (None: not asked yet)
+    waiting: int                           # its jobs parked here
+    since_s: float                         # the longest of them has waited this long
+
+
+@dataclass(frozen=True)
+class OrderingView:
+    """[ordering]: jobs parked in this supervisor's workers (their slot tables), and the jobs each
+    key has in the stream (the monitor's count: supervisor/nats/ordering.py)."""
+    key: str                               # ordering.key, "subject:N"
+    parked: int                            # jobs parked now
+    waiting_keys: int                      # distinct keys among them
+    blocked: tuple[KeyWait, ...]           # the keys whose jobs waited longest, longest first
+    checks: int                            # times the stream was asked, since start
+    waited_s: float                        # seconds jobs spent parked, since start (those no longer parked)
+    backlog: Mapping[str, Any]             # {"keys", "jobs", "top": [{"key", "jobs"}]} (+ "note"); {} before a count
+    backlog_age_s: float | None
+
+
+@dataclass(frozen=True)
 class Alert:
     kind: str
     message: str
@@ -135,13 +159,14 @@ class PoolSnapshot:
     peers: Mapping[str, Any]
     advisories: Mapping[str, int]
     halted: str = ""                       # why it stopped at boot (a crash loop); "" while it runs
+    ordering: OrderingView | None = None   # [ordering] on in this pool
 
 
 @dataclass(frozen=True)
 class Snapshot:
     """With several pools the top-level pool, jobs, ledger, crosscheck, outstanding and
     advisories are every pool's together (sums; lists joined, each entry naming its pool), and
-    consumer, lag, autoscale and peers the first pool's; `pools` holds each pool's own."""
+    consumer, lag, autoscale, peers and ordering the first pool's; `pools` holds each pool's own."""
     at: float                              # monotonic time it was taken
     version: str
     pid: int
@@ -165,6 +190,7 @@ class Snapshot:
     limits: tuple[LimitView, ...] = field(default=())   # [limits.NAME], in the config's order
     limits_error: str = ""                 # the limits bucket did not answer the last read
     schedules: Mapping[str, Any] = field(default_factory=dict)   # what start's reconcile did (nats/schedules.py)
+    ordering: OrderingView | None = None   # [ordering]: the first pool's (None: off there)
     pools: tuple[PoolSnapshot, ...] = field(default=())          # each pool's own, in the config's order
 
     @property
@@ -177,4 +203,4 @@ class Snapshot:
         if self.pools:
             return self.pools
         return (PoolSnapshot("default", self.cfg, self.pool, self.consumer, self.lag, self.autoscale, self.crosscheck,
-                             self.ledger, self.outstanding, self.peers, self.advisories),)
+                             self.ledger, self.outstanding, self.peers, self.advisories, ordering=self.ordering),)

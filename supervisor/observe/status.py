@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from supervisor.observe.snapshot import Alert, ConsumerView, LimitView, PoolSnapshot, Snapshot, WorkerView
+from supervisor.observe.snapshot import Alert, ConsumerView, LimitView, OrderingView, PoolSnapshot, Snapshot, WorkerView
 from workers.protocol.limitkeys import rate_window
 
 OUTSTANDING_GRACE = 2.0      # poll intervals past AckWait before a missing held job raises an alert
@@ -13,7 +13,7 @@ UNKNOWN_LAG = {"state": "unknown"}
 
 def build_status(snap: Snapshot) -> dict[str, Any]:
     """The /status JSON. With several pools the top-level workers, jobs and crosscheck are every
-    pool's together and consumer, lag and autoscale the first pool's (observe/snapshot.py);
+    pool's together and consumer, lag, autoscale and ordering the first pool's (observe/snapshot.py);
     `pools` has each pool's own, and `headline` is the worst pool's."""
     lag = snap.lag.as_dict() if snap.lag else dict(UNKNOWN_LAG)
     consumer = consumer_block(snap.consumer)
@@ -42,6 +42,7 @@ def build_status(snap: Snapshot) -> dict[str, Any]:
         "paused_until": consumer.get("paused_until"),
         "pause_reason": (consumer.get("pause_reason") or "") if consumer.get("paused_until") else None,
         "schedules": dict(snap.schedules),
+        "ordering": ordering_block(snap.ordering),
         "pools": pools,
         "alerts": [{"kind": a.kind, "message": a.message, **({"pool": a.pool} if a.pool else {})}
                    for a in alerts(snap)],
@@ -57,7 +58,8 @@ def pool_block(p: PoolSnapshot) -> dict[str, Any]:
     return {"workers": {"target": w.target, "alive": w.alive, "ready": w.ready, "retiring": w.retiring,
                         "list": [worker_block(v) for v in w.workers]},
             "handler": p.cfg.workers.handler, "consumer": consumer, "lag": lag, "crosscheck": dict(p.crosscheck),
-            "autoscale": dict(p.autoscale), "jobs": w.jobs.as_dict(), "halted": p.halted or None,
+            "autoscale": dict(p.autoscale), "jobs": w.jobs.as_dict(), "ordering": ordering_block(p.ordering),
+            "halted": p.halted or None,
             "headline": {"state": "halted", "text": HEADLINES["halted"], "reason": p.halted} if p.halted
             else headline(lag, consumer)}
 
@@ -78,11 +80,12 @@ def worker_block(w: WorkerView) -> dict[str, Any]:
     in_flight = [{"stream_seq": j.stream_seq, "delivery": j.delivery, "age_s": round(j.age_s, 3), "state": j.state}
                  for j in w.jobs if j.state in ("held", "running")]
     c = w.counters
+    parked = sum(j.state == "parked" for j in w.jobs)
     return {"slot": w.slot, "pid": w.pid, "state": w.state, **({"pool": w.pool} if w.pool else {}),
             "jobs_acked": c.ack, "jobs_nacked": c.nak, "jobs_terminated": c.term, "jobs_started": w.started,
             "jobs_duplicate": c.duplicate, "restarts": w.restarts, "rss_bytes": w.rss_bytes,
             "heartbeat_age_s": None if w.heartbeat_age_s is None else round(w.heartbeat_age_s, 3),
-            "uptime_s": round(w.uptime_s, 3), "retiring": w.retiring, "in_flight": in_flight}
+            "uptime_s": round(w.uptime_s, 3), "retiring": w.retiring, "in_flight": in_flight, "parked": parked}
 
 
 def limit_block(v: LimitView) -> dict[str, Any]:
@@ -92,6 +95,20 @@ def limit_block(v: LimitView) -> dict[str, Any]:
     return {"concurrency": v.concurrency, "in_use": v.in_use, "rate": v.rate, "waiting": v.waiting,
             "starts": v.starts, "rate_window": {"starts": keys, "seconds": seconds} if v.rate else None,
             "held_here": v.held_here, "taken": v.taken, "wait_s": round(v.wait_s, 3), "subjects": list(v.subjects)}
+
+
+def ordering_block(v: OrderingView | None) -> dict[str, Any] | None:
+    """[ordering] (null when off): jobs parked here until they are the first of their key, the
+    keys they wait on (longest first: a key held back by a long retry or a poison job shows at
+    the top), and the jobs each key has in the stream (every supervisor on it, counted there)."""
+    if v is None:
+        return None
+    backlog = {"keys": None, "jobs": None, "top": [], **v.backlog,
+               "age_s": None if v.backlog_age_s is None else round(v.backlog_age_s, 3)}
+    return {"key": v.key, "parked": v.parked, "waiting_keys": v.waiting_keys,
+            "blocked": [{"key": b.key, "head_seq": b.head_seq, "waiting": b.waiting, "since_s": round(b.since_s, 3)}
+                        for b in v.blocked],
+            "checks": v.checks, "waited_s": round(v.waited_s, 3), "backlog": backlog}
 
 
 def idempotency_block(cfg: Any) -> dict[str, Any]:

@@ -61,6 +61,7 @@ class Arbiter:
                  reload_config: Callable[[], Any] | None = None, server_dies_with_parent: bool = False):
         self.cfg = cfg
         self.server_dies_with_parent = server_dies_with_parent   # the embedded server: workers' orphan rule
+        self.fleet_key = ""              # our fleet heartbeat's key (set by supervisor.py): an orphan claims there
         self.nc = nc
         self.connect_worker = connect_worker
         self.notifier = notifier
@@ -368,13 +369,21 @@ class Arbiter:
             return refused
         with crew.context():
             if source != "autoscale":
-                crew.autoscale.manual(n, source)
+                crew.autoscale.manual(n, source, self.over_budget(crew, n))
             log.info("scaling from %d to %d worker(s)", crew.pool.target, n,
                      extra={"event": "scaling", "from": crew.pool.target, "to": n, "source": source,
                             **({"pool": crew.name} if crew.label else {})})
         crew.pool.target = n
         self.wakeup.set()
         return None
+
+    def over_budget(self, crew: Crew, n: int) -> int:
+        """By how many workers the pools would be over `[autoscale] budget` with `crew` at `n`
+        (0 without a budget): a count set by hand is kept past it, and says so (scaler.py manual)."""
+        budget = self.cfg.autoscale.budget if self.cfg.autoscale.enabled else 0
+        if not budget:
+            return 0
+        return n + sum(c.pool.target for c in self.running() if c is not crew) - budget
 
     def scalable(self, pool: str | None) -> tuple[Crew | None, str]:
         """The pool a scale is for, or why there is none to scale."""

@@ -62,6 +62,7 @@ class Parent(Protocol):
     wakeup: asyncio.Event
     stopping: str | None
     server_dies_with_parent: bool
+    fleet_key: str                        # our fleet heartbeat's key: an orphan claims its jobs there
 
     def post(self, work: Callable[[], Any]) -> None: ...
 
@@ -158,7 +159,8 @@ class Crew:
                          connect=lambda: self.parent.connect_worker(who),
                          job_limit=w.job_limit, suspects=self.suspects, crashes=self.crashes,
                          graceful_timeout=w.graceful_timeout,
-                         server_dies_with_parent=self.parent.server_dies_with_parent)
+                         server_dies_with_parent=self.parent.server_dies_with_parent,
+                         fleet_key=self.parent.fleet_key)
 
     # ------------------------------------------------------------ events from its workers
 

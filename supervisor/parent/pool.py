@@ -80,7 +80,8 @@ class Pool:
         self.waiting_for_nats.clear()
 
     def spawn(self, slot: int) -> WorkerProcess | None:
-        table = SlotTable(self.table_entries(), self.reply_bytes(), len(self.cfg.limits))
+        table = SlotTable(self.table_entries(), self.reply_bytes(), len(self.cfg.limits),
+                          slots.KEY_BYTES if self.cfg.ordering.key else 0)
         table.set_state(slots.STARTING)        # before the fork: the child may be READY before we return
         w = WorkerProcess(slot, table)
         w.limit_names = tuple(self.cfg.limits)
@@ -108,9 +109,14 @@ class Pool:
                   extra={"event": "spawn_failed", "slot": w.slot, "cause": cause, "delay": delay})
 
     def table_entries(self) -> int:
-        # Pulled + running (concurrency + the largest buffer), and as many again awaiting ack confirmation.
-        w = self.cfg.workers
-        return 2 * (w.concurrency + min(BUFFER_REQUESTS * w.batch, self.cfg.consumer.max_ack_pending))
+        # Pulled + running (concurrency + the largest buffer), and as many again awaiting ack
+        # confirmation. [ordering]: room as well for every job the consumer may have delivered
+        # (max_ack_pending), parked until it is the first of its key: a worker whose table were
+        # full of parked jobs could not take the redelivery their key waits for
+        # (workers/runtime/ordering.py). Pages of unused entries are never touched.
+        w, map_ = self.cfg.workers, self.cfg.consumer.max_ack_pending
+        parked = map_ if self.cfg.ordering.key else 0
+        return 2 * (w.concurrency + min(BUFFER_REQUESTS * w.batch, map_)) + parked
 
     def reply_bytes(self) -> int:
         return 256 + len(self.cfg.stream.name) + len(self.cfg.consumer.name)

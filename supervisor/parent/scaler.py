@@ -218,15 +218,22 @@ class Scaler:
 
     # ------------------------------------------------------------ people
 
-    def manual(self, n: int, source: str) -> None:
-        """Someone set the count: honour it for MANUAL_PAUSE_S (or until a SIGHUP)."""
+    def manual(self, n: int, source: str, over_budget: int = 0) -> None:
+        """Someone set the count: honour it for MANUAL_PAUSE_S (or until a SIGHUP), past
+        `[autoscale] budget` too (`over_budget`: by how many workers the pools are then): the
+        budget binds autoscaling, not a person; once autoscaling resumes, the pool is cut to
+        its share."""
         if not self.enabled:
             return
         self.paused_until = time.monotonic() + MANUAL_PAUSE_S
         self.pause_reason = f"paused after a manual scale to {n} ({source})"
+        if over_budget > 0:
+            self.pause_reason += (f"; the pools are {over_budget} worker(s) over autoscale.budget = "
+                                  f"{self.arb.cfg.autoscale.budget} until it resumes")
         self.logged_kind = ""
-        log.info("autoscale: %s; resumes in %g min or at SIGHUP", self.pause_reason, MANUAL_PAUSE_S / 60,
-                 extra={"event": "autoscale_paused", "target": n})
+        (log.warning if over_budget > 0 else log.info)(
+            "autoscale: %s; resumes in %g min or at SIGHUP", self.pause_reason, MANUAL_PAUSE_S / 60,
+            extra={"event": "autoscale_paused", "target": n, "over_budget": max(0, over_budget)})
 
     def resume(self, why: str) -> None:
         self.paused_until = None

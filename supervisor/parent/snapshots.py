@@ -18,8 +18,10 @@ from supervisor.observe.snapshot import (
     ConsumerView,
     Counters,
     JobView,
+    KeyWait,
     LimitView,
     NatsView,
+    OrderingView,
     PoolSnapshot,
     PoolView,
     Snapshot,
@@ -34,6 +36,7 @@ from supervisor.parent.tasks.monitor import Monitor
 from workers.protocol import slots
 
 HELD_STATES = (slots.HELD, slots.RUNNING, slots.ACKED)
+BLOCKED_SHOWN = 10          # [ordering]: keys listed in /status `ordering.blocked`
 
 
 def take(arbiter: Arbiter, fleet: Fleet | None, nc: Any, embedded: bool,
@@ -56,7 +59,27 @@ def take(arbiter: Arbiter, fleet: Fleet | None, nc: Any, embedded: bool,
         raised=(*(Alert(a["kind"], a["message"], a["t"], a.get("pool", "")) for a in arbiter.alerts),
                 *(Alert(a["kind"], a["message"]) for a in (fleet.alerts() if fleet else ()))),
         limits=limit_views(arbiter), limits_error=arbiter.lead.monitor.limits_error if arbiter.lead.monitor else "",
-        schedules=dict(schedules or {}), pools=pools)
+        schedules=dict(schedules or {}), ordering=lead.ordering, pools=pools)
+
+
+def ordering_view(crew: Crew, now: float) -> OrderingView | None:
+    """[ordering] in one pool: the parked jobs of its living workers, grouped by key, longest
+    waiting first; its counters; its monitor's count of the jobs per key under its filter."""
+    if not crew.cfg.ordering.key:
+        return None
+    keys: dict[str, list[slots.Entry]] = {}
+    for w in crew.living():
+        for e in w.table.snapshot():
+            if e.key and e.state == slots.HELD:
+                keys.setdefault(e.key, []).append(e)
+    blocked = sorted((KeyWait(key, max(e.waiting_for for e in es) or None, len(es), now - min(e.t_held for e in es))
+                      for key, es in keys.items()), key=lambda k: -k.since_s)
+    checks, waited = crew.stats.ordering()
+    monitor = crew.monitor
+    return OrderingView(key=crew.cfg.ordering.key, parked=sum(len(es) for es in keys.values()),
+                        waiting_keys=len(keys), blocked=tuple(blocked[:BLOCKED_SHOWN]), checks=checks, waited_s=waited,
+                        backlog=dict(monitor.backlog.counts) if monitor else {},
+                        backlog_age_s=now - monitor.backlog.at if monitor and monitor.backlog.at else None)
 
 
 def pool_snapshot(crew: Crew, now: float) -> PoolSnapshot:
@@ -70,7 +93,7 @@ def pool_snapshot(crew: Crew, now: float) -> PoolSnapshot:
         outstanding=tuple({**o, **tag} for o in ledger.outstanding(now)),
         peers={"alone": bool(crew.peers.alone(now)), "heard": sorted(crew.peers.heard),
                "gone": sorted(crew.peers.gone), "in_transit_checks": dict(crew.in_transit.stats)},
-        advisories=dict(monitor.advisories) if monitor else {}, halted=crew.halted)
+        advisories=dict(monitor.advisories) if monitor else {}, halted=crew.halted, ordering=ordering_view(crew, now))
 
 
 def sum_counts(counts: list[Mapping[str, int]]) -> dict[str, int]:
@@ -180,5 +203,6 @@ def worker_view(crew: Crew, w: WorkerProcess, now: float) -> WorkerView:
 
 def job_view(crew: Crew, w: WorkerProcess, e: slots.Entry, now: float) -> JobView:
     since = e.t_started if e.state == slots.RUNNING else e.t_held
-    return JobView(stream_seq=e.stream_seq, delivery=e.delivery, state=slots.ENTRY_STATES[e.state],
+    state = "parked" if e.key and e.state == slots.HELD else slots.ENTRY_STATES[e.state]
+    return JobView(stream_seq=e.stream_seq, delivery=e.delivery, state=state,
                    age_s=now - since, timer_age_s=now - crew.deaths.timer_started(w.pid, e), reply=e.reply)

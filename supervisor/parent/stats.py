@@ -30,6 +30,8 @@ class Totals:
     max_duration: float = 0.0
     limit_taken: dict[str, int] = dataclasses.field(default_factory=dict)      # [limits.NAME]: times taken ...
     limit_waited: dict[str, float] = dataclasses.field(default_factory=dict)   # ... and seconds waited
+    order_checks: int = 0           # [ordering]: the stream asked ...
+    order_waited: float = 0.0       # ... and seconds jobs waited parked
 
 
 class Stats:
@@ -49,6 +51,8 @@ class Stats:
         self.totals.buckets = [a + b for a, b in zip(self.totals.buckets, buckets)]
         self.totals.duration_sum += total
         self.totals.max_duration = max(self.totals.max_duration, t.max_duration())
+        self.totals.order_checks += t.header(slots.ORDER_CHECKS)
+        self.totals.order_waited += t.header_seconds(slots.ORDER_WAITED)
         for k, name in enumerate(w.limit_names):
             _, _, taken, waited = t.limit(k)
             self.totals.limit_taken[name] = self.totals.limit_taken.get(name, 0) + taken
@@ -73,9 +77,10 @@ class Stats:
         long job yet then stops buffering short jobs ahead of its first one, like the rest."""
         live = self.living()
         sums = [w.table.spread() for w in live]
-        fleet = residual(sum(a for a, _ in sums), sum(b for _, b in sums))
+        fleet = residual(sum(a for a, _, _ in sums), sum(b for _, b, _ in sums))
+        seen = sum(n for _, _, n in sums)
         for w in live:
-            w.table.set_fleet_residual(fleet)
+            w.table.set_fleet_spread(fleet, seen)
         return fleet
 
     def limits(self) -> dict[str, dict[str, float]]:
@@ -94,6 +99,12 @@ class Stats:
                 row["taken"] += taken
                 row["wait_s"] += waited
         return out
+
+    def ordering(self) -> tuple[int, float]:
+        """[ordering]: (times the stream was asked, seconds jobs waited parked) since start."""
+        live = self.living()
+        return (self.totals.order_checks + sum(w.table.header(slots.ORDER_CHECKS) for w in live),
+                self.totals.order_waited + sum(w.table.header_seconds(slots.ORDER_WAITED) for w in live))
 
     def slowest_job(self) -> float:
         return max([self.totals.max_duration, *(w.table.max_duration() for w in self.living())])

@@ -257,7 +257,10 @@ class Supervisor:
             for crew in arbiter.crews.values():
                 await self.inherit_pending(crew)
                 self.watch(crew)
-            self.fleet = arbiter.lead.monitor.fleet = Fleet(cfg, self.nc, arbiter, self.snapshot)
+            self.fleet = Fleet(cfg, self.nc, arbiter, self.snapshot)
+            for crew in arbiter.crews.values():
+                crew.monitor.fleet = self.fleet
+            arbiter.fleet_key = self.fleet.key          # before the first fork (arbiter.run)
             if cfg.monitor.http:
                 host, port = parse_hostport(cfg.monitor.http, "monitor.http")
                 self.http = HttpServer(self, host, port)
@@ -376,8 +379,8 @@ class Supervisor:
                 require_handler(p.effective, pool_key(cfg, name, "handler"))
                 if any(k in CODE_KEYS for k, _, _ in p.changed):
                     codes[name] = load_code(cfg, name)
-                if p.update_consumer:
-                    await provision.ensure_consumer(self.nc.jetstream(), p.effective)
+                if p.update_consumer or any(k == "ordering.key" for k, _, _ in p.changed):
+                    await provision.ensure_queue(self.nc.jetstream(), p.effective)   # [ordering]'s checks too
             for name in pools.added:
                 added.append(await self.new_crew(arbiter, cfg, name))
             if cfg.idempotency.enabled and not self.cfg.idempotency.enabled:    # the new workers need the bucket
@@ -413,12 +416,13 @@ class Supervisor:
         loop adopts it with the rest of the new config."""
         pool_cfg = effective(cfg, name)
         code = load_code(cfg, name)
-        await provision.ensure_consumer(self.nc.jetstream(), pool_cfg)
+        await provision.ensure_queue(self.nc.jetstream(), pool_cfg)
         crew = arbiter.crew(name, pool_cfg, code)
         with crew.context():
             await crew.peers.start()
         await self.inherit_pending(crew)
         self.watch(crew)
+        crew.monitor.fleet = self.fleet
         self.start_monitor(crew)
         return crew
 

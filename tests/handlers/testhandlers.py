@@ -28,6 +28,9 @@ def _act(job: Job) -> float:
     text = job.data.decode(errors="replace").strip()
     if text == "crash" or (text == "crash-once" and job.delivery == 1):
         os._exit(13)
+    if text.startswith("crash-after:"):  # dies mid-job, every time (a poison job that takes a while)
+        time.sleep(float(text.split(":")[1]))
+        os._exit(13)
     if text == "reject":
         raise Reject("payload asked to be rejected")
     if text.startswith("retry:") and job.delivery == 1:
@@ -71,6 +74,18 @@ class Declined(Exception):
 def record(job: Job) -> None:
     _log("start", job)
     seconds = _act(job)
+    time.sleep(seconds)
+    _log("done", job)
+
+
+def record_raises(job: Job) -> None:
+    """`record` that also journals a run its payload made raise (`raised`): when it ended."""
+    _log("start", job)
+    try:
+        seconds = _act(job)
+    except Exception:
+        _log("raised", job)
+        raise
     time.sleep(seconds)
     _log("done", job)
 
@@ -119,14 +134,26 @@ def die_after_ack_init() -> None:
     reaches the server: the parent's NAK is what brings the job back)."""
     from workers.runtime import settle as settling
 
-    original = settling.Settler.settle
+    original, original_all = settling.Settler.settle, settling.Settler.ack_all
 
     async def settle(self, i, job, payload, outcome, reason):
         await original(self, i, job, payload, outcome, reason)
         if outcome == "ack" and job.delivery == 1 and job.data == b"die-after-ack":
             os.kill(os.getpid(), signal.SIGKILL)
 
-    settling.Settler.settle = settle
+    async def ack_all(self, done):
+        """`die-after-acks`: the same kill point after a batch of acks (one write for several jobs:
+        Settler.ack_all), the first time one holds such a first delivery ($DIE_ONCE: a file
+        claimed once, so a replacement lives)."""
+        await original_all(self, done)
+        if len(done) > 1 and any(job.data == b"die-after-acks" and job.delivery == 1 for _, job in done):
+            try:
+                os.close(os.open(os.environ["DIE_ONCE"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    settling.Settler.settle, settling.Settler.ack_all = settle, ack_all
 
 
 def full_buffer_when_down_init() -> None:
@@ -135,18 +162,20 @@ def full_buffer_when_down_init() -> None:
     (OutboundBufferLimitError, raised from its real state: only the limit is set here)."""
     from supervisor.nats import fix as natsfix
 
-    original = natsfix.Client.publish
+    def refusing(original):
+        async def publish(self, *args, **kwargs):
+            if self.is_connected:
+                return await original(self, *args, **kwargs)
+            saved, self._max_pending_size = self._max_pending_size, 1
+            try:
+                return await original(self, *args, **kwargs)
+            finally:
+                self._max_pending_size = saved
+        return publish
 
-    async def publish(self, *args, **kwargs):
-        if self.is_connected:
-            return await original(self, *args, **kwargs)
-        saved, self._max_pending_size = self._max_pending_size, 1
-        try:
-            return await original(self, *args, **kwargs)
-        finally:
-            self._max_pending_size = saved
-
-    natsfix.Client.publish = publish
+    # A batch of acks goes out through publish_each (workers/runtime/settle.py ack_all).
+    natsfix.Client.publish, natsfix.Client.publish_each = refusing(natsfix.Client.publish), \
+        refusing(natsfix.Client.publish_each)
 
 
 def pulls_while_down_init() -> None:
@@ -170,17 +199,18 @@ def pulls_while_down_init() -> None:
 
 def finish_fails_init() -> None:
     """Fault hook (workers.init): settling the first delivery of a "finish-fails" job raises, as a
-    bug in the settle path would: the task that settles jobs dies with it."""
+    bug in the settle path would: the task that settles jobs dies with it. Worker.finished is
+    the first step of every settle (a batch of plain acks too: threads.py finisher)."""
     from workers.runtime import worker as runtime
 
-    original = runtime.Worker.finish
+    original = runtime.Worker.finished
 
-    async def finish(self, i, job, exc, elapsed, *rest):
+    def finished(self, job, *rest):
         if job.data.startswith(b"finish-fails") and job.delivery == 1:
             raise RuntimeError("the settle path failing on purpose")
-        await original(self, i, job, exc, elapsed, *rest)
+        original(self, job, *rest)
 
-    runtime.Worker.finish = finish
+    runtime.Worker.finished = finished
 
 
 def lose_parent_death_signal_init() -> None:

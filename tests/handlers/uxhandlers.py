@@ -18,5 +18,11 @@ def reject_unless_replayed(job: Job) -> None:
     _log("done", tagged)
 
 
+def reject_unless_replayed_v2(job: Job) -> None:
+    """`reject_unless_replayed` whose log lines say "v2:": which pool's handler ran a replay."""
+    reject_unless_replayed(Job(data=b"v2:" + job.data, subject=job.subject, headers=job.headers,
+                               stream_seq=job.stream_seq, delivery=job.delivery))
+
+
 def always_fail(job: Job) -> None:
     raise RuntimeError(f"failing delivery {job.delivery} of seq {job.stream_seq} on purpose (pid {os.getpid()})")

@@ -20,6 +20,7 @@ from chaos import scenarios  # noqa: F401  (registers the scenarios)
 from chaos.checker import Evidence, check
 from chaos.core import SCENARIOS, run_scenario
 from chaos.facts import Fault, Life, Rec, Stored
+from chaos.rig import copies_for_later
 
 SEED = int(os.environ["CHAOS_SEED"]) if "CHAOS_SEED" in os.environ else None
 
@@ -97,6 +98,29 @@ def test_checker_tells_a_job_the_server_lost_from_one_still_queued():
     assert (c["lost"], c["vanished"], c["unacked"]) == (1, 0, 1)
 
 
+def test_checker_counts_a_job_re_published_for_later_by_its_copy():
+    """[retry] republish_after: job 1 asked for a long retry (R), the worker stored a copy (seq 5,
+    its key, nobody published it) and acked the original. Not lost while the copy completes; the
+    copy is a job of its own (lost if it never completes); one completed under both is a copy_dup."""
+    def run(journal):
+        recs = [Rec(e, pid, seq, d, T0 + t, 0.0, "j1") for e, pid, seq, d, t in journal]
+        stored = {1: Stored(1, "j1", T0)}
+        copies = copies_for_later(recs, stored)
+        return copies, check(Evidence(stored={**stored, **copies}, journal=recs, faults=[], ack_wait=30.0, origin=T0,
+                                      copies=set(copies))).counts
+    copies, c = run([("S", 1, 1, 1, 0.1), ("R", 1, 1, 1, 0.2), ("S", 1, 5, 1, 1.2), ("D", 1, 5, 1, 1.3)])
+    assert list(copies) == [5] and copies[5].t == T0 + 1.2
+    assert (c["jobs"], c["copies"], c["copied"], c["lost"], c["copy_dup"]) == (1, 1, 1, 0, 0)
+    _, c = run([("S", 1, 1, 1, 0.1), ("R", 1, 1, 1, 0.2), ("S", 1, 5, 1, 1.2)])
+    assert (c["copied"], c["lost"]) == (1, 1)                       # the copy never completed
+    _, c = run([("S", 1, 1, 1, 0.1), ("R", 1, 1, 1, 0.2), ("S", 2, 1, 2, 0.3), ("D", 2, 1, 2, 0.4),
+                ("S", 1, 5, 1, 1.2), ("D", 1, 5, 1, 1.3)])
+    assert (c["copy_dup"], c["lost"]) == (1, 0)
+    assert copies_for_later([Rec("S", 1, 9, 1, T0, 0.0, "j1")], {1: Stored(1, "j1", T0)}) == {}   # no retry asked
+    fired = [Rec("S", 1, 3, 1, T0, 0.0, "j1"), Rec("R", 1, 3, 1, T0, 0.0, "j1"), Rec("S", 1, 7, 1, T0 + 1, 0.0, "j1")]
+    assert list(copies_for_later(fired, {})) == [7]          # a delayed job (its firing unpublished) and its copy
+
+
 def test_checker_names_a_dead_lettered_job():
     c = check(evidence([("S", 1, 1, 1, 0.1)], dead_lettered=[1])).counts
     assert (c["dead_lettered"], c["lost"], c["vanished"]) == (1, 0, 0)
@@ -143,6 +167,28 @@ def test_checker_flags_a_redelivery_after_ackwait_and_spares_a_prompt_one():
     outside = Fault("nats-server SIGKILL", T0 + 0.2, T0 + 1.2, None, in_control=False)
     c = check(evidence(late, [outside])).counts
     assert (c["ackwait"], c["ackwait_outside"]) == (0, 1)
+
+
+def test_checker_takes_an_ackwait_wait_as_outside_only_where_the_ledger_named_it_at_the_death():
+    """F10: a handler's NAK unsent when its worker was SIGKILLed (the kill is in the supervisor's
+    control). The wait counts as outside only for the job, delivery and pid the ledger named."""
+    killed = Fault("worker SIGKILL", T0 + 0.3, T0 + 0.31, frozenset({1}))
+    late = [("S", 1, 1, 1, 0.1), ("R", 1, 1, 1, 0.2), ("S", 2, 1, 2, 30.2), ("D", 2, 1, 2, 30.3)]
+    why = "its NAK was unsent when the worker died; a second NAK could land on the next holder"
+
+    def named(seq: int, delivery: int, pid: int) -> list[dict]:
+        return [{"stream_seq": seq, "delivery": delivery, "pid": pid, "waits": why}]
+    report = check(evidence(late, [killed], left_to_ack_wait=named(1, 1, 1)))
+    assert (report.counts["ackwait"], report.counts["ackwait_outside"]) == (0, 1)
+    assert any(why in f.text for f in report.findings if f.verdict == "ackwait_outside")
+    living = {"crosscheck": {"unexplained_redeliveries": 0, "outstanding": [], "left_to_ack_wait": named(1, 1, 1)}}
+    assert check(evidence(late, [killed], statuses=[living])).counts["ackwait"] == 0    # a living one's /status
+    for other in (named(1, 1, 7), named(1, 2, 1), named(2, 1, 1), []):    # another pid, delivery, job; none
+        assert check(evidence(late, [killed], left_to_ack_wait=other)).counts["ackwait"] == 1, other
+    # A delivery that never started (a drain's NAK unsent at the death): its number alone.
+    unstarted = [("S", 2, 1, 2, 30.3), ("D", 2, 1, 2, 30.4)]
+    assert check(evidence(unstarted, [killed], left_to_ack_wait=named(1, 1, 9))).counts["ackwait"] == 0
+    assert check(evidence(unstarted, [killed], left_to_ack_wait=named(1, 2, 9))).counts["ackwait"] == 1
 
 
 def test_checker_flags_an_unfinished_run_nothing_touched():
@@ -240,3 +286,55 @@ def test_checker_takes_a_key_done_under_another_sequence_as_deduplicated():
     ev.unacked = [2]                                  # still in the stream: the guard never acked it
     assert check(ev).counts["lost"] == 1
     assert check(evidence([], stored=2)).counts["vanished"] == 2
+
+
+def ordered(journal: list[tuple], faults: list[Fault] = (), stored: int = 2, **kw) -> Evidence:
+    """evidence() with every job of one [ordering] key, k."""
+    ev = evidence(journal, faults, stored, **kw)
+    ev.stored = {s: Stored(s, f"j{s}", T0, "k") for s in ev.stored}
+    return ev
+
+
+def test_checker_flags_a_job_started_before_the_previous_one_of_its_key_ended():
+    """seq 2 of key k starts while seq 1 still runs: unexplained, unless a fault touched seq 1's
+    worker in between (its link cut past AckWait, so seq 1 ran again elsewhere and that ack let
+    the key go on)."""
+    runs = [("S", 1, 1, 1, 0.1), ("S", 2, 2, 1, 0.15), ("D", 1, 1, 1, 0.2), ("D", 2, 2, 1, 0.25)]
+    c = check(ordered(runs)).counts
+    assert (c["reordered"], c["reorder_unexplained"]) == (0, 1)
+    cut = Fault("network: worker 0's connection cut", T0 + 0.11, T0 + 0.14, frozenset({1}))
+    c = check(ordered(runs, [cut])).counts
+    assert (c["reordered"], c["reorder_unexplained"]) == (1, 0)
+    in_order = [("S", 1, 1, 1, 0.1), ("D", 1, 1, 1, 0.2), ("S", 2, 2, 1, 0.25), ("D", 2, 2, 1, 0.3)]
+    assert check(ordered(in_order)).counts["reorder_unexplained"] == 0
+    assert check(evidence(runs, stored=2)).counts["reorder_unexplained"] is None      # [ordering] off
+
+
+def test_checker_takes_a_killed_run_as_ended_at_its_death_or_its_rerun():
+    """seq 1's run dies with its worker (seen a little late), seq 1 runs again, then seq 2: in
+    order. seq 1 running again after seq 2 started is a reorder a server SIGKILL can explain."""
+    killed = [("S", 1, 1, 1, 0.1), ("S", 3, 1, 2, 0.2), ("D", 3, 1, 2, 0.25), ("S", 2, 2, 1, 0.3), ("D", 2, 2, 1, 0.35)]
+    lives = {1: Life(1, T0, T0 + 0.4)}                  # the watcher saw it gone after the rest happened
+    assert check(ordered(killed, lives=lives)).counts["reorder_unexplained"] == 0
+    again = [("S", 1, 1, 1, 0.1), ("D", 1, 1, 1, 0.2), ("S", 2, 2, 1, 0.3), ("D", 2, 2, 1, 0.35),
+             ("S", 3, 1, 1, 0.5), ("D", 3, 1, 1, 0.55)]
+    assert check(ordered(again)).counts["reorder_unexplained"] == 1
+    server = Fault("nats-server SIGKILL, back 1s later", T0 + 0.25, T0 + 1.25, None, in_control=False)
+    c = check(ordered(again, [server])).counts
+    assert (c["reordered"], c["reorder_unexplained"]) == (1, 0)
+
+
+def test_checker_judges_a_key_within_its_pool():
+    """With pools a key is a pool's: pool a's seq 1 and pool b's seq 2 on a key of one name (k)
+    may run side by side; two jobs of k in one pool may not."""
+    pools = {"main": "workers-a", "side": "workers-b"}
+    lives = {1: Life(1, T0, consumer="workers-a"), 2: Life(2, T0, consumer="workers-b")}
+    runs = [("S", 1, 1, 1, 0.1), ("S", 2, 2, 1, 0.15), ("D", 1, 1, 1, 0.2), ("D", 2, 2, 1, 0.25)]
+    keys = {1: "j1", 2: "b2"}                          # pool b's jobs are keyed bN
+    ev = Evidence(stored={s: Stored(s, keys[s], T0, "k") for s in keys}, faults=[], ack_wait=30.0, origin=T0,
+                  journal=[Rec(e, pid, seq, d, T0 + t, 0.0, keys[seq]) for e, pid, seq, d, t in runs],
+                  pools=pools, lives=lives)
+    c = check(ev).counts
+    assert (c["reorder_unexplained"], c["wrong_pool"]) == (0, 0)
+    ev.pools = {}
+    assert check(ev).counts["reorder_unexplained"] == 1

@@ -14,7 +14,19 @@ import random
 
 import pytest
 
-from chaos.randomized import FAULTS, KINDS, SETTINGS, draw, draw_config, expectations, parse_seeds, run_random
+from chaos.randomized import (
+    FAULTS,
+    KINDS,
+    SETTINGS,
+    draw,
+    draw_config,
+    expectations,
+    parse_seeds,
+    run_random,
+    sections,
+)
+from supervisor.config import Config
+from supervisor.config.pools import effective
 
 MINUTES = 0.25          # each run: ~11 s of load, then settle and check
 
@@ -32,22 +44,18 @@ def run_seed(seed: int, tmp_path, known: set[str] = frozenset()) -> None:
     assert result.passed, result.summary()
 
 
-F10 = pytest.mark.xfail(raises=KnownDefect, strict=False, reason=(
-    "F10 (docs/RELIABILITY.md): a handler's NAK still unsent when its worker is SIGKILLed (its loop busy "
-    "right after a server stop) leaves the job to AckWait: the parent cannot prove the NAK will not land "
-    "late on the next holder's delivery, so it does not NAK it again (1 run of 10 on the f7 branch). "
-    "F7's second form and F9, which it failed on before, are fixed"))
-
-
 @pytest.mark.parametrize("seed, known", [
     # async, 2 workers x 4, max_rss_mb, failing/retried/CPU/growing jobs: parent SIGKILL and a
     # new supervisor at once, the server SIGSTOPped with a worker SIGKILLed meanwhile, a SIGHUP
     # (failed on R3 until its fix: the orphans' jobs waited for AckWait; then now and then on F7's
-    # second form and F9, both fixed; now and then on F10, open by design)
-    pytest.param(18, {"ackwait"}, marks=F10),
-    # sync, 2 workers, idempotency + max_jobs 20 + tracing: a worker SIGSTOPped past heartbeat_timeout
+    # second form and F9, both fixed, and on F10: a handler's NAK unsent at its worker's SIGKILL
+    # waits for AckWait by design, now named at the death and counted outside by that word)
+    (18, set()),
+    # sync, 2 workers, idempotency + max_jobs 20 + tracing, [ordering] over 8 keys (since issue
+    # 27): a worker SIGSTOPped past heartbeat_timeout
     (40, set()),
-    # a fleet of two, async, double_ack, max_jobs 40: a worker's link cut, the server SIGKILLed
+    # a fleet of two, async, double_ack, max_jobs 40, [ordering] over 8 keys (since issue 27): a
+    # worker's link cut, the server SIGKILLed, a worker SIGKILLed
     (46, set()),
 ])
 def test_random_seed(seed, known, tmp_path):
@@ -113,6 +121,22 @@ def test_faults_outside_control_relax_only_the_supervisors_own_count():
         expect = expectations(plan)
         assert expect["lost"] == 0 and expect["ackwait"] == 0 and expect["dup_unexplained"] == 0
         assert (expect["sup_unexplained"] is None) == outside
+
+
+def test_a_draw_of_pools_and_keys_orders_pool_a_alone_and_every_draw_loads():
+    """Pools and [ordering] drawn together: pool a (its filter `jobs.chaos.>`, the tick a key of
+    its own there) ordered by `ordering_key`, pool b (`jobs.b`, no third token) not; every drawn
+    configuration is one the supervisor accepts."""
+    both = 0
+    for seed in range(40):
+        plan = draw(seed, 0.1)
+        cfg = Config().replace(**sections(plan.config))
+        if plan.config["chaos.pools"] and plan.config["chaos.keys"]:
+            both += 1
+            assert [effective(cfg, n).ordering.key for n in ("a", "b")] == ["subject:3", ""], seed
+            assert all(s.startswith("jobs.chaos.") for s in plan.subjects), seed
+            assert cfg.schedules.get("tick") is None or cfg.schedules["tick"].subject == "jobs.chaos.tick", seed
+    assert both, "no seed drew pools and keys together"
 
 
 def test_seed_lists():

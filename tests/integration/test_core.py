@@ -10,7 +10,7 @@ import sys
 import time
 
 import psutil
-from harness import NatsServer, child_env, popen_at_a_terminal, publish, publish_now, run_cli, wait_until
+from harness import NatsServer, backlog_of, child_env, popen_at_a_terminal, publish, run_cli, wait_until
 
 ACK_WAIT = 60.0      # far longer than any wait below: a job back within seconds was NAKed, not expired
 
@@ -112,20 +112,17 @@ def test_drain_naks_pulled_but_not_started(nats_server, supervisor_factory):
     not left to AckWait, not to graceful_timeout (which the stop would then wait out, the
     queue never emptying), not to the parent's backstop NAK at the worker's exit."""
     grace = 60.0
-    # An async handler: no thread hand-off in its timings, so the worker surely sees fast jobs.
+    # A backlog of fast jobs ahead: the worker learns they are fast and pulls batches, so jobs
+    # behind the first long one wait in its buffer. An async handler: no thread hand-off in its timings.
+    warm = 100
+    backlog_of(nats_server.url, fast=warm, count=4, data="3.0")
     sup = supervisor_factory(nats_server, workers={"count": 1, "concurrency": 1, "batch": 4, "graceful_timeout": grace,
                                                    "handler": "testhandlers:record_async"},
                              consumer={"ack_wait": 300.0}, args=("--log-format", "json"))
-    sup.wait_ready(1)
-    # Teaches the worker its jobs are fast, so it prefetches. Forty, since the average forgets a
-    # slow first job (start-up, a loaded box) slowly, and until it has the worker buffers less.
-    warm = 40
-    publish(nats_server.url, count=warm, data="0")
-    wait_until(lambda: len(sup.jobs.done()) == warm, what="warm-up jobs done")
-    publish_now(nats_server.url, count=4, data="3.0")   # at once: prefetch is forgotten after 5 s idle (pulls.py)
-    first = wait_until(lambda: sup.jobs.running(), what="a job running")[0]
+    first = wait_until(lambda: [r for r in sup.jobs.running() if r.seq > warm], what="a long job running")[0]
     def held():
-        return [e for w in sup.status()["workers"]["list"] for e in w["in_flight"] if e["state"] == "held"]
+        return [e for w in sup.status()["workers"]["list"] for e in w["in_flight"]
+                if e["state"] == "held" and e["stream_seq"] > warm]
     # Up to 3 (batch 4); how many depends on the measured job time, at least one is the case to force.
     pulled = {e["stream_seq"] for e in wait_until(held, what="jobs pulled but not started")}
     sup.signal(signal.SIGTERM)

@@ -449,6 +449,28 @@ def test_an_ack_not_yet_fenced_is_kept_and_naked_at_death(nats_server, superviso
     assert sup.stop() == 0
 
 
+def test_a_batch_of_acks_not_yet_fenced_is_kept_and_naked_at_death(nats_server, supervisor_factory, tmp_path):
+    """Issue 25: a sync handler's outcomes are acked a batch at a time, one write for all
+    (Settler.ack_all). A worker SIGKILLs itself right after publishing such a batch, before the
+    fence (testhandlers.die_after_ack_init, `die-after-acks`): every entry of the batch is still
+    ACKED in its table, the parent NAKs each, they come back within seconds (AckWait 60 s) and
+    every job is acked once the replacement has run them: nothing lost, every rerun explained."""
+    publish(nats_server.url, count=200, data="die-after-acks")        # a backlog: outcomes come back in batches
+    sup = supervisor_factory(nats_server, workers={"count": 1, "init": "testhandlers:die_after_ack_init"},
+                             consumer={"ack_wait": ACK_WAIT}, args=JSON_LOGS, env={"DIE_ONCE": str(tmp_path / "died")})
+    death = sup.wait_event("worker_died")
+    assert "SIGKILL" in death["cause"], death
+    [record] = [d for d in sup.status()["crosscheck"]["recent_deaths"] if d["pid"] == death["worker_pid"]]
+    acked = [h["stream_seq"] for h in record["held_jobs"] if h["state_at_death"] == "acked"]
+    assert len(acked) >= 2 and all(h["naked"] for h in record["held_jobs"]), record["held_jobs"]
+    wait_until(lambda: nats_server.stream_msgs() == 0, timeout=ACK_WAIT / 3, what="every job acked, long before AckWait")
+    assert {r.seq for r in sup.jobs.done()} == set(range(1, 201))
+    assert {r.seq for r in sup.jobs.done() if r.delivery == 2} >= set(acked), "the batch's jobs ran again"
+    cc = wait_until(lambda: (c := sup.status()["crosscheck"]) and not c["outstanding"] and c, what="ledger settled")
+    assert cc["crashes"] == 1 and cc["unexplained_redeliveries"] == 0, cc
+    assert sup.stop() == 0
+
+
 def test_an_ack_nats_py_refuses_while_reconnecting_is_sent_once_it_is_back(nats_server, supervisor_factory, tmp_path):
     """The interleaving: a job ends while the server is down and nats-py refuses its ack
     (reconnect buffer full: OutboundBufferLimitError, testhandlers.full_buffer_when_down_init).
@@ -476,6 +498,41 @@ def test_an_ack_nats_py_refuses_while_reconnecting_is_sent_once_it_is_back(nats_
     assert [(r.seq, r.delivery) for r in sup.jobs.started()] == [(job.seq, 1), (job.seq + 1, 1)], "nothing ran twice"
     assert nats_server.consumer()["num_redelivered"] == 0
     assert sup.worker_pids() == {job.pid} and sup.status()["crosscheck"]["crashes"] == 0
+    assert sup.stop() == 0
+
+
+def test_a_batch_of_acks_refused_while_reconnecting_is_sent_once_it_is_back(nats_server, supervisor_factory, tmp_path):
+    """Issue 25, the same interleaving on the batched path: 50 quick jobs, one that runs until
+    the test says, and 50 quick ones behind it, pulled together (a backlog) by one worker. The
+    server stops while the gated job runs; once it ends, its ack and the 50 behind it (a handler
+    thread's batches: one publish_each each, Settler.ack_all) are refused whole by nats-py
+    (testhandlers.full_buffer_when_down_init), each reported unsent and kept. Once the server is
+    back every ack is sent again and fenced: all 101 jobs acked, none ran twice, no crash."""
+    gate = tmp_path / "finish"
+    publish(nats_server.url, count=50, data="0")
+    publish(nats_server.url, count=1, data=f"until:{gate}")
+    publish(nats_server.url, count=50, data="0")
+    sup = supervisor_factory(nats_server, workers={"count": 1, "init": "testhandlers:full_buffer_when_down_init"},
+                             consumer={"ack_wait": ACK_WAIT}, args=JSON_LOGS)
+    sup.wait_ready(1)
+
+    def holding() -> list:
+        return sup.status()["workers"]["list"][0]["in_flight"]
+    wait_until(lambda: len(holding()) == 51 and nats_server.stream_msgs() == 51,
+               what="the first 50 acked, the gated job running and the last 50 held behind it")
+    [gated] = sup.jobs.running()
+    nats_server.stop()
+    sup.wait_event("nats_disconnected", pid=gated.pid)
+    gate.touch()                                                    # 51 jobs end now, offline
+    wait_until(lambda: len(sup.events("settle_unsent")) == 51, what="every ack refused and reported")
+    assert {e["outcome"] for e in sup.events("settle_unsent")} == {"ack"}
+    nats_server.start()
+    wait_until(lambda: nats_server.stream_msgs() == 0, timeout=ACK_WAIT / 3,
+               what="the refused acks sent after the reconnect")
+    started = [(r.seq, r.delivery) for r in sup.jobs.started()]
+    assert sorted(started) == [(seq, 1) for seq in range(1, 102)], "each job ran once"
+    assert nats_server.consumer()["num_redelivered"] == 0
+    assert sup.status()["crosscheck"]["crashes"] == 0
     assert sup.stop() == 0
 
 
@@ -509,7 +566,7 @@ def test_a_stopping_worker_waits_for_nats_to_send_an_ack_it_could_not(nats_serve
 
 
 def test_a_failing_settle_path_crashes_the_worker_so_its_job_comes_back(nats_server, supervisor_factory):
-    """A bug in the settle path (testhandlers.finish_fails_init raises in Worker.finish) used to
+    """A bug in the settle path (testhandlers.finish_fails_init raises in Worker.finished) used to
     kill that task quietly: the job stayed held by a live worker that would never settle it, until
     AckWait. Now the worker exits as crashed: the parent NAKs the job, it comes back within
     seconds (AckWait 60 s) and the death explains the rerun."""

@@ -396,9 +396,10 @@ def test_the_page_formatters(crashed, browser):
 
 
 def test_the_page_shows_every_pool_and_the_chosen_pool_below_in_chromium(nats_server, supervisor_factory, browser):
-    """With [pools.*]: a Pools table row per pool; the workers, numbers and chart below are the
-    first pool's until another is clicked, then that pool's (its /history asked with pool=)."""
-    pools = {"email": {"count": 2, "filter_subject": "jobs.email.>"},
+    """With [pools.*]: a Pools table row per pool; the workers, numbers, chart and ordered-per-key
+    block below are the first pool's until another is clicked, then that pool's (its /history
+    asked with pool=; email is ordered, reports is not)."""
+    pools = {"email": {"count": 2, "filter_subject": "jobs.email.>", "ordering_key": "subject:3"},
              "reports": {"count": 1, "filter_subject": "jobs.reports.>", "handler": "testhandlers:record_v2"}}
     sup = supervisor_factory(nats_server, pools=pools)
     sup.wait_ready(3)
@@ -413,10 +414,13 @@ def test_the_page_shows_every_pool_and_the_chosen_pool_below_in_chromium(nats_se
     assert texts(page, "#pools-table tr[data-pool] button") == ["email", "reports"]
     assert "workers-reports" in texts(page, "#pools-table tr[data-pool=reports] td")[-1]
     assert {int(t) for t in texts(page, "#workers td.pid")} == pids["email"]
+    assert not page.evaluate("document.getElementById('ordering').hidden")
+    assert "subject:3" in page.evaluate("document.getElementById('ordering-summary').textContent")
     page.evaluate("document.querySelector('#pools-table tr[data-pool=reports] button').click()")
     page.wait_for("document.getElementById('lagline').textContent.includes('JOBS/workers-reports')",
                   what="the reports pool's numbers")
     assert {int(t) for t in texts(page, "#workers td.pid")} == pids["reports"]
+    assert page.evaluate("document.getElementById('ordering').hidden")
     assert page.evaluate("document.getElementById('n-pending').textContent") == "1"
     page.wait_for(f"Number(document.body.dataset.renders) >= "
                   f"{page.evaluate('Number(document.body.dataset.renders)') + 2}", what="two more renders")

@@ -102,7 +102,7 @@ def test_replay_cut_short_between_publish_and_delete_queues_the_job_once(nats_se
 
     async def first_half(js):    # what a replay killed right after its PubAck has done
         letters, _ = await dlq.read_letters(js, DLQ, 10)
-        return (await dlq.publish_copy(js, DLQ, letters[0], None)).seq
+        return (await dlq.publish_copy(js, DLQ, letters[0], None))[0].seq
     copy = js_call(nats_server.url, first_half)
     assert copy == 2 and [x["seq"] for x in listed(nats_server.url)] == [1]
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 
 import nats
 import nats.errors
+import psutil
 from harness import NatsServer, publish, run_cli, wait_until
 from nats.js.errors import APIError
 from test_fleet_cluster import fleet_view
@@ -155,3 +158,78 @@ def test_a_heartbeat_nats_py_refuses_is_an_alert_at_once_any_other_failure_after
     assert theirs.alerts() == []                                     # one missed beat: a hiccup
     theirs.failing = (now - 1.0, theirs.failing[1])                  # two beats (0.5 s) of them
     assert [a["kind"] for a in theirs.alerts()] == ["fleet_heartbeat_failing"]
+
+
+def test_an_orphan_does_not_nak_a_job_the_poller_released_while_it_ran(nats_server, supervisor_factory, tmp_path):
+    """Seed 52 of the randomized fault suite (branch pools, `--seed 52 --minutes 0.5`, 1 run of 5):
+    a fleet of two, heartbeat 0.5 s. A job ran at delivery 1 in a worker of the supervisor
+    SIGKILLed at +10.03 s, came back at delivery 2 at +11.80 s on a worker no fault touched, and
+    delivery 3 started at +12.05 s while delivery 2 still ran. The interleaving: the dead
+    parent's worker is an orphan that runs its jobs for ORPHAN_GRACE (2 s) and then NAKs what
+    still runs; the poller, 3 missed heartbeats (1.5 s) after the parent's last one, found it
+    lost (its probe: nobody answers) and released the jobs its last heartbeat listed, the orphan's
+    running job among them: delivery 2. The orphan's NAK at the end of its grace matches by
+    stream sequence and hit delivery 2: delivery 3, beside it. Here the orphan is SIGSTOPped
+    before its parent's SIGKILL and let go once the job's delivery 2 runs on beta, the poller;
+    its grace then ends with the job still running. Now an orphan claims its jobs in its parent's
+    heartbeat before it NAKs (workers/protocol/fleetclaim.py); here the poller's mark came first,
+    and names the job released: the orphan leaves it alone. Red without the claim: delivery 3."""
+    gate = tmp_path / "finish"
+    alpha, beta, seq, orphan = orphan_running_one_job(supervisor_factory, nats_server, gate)
+    os.kill(orphan, signal.SIGSTOP)
+    alpha.proc.kill()
+    alpha.proc.wait()
+    lost = beta.wait_event("fleet_peer_lost", peer="alpha")
+    assert lost["released"] == [seq], lost
+    wait_until(lambda: [r for r in beta.jobs.running() if (r.seq, r.delivery) == (seq, 2)], what="delivery 2 on beta")
+    os.kill(orphan, signal.SIGCONT)
+    wait_until(lambda: not alive(orphan), what="the orphan gone, its grace over")
+    ran_once_each(nats_server, gate, alpha, beta, [(seq, 1), (seq, 2)])
+    assert alpha.events("orphan_nak_skipped", seq=seq, delivery=1, released=True), alpha.log()[-3000:]
+
+
+def test_an_orphans_claim_keeps_the_poller_from_releasing_what_it_holds(nats_server, supervisor_factory, tmp_path):
+    """The other order (what a healthy orphan does): alpha SIGKILLed, its worker claims the job it
+    runs in alpha's heartbeat at once, so beta's first lost mark fails (the entry moved) and its
+    next one, once the claim too is 3 heartbeats old, lists nothing to release; the orphan's grace
+    ends with the job running, and its NAK brings it to beta once (delivery 2), nothing after."""
+    gate = tmp_path / "finish"
+    alpha, beta, seq, orphan = orphan_running_one_job(supervisor_factory, nats_server, gate)
+    alpha.proc.kill()
+    alpha.proc.wait()
+    wait_until(lambda: not alive(orphan), what="the orphan gone, its grace over")
+    lost = beta.wait_event("fleet_peer_lost", peer="alpha")
+    assert (lost["held"], lost["released"]) == (0, []), lost
+    wait_until(lambda: [r for r in beta.jobs.running() if (r.seq, r.delivery) == (seq, 2)], what="delivery 2 on beta")
+    assert not alpha.events("orphan_nak_skipped") and not alpha.events("orphan_claim_failed"), alpha.log()[-3000:]
+    ran_once_each(nats_server, gate, alpha, beta, [(seq, 1), (seq, 2)])
+
+
+def orphan_running_one_job(factory, server, gate):
+    """Beta polls (heartbeat 0.5 s, 2 idle workers); alpha's only worker runs one job, which a
+    heartbeat of alpha's lists. (alpha, beta, the job's seq, alpha's worker's pid)"""
+    beta = poller_without_workers(factory, server)
+    alpha = host(factory, server, "alpha", count=1)
+    alpha.wait_ready()
+    hold(server.url, alpha, 1, 1, gate)
+    [seq] = [r.seq for r in alpha.jobs.running()]
+    listed(beta, 1)
+    ready_to_rerun(beta)
+    [orphan] = alpha.worker_pids()
+    return alpha, beta, seq, orphan
+
+
+def ran_once_each(server, gate, alpha, beta, runs: list[tuple[int, int]]) -> None:
+    """Let the jobs end: each (seq, delivery) of `runs` started once, no other."""
+    gate.touch()
+    wait_until(lambda: server.stream_msgs() == 0, what="every job acked")
+    started = sorted((r.seq, r.delivery) for s in (alpha, beta) for r in s.jobs.started())
+    assert started == runs, f"the job's runs: {started}"
+    assert beta.stop() == 0
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

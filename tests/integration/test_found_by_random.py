@@ -8,11 +8,12 @@ reproducer of its finding and fails on the code it was found on.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
 import pytest
-from harness import NatsServer, SupervisorProc, base_config, publish_now, wait_until
+from harness import NatsServer, SupervisorProc, backlog_of, base_config, publish_now, wait_until
 
 from chaos import scenarios
 from chaos.checker import VERDICTS
@@ -21,6 +22,7 @@ from chaos.facts import read_journal
 from chaos.rig import CONSUMER, STREAM, Run
 from supervisor.parent.safety.in_transit import SLACK
 from workers.runtime.puller import PULL_EXPIRES
+from workers.runtime.shutdown import SHUTDOWN_NAK_DELAY
 
 ACK_WAIT = 30.0
 JSON_LOGS = ("--log-format", "json")
@@ -311,19 +313,8 @@ def test_an_orphans_nak_redelivered_to_a_worker_that_dies_comes_back_at_once(tmp
     alpha_worker, beta_worker = r"^alpha worker 0$", r"^beta worker 0$"
 
     def orphan_nak_on_the_wire(run: Run) -> None:
-        server = run.start_server()
-        run.connect([server.url])
-        proxy = run.start_proxy(server)
-        run.bg.call(proxy.tap(alpha_worker, (b"-NAK",)))
+        proxy, alpha, orphan = alpha_running_one_and_holding_more(run, alpha_worker, "1.0")
         run.bg.call(proxy.tap(beta_worker, (NEXT,)))
-        alpha = run.start_supervisor([proxy.url], nats={"name": "alpha"},
-                                     workers={"count": 1, "batch": 8, "heartbeat_timeout": 60.0})
-        run.load(40, rate=400, what="0", window=8).result(30)     # fast jobs: the worker learns to buffer
-        wait_until(lambda: run.done_count() == 40, 30, "the warm-up done")
-        run.load(6, rate=400, what="1.0", window=6).result(30)
-        [orphan] = alpha.worker_pids()
-        wait_until(lambda: len([e for w in alpha.status()["workers"]["list"] for e in w["in_flight"]
-                                if e["state"] == "held"]) >= 2, 10, "alpha's worker running a job and holding more")
         os.kill(orphan, signal.SIGSTOP)
         t_kill = time.monotonic()
         alpha.proc.kill()
@@ -361,6 +352,146 @@ def test_an_orphans_nak_redelivered_to_a_worker_that_dies_comes_back_at_once(tmp
     assert not result.error, result.summary()
     assert [f for f in result.findings if f.verdict == "redelivered"], result.summary()
     assert result.counts["ackwait"] == 0, result.summary()
+    assert result.passed, result.summary()
+
+
+def test_an_orphans_naks_reach_a_successor_that_started_after_it_left(tmp_path):
+    """F9's successor, started only after the orphan left: found by `python -m chaos --random
+    --seed 18 --minutes 0.25` on branch f7 (1 run of 20, with the orphans' fleet claim): the new
+    supervisor took 2.6 s to start on the loaded box, the orphans had NAKed what they had not
+    started and said goodbye before it listened on the ledger subject; the redeliveries went to its
+    worker, SIGKILLed right after a server stop before reading them, and 6 jobs waited for
+    AckWait. (Before the claim, the poller's release of what the dead parent's last heartbeat
+    listed brought them back, by luck: seed 52.) An orphan now leaves its NAKs and goodbye in the
+    fleet bucket too, and every supervisor reads those records from its start. Here alpha's worker
+    holds jobs it has not started, alpha is SIGKILLed, and the orphan NAKs them and exits; then
+    beta starts, its worker's first pull request reaches the server and its link stalls right
+    after (the redeliveries stay on its wire), and the worker is SIGKILLed: they must be back at
+    once. Red without the record: every one of them after AckWait."""
+    alpha_worker, beta_worker = r"^alpha worker 0$", r"^beta worker 0$"
+
+    def orphan_gone_before_its_successor(run: Run) -> None:
+        proxy, alpha, orphan = alpha_running_one_and_holding_more(run, alpha_worker, "0.5")
+        t_kill = time.monotonic()
+        alpha.proc.kill()
+        alpha.proc.wait()
+        run.stopped.add(run.sups.index(alpha))                  # on purpose: no death to count
+        parent = run.fault("parent SIGKILL", t_kill, pids={orphan})
+        wait_until(lambda: not run.watcher.alive(orphan), 10, "the orphan gone")
+        parent.t1 = time.monotonic()
+        naks = [t for t, _ in run.bg.call(proxy.tapped(alpha_worker))]
+        assert naks, "the orphan NAKed nothing"
+        # Their delay over: the redeliveries wait for the first pull request to come (beta's worker's).
+        time.sleep(max(0.0, max(naks) + SHUTDOWN_NAK_DELAY + 0.2 - time.monotonic()))
+        run.bg.call(proxy.hold(beta_worker, NEXT, after=True))
+        beta = run.start_supervisor([proxy.url], nats={"name": "beta"},
+                                    workers={"count": 1, "heartbeat_timeout": 60.0})
+        [victim] = beta.worker_pids()
+        wait_until(lambda: run.bg.call(proxy.holding(beta_worker)), 10, "beta's worker's request out, its link held")
+        kill = run.fault("worker link held, then SIGKILL", time.monotonic(), pids={victim})
+        wait_until(lambda: [o for o in beta.status()["peers"]["gone"] if "orphan of" in o], 10,
+                   "the orphan's record read")
+        wait_until(lambda: waiting(run) == 0, 10, "the redeliveries handed to beta's worker's request")
+        alone_and_polled(run, time.monotonic() - 30)
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: not run.watcher.alive(victim), 30, "beta's worker gone")
+        kill.t1 = time.monotonic()
+        run.bg.call(proxy.reset(beta_worker))
+        wait_until(lambda: beta.status()["peers"]["in_transit_checks"]["redeliveries_naked"], 15, "the redeliveries NAKed")
+
+    result = run_with("orphan-gone-before-its-successor", 0, orphan_gone_before_its_successor, dict(VERDICTS),
+                      tmp_path / "run")
+    assert not result.error, result.summary()
+    assert [f for f in result.findings if f.verdict == "bounced"], f"nothing on the wire at the death: {result.summary()}"
+    assert result.counts["ackwait"] == 0, result.summary()
+    assert result.passed, result.summary()
+
+
+def alpha_running_one_and_holding_more(run: Run, alpha_worker: str, seconds: str):
+    """A server, the proxy (alpha's worker's NAKs tapped), supervisor alpha with one worker that
+    runs a job of `seconds` and holds at least two more it has not started. (proxy, alpha, its worker's pid)"""
+    server = run.start_server()
+    run.connect([server.url])
+    proxy = run.start_proxy(server)
+    run.bg.call(proxy.tap(alpha_worker, (b"-NAK",)))
+    alpha = run.start_supervisor([proxy.url], nats={"name": "alpha"},
+                                 workers={"count": 1, "batch": 8, "heartbeat_timeout": 60.0})
+    run.load(40, rate=400, what="0", window=8).result(30)     # fast jobs: the worker learns its job time
+    wait_until(lambda: run.done_count() == 40, 30, "the warm-up done")
+    [orphan] = alpha.worker_pids()
+    # A backlog of fast jobs, then the long ones, stored while the worker is stopped: on a backlog
+    # it buffers whatever the spread of its job times (pulls.py), so it runs a long job and holds
+    # more, on a loaded box too (without a backlog it takes only what it can start until the fleet
+    # has seen KNOWN_JOBS jobs).
+    os.kill(orphan, signal.SIGSTOP)
+    run.load(100, rate=5000, what="0", window=32).result(30)
+    fast_until = run.bg.call(run.nc.jetstream().stream_info(STREAM)).state.last_seq
+    run.load(6, rate=400, what=seconds, window=6).result(30)
+    os.kill(orphan, signal.SIGCONT)
+    wait_until(lambda: len([e for w in alpha.status()["workers"]["list"] for e in w["in_flight"]
+                            if e["state"] == "held" and e["stream_seq"] > fast_until]) >= 2, 30,
+               "alpha's worker running a long job and holding more")
+    return proxy, alpha, orphan
+
+
+PARENT = r"^jetstream-supervisor$"    # the proxy's name pattern for the parent's own connection
+
+
+def test_a_nak_unsent_at_a_workers_death_waits_for_ackwait_named_at_the_death(tmp_path):
+    """F10, found by `python -m chaos --random --seed 18 --minutes 0.25` on branch f7 (1 run of 10):
+    a handler failed just after a server stop (its NAK with a 0.36 s delay) and its worker was
+    SIGKILLed 0.1 s later, the NAK still unsent. Its table entry was SETTLED (a NAK published, not
+    fenced): the parent must not NAK it again, since that NAK may still be in the dead worker's
+    socket or in a stalled link and land on the next holder's delivery (a NAK matches by
+    sequence): the job would run twice. So it waits for AckWait, and the wait must be attributed:
+    the ledger names it at the death, with that cause, and the redelivery is explained by it.
+    Here the handler raises Retry(0.5) and the worker's link holds its NAK (the proxy stalls the
+    connection right before forwarding it); the worker is SIGKILLed with the NAK in the link, which
+    is then reset (the NAK never lands). Back after AckWait, not NAKed by the parent, named at the
+    death ("its NAK was unsent when the worker died; ..."), explained with that cause in /status,
+    the log and the checker's view (an AckWait wait outside the supervisor's control only because
+    the ledger named that job, delivery and pid), 0 unexplained. Red before the ledger named such
+    waits: the checker's ackwait=1 (a worker SIGKILL is in the supervisor's control)."""
+    ack_wait = 5.0
+    seen: dict = {}
+
+    def nak_held_in_the_link(run: Run) -> None:
+        run.ack_wait = ack_wait
+        server = run.start_server()
+        run.connect([server.url])
+        proxy = run.start_proxy(server)
+        run.bg.call(proxy.tap(PARENT, (b"-NAK",)))
+        run.bg.call(proxy.hold(WORKER_0, b"-NAK"))
+        run.start_supervisor([proxy.url], workers={"count": 1, "heartbeat_timeout": 60.0})
+        [victim] = run.sup.worker_pids()
+        run.load(1, rate=100, what="retry0.5:0.01").result(5)
+        t_held = wait_until(lambda: run.bg.call(proxy.holding(WORKER_0)), 10, "the worker's NAK held in its link")[0]
+        wait_until(lambda: run.sup.status()["jobs"]["nak"] == 1, 5, "the worker's table: its NAK published")
+        link = run.fault("worker link holding its NAK", t_held, pids={victim}, in_control=False)
+        run.signal_worker(victim, signal.SIGKILL, "worker SIGKILL")
+        seen["died"] = time.monotonic()
+        assert run.bg.call(proxy.reset(WORKER_0)) == 1, "the dead worker's connection is gone from the proxy"
+        link.t1 = time.monotonic()
+        seen["status"] = wait_until(lambda: (s := run.sup.status())["crosscheck"]["left_to_ack_wait"]
+                                    and s["crosscheck"]["left_to_ack_wait"][0]["came_back_after_s"] is not None and s,
+                                    ack_wait + 15, "the job back, after AckWait")
+        seen["parent_naks"] = run.bg.call(proxy.tapped(PARENT))
+        seen["log"] = run.sup.log()
+
+    result = run_with("nak-unsent-at-a-death", 0, nak_held_in_the_link, dict(VERDICTS), tmp_path / "run")
+    assert not result.error, result.summary()
+    assert seen["parent_naks"] == [], f"the parent NAKed: {seen['parent_naks']}"
+    cc = seen["status"]["crosscheck"]
+    [left] = cc["left_to_ack_wait"]
+    why = "its NAK was unsent when the worker died; a second NAK could land on the next holder"
+    assert (left["delivery"], left["state_at_death"], left["naked"], left["waits"]) == (1, "settled", False, why), left
+    assert left["came_back_after_s"] >= left["due_after_s"] - 0.5, left        # after AckWait, not sooner
+    assert cc["held_jobs_left_to_ack_wait"] == 1 and cc["unexplained_redeliveries"] == 0, cc
+    assert re.search(rf"died: .*seq {left['stream_seq']} \(delivery 1\) left to AckWait: {re.escape(why)}", seen["log"])
+    assert re.search(rf"seq={left['stream_seq']} redelivered \(delivery 2\).*at its death.*: {re.escape(why)}", seen["log"])
+    assert (result.counts["ackwait"], result.counts["ackwait_outside"]) == (0, 1), result.summary()
+    outside = [f.text for f in result.findings if f.verdict == "ackwait_outside"]
+    assert outside and "named at the death" in outside[0] and why in outside[0], result.summary()
     assert result.passed, result.summary()
 
 
@@ -425,16 +556,16 @@ def test_an_orphans_naks_are_explained_to_the_supervisor_that_gets_their_redeliv
     says goodbye."""
     same = {"consumer": {"ack_wait": 2 * ACK_WAIT},
             "workers": {"count": 1, "batch": 8, "graceful_timeout": 30.0, "handler": "testhandlers:record"}}
+    seqs = set(backlog_of(nats_server.url, fast=100, count=16, data="1.0"))   # so alpha's worker buffers
     alpha = supervisor_factory(nats_server, args=JSON_LOGS, **same)
-    alpha.wait_ready(1)
-    warm = 40               # teaches the worker its jobs are fast, so it buffers (as the orphan test does)
-    publish_now(nats_server.url, count=warm, data="0")
-    wait_until(lambda: len(alpha.jobs.done()) == warm, what="warm-up jobs done")
+    wait_until(lambda: [r for r in alpha.jobs.running() if r.seq in seqs] and
+               [e for e in held(alpha) if e["stream_seq"] in seqs], what="alpha's worker running a job and holding more")
+    [worker] = alpha.workers()
+    worker.suspend()        # holds on to what it has while beta starts
     beta = supervisor_factory(nats_server, args=JSON_LOGS, **same)
     beta.wait_ready(1)
     wait_until(lambda: beta.status()["peers"]["heard"], what="beta has heard alpha")
-    seqs = set(publish_now(nats_server.url, count=16, data="1.0"))
-    wait_until(lambda: alpha.jobs.running() and held(alpha), what="alpha's worker running a job and holding more")
+    worker.resume()
     alpha.signal(signal.SIGKILL)
     alpha.wait()
     wait_until(lambda: (alpha.jobs.done_seqs() | beta.jobs.done_seqs()) >= seqs, 2 * ACK_WAIT, "every job done")

@@ -16,7 +16,8 @@ def test_pinned_version_is_installed():
     natsfix.check_version()
 
 
-@pytest.mark.parametrize("name", ["_flush_pending", "_process_pong", "_send_ping"])
+@pytest.mark.parametrize("name", ["_flush_pending", "_process_pong", "_send_ping", "_process_msg", "_process_headers",
+                                  "_send_command"])
 def test_private_methods_exist(name):
     assert callable(getattr(NatsClient, name))
 
@@ -102,6 +103,103 @@ def test_a_cancelled_flush_does_not_break_the_next_one(nats_server):
     assert asyncio.run(run()) == b"x"
 
 
+def test_deliver_directly_hands_every_message_over_in_order_and_survives_a_failing_callback(nats_server):
+    """A worker's pull inbox (workers/runtime/worker.py): each message to the callback from the
+    read loop, in the order sent, headers and status lines parsed as nats-py does; a callback
+    that raises goes to the error callback and the next message still comes; other
+    subscriptions keep nats-py's own path."""
+    async def run():
+        nc = Client()
+        errors: list[BaseException] = []
+
+        async def on_error(exc):
+            errors.append(exc)
+
+        await nc.connect(nats_server.url, error_cb=on_error)
+        got: list[tuple[str, str, bytes, dict | None]] = []
+
+        async def deliver(subject, reply, data, headers):
+            if data == b"boom":
+                raise RuntimeError("boom")
+            got.append((subject, reply, data, headers))
+
+        try:
+            sub = await nc.subscribe("direct.>")
+            nc.deliver_directly(sub, deliver)
+            other = await nc.subscribe("other")
+            before = nc.stats["in_msgs"]
+            await nc.publish("direct.a", b"1")
+            await nc.publish("direct.b", b"2", reply="r.2", headers={"Nats-Msg-Id": "k"})
+            await nc.publish("direct.c", b"boom")
+            await nc.publish("direct.d", b"3")
+            await nc.publish("other", b"o")
+            await nc.fence(timeout=5)
+            await nc.flush(timeout=5)            # its PONG comes after everything published before it
+            assert (await other.next_msg(timeout=2)).data == b"o"
+            counted = nc.stats["in_msgs"] - before
+            js = nc.jetstream()                  # a pull request that expires: the status a worker's inbox gets
+            await js.add_stream(name="DIRECT", subjects=["directjobs"])
+            await js.add_consumer("DIRECT", durable_name="c", ack_policy="explicit")
+            await nc.publish("$JS.API.CONSUMER.MSG.NEXT.DIRECT.c", b'{"batch":1,"expires":100000000}', reply="direct.inbox")
+            for _ in range(100):
+                if len(got) == 4:
+                    break
+                await asyncio.sleep(0.05)
+            return got, errors, counted
+        finally:
+            await nc.close()
+
+    got, errors, counted = asyncio.run(run())
+    assert got[:3] == [("direct.a", "", b"1", None), ("direct.b", "r.2", b"2", {"Nats-Msg-Id": "k"}),
+                       ("direct.d", "", b"3", None)]
+    subject, reply, _, headers = got[3]
+    assert (subject, reply, headers["Status"]) == ("direct.inbox", "", "408"), got[3]
+    assert [str(e) for e in errors] == ["boom"] and counted == 5
+
+
+async def connect_watching(nc, url: str, callback: str, **options) -> asyncio.Event:
+    """Connect `nc` (reconnecting every 0.1 s) with an event that nats-py's `callback`
+    (disconnected_cb, reconnected_cb) sets."""
+    happened = asyncio.Event()
+
+    async def on_it():
+        happened.set()
+
+    await nc.connect(url, reconnect_time_wait=0.1, **{callback: on_it}, **options)
+    return happened
+
+
+def test_publish_each_sends_every_message_in_order_and_is_refused_whole_while_reconnecting(nats_server):
+    """A worker's batch of acks (workers/runtime/settle.py ack_all): one command for them all,
+    each a PUB the server delivers; while nats-py reconnects with no room in its buffer, the
+    whole batch raises what publish() raises (settle.REFUSED), nothing of it queued."""
+    async def run():
+        nc = Client()
+        disconnected = await connect_watching(nc, nats_server.url, "disconnected_cb", max_reconnect_attempts=-1,
+                                              pending_size=64)
+        try:
+            sub = await nc.subscribe("each.>")
+            await nc.publish_each([f"each.{k}" for k in range(5)], b"+ACK")
+            await nc.fence(timeout=5)
+            got = [(m.subject, m.data) for m in [await sub.next_msg(timeout=2) for _ in range(5)]]
+            await asyncio.to_thread(nats_server.stop)
+            await asyncio.wait_for(disconnected.wait(), 10)
+            pending = nc._pending_data_size
+            try:
+                await nc.publish_each([f"each.{k}" for k in range(5)], b"+ACK")
+                outcome = "queued"
+            except Exception as exc:
+                outcome = type(exc).__name__
+            return got, outcome, nc._pending_data_size - pending
+        finally:
+            await asyncio.to_thread(nats_server.start)
+            await nc.close()
+
+    got, outcome, queued = asyncio.run(run())
+    assert got == [(f"each.{k}", b"+ACK") for k in range(5)]
+    assert outcome == "OutboundBufferLimitError" and queued == 0
+
+
 @pytest.mark.parametrize("ours", [False, True], ids=["nats-py", "natsfix"])
 def test_a_flush_while_reconnecting_needs_a_pong(nats_server, ours):
     """The premise: nats-py's flush() returns at once, PONG or not, while it reconnects (a
@@ -110,13 +208,7 @@ def test_a_flush_while_reconnecting_needs_a_pong(nats_server, ours):
     the server is back both flush for real."""
     async def run():
         nc = Client() if ours else NatsClient()
-        disconnected = asyncio.Event()
-
-        async def on_disconnect():
-            disconnected.set()
-
-        await nc.connect(nats_server.url, disconnected_cb=on_disconnect, reconnect_time_wait=0.1,
-                         max_reconnect_attempts=-1)
+        disconnected = await connect_watching(nc, nats_server.url, "disconnected_cb", max_reconnect_attempts=-1)
         try:
             await asyncio.to_thread(nats_server.stop)
             await asyncio.wait_for(disconnected.wait(), 10)
@@ -189,13 +281,8 @@ def test_a_flush_on_a_link_whose_read_task_died_raises_and_reconnects(nats_serve
     reconnects at once (nats-py's ping timer would take PING_INTERVAL x 3), and fences again."""
     async def run():
         nc = Brittle()
-        reconnected = asyncio.Event()
-
-        async def on_reconnect():
-            reconnected.set()
-
-        await nc.connect(nats_server.url, reconnected_cb=on_reconnect, reconnect_time_wait=0.1,
-                         ping_interval=3600)          # so only our check can notice
+        reconnected = await connect_watching(nc, nats_server.url, "reconnected_cb",
+                                             ping_interval=3600)          # so only our check can notice
         try:
             await deaf_read_loop(nc)
             assert nc.is_connected and nc._reading_task.done()

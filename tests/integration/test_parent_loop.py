@@ -47,13 +47,16 @@ def step_failures(sup, step: str) -> int:
 
 def kill_a_running_job(sup, tmp, tag: str, count: int = 2) -> tuple[int, int]:
     """Publish a job that runs until the test opens its gate, SIGKILL the worker running it; the
-    job must be NAKed (back at delivery 2 long before AckWait) and the slot restarted."""
+    job must be NAKed (back long before AckWait) and the slot restarted. Back at delivery 2, or
+    at 3: the server may hand delivery 2 to the dead worker's pull request before its link
+    closes (through a proxy, above all), and the re-NAK brings it back 4 s later (seen once in
+    8 runs of the stalled-scan test on a loaded machine)."""
     gate = tmp / f"gate-{tag}"
     seq = publish_now(sup.config["nats"]["servers"][0], count=1, data=f"until:{gate}")[0]
     victim = wait_until(lambda: [r for r in sup.jobs.running() if r.seq == seq], what=f"{tag}: job {seq} running")[0]
     killed = time.monotonic()
     psutil.Process(victim.pid).send_signal(signal.SIGKILL)
-    wait_until(lambda: [r for r in sup.jobs.started() if r.seq == seq and r.delivery == 2],
+    wait_until(lambda: [r for r in sup.jobs.started() if r.seq == seq and r.delivery >= 2],
                timeout=ACK_WAIT / 3, what=f"{tag}: job {seq} NAKed and redelivered, not left to AckWait")
     assert time.monotonic() - killed < ACK_WAIT / 3
     sup.wait_ready(count)
@@ -119,9 +122,10 @@ def test_a_link_stalled_during_the_in_transit_scan_does_not_end_the_parent(nats_
     from linkfaults import StallOnWrite
     from test_reliability import catch_in_flight
 
-    # The scan's reads, not the search for jobs given up on (monitor.py), which reads "next_by_subj".
-    proxy = StallOnWrite(nats_server.port, trigger=b"$JS.API.STREAM.MSG.GET.JOBS", stall=8.0,
-                         unless=b"next_by_subj").start()
+    # The first stream read once armed, right before the kill: the scan's. (The search for jobs
+    # given up on, monitor.py, reads alike, at start and every minute: were it the one, the scan's
+    # read a moment later would wait in the same 8 s stall, on the same link.)
+    proxy = StallOnWrite(nats_server.port, trigger=b"$JS.API.STREAM.MSG.GET.JOBS", stall=8.0).start()
     try:
         sup = supervisor_factory(nats_server, workers={"count": 1}, consumer={"ack_wait": ACK_WAIT},
                                  restart={"backoff_initial": 0.05}, nats={"servers": [proxy.url]}, args=JSON_LOGS)
@@ -248,7 +252,7 @@ def test_a_job_given_up_while_the_parent_was_away_is_still_dead_lettered(nats_se
         wait_until(lambda: [r for r in sup.jobs.started() if r.seq == seq], what="the first delivery")
         proxy.refuse("jetstream-supervisor")
         wait_until(lambda: not sup.status()["nats"]["connected"], what="the parent disconnected")
-        wait_until(lambda: [r for r in sup.jobs.started() if r.seq == seq and r.delivery == 2], what="delivery 2")
+        wait_until(lambda: [r for r in sup.jobs.started() if r.seq == seq and r.delivery >= 2], what="delivery 2")
         c = wait_until(lambda: (c := nats_server.consumer())["num_ack_pending"] == 0 and c, what="the server giving up")
         assert c["num_pending"] == 0 and nats_server.stream_msgs() == 1, "given up, still stored, never delivered"
         proxy.allow()

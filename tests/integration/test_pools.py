@@ -139,6 +139,23 @@ def test_a_pool_that_halts_at_boot_stops_alone_and_every_pool_halted_is_exit_5(n
     assert "halting: every pool has halted: pool " in both.log()
 
 
+def test_a_reload_that_leaves_only_a_halted_pool_ends_in_exit_5(nats_server, supervisor_factory):
+    """Pool bad halts at boot while good runs; a SIGHUP takes good out of the config. Nothing
+    would run then: the reload gives bad another try (as any SIGHUP does a halted pool), and
+    when it halts again it is the last pool, so every pool has halted: exit 5, not a
+    supervisor left up with nothing running."""
+    restart = {"backoff_initial": 0.01, "backoff_max": 0.05, "boot_failures_to_halt": 2}
+    pools = {"good": {"count": 1, "filter_subject": "jobs.good.>"},
+             "bad": {"count": 1, "filter_subject": "jobs.bad.>", "init": "testhandlers:boom_init"}}
+    sup = supervisor_factory(nats_server, pools=pools, restart=restart, args=("--log-format", "json"))
+    sup.wait_event("pool_halted", pool="bad")
+    sup.config_path.write_text(tomli_w.dumps({**sup.config, "pools": {"bad": pools["bad"]}}))
+    sup.signal(signal.SIGHUP)
+    assert sup.wait() == EXIT_HALTED
+    assert sup.events("pool_removed", pool="good") and sup.events("pool_revived", pool="bad")
+    assert "halting: every pool has halted: pool bad" in sup.log()
+
+
 def test_start_pool_runs_that_pool_alone(nats_server, supervisor_factory):
     """What each instance of systemd/jetstream-supervisor@.service runs: one pool of the shared config."""
     sup = supervisor_factory(nats_server, pools=TWO_POOLS, args=("--pool", "reports"))
@@ -164,7 +181,8 @@ def test_a_budget_shifts_workers_to_the_pool_whose_backlog_they_drain_and_back(n
     """[autoscale] budget = 3 for two pools (min 1, max 2 each): a backlog in a takes a to 2 while
     b keeps 1; b's backlog, come meanwhile, waits (held by the budget) until a's is drained, then
     the workers go to b; then back to a. The pools together never have more than 3. (A worker is
-    given where it does the most work: tests/unit/test_autoscale_budget.py.)"""
+    given where it does the most work: tests/unit/test_autoscale_budget.py.) A count set by hand
+    past the budget is kept, and its reason says by how much."""
     pools = {"a": {"count": 1, "filter_subject": "jobs.a.>"}, "b": {"count": 1, "filter_subject": "jobs.b.>"}}
     sup = supervisor_factory(nats_server, pools=pools, args=("--log-format", "json"),
                              autoscale={"enabled": True, "min": 1, "max": 2, "interval": 0.5, "budget": 3})
@@ -181,3 +199,9 @@ def test_a_budget_shifts_workers_to_the_pool_whose_backlog_they_drain_and_back(n
     assert steps == [("a", 1, 2), ("a", 2, 1), ("b", 1, 2), ("b", 2, 1), ("a", 1, 2)], steps
     status = sup.status()["pools"]["a"]["autoscale"]
     assert (status["budget"], status["cap"]) == (3, 2)
+    # The budget binds autoscaling, not a person: a count set by hand past it is kept, and says so.
+    r = run_cli("scale", "3", "--pool", "a", "--url", sup.http)
+    assert r.returncode == 0, r.stderr
+    reason = wait_until(lambda: (s := sup.status()["pools"]["a"])["workers"]["target"] == 3 and s["autoscale"]["reason"],
+                        what="a at 3 by hand")
+    assert "1 worker(s) over autoscale.budget = 3" in reason, reason

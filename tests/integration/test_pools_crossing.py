@@ -3,13 +3,13 @@ another's, forced against a real nats-server with real `supervisor start`s and w
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
 import psutil
-import pytest
 import tomli_w
-from harness import publish_now, wait_until
+from harness import dead_letter_headers, publish_now, run_cli, wait_until
 from test_fleet_cluster import fleet_view
 
 from supervisor.parent.safety.peers import PEER_QUIET
@@ -63,6 +63,38 @@ def test_a_retry_copy_runs_only_in_the_pool_that_re_published_it_on_a_fan_out_st
     assert sup.stop() == 0
 
 
+def test_each_pools_dead_letter_of_a_fan_out_message_is_kept_and_replayed_to_that_pool_alone(nats_server,
+                                                                                              supervisor_factory):
+    """A limits stream, pools a and b on one filter, both handlers reject the job until it comes
+    back from `dlq replay`. Each pool gives up on its own delivery: two dead letters (one Msg-Id
+    per stream and seq kept the first and folded the second away). `dlq replay --all` sends each
+    back to its pool alone: the job runs once in a and once in b, not twice in each."""
+    pools = {"a": {"count": 1, "filter_subject": "jobs.>"},
+             "b": {"count": 1, "filter_subject": "jobs.>", "handler": "uxhandlers:reject_unless_replayed_v2"}}
+    sup = supervisor_factory(nats_server, pools=pools, stream={"retention": "limits"},
+                             workers={"handler": "uxhandlers:reject_unless_replayed"})
+    sup.wait_ready(2)
+    [seq] = publish_now(nats_server.url, count=1, data="x")
+    wait_until(lambda: len(dead_letter_headers(nats_server.url)) == 2, what="a dead letter per pool")
+    letters = dlq_list(nats_server.url)
+    assert sorted((x["stream_seq"], x["consumer"]) for x in letters) == [(seq, "workers-a"), (seq, "workers-b")]
+    r = run_cli("dlq", "replay", "--all", "--server", nats_server.url)
+    assert r.returncode == 0 and "replayed 2 dead letters" in r.stdout, r.stdout + r.stderr
+
+    def settled():
+        s = sup.try_status()
+        return s and all(p["jobs"]["ack"] >= 1 and p["jobs"]["duplicate"] >= 1 for p in s["pools"].values())
+    wait_until(settled, what="each pool ran its replay and acked the other's unrun")
+    assert sorted(r.data.split(" ")[0] for r in sup.jobs.done()) == ["v2:x", "x"]
+    assert sup.stop() == 0
+
+
+def dlq_list(url: str) -> list[dict]:
+    r = run_cli("dlq", "list", "--json", "--server", url)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
 def test_a_reload_that_fails_after_making_a_pool_leaves_no_peer_behind(nats_server, supervisor_factory):
     """Supervisor W runs pool b alone. X runs pool a, then a SIGHUP adds b and c, and c's handler
     cannot be imported: the reload fails and X runs on as it was. But b's crew had been made
@@ -87,7 +119,9 @@ def test_a_reload_that_fails_after_making_a_pool_leaves_no_peer_behind(nats_serv
 def test_pools_a_reload_adds_to_a_config_that_had_none_name_themselves(nats_server, supervisor_factory):
     """No [pools.*], then a SIGHUP brings pools a and b: the default pool leaves, a and b start,
     and theirs are pools' ways (each worker, log line and alert names its pool), not the
-    unnamed default's (the crews were made while the running config still had no pools)."""
+    unnamed default's (the crews were made while the running config still had no pools). The
+    fleet takes the new consumers' leases and lets the old one's go (it stayed on the first
+    pool's consumer once: the sample subscription was made once, at start)."""
     sup = supervisor_factory(nats_server, args=("--log-format", "json"), consumer={"filter_subject": "jobs.d.>"})
     sup.wait_ready(2)
     sup.config_path.write_text(tomli_w.dumps({**sup.config, "pools": {
@@ -98,6 +132,9 @@ def test_pools_a_reload_adds_to_a_config_that_had_none_name_themselves(nats_serv
     assert sorted(w.get("pool", "") for w in status["workers"]["list"]) == ["a", "b"]
     started = sup.wait_event("pool_added", pool="b")
     assert sup.events("worker_ready", pool="a") and started
+    # The fleet follows: the consumer that left is no longer polled here (its lease let go), a's and b's are.
+    wait_until(lambda: sup.status()["fleet"]["polls"] == ["workers-a", "workers-b"], what="the fleet polling a and b")
+    assert sup.events("fleet_poller_lost", consumer="workers")
     assert sup.stop() == 0
 
 
@@ -141,13 +178,13 @@ def test_a_pool_a_reload_took_out_sends_the_nak_it_held_back_for_its_last_worker
         proxy.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="the fleet's one poller releases only the jobs of consumers its own pools run: "
-                                       "a lost host's jobs of another pool wait for AckWait (review of issue 28)")
-def test_a_lost_hosts_jobs_are_released_when_the_poller_runs_another_pool(nats_server, supervisor_factory):
+def test_a_lost_hosts_jobs_are_released_when_the_poller_runs_another_pool(nats_server, supervisor_factory, tmp_path):
     """The systemd template's way: one supervisor per pool per host (`start --pool NAME`), all in
-    one fleet bucket with one poller. X runs pool a and is the poller; W and Y run pool b, and Y's
+    one fleet bucket. X runs pool a and is the first poller; Y and then W run pool b, and Y's
     whole host dies (its process group SIGKILLed) while it runs a long job of b. AckWait 300 s:
-    only a release brings the job back to W within the test."""
+    only a release brings the job back to W within the test. A poller per bucket ran pool a
+    and released only a's jobs; with a poller per consumer, W takes b's lease from the dead Y
+    and releases it (X, polling a, leaves b's jobs to b's poller)."""
     pools = {"a": {"count": 1, "filter_subject": "jobs.a.>"},
              "b": {"count": 1, "filter_subject": "jobs.b.>", "ack_wait": 300.0}}
 
@@ -159,7 +196,7 @@ def test_a_lost_hosts_jobs_are_released_when_the_poller_runs_another_pool(nats_s
     wait_until(lambda: (x.try_status() or {}).get("fleet", {}).get("is_poller"), what="x the poller")
     y = host("y", "b")
     y.wait_ready(1)
-    [seq] = publish_now(nats_server.url, count=1, data="20", subject="jobs.b.x")
+    [seq] = publish_now(nats_server.url, count=1, data=f"until:{tmp_path / 'gate'}", subject="jobs.b.x")
     wait_until(lambda: [r for r in y.jobs.running() if r.seq == seq], what="y running b's job")
     w = host("w", "b")
     w.wait_ready(1)
@@ -167,9 +204,12 @@ def test_a_lost_hosts_jobs_are_released_when_the_poller_runs_another_pool(nats_s
                what="y's heartbeat listing the job", interval=0.25)
     os.killpg(y.proc.pid, signal.SIGKILL)
     y.proc.wait()
-    lost = x.wait_event("fleet_peer_lost", peer="y")
-    assert lost["released"] == [seq], {k: lost.get(k) for k in ("message", "msg", "skipped")}
+    lost = w.wait_event("fleet_peer_lost", peer="y")
+    assert lost["released"] == [seq] and lost["consumers"] == ["workers-b"], lost
     wait_until(lambda: [r for r in w.jobs.started() if r.seq == seq], timeout=20, what="b's job run again on w")
+    assert x.status()["fleet"]["polls"] == ["workers-a"] and not x.events("fleet_peer_lost")
+    (tmp_path / "gate").touch()
+    assert w.stop() == 0 and x.stop() == 0
 
 
 def test_two_sighups_in_a_row_that_add_a_pool_start_it_once(nats_server, supervisor_factory):

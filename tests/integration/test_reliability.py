@@ -13,13 +13,15 @@ import time
 import nats
 import psutil
 import tomli_w
-from harness import child_env, publish, wait_until
+from harness import child_env, publish, publish_now, wait_until
+
+from supervisor.parent.safety.in_transit import MAX_SCAN
 
 ACK_WAIT = 60.0
 
 
-def consumer(server) -> dict:
-    c = server.consumer()
+def consumer(server, name: str = "workers") -> dict:
+    c = server.consumer(name=name)
     return {"pending": c["num_pending"], "ack_pending": c["num_ack_pending"], "waiting": c["num_waiting"],
             "delivered": c["delivered"]["consumer_seq"], "redelivered": c["num_redelivered"]}
 
@@ -323,29 +325,30 @@ def test_a_stop_while_workers_boot_is_not_a_crash(nats_server, supervisor_factor
 
 # ---------------------------------------------------------------- 11. in transit at a death
 
-async def suspend_then_publish(url: str, victim: psutil.Process) -> None:
+async def suspend_then_publish(url: str, victim: psutil.Process, subject: str = "jobs.new") -> int:
     """Freeze the worker, then store one job at once: its pull request (PULL_EXPIRES, 1 s) must
-    still be live when the job lands, so no process start-up may sit between the two."""
+    still be live when the job lands, so no process start-up may sit between the two. Its seq."""
     nc = await nats.connect(url)
     try:
         victim.suspend()
-        await nc.jetstream().publish("jobs.new", b"0")
+        return (await nc.jetstream().publish(subject, b"0")).seq
     finally:
         await nc.close()
 
 
-def catch_in_flight(sup, server, victim: psutil.Process) -> int:
-    """Until a delivery lands in the frozen worker's socket (the only pull request waiting is
-    the victim's): the stream seq of that job, which the victim will never read."""
-    for seq in range(1, 21):  # noqa: B007
-        wait_until(lambda: consumer(server)["waiting"] >= 1, what="a pull request waiting")
-        asyncio.run(suspend_then_publish(server.url, victim))
-        c = wait_until(lambda: (c := consumer(server))["pending"] + c["ack_pending"] >= 1 and c,
+def catch_in_flight(sup, server, victim: psutil.Process, name: str = "workers", subject: str = "jobs.new") -> int:
+    """Until a delivery lands in the frozen worker's socket (the only pull request waiting on
+    consumer `name` is the victim's): the stream seq of that job, which the victim will never read."""
+    for _ in range(20):
+        wait_until(lambda: consumer(server, name)["waiting"] >= 1, what="a pull request waiting")
+        seq = asyncio.run(suspend_then_publish(server.url, victim, subject))
+        c = wait_until(lambda: (c := consumer(server, name))["pending"] + c["ack_pending"] >= 1 and c,
                        what="the job delivered or waiting")
         if c["ack_pending"] == 1:
             return seq
         victim.resume()                         # its request had expired; the job waits: try again
-        wait_until(lambda: server.stream_msgs() == 0, what="that job done")
+        wait_until(lambda: consumer(server, name)["pending"] + consumer(server, name)["ack_pending"] == 0,
+                   what="that job done")
     raise AssertionError("never caught a delivery in flight")
 
 
@@ -372,4 +375,26 @@ def test_a_message_in_transit_to_a_dead_worker_is_back_in_seconds(nats_server, s
     crash_redeliveries = [r for r in sup.jobs.started() if r.delivery > 1]
     assert [r.seq for r in crash_redeliveries] == [seq]
     assert cc["held_jobs_redelivered"] + cc["in_transit_redeliveries"] == len(crash_redeliveries), cc
+    assert sup.stop() == 0
+
+
+def test_a_neighbour_pools_backlog_between_two_jobs_does_not_stop_the_in_transit_check(nats_server,
+                                                                                      supervisor_factory):
+    """Pools a and b on one work queue; b has no worker, and MAX_SCAN + 1 jobs of b wait between
+    a's last reading and a's job in transit. The scan read every sequence of the range, b's
+    too, one round trip each on the parent's loop, and gave up past MAX_SCAN ("too many
+    messages"): a's job waited for AckWait. Read by a's filter, it is found at once."""
+    pools = {"a": {"count": 1, "filter_subject": "jobs.a.>"}, "b": {"count": 0, "filter_subject": "jobs.b.>"}}
+    sup = supervisor_factory(nats_server, pools=pools, consumer={"ack_wait": ACK_WAIT},
+                             restart={"backoff_initial": 0.05})
+    sup.wait_ready(1)
+    publish_now(nats_server.url, count=MAX_SCAN + 1, subject="jobs.b.x")
+    wait_until(lambda: sup.status()["peers"]["alone"], timeout=30, what="the supervisor sure it is alone")
+    victim = psutil.Process(sup.workers()[0].pid)
+    seq = catch_in_flight(sup, nats_server, victim, "workers-a", "jobs.a.x")
+    t_kill = time.monotonic()
+    victim.kill()
+    wait_until(lambda: seq in sup.jobs.done_seqs(), timeout=20, what="a's in-transit job redone")
+    assert time.monotonic() - t_kill < 10, "found and NAKed, not left for AckWait"
+    assert sup.status()["pools"]["a"]["crosscheck"]["in_transit_naked"] == 1
     assert sup.stop() == 0

@@ -15,7 +15,7 @@ import nats
 import psutil
 import pytest
 import tomli_w
-from harness import publish_now, wait_until
+from harness import backlog_of, publish_now, wait_until
 
 from supervisor.core.liveness import DRAIN_MARGIN
 from workers.protocol.events import Settled, Unsent, decode
@@ -130,15 +130,13 @@ def test_orphans_give_back_what_they_did_not_start_and_finish_what_runs(nats_ser
     would wait for AckWait (60 s): a next supervisor runs them within AckWait / 2 of the kill,
     and nothing runs twice."""
     ack_wait = 60.0
+    seqs = backlog_of(nats_server.url, fast=100, count=16, data="1.0")   # so the workers buffer
     sup = supervisor_factory(nats_server, args=JSON_LOGS, consumer={"ack_wait": ack_wait},
                              workers={"count": 2, "batch": 8, "graceful_timeout": 30.0,
                                       "handler": f"testhandlers:{handler}"})
-    sup.wait_ready(2)
-    warm = 40               # teaches the workers their jobs are fast, so they buffer (as in test_core's drain test)
-    publish_now(nats_server.url, count=warm, data="0")
-    wait_until(lambda: len(sup.jobs.done()) == warm, what="warm-up jobs done")
-    seqs = publish_now(nats_server.url, count=16, data="1.0")
-    wait_until(lambda: len(sup.jobs.running()) == 2 and in_flight(sup, "held"), what="jobs running and jobs held")
+    # One worker may have taken every long job (a backlog lets it hold several requests' worth).
+    wait_until(lambda: [r for r in sup.jobs.running() if r.seq in seqs]
+               and [e for e in in_flight(sup, "held") if e["stream_seq"] in seqs], what="jobs running and jobs held")
     family = sup.workers()
     sup.signal(signal.SIGKILL)
     killed = time.time()

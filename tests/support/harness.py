@@ -153,7 +153,7 @@ class NatsServer:
 
 @dataclass(frozen=True)
 class Record:
-    event: str          # start | done
+    event: str          # start | done | raised (testhandlers:record_raises: the payload made it raise)
     pid: int
     seq: int
     delivery: int
@@ -181,7 +181,7 @@ class JobLog:
         return [r for r in self.records() if r.event == "start"]
 
     def running(self) -> list[Record]:
-        finished = {(r.pid, r.seq, r.delivery) for r in self.done()}
+        finished = {(r.pid, r.seq, r.delivery) for r in self.records() if r.event in ("done", "raised")}
         return [r for r in self.started() if (r.pid, r.seq, r.delivery) not in finished]
 
     def done_seqs(self) -> set[int]:
@@ -390,6 +390,16 @@ def publish_now(server_url: str, *, count: int, data: str = "0", subject: str = 
         finally:
             await nc.close()
     return asyncio.run(run())
+
+
+def backlog_of(server_url: str, *, fast: int, count: int, data: str) -> list[int]:
+    """Store `fast` no-op jobs, then `count` jobs of `data`, before any worker runs (the CLI's
+    publish provisions the stream): the workers start on a backlog, learn their jobs are fast,
+    and so pull batches that hold the later jobs unstarted behind a running one, on a loaded box
+    too (without a backlog a worker takes only what it can start until the fleet has seen
+    KNOWN_JOBS jobs, workers/runtime/pulls.py). The later jobs' stream seqs."""
+    publish(server_url, count=fast, data="0")
+    return publish_now(server_url, count=count, data=data)
 
 
 def dead_letter_headers(server_url: str, stream: str = "JOBS_DLQ") -> list[dict[str, str]]:

@@ -14,7 +14,15 @@ import time
 import pytest
 
 from supervisor.cli.fleet_status import fleet_rows, render_fleet
-from supervisor.core.fleetview import FleetView, beat_key, lease_ttl, plan_release, unlisted_window
+from supervisor.core.fleetview import (
+    FleetView,
+    beat_key,
+    lease_key,
+    lease_ttl,
+    plan_release,
+    unlisted_budget,
+    unlisted_window,
+)
 from supervisor.core.lag import LagAnalyzer, Sample
 from supervisor.core.ledger import HOLD_MAX, CrashLedger
 from supervisor.parent.safety.peers import Peers
@@ -98,12 +106,52 @@ def test_a_marked_peer_stays_lost_with_the_time_it_was_last_seen_and_a_deleted_o
     assert view.peers == {}
 
 
-def test_held_by_live_skips_lost_peers():
+def reply(consumer: str, seq: int, delivery: int = 1) -> str:
+    return f"$JS.ACK.JOBS.{consumer}.{delivery}.{seq}.{seq}.1796162710029000000.0"
+
+
+def test_held_by_live_skips_lost_peers_and_keeps_each_consumers_delivery_apart():
+    """A fan-out (pools on one subject off a work queue): seq 5 is one message, delivered by
+    consumers a and b each on its own; b's delivery 1 says nothing about a's delivery 2."""
     view = FleetView(OWN, heartbeat=1.0)
     ticking(view, until=10.0)
-    view.saw("sup.a.1.x", beat("a", held=[[5, 2, 0.1, "r", "held"], [6, 1, 0.1, "r", "running"]]), 109.5, 1, 9.5)
-    view.saw("sup.b.1.x", beat("b", held=[[5, 1, 3.0, "r", "running"]]), 100.0, 1, 0.0)      # long gone: lost
-    assert view.held_by_live(10.0) == {5: 2, 6: 1}
+    view.saw("sup.a.1.x", beat("a", held=[[5, 2, 0.1, reply("wa", 5, 2), "held"], [6, 1, 0.1, "r", "running"]],
+                               consumer="wa"), 109.5, 1, 9.5)
+    view.saw("sup.c.1.x", beat("c", held=[[5, 1, 0.1, reply("wb", 5), "held"]]), 109.5, 1, 9.5)
+    view.saw("sup.b.1.x", beat("b", held=[[5, 3, 3.0, reply("wa", 5, 3), "running"]]), 100.0, 1, 0.0)   # lost
+    assert view.held_by_live(10.0) == {("wa", 5): 2, ("wa", 6): 1, ("wb", 5): 1}
+
+
+def test_each_consumers_poller_acts_on_a_loss_for_its_own_consumer_once():
+    """Per-consumer leases: the poller of wa and the poller of wb each act on host h's loss for
+    their consumer, one after the other through the mark in h's entry; a consumer h never ran,
+    and a mark by a poller of one lease per fleet (older: it acted for everyone), leave nothing."""
+    view = FleetView(OWN, heartbeat=1.0)
+    ticking(view, until=10.0)
+    view.saw(PEER, beat(consumers={"wa": {"capacity": 2}, "wb": {"capacity": 2}}), 100.0, 1, 0.0)
+    wa, wb, wc = frozenset({"wa"}), frozenset({"wb"}), frozenset({"wc"})
+    assert [p.key for p in view.due_lost(10.0, wa)] == [PEER] and view.todo(view.peers[PEER], wa | wc) == wa
+    assert view.due_lost(10.0, wc) == []
+    view.saw(PEER, beat(consumers={"wa": {}, "wb": {}}, lost={"server_t": 100.0, "consumers": ["wa"]}), 110.0, 2, 10.0)
+    assert view.due_lost(10.0, wa) == [] and view.todo(view.peers[PEER], wa | wb) == wb
+    assert view.state(view.peers[PEER], 10.0) == "lost" and view.age(view.peers[PEER], 10.0) == pytest.approx(10.0)
+    view.saw(PEER, beat(consumers=["wa", "wb"], lost={"server_t": 100.0}), 110.0, 3, 10.0)     # an older poller's mark
+    assert view.due_lost(10.0, wa | wb) == []
+    old = "sup.old.1.x"                                 # a beat older than pools names no consumer: anybody's
+    view.saw(old, beat("old"), 100.0, 1, 0.0)
+    assert view.todo(view.peers[old], wb) == wb and view.due_lost(10.0) == [view.peers[old]]
+
+
+def test_a_lost_hosts_unlisted_jobs_are_counted_per_consumer():
+    """Host h ran pool a (capacity 4, 1 job listed) and pool b (capacity 1, none): the window of
+    b explains at most 1 redelivery, not a's 3 (an older beat: its whole capacity less all listed)."""
+    per = beat(capacity=5, held_total=1, held=[[7, 1, 0.1, reply("wa", 7), "running"]],
+               consumers={"wa": {"capacity": 4, "held": 1}, "wb": {"capacity": 1, "held": 0}})
+    assert unlisted_budget(per, "wa", 1) == 3 and unlisted_budget(per, "wb", 0) == 1
+    over = beat(consumers={"wa": {"capacity": 4, "held": 9}})          # held more than it could list
+    assert unlisted_budget(over, "wa", 2) == 7
+    older = beat(capacity=5, held_total=1, held=[[7, 1, 0.1, "r", "running"]], consumers=["wa", "wb"])
+    assert unlisted_budget(older, "wb", 0) == 4
 
 
 # ---------------------------------------------------------------- releasing a lost peer's jobs
@@ -314,6 +362,7 @@ def test_keys_are_valid_kv_keys_and_the_lease_lasts_whole_seconds():
     assert beat_key("web 01.example.com", 42, "a1b2c3") == "sup.web_01_example_com.42.a1b2c3"
     assert beat_key("...", 1, "x") == "sup.supervisor.1.x"
     assert lease_ttl(2.0) == 6 and lease_ttl(0.1) == 1 and lease_ttl(0.5) == 2
+    assert lease_key("JOBS", "workers-email") == "poller.JOBS.workers-email"
 
 
 # ---------------------------------------------------------------- fleet-wide progress, failover polling
@@ -325,6 +374,12 @@ def test_progress_sums_the_live_peers_acks_and_sees_their_long_jobs():
     view.saw("sup.b.1.x", beat("b", acked=7, busy=True), 109.5, 1, 9.5)
     view.saw("sup.c.1.x", beat("c", acked=1000, busy=True), 100.0, 1, 0.0)         # lost: not counted
     assert view.progress(10.0) == (47, True)
+    # Per consumer: a beat's numbers for that consumer; an older beat's only for the consumer it names.
+    view.saw("sup.d.1.x", beat("d", acked=5, consumer="wa", consumers={"wa": {"acked": 5}, "wb": {"acked": 2,
+                                                                                               "busy": True}}),
+             109.5, 1, 9.5)
+    view.saw("sup.e.1.x", beat("e", acked=3, busy=False, consumer="wa"), 109.5, 1, 9.5)
+    assert view.progress(10.0, "wb") == (2 + 47, True) and view.progress(10.0, "wa") == (5 + 3 + 47, True)
 
 
 def test_fallback_polls_spread_over_a_big_fleet_and_every_interval_in_a_small_one():
@@ -386,3 +441,14 @@ def test_an_orphans_nak_times_count_only_from_this_host_and_its_goodbye_only_whe
     assert sink.read == [] and orphan in peers.gone
     say({"origin": orphan, "bye": 1, "fenced": 1})
     assert sink.read == [orphan]
+    # Its record from the fleet bucket (read by a supervisor that was not listening yet): the
+    # NAKs first, then the goodbye, in one; a ledger message with "bye" alone is only a goodbye.
+    later, sink.naks, sink.read = "vm/42/cd (worker 1, orphan of pid 40)", [], []
+    record = {"origin": later, "naks": [[8, "NAKed by worker 1"]], "naked": [[8, 1, 101.0, 2.0, 99.5]],
+              "boot": peers_module.BOOT, "bye": 1, "fenced": 1, "consumer": "workers"}
+    peers.receive(dict(record), record=True)
+    assert sink.naks == [(8, 1, 101.0, 2.0, 99.5, later)] and sink.read == [later] and later in peers.gone
+    assert led.expecting(8)
+    peers.receive({"origin": "vm/43/ef (worker 2, orphan of pid 40)", "naked": [[9, 1, 1.0, 2.0, 1.0]],
+                   "boot": peers_module.BOOT, "bye": 1})
+    assert [n[0] for n in sink.naks] == [8]

@@ -268,6 +268,39 @@ def test_nak_then_death_explain_the_same_redelivery_once():
     assert led.redelivered(FAR, 5, 3) == ""
 
 
+def test_a_nak_unsent_at_the_death_is_named_then_and_explains_its_redelivery_with_that_cause():
+    """F10: the worker's NAK of seq 5 was out (its Settled event came) and not fenced when it died:
+    the parent does not NAK it, and the death names why the job waits for AckWait, when that
+    runs out, and what became of it."""
+    led = make()
+    led.settled(9.0, 5, 1, "nak")
+    led.record_death(10.0, 0, 100, "SIGKILL", [(5, 1, "settled", False, 8.0), (6, 1, "running", True, 9.5)])
+    cc = led.crosscheck(12.0)
+    assert cc["held_jobs_left_to_ack_wait"] == 1
+    [left] = cc["left_to_ack_wait"]
+    assert (left["stream_seq"], left["delivery"], left["pid"], left["slot"]) == (5, 1, 100, 0)
+    assert left["waits"] == ledger_mod.NAK_UNSENT and left["due_after_s"] == 8.0 + ACK_WAIT - 10.0
+    assert left["came_back_after_s"] is None
+    why = led.redelivered(38.0, 5, 2)
+    assert why.startswith("held by worker 0 (pid 100) at its death (SIGKILL)") and why.endswith(ledger_mod.NAK_UNSENT)
+    assert "unsent" not in led.redelivered(10.1, 6, 2)          # NAKed at the death: no wait named
+    assert led.crosscheck(40.0)["left_to_ack_wait"][0]["came_back_after_s"] == 28.0
+    assert counts(led)["unexplained_redeliveries"] == 0
+    json.dumps(led.crosscheck(40.0))
+
+
+def test_a_wait_is_named_by_what_the_worker_said_it_sent():
+    led = make()
+    led.settled(9.0, 7, 2, "term")
+    led.settled(9.0, 8, 1, "nak")
+    led.settled(9.5, 8, 1, "ack")           # acked after all (a later word): nothing is known of a NAK
+    led.record_death(10.0, 0, 100, "SIGKILL", [(7, 2, "settled", False), (8, 1, "settled", False),
+                                               (9, 1, "settled", False)])
+    waits = {w["stream_seq"]: w["waits"] for w in led.crosscheck(11.0)["left_to_ack_wait"]}
+    assert waits == {7: ledger_mod.TERM_UNSENT, 8: ledger_mod.SETTLE_UNSENT, 9: ledger_mod.SETTLE_UNSENT}
+    assert led.crosscheck(11.0)["left_to_ack_wait"][0]["due_after_s"] is None    # no timer given
+
+
 def test_handler_nak_after_a_crash_redelivery_explains_the_next_one():
     led = make()
     led.record_death(10.0, 0, 100, "SIGKILL", [(5, 1, "running", True)])

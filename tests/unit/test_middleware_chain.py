@@ -236,3 +236,19 @@ def test_a_logged_traceback_starts_in_the_users_code(loop):
     shown = "".join(traceback.format_tb(user_traceback(ran.exc)))
     assert "middleware/chain.py" not in shown and "test_middleware_chain.py" in shown and "raise handler_raises" in shown
     assert "middleware/chain.py" in "".join(traceback.format_tb(ran.exc.__traceback__))   # the exception untouched
+
+
+class RedeliveriesOnly(LoopOnly):
+    """A built-in's way to say its before_job has nothing to do for a first delivery ([retry]'s copies)."""
+    redeliveries_only = True
+    after_job = Middleware.after_job            # no after_job hook of its own
+
+
+def test_a_redeliveries_only_before_job_is_not_called_for_a_first_delivery(loop):
+    calls: list[str] = []
+    chain = sync_chain(loop, calls, RedeliveriesOnly("A", calls))
+    assert chain.outer == 1 and not chain.outer_after      # nothing for leave() to do: the finisher skips it
+    first, again = JOB, Job(data=b"x", subject="jobs.x", stream_seq=7, delivery=2)
+    assert asyncio.run_coroutine_threadsafe(chain.enter(first), loop).result(5) == (1, None) and calls == []
+    assert asyncio.run_coroutine_threadsafe(chain.enter(again), loop).result(5) == (1, None)
+    assert calls == ["A.before@loop"]

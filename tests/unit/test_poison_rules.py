@@ -1,8 +1,10 @@
 """Issue 22, R7, the rules without a server: which deaths are poison evidence against which job
 (supervisor/core/ledger.py), and how a worker lets a suspect run alone (workers/runtime/solo.py)."""
 
+import asyncio
+
 from supervisor.core.ledger import CrashLedger
-from workers.runtime.solo import Gate, SuspectBoard
+from workers.runtime.solo import AsyncGate, Gate, SuspectBoard
 
 
 def test_a_death_beside_others_puts_them_on_probation_and_blames_none():
@@ -47,3 +49,23 @@ def test_the_board_keeps_the_lowest_when_more_suspects_than_it_holds():
     board = SuspectBoard(capacity=2)
     board.show([30, 10, 20])
     assert board.suspect(10) and board.suspect(20) and not board.suspect(30)
+
+
+def test_a_suspect_waiting_for_its_turn_is_given_back_when_the_stop_comes_with_it():
+    """An async worker: a suspect waits for the job running beside it; the stop (SIGTERM) and
+    that job's end come in one tick. The suspect was pulled before the stop: it must be given
+    back unstarted (run_async NAKs it), not start after the stop began."""
+    async def main() -> None:
+        board = SuspectBoard()
+        board.show([9])
+        gate, stopping = AsyncGate(board), [False]
+        assert gate.try_start(1)                    # an ordinary job runs
+        waiter = asyncio.ensure_future(gate.start(9, lambda: stopping[0]))
+        await asyncio.sleep(0)
+        assert not waiter.done()                    # the suspect waits for it
+        stopping[0] = True
+        gate.wake()                                 # Worker.set_mode(STOPPING) ...
+        gate.done(1)                                # ... and the running job's end, before the waiter looks
+        assert await waiter is False
+        assert gate.solo is None and gate.try_start(2)   # nothing claims the worker any more
+    asyncio.run(main())

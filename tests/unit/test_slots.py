@@ -476,9 +476,10 @@ def entry(state):
 
 
 def test_kill_points_are_every_store_of_a_write():
-    # hold: high water (first use only), version, 3 ids, 2 times, the reply, its length, version, state
-    assert kill_points(nothing, new_hold) == 11
-    assert kill_points(reused, new_hold) == 10
+    # hold: high water (first use only), version, 3 ids, 2 times, the parked marks ([ordering]: 2),
+    # the reply, its length, version, state
+    assert kill_points(nothing, new_hold) == 13
+    assert kill_points(reused, new_hold) == 12
     assert kill_points(held, lambda t, i: t.start(i)) == 3
     assert kill_points(running, lambda t, i: t.mark(i, ACKED)) == 1
     assert kill_points(acked, lambda t, i: t.release(i)) == 1

@@ -128,6 +128,7 @@ def test_fleet_heartbeat_from_a_snapshot():
     assert beat["held"] == [[41, 1, 0.1, "$JS.ACK.JOBS.workers.1.41.6.0.0", "acked"],      # youngest timer first
                             [42, 2, 0.5, "$JS.ACK.JOBS.workers.2.42.7.0.0", "running"]]
     assert beat["held_total"] == 2
+    assert beat["consumers"] == {"workers": {"capacity": 64, "held": 2, "acked": 10, "busy": True}}
     short = build_beat(snapshot(), "h1", started=5.0, jobs_per_s=0.0, held_budget=60)
     assert len(short["held"]) == 1 and short["held_total"] == 2   # the youngest timer kept
 

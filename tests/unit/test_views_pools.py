@@ -14,7 +14,7 @@ from supervisor.config import Config
 from supervisor.config.pools import effective
 from supervisor.core.lag import LagReport
 from supervisor.observe import metrics
-from supervisor.observe.snapshot import Counters, PoolSnapshot
+from supervisor.observe.snapshot import Counters, KeyWait, OrderingView, PoolSnapshot
 from supervisor.observe.status import build_status, health
 
 CFG = Config().replace(pools={"email": {"filter_subject": "jobs.email.>", "handler": "app:mail"},
@@ -74,3 +74,29 @@ def test_metrics_carry_a_pool_label_with_pools():
     assert {s.labels["pool"]: s.value for s in families[P + "pool_halted"].samples} == {"email": 0, "reports": 0}
     # the supervisor's own series have no pool
     assert all("pool" not in s.labels for s in families[P + "loop_step_failures"].samples)
+
+
+def test_ordering_is_each_pools_own_and_the_top_level_the_first_pools():
+    """Reports ordered, email not: /status pools.NAME.ordering each pool's (null for email), the
+    top level email's (the first pool's, like consumer and lag: null), /metrics' ordering series
+    for reports alone with its pool label, `supervisor status` an ordering line in its section."""
+    view = OrderingView(key="subject:3", parked=2, waiting_keys=1, blocked=(KeyWait("x", 41, 2, 1.5),), checks=9,
+                        waited_s=0.25, backlog={"keys": 1, "jobs": 3, "top": [{"key": "x", "jobs": 3}]},
+                        backlog_age_s=0.5)
+    snap = two_pools()
+    snap = dataclasses.replace(snap, pools=(snap.pools[0], dataclasses.replace(snap.pools[1], ordering=view)))
+    s = build_status(snap)
+    assert s["pools"]["email"]["ordering"] is None and s["ordering"] is None
+    r = s["pools"]["reports"]["ordering"]
+    assert (r["key"], r["parked"], r["blocked"][0]["head_seq"], r["backlog"]["jobs"]) == ("subject:3", 2, 41, 3)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render(snap).decode())}
+    P = "jetstream_supervisor_"
+    assert {s.labels["pool"]: s.value for s in families[P + "ordering_parked"].samples} == {"reports": 2}
+    assert {s.labels["pool"]: s.value for s in families[P + "ordering_backlog_jobs"].samples} == {"reports": 3}
+    text = render_status(s)
+    assert text.split("pool reports")[1].count("ordering    subject:3: 2 job(s) parked on 1 key(s); longest: key x "
+                                               "behind seq 41") == 1
+    assert "ordering" not in text.split("pool reports")[0]
+    first = dataclasses.replace(snap, ordering=view, pools=(dataclasses.replace(snap.pools[0], ordering=view),
+                                                            snap.pools[1]))
+    assert build_status(first)["ordering"]["key"] == "subject:3"

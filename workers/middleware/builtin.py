@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from supervisor.config import Config
 from workers.middleware.base import Middleware
-from workers.middleware.copies import CopyWaiting
+from workers.middleware.copies import CopyWaiting, NotOurs
 from workers.middleware.guard import IdempotencyGuard, scope_of
 from workers.middleware.joblog import JobLog
 from workers.middleware.limits import Limits
@@ -29,6 +29,8 @@ def instances(entries: Sequence[tuple[str, type[Middleware]]], cfg: Config, is_a
         tracing = Tracing(crashes)
     chain: list[tuple[str, Middleware]] = [("[tracing]", tracing)] if tracing is not None else []
     chain += [(name, cls()) for name, cls in entries]
+    if cfg.stream.retention != "workqueue":        # a fan-out: another pool's copies and replays reach us
+        chain.append(("[pools] not ours", NotOurs(cfg)))
     if cfg.retry.republish_after and cfg.stream.allow_schedules:   # a redelivery whose copy for later waits
         chain.append(("[retry] copies", CopyWaiting(cfg)))
     if cfg.limits:                                 # issue 26: fleet-wide limits, outside the guard

@@ -114,6 +114,13 @@ class Layer:
     before: Any
     after: Any
     around: Any
+    redeliveries_only: bool = False      # a built-in whose before_job has nothing to do for a first delivery
+
+    def before_of(self, job: Job) -> Any:
+        """The before_job hook to call for this job, if any: none for a first delivery when the
+        middleware says it looks only at redeliveries ([retry]'s copies: a first delivery
+        costs it no call, no coroutine, no wait on the loop)."""
+        return self.before if job.delivery > 1 or not self.redeliveries_only else None
 
 
 class NotCalled(Exception):
@@ -124,7 +131,8 @@ class Chain:
     def __init__(self, handler: Callable[[Job], Any]):
         self.handler = handler
         self.layers: list[Layer] = []                          # none until setup()
-        self.outer = 0                   # sync handler: the outermost layers run on the loop (enter/leave)
+        self.outer = 0                   # sync handler: the outermost layers run on the loop (enter/leave) ...
+        self.outer_after = False         # ... and whether one of them has an after_job hook (else leave is a no-op)
         self.loop: asyncio.AbstractEventLoop | None = None     # the worker's: setup() is given it
 
     # -- once per worker, on the loop
@@ -133,11 +141,13 @@ class Chain:
         """Take the worker's middleware (made after fork) and run each one's setup, outermost
         first; an exception fails the worker's start."""
         self.loop = ctx.loop
-        self.layers = [Layer(name, mw, own_hook(mw, "before_job"), own_hook(mw, "after_job"), own_hook(mw, "around"))
+        self.layers = [Layer(name, mw, own_hook(mw, "before_job"), own_hook(mw, "after_job"), own_hook(mw, "around"),
+                             getattr(mw, "redeliveries_only", False) is True)
                        for name, mw in middleware]
         if not ctx.is_async:
             while self.outer < len(self.layers) and on_the_loop(self.layers[self.outer]):
                 self.outer += 1
+            self.outer_after = any(layer.after for layer in self.layers[:self.outer])
         for layer in self.layers:
             await _maybe(layer.mw.setup(ctx))
 
@@ -151,14 +161,19 @@ class Chain:
 
     # -- a sync handler's job: the outer layers on the loop, the rest in its handler thread
 
+    def enters(self, job: Job) -> bool:
+        """Whether an outer layer has a before_job to run for this job (else enter() returns
+        (outer, None) at once: no call needed)."""
+        return any(self.layers[k].before_of(job) for k in range(self.outer))
+
     async def enter(self, job: Job) -> tuple[int, Exception | None]:
         """On the loop, before a thread takes the job: the outer layers' before_job hooks in order.
         (How many returned, the exception that stops the job here or None: on to a thread.)"""
         for k in range(self.outer):
             layer = self.layers[k]
-            if layer.before:
+            if before := layer.before_of(job):
                 try:
-                    await self.async_hook(f"{layer.name}.before_job", layer.before, job)
+                    await self.async_hook(layer.name, "before_job", before, job)
                 except Exception as exc:
                     return k, exc
         return self.outer, None
@@ -173,7 +188,7 @@ class Chain:
             layer = self.layers[k]
             if layer.after:
                 try:
-                    await self.async_hook(f"{layer.name}.after_job", layer.after, job, outcome_of(exc), exc)
+                    await self.async_hook(layer.name, "after_job", layer.after, job, outcome_of(exc), exc)
                 except Exception as error:
                     exc = error
         return exc
@@ -186,7 +201,7 @@ class Chain:
             called.append(True)
             on_start()
             result = self.handler(job)
-            if inspect.isawaitable(result):          # a sync callable that returned a coroutine
+            if result is not None and inspect.isawaitable(result):   # a sync callable that returned a coroutine
                 self.wait(result)
 
         try:
@@ -199,8 +214,8 @@ class Chain:
         if k == len(self.layers):
             return handler()
         layer = self.layers[k]
-        if layer.before:
-            self.sync_hook(f"{layer.name}.before_job", layer.before, job)
+        if before := layer.before_of(job):
+            self.sync_hook(layer.name, "before_job", before, job)
         error: Exception | None = None
         try:
             if layer.around:
@@ -210,7 +225,7 @@ class Chain:
         except Exception as exc:
             error = exc
         if layer.after:
-            self.sync_hook(f"{layer.name}.after_job", layer.after, job, outcome_of(error), error)
+            self.sync_hook(layer.name, "after_job", layer.after, job, outcome_of(error), error)
         if error is not None:
             raise error
 
@@ -234,13 +249,14 @@ class Chain:
                 raise                            # the inside's own outcome, passed on
             raise _wrapped(f"{layer.name}.around", exc) from None
 
-    def sync_hook(self, where: str, hook: Callable[..., Any], *args: Any) -> None:
+    def sync_hook(self, name: str, which: str, hook: Callable[..., Any], *args: Any) -> None:
+        """Layer `name`'s hook `which` (before_job, after_job), in a handler thread."""
         try:
             result = hook(*args)
-            if inspect.isawaitable(result):
+            if result is not None and inspect.isawaitable(result):
                 self.wait(result)
         except Exception as exc:
-            raise _wrapped(where, exc) from None
+            raise _wrapped(f"{name}.{which}", exc) from None
 
     def wait(self, awaitable: Awaitable[Any]) -> Any:
         """From a handler thread: run it on the worker's loop, wait for its result."""
@@ -269,8 +285,8 @@ class Chain:
         if k == len(self.layers):
             return await handler()
         layer = self.layers[k]
-        if layer.before:
-            await self.async_hook(f"{layer.name}.before_job", layer.before, job)
+        if before := layer.before_of(job):
+            await self.async_hook(layer.name, "before_job", before, job)
         error: Exception | None = None
         try:
             if layer.around:
@@ -280,7 +296,7 @@ class Chain:
         except Exception as exc:
             error = exc
         if layer.after:
-            await self.async_hook(f"{layer.name}.after_job", layer.after, job, outcome_of(error), error)
+            await self.async_hook(layer.name, "after_job", layer.after, job, outcome_of(error), error)
         if error is not None:
             raise error
 
@@ -304,11 +320,14 @@ class Chain:
                 raise
             raise _wrapped(f"{layer.name}.around", exc) from None
 
-    async def async_hook(self, where: str, hook: Callable[..., Any], *args: Any) -> None:
+    async def async_hook(self, name: str, which: str, hook: Callable[..., Any], *args: Any) -> None:
+        """Layer `name`'s hook `which` (before_job, after_job), on the loop."""
         try:
-            await _maybe(hook(*args))
+            result = hook(*args)
+            if result is not None and inspect.isawaitable(result):
+                await result
         except Exception as exc:
-            raise _wrapped(where, exc) from None
+            raise _wrapped(f"{name}.{which}", exc) from None
 
 
 def on_the_loop(layer: Layer) -> bool:
@@ -338,7 +357,7 @@ def user_traceback(exc: BaseException) -> types.TracebackType | None:
 
 
 async def _maybe(result: Any) -> Any:
-    return await result if inspect.isawaitable(result) else result
+    return await result if result is not None and inspect.isawaitable(result) else result
 
 
 async def _awaited(awaitable: Awaitable[Any]) -> Any:

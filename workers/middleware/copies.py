@@ -16,6 +16,9 @@ With [pools.*] a copy is its pool's: its Msg-Id names the pool's consumer, and i
 name (OWNER_HEADER). Off a work queue two pools' filters may overlap (each consumer gets every
 message), and the copy, stored to the job's own subject, reaches every such pool: only the pool
 that re-published it runs it; the others ack it unrun (they ran the job in their own right).
+So does a dead letter `supervisor dlq replay` sends back (it names the consumer that gave up on
+it). That is `NotOurs`, in the chain off a work queue only: on a work queue a message reaches
+one consumer, so one that reaches us is ours to run whatever it names (its pool renamed or gone).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from workers.middleware.base import Context, Duplicate, Middleware
 log = logging.getLogger("worker")
 
 
-OWNER_HEADER = "Supervisor-Consumer"       # with [pools.*]: the consumer whose pool re-published the copy
+OWNER_HEADER = "Supervisor-Consumer"       # the consumer whose pool runs it: a copy's (with [pools.*]), a replay's
 
 
 def owner(cfg: Config) -> str:
@@ -48,19 +51,33 @@ def msg_id(job: Job, made_by: str = "") -> str:
     return f"retry-{job.stream}-{made_by}-{job.stream_seq}" if made_by else f"retry-{job.stream}-{job.stream_seq}"
 
 
+class NotOurs(Middleware):
+    """Off a work queue: a message another consumer's pool put on the stream for itself (a copy
+    for later, a replayed dead letter) is acked unrun here; it runs in that pool."""
+
+    def __init__(self, cfg: Config):
+        self.consumer = cfg.consumer.name
+
+    def before_job(self, job: Job) -> None:
+        made_by = job.headers.get(OWNER_HEADER)
+        if made_by is not None and made_by != self.consumer:
+            raise Duplicate(f"put on the stream for consumer {made_by} (a copy for later, or a dead letter "
+                            "replayed): it runs there")
+
+
 class CopyWaiting(Middleware):
     def __init__(self, cfg: Config):
         self.stream = cfg.stream.name
         self.owner = owner(cfg)
+        # The chain calls before_job for deliveries after the first only: nothing to look at on a
+        # first (another pool's copy on a first delivery is NotOurs', in the chain off a work queue).
+        self.redeliveries_only = True
         self.js: Any = None
 
     def setup(self, ctx: Context) -> None:
         self.js = ctx.nc.jetstream()
 
     async def before_job(self, job: Job) -> None:
-        made_by = job.headers.get(OWNER_HEADER)
-        if made_by is not None and made_by != self.owner:
-            raise Duplicate(f"a copy for later re-published by the pool of consumer {made_by}: it runs there")
         if job.delivery == 1:
             return
         subject = sched.delayed_subject(job.stream, msg_id(job, self.owner))

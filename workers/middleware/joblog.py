@@ -24,8 +24,9 @@ from workers.middleware.base import Context, Middleware
 if TYPE_CHECKING:                        # the SDK is imported only with [tracing] on
     from workers.middleware.tracing import Tracing
 
-# What after_job undoes, set by before_job in the same thread or task: (CURRENT's token, the span's).
-_TOKENS: ContextVar[tuple[Any, Any] | None] = ContextVar("supervisor_job_tokens", default=None)
+# With [tracing] on: the job's span made current by before_job, for after_job to release (the
+# same thread or task).
+_SPAN: ContextVar[Any] = ContextVar("supervisor_job_span", default=None)
 
 
 class JobLog(Middleware):
@@ -37,16 +38,17 @@ class JobLog(Middleware):
         self.slot = ctx.slot
 
     def before_job(self, job: Job) -> None:
-        trace_id, attached = self.tracing.current(job) if self.tracing is not None else ("", None)
-        fields = JobFields(self.slot, job.stream_seq, job.delivery, job.subject, trace_id)
-        _TOKENS.set((CURRENT.set(fields), attached))
+        if self.tracing is None:
+            CURRENT.set(JobFields(self.slot, job.stream_seq, job.delivery, job.subject))
+            return
+        trace_id, attached = self.tracing.current(job)
+        CURRENT.set(JobFields(self.slot, job.stream_seq, job.delivery, job.subject, trace_id))
+        _SPAN.set(attached)
 
     def after_job(self, job: Job, outcome: str, error: BaseException | None) -> None:
-        tokens = _TOKENS.get()
-        if tokens is None:
-            return
-        _TOKENS.set(None)
-        fields, attached = tokens
-        CURRENT.reset(fields)
-        if attached is not None and self.tracing is not None:
+        # Back to no job, which is what the handler thread's or the runner task's context held
+        # before it: jobs run there one after another, never one inside another (no token to keep).
+        CURRENT.set(None)
+        if self.tracing is not None and (attached := _SPAN.get()) is not None:
+            _SPAN.set(None)
             self.tracing.release(attached)

@@ -39,11 +39,16 @@ ENTRY_STATES = {HELD: "held", RUNNING: "running", ACKED: "acked", SETTLED: "sett
 # parent can tell a beating worker whose connection has gone half-open from a healthy one, and
 # which deliveries a worker has surely read (supervisor/parent/safety/in_transit.py).
 # DUPLICATE_N: jobs acked without running because their key was already done ([idempotency]).
-# SPENT, SPENT_SQ: the worker's recent job times, summed and squared (workers/runtime/pulls.py, the
-# spread); FLEET_RESIDUAL: what the parent made of every worker's (the one word it writes here).
+# SPENT, SPENT_SQ, SEEN: the worker's recent job times, summed, squared and counted
+# (workers/runtime/pulls.py, the spread); FLEET_RESIDUAL, FLEET_SEEN: what the parent made of
+# every worker's (the words it writes here).
+# ORDER_PARKED: jobs parked now until they are the first of their key in the stream ([ordering]:
+# workers/runtime/ordering.py); ORDER_CHECKS: the stream asked, ever; ORDER_WAITED: seconds parked
+# jobs waited, summed when they leave parking (a double).
 (PID, STATE, HEARTBEAT, ACKED_N, NAKED_N, TERMED_N, STARTED_N, CREDITS, HIGH_WATER,
- MAX_DURATION, DURATION_SUM, SERVER_SEEN, DUPLICATE_N, SPENT, SPENT_SQ, FLEET_RESIDUAL) = range(16)
-BUCKETS_AT = 16
+ MAX_DURATION, DURATION_SUM, SERVER_SEEN, DUPLICATE_N, SPENT, SPENT_SQ, FLEET_RESIDUAL, SEEN, FLEET_SEEN,
+ ORDER_PARKED, ORDER_CHECKS, ORDER_WAITED) = range(21)
+BUCKETS_AT = 21
 HEADER_WORDS = BUCKETS_AT + len(DURATION_BUCKETS) + 1
 
 # Per-limit words, after the entries (one block per [limits.NAME], in the config's order):
@@ -52,9 +57,11 @@ HEADER_WORDS = BUCKETS_AT + len(DURATION_BUCKETS) + 1
 LIMIT_IN_USE, LIMIT_WAITING, LIMIT_TAKEN, LIMIT_WAITED = range(4)
 LIMIT_WORDS = 4
 
-# Entry words.
-VER, ESTATE, SSEQ, CSEQ, DELIVERY, T_HELD, T_STARTED, REPLY_LEN = range(8)
-ENTRY_FIXED_WORDS = 8
+# Entry words. A parked job ([ordering]) has its key (KEY_LEN bytes after the reply) and the
+# first sequence of that key the stream last said it stores (WAIT_SEQ; 0 before the first answer).
+VER, ESTATE, SSEQ, CSEQ, DELIVERY, T_HELD, T_STARTED, REPLY_LEN, WAIT_SEQ, KEY_LEN = range(10)
+ENTRY_FIXED_WORDS = 10
+KEY_BYTES = 64              # a key is kept to this many bytes in the table (what /status shows of it)
 
 
 @dataclass(frozen=True)
@@ -67,14 +74,17 @@ class Entry:
     t_held: float
     t_started: float
     reply: str
+    waiting_for: int = 0        # parked ([ordering]): the first stored job of its key, when known
+    key: str = ""               # parked ([ordering]): its key ("" = not parked)
 
 
 class SlotTable:
-    def __init__(self, entries: int, reply_bytes: int, limits: int = 0):
+    def __init__(self, entries: int, reply_bytes: int, limits: int = 0, key_bytes: int = 0):
         self.entries = entries
         self.limits = limits
         self.reply_words = (reply_bytes + 7) // 8
-        self.entry_words = ENTRY_FIXED_WORDS + self.reply_words
+        self.key_words = (key_bytes + 7) // 8
+        self.entry_words = ENTRY_FIXED_WORDS + self.reply_words + self.key_words
         self.limits_at = HEADER_WORDS + entries * self.entry_words
         size = 8 * (self.limits_at + limits * LIMIT_WORDS)
         self._mm = mmap.mmap(-1, size)
@@ -106,8 +116,9 @@ class SlotTable:
     def free_entries(self) -> int:
         return len(self._free)
 
-    def hold(self, sseq: int, cseq: int, delivery: int, reply: bytes) -> int:
-        """Record a pulled message; returns its entry index (or -1 when the table is full)."""
+    def hold(self, sseq: int, cseq: int, delivery: int, reply: bytes, now: float | None = None) -> int:
+        """Record a pulled message (that came at `now`, the monotonic clock); returns its entry
+        index (or -1 when the table is full)."""
         if not self._free:
             return -1
         i = self._free.pop()
@@ -120,8 +131,9 @@ class SlotTable:
         q[base + SSEQ] = sseq
         q[base + CSEQ] = cseq
         q[base + DELIVERY] = delivery
-        self.d[base + T_HELD] = time.monotonic()
+        self.d[base + T_HELD] = time.monotonic() if now is None else now
         self.d[base + T_STARTED] = 0.0      # not the start time of the entry's previous job
+        q[base + WAIT_SEQ] = q[base + KEY_LEN] = 0
         if len(reply) <= self.reply_words * 8:
             start = 8 * (base + ENTRY_FIXED_WORDS)
             self.b[start:start + len(reply)] = reply
@@ -151,8 +163,33 @@ class SlotTable:
         self.mark(i, FREE)
         self._free.append(i)
 
-    def count(self, which: int) -> None:
-        self.q[which] += 1
+    def count(self, which: int, n: int = 1) -> None:
+        self.q[which] += n
+
+    def park(self, i: int, key: bytes) -> None:
+        """Entry i waits to be the first of its key ([ordering]); its key is kept (up to the room
+        the table has for it) for /status."""
+        assert self.key_words, "a table made without room for keys (key_bytes)"
+        base, q = self._base(i), self.q
+        key = key[:self.key_words * 8] or b"?"
+        q[base + VER] += 1
+        start = 8 * (base + ENTRY_FIXED_WORDS + self.reply_words)
+        self.b[start:start + len(key)] = key
+        q[base + WAIT_SEQ] = 0
+        q[base + KEY_LEN] = len(key)
+        q[base + VER] += 1
+        q[ORDER_PARKED] += 1
+
+    def waits_for(self, i: int, head: int) -> None:
+        self.q[self._base(i) + WAIT_SEQ] = head       # one aligned word: no version needed
+
+    def unpark(self, i: int, waited: float) -> None:
+        base, q = self._base(i), self.q
+        q[base + VER] += 1
+        q[base + WAIT_SEQ] = q[base + KEY_LEN] = 0
+        q[base + VER] += 1
+        q[ORDER_PARKED] -= 1
+        self.d[ORDER_WAITED] += waited
 
     def observe(self, seconds: float) -> None:
         d = self.d
@@ -167,12 +204,13 @@ class SlotTable:
     def set_credits(self, n: int) -> None:
         self.q[CREDITS] = n
 
-    def share_spread(self, spent: float, spent_sq: float) -> None:
+    def share_spread(self, spent: float, spent_sq: float, seen: float) -> None:
         d = self.d
-        d[SPENT], d[SPENT_SQ] = spent, spent_sq
+        d[SPENT], d[SPENT_SQ], d[SEEN] = spent, spent_sq, seen
 
-    def fleet_residual(self) -> float:
-        return self.d[FLEET_RESIDUAL]
+    def fleet_spread(self) -> tuple[float, float]:
+        """The fleet's residual and the count of jobs it rests on, as the parent last wrote them."""
+        return self.d[FLEET_RESIDUAL], self.d[FLEET_SEEN]
 
     def limit_add(self, k: int, word: int, n: int = 1) -> None:
         """Limit k's LIMIT_IN_USE / LIMIT_WAITING / LIMIT_TAKEN moved by n (the worker's loop is
@@ -192,6 +230,10 @@ class SlotTable:
     def header(self, word: int) -> int:
         return self.q[word]
 
+    def header_seconds(self, word: int) -> float:
+        """A header word that holds seconds (a double): ORDER_WAITED."""
+        return self.d[word]
+
     def heartbeat(self) -> float:
         return self.d[HEARTBEAT]
 
@@ -201,12 +243,12 @@ class SlotTable:
     def max_duration(self) -> float:
         return self.d[MAX_DURATION]
 
-    def spread(self) -> tuple[float, float]:
-        """The worker's recent job times: (sum, sum of squares), as it last shared them."""
-        return self.d[SPENT], self.d[SPENT_SQ]
+    def spread(self) -> tuple[float, float, float]:
+        """The worker's recent job times: (sum, sum of squares, count), as it last shared them."""
+        return self.d[SPENT], self.d[SPENT_SQ], self.d[SEEN]
 
-    def set_fleet_residual(self, seconds: float) -> None:
-        self.d[FLEET_RESIDUAL] = seconds
+    def set_fleet_spread(self, seconds: float, seen: float) -> None:
+        self.d[FLEET_RESIDUAL], self.d[FLEET_SEEN] = seconds, seen
 
     def histogram(self) -> tuple[list[int], float]:
         """Per-bucket counts (not cumulative, +Inf last) and the sum of durations."""
@@ -233,8 +275,11 @@ class SlotTable:
             n = q[base + REPLY_LEN]
             start = 8 * (base + ENTRY_FIXED_WORDS)
             reply = bytes(self.b[start:start + n]).decode() if n > 0 else ""
+            k = q[base + KEY_LEN]
+            start += 8 * self.reply_words
+            key = bytes(self.b[start:start + k]).decode(errors="replace") if k > 0 else ""
             entry = Entry(i, q[base + ESTATE], q[base + SSEQ], q[base + CSEQ], q[base + DELIVERY],
-                          d[base + T_HELD], d[base + T_STARTED], reply)
+                          d[base + T_HELD], d[base + T_STARTED], reply, q[base + WAIT_SEQ], key)
             if q[base + VER] == ver:
                 return entry if entry.state != FREE else None
         return None

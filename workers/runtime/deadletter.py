@@ -1,5 +1,7 @@
 """Copying a job to the dead-letter subject: a worker's Reject, and the parent's poison and
-max-deliver copies, all through this one function."""
+max-deliver copies, all through this one function. The copy names the consumer that gave up
+on the job (`Supervisor-Dead-Letter-Consumer`): `supervisor dlq replay` sends it back to that
+consumer's pool alone (supervisor/cli/dlq.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import logging
 from typing import Any
 
 from workers import Job
+from workers.middleware.copies import owner
 
 dead_log = logging.getLogger("supervisor.dead_letter")   # worker Rejects, poison jobs, max deliveries
 
@@ -33,6 +36,7 @@ async def dead_letter(nc: Any, cfg: Any, job: Job, reason: str, extra: dict[str,
         headers[DLQ_HEADER + "Scheduler"] = job.headers["Nats-Scheduler"]
     headers.update({
         DLQ_HEADER + "Stream": cfg.stream.name,
+        DLQ_HEADER + "Consumer": cfg.consumer.name,
         DLQ_HEADER + "Sequence": str(job.stream_seq),
         DLQ_HEADER + "Subject": job.subject,
         DLQ_HEADER + "Deliveries": str(job.delivery),
@@ -40,8 +44,12 @@ async def dead_letter(nc: Any, cfg: Any, job: Job, reason: str, extra: dict[str,
     })
     headers.update(extra or {})
     # A worker that dies between this copy and its TERM copies again on redelivery: the
-    # dead-letter stream's duplicate window folds the two into one.
-    headers["Nats-Msg-Id"] = f"dlq-{cfg.stream.name}-{job.stream_seq}"
+    # dead-letter stream's duplicate window folds the two into one. With pools, per consumer:
+    # off a work queue two pools' filters may overlap, and each pool gives up on its own copy
+    # of the message (the second would be folded into the first, and its pool's replay lost).
+    made_by = owner(cfg)
+    headers["Nats-Msg-Id"] = f"dlq-{cfg.stream.name}-{made_by}-{job.stream_seq}" if made_by \
+        else f"dlq-{cfg.stream.name}-{job.stream_seq}"
     if cfg.restart.dead_letter_stream:
         await nc.jetstream().publish(subject, job.data, headers=headers, timeout=5.0)
     else:

@@ -115,8 +115,10 @@ class Later:
         self.checked = False
 
     def wanted(self, delay: float) -> bool:
+        """A copy for later is a new message, stored after the jobs of its key that came since: with
+        [ordering] it would run after them, so every delay stays a NAK (its key waits for it)."""
         after = self.cfg.retry.republish_after
-        return bool(after) and delay > after and not (self.checked and self.refusal)
+        return bool(after) and delay > after and not (self.checked and self.refusal) and not self.cfg.ordering.key
 
     async def usable(self, nc: Any) -> bool:
         if not self.checked:

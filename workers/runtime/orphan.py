@@ -19,7 +19,16 @@ does (a parent alive then may have announced some too: a NAK explained twice). E
 what a supervisor on the same host needs to NAK its redelivery again if that went to a worker
 of its own that died before reading it (F9, supervisor/parent/safety/in_transit.py): the
 delivery, when it was sent and held on the host's monotonic clock, its delay; and the goodbye
-says whether the server had read every NAK (the settler's last fence went through).
+says whether the server had read every NAK (the settler's last fence went through). It leaves
+the same in the fleet bucket at its exit (leave_record): the supervisor started in its parent's
+place may come up only after it said them.
+
+Before it NAKs anything as an orphan it claims its jobs in its parent's fleet heartbeat
+(workers/protocol/fleetclaim.py, a revision-checked write): the fleet's poller, finding the
+parent lost, releases (NAKs) the jobs that heartbeat listed, and a NAK of ours after such a
+release, matching by stream sequence, would hit the job's next holder (seed 52). A claim made
+first keeps the poller from releasing what it names; a release made first is read from the
+poller's mark, and those jobs are not NAKed here (nor what it cannot tell: the claim failing).
 
 It learns of the death two ways, each covering what the other misses:
   - the kernel's parent-death signal (SIGTERM, PR_SET_PDEATHSIG: set at fork, it also ends a
@@ -36,24 +45,30 @@ import asyncio
 import json
 import logging
 import os
+import random
 import secrets
 import socket
 import time
 from typing import Any, Protocol
 
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+
 from workers import Job
-from workers.protocol import slots
+from workers.protocol import fleetclaim, slots
 from workers.protocol.events import Event, boot_id, ledger_subject
 from workers.protocol.exits import EXIT_ORPHANED
 from workers.protocol.modes import STOPPING
 from workers.runtime.events import EventPipe
 from workers.runtime.shutdown import Shutdown
+from workers.runtime.spec import ChildSpec
 
 log = logging.getLogger("worker")
 
 ORPHAN_GRACE = 2.0          # running jobs (and their acks' fence) get this long when the parent has died
 ANNOUNCED_MAX = 500         # an orphan's NAKs said again with its goodbye, at most (one ledger message)
 BOOT = boot_id()            # with its NAKs' times: a supervisor on another host cannot read them
+CLAIM_RETRY = 0.05          # at most this long (at random) between two tries of a claim another write beat
+RECORD_TIMEOUT = 1.0        # an orphan's record in the fleet bucket: each step of it waits this long at most
 
 
 class OrphanHost(Protocol):
@@ -70,18 +85,23 @@ class OrphanHost(Protocol):
 
 
 class ParentWatch:
-    def __init__(self, owner: OrphanHost, slot: int, parent_pid: int, events_fd: int, server_dies_with_parent: bool):
+    def __init__(self, owner: OrphanHost, spec: ChildSpec):
         self.owner = owner
+        slot, parent_pid = spec.slot, spec.parent_pid
+        self.fleet = (spec.cfg.fleet.bucket, spec.fleet_key)   # the parent's fleet heartbeat ("" key: none)
+        c = spec.cfg.consumer                 # our record (leave_record) is of use while our NAKs' AckWait runs
+        self.record_ttl = 2 * max(c.ack_wait, *c.backoff, 1.0)
+        self.claiming: asyncio.Future | None = None   # the claim on it: the jobs not ours to NAK (claim())
         self.slot = slot
         self.parent_pid = parent_pid
-        self.events = EventPipe(events_fd, slot)
-        self.server_dies_with_parent = server_dies_with_parent
+        self.events = EventPipe(spec.events_fd, slot)
+        self.server_dies_with_parent = spec.server_dies_with_parent
         self.orphaned = False
         self.stop_naks: list[list] = []  # [seq, why] of the NAKs since the stop began (module docstring) ...
         self.naked: list[list] = []      # ... and [seq, delivery, at, delay, held_at] of each
         self.announcing: asyncio.Future | None = None
-        self.origin = (f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)} "
-                       f"(worker {slot}, orphan of pid {parent_pid})")
+        self.token = secrets.token_hex(4)
+        self.origin = f"{socket.gethostname()}/{os.getpid()}/{self.token} (worker {slot}, orphan of pid {parent_pid})"
 
     def tell(self, event: Event) -> None:
         self.events.send(event)        # best effort, never blocks, never raises (workers/runtime/events.py)
@@ -105,6 +125,7 @@ class ParentWatch:
         self.events.close()
         log.warning("worker %d: supervisor is gone; stopping within %gs", self.slot, ORPHAN_GRACE,
                     extra={"event": "worker_orphaned", "slot": self.slot})
+        self.claiming = asyncio.ensure_future(self.claim())     # first: our NAKs wait for it
         w.grace = min(w.grace, ORPHAN_GRACE)
         w.shutdown.hurry(time.monotonic() + ORPHAN_GRACE)
         w.set_mode(STOPPING)
@@ -113,18 +134,77 @@ class ParentWatch:
         self.give_up_if_server_gone()
         return True
 
-    async def announce_nak(self, job: Job, reason: str, delay: float, held_at: float) -> None:
+    async def announce_nak(self, job: Job, reason: str, delay: float, held_at: float) -> bool:
         """Before an orphan's NAK (sent with `delay`, of a delivery held since `held_at`): tell
         whoever keeps a ledger of this consumer (module docstring). Best effort, as its parent's
-        announcements were: a refused publish is only logged."""
+        announcements were: a refused publish is only logged. False: the NAK must not be sent
+        (the fleet's poller released the job, or may have: may_nak)."""
         if not self.orphaned and self.owner.mode != STOPPING:
-            return                       # the parent announces it (arbiter.py, Settled)
+            return True                  # the parent announces it (arbiter.py, Settled)
+        if self.orphaned and not await self.may_nak(job):
+            return False
         why = f"NAKed by worker {self.slot} (pid {os.getpid()}) at delivery {job.delivery}, its supervisor gone: {reason}"
         self.stop_naks.append([job.stream_seq, why])
         self.naked.append([job.stream_seq, job.delivery, round(time.monotonic(), 6), delay, round(held_at, 6)])
         del self.stop_naks[:-ANNOUNCED_MAX], self.naked[:-ANNOUNCED_MAX]
         if self.orphaned:
             await self.publish(self.naks_said(self.stop_naks[-1:], self.naked[-1:]))
+        return True
+
+    async def may_nak(self, job: Job) -> bool:
+        """Not a job the fleet's poller released before our claim (nor any, when the claim could
+        not tell): our NAK would hit its next holder's delivery."""
+        assert self.claiming is not None, "gone() claims first"
+        released = await asyncio.shield(self.claiming)
+        if released is not None and (job.stream_seq, job.delivery) not in released:
+            return True
+        log.warning("worker %d: job seq=%d (delivery %d) %s: not NAKing it (a NAK matches by sequence and would hit "
+                    "its next delivery); it comes back %s", self.slot, job.stream_seq, job.delivery,
+                    "was released by the fleet's poller, which found its supervisor lost" if released is not None
+                    else "may have been released by the fleet's poller (the claim on its heartbeat failed)",
+                    "from that release" if released is not None else "from a release or after AckWait",
+                    extra={"event": "orphan_nak_skipped", "slot": self.slot, "seq": job.stream_seq,
+                           "delivery": job.delivery, "released": released is not None})
+        return False
+
+    async def claim(self) -> set[fleetclaim.Job] | None:
+        """Claim what we hold (and NAKed) in the parent's fleet heartbeat before we NAK anything
+        (module docstring): the jobs a poller's mark released first, or None when we cannot tell
+        (the claim failed within ORPHAN_GRACE)."""
+        bucket, key = self.fleet
+        if not key:
+            return set()
+        try:
+            return await asyncio.wait_for(self.claim_in(bucket, key), ORPHAN_GRACE)
+        except Exception as exc:
+            log.warning("worker %d: cannot claim our jobs in the supervisor's fleet heartbeat (%s): NAKing none of "
+                        "them (the fleet's poller may release them)", self.slot, exc or type(exc).__name__,
+                        extra={"event": "orphan_claim_failed", "slot": self.slot})
+            return None
+
+    async def claim_in(self, bucket: str, key: str) -> set[fleetclaim.Job]:
+        try:
+            kv = await self.owner.nc.jetstream().key_value(bucket)
+        except BucketNotFoundError:
+            return set()                 # no fleet: nobody releases anything
+        while True:
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:
+                return set()             # it never beat: nothing listed, nothing to release
+            beat = json.loads(entry.value or b"{}")
+            released = fleetclaim.released(beat, self.owner.consumer)
+            if released is not None:
+                return released
+            mine = {(e.stream_seq, e.delivery) for e in self.owner.table.snapshot() if e.state != slots.FREE}
+            mine |= {(seq, delivery) for seq, delivery, *_ in self.naked}
+            body = json.dumps(fleetclaim.claimed(beat, mine, time.time(), self.origin), separators=(",", ":"))
+            try:
+                await kv.update(key, body.encode(), last=entry.revision)
+            except KeyWrongLastSequenceError:    # another orphan's claim, or the poller's mark: read again
+                await asyncio.sleep(random.uniform(0, CLAIM_RETRY))
+                continue
+            return set()
 
     def naks_said(self, naks: list[list], naked: list[list]) -> dict:
         return {"origin": self.origin, "naks": naks, "naked": naked, "boot": BOOT}
@@ -136,6 +216,22 @@ class ParentWatch:
         if self.orphaned and self.stop_naks:
             await self.publish(self.naks_said(self.stop_naks, self.naked))
             await self.publish({"origin": self.origin, "bye": 1, **({"fenced": 1} if fenced else {})})
+            await self.leave_record(fenced)
+
+    async def leave_record(self, fenced: bool) -> None:
+        """The same, kept in the fleet bucket (workers/protocol/fleetclaim.py orphan_key): the
+        supervisor started in our parent's place may not have been listening yet. Best effort."""
+        bucket, key = self.fleet
+        if not key:
+            return
+        body = {**self.naks_said(self.stop_naks, self.naked), "bye": 1, "consumer": self.owner.consumer,
+                **({"fenced": 1} if fenced else {})}
+        try:
+            kv = await asyncio.wait_for(self.owner.nc.jetstream().key_value(bucket), RECORD_TIMEOUT)
+            await asyncio.wait_for(kv.create(fleetclaim.orphan_key(key, self.token), json.dumps(
+                body, separators=(",", ":")).encode(), msg_ttl=self.record_ttl), RECORD_TIMEOUT)
+        except Exception as exc:
+            log.warning("worker %d: cannot leave our NAKs in the fleet bucket: %s", self.slot, exc or type(exc).__name__)
 
     async def publish(self, body: dict) -> None:
         w = self.owner

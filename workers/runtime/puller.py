@@ -40,7 +40,9 @@ class PullHost(Protocol):
     changed: asyncio.Event                 # wind_down waits on it
 
     def outstanding(self) -> int: ...      # queued and running jobs
-    def waiting(self) -> tuple[int, bool]: ...   # jobs parked for a full limit; one held for its turn
+    def busy(self) -> int: ...             # jobs that take a handler (queued, running, ...)
+    def waiting(self) -> int: ...          # received jobs parked for their key's turn ([ordering])
+    def limit_state(self) -> tuple[int, bool]: ...   # jobs parked for a full limit; one held for its turn
 
 
 class Puller:
@@ -187,13 +189,24 @@ class Puller:
     def pull_size(self) -> int:
         now, table = time.monotonic(), self.owner.table
         table.share_spread(*self.sizer.shared(now))        # the fleet's spread, through the parent
-        self.sizer.fleet_residual = table.fleet_residual()
+        self.sizer.fleet_residual, self.sizer.fleet_seen = table.fleet_spread()
         outstanding = self.owner.outstanding() + self.credits
         # A worker due for recycling takes no job it will not run: what it may still start is the
         # limit less what it started or still may (received, not given back) and what is on its way.
-        jobs_left = self.job_limit - (self.received - self.given_back) - self.credits if self.job_limit else None
-        waiting, held = self.owner.waiting()
-        return self.sizer.size(now, outstanding, self.credits, table.free_entries(), jobs_left, waiting, held)
+        # Jobs parked for their key's turn count once they start: a worker whose budget they took
+        # would stop pulling, and the job their key waits for may need a pull to come back.
+        taken = self.received - self.given_back - self.owner.waiting()
+        jobs_left = self.job_limit - taken - self.credits if self.job_limit else None
+        limit_waiting, held = self.owner.limit_state()
+        n = self.sizer.size(now, outstanding, self.credits, table.free_entries(), jobs_left, limit_waiting, held)
+        if n == 0 and not self.credits and self.owner.waiting():
+            # [ordering]: a handler idle beside parked jobs always has a request out, whatever the
+            # look ahead holds: the job their key waits for may be one only a pull brings back (a
+            # NAKed retry, a dead worker's job after AckWait). Parking stays bounded by the
+            # consumer's max_ack_pending, which the table has room for.
+            n = min(self.sizer.concurrency - self.owner.busy(), table.free_entries(),
+                    self.sizer.ceiling if jobs_left is None else jobs_left)
+        return max(n, 0)
 
     def not_started(self, n: int = 1) -> None:
         """A message received and settled without running: its handler was never called because a
@@ -206,8 +219,9 @@ class Puller:
             self.given_back += n
             self.owner.wake_pull.set()
 
-    def arrived(self, reply: str) -> None:
-        """A message came for a request (already held in the table: see Worker.on_message)."""
+    def arrived(self, pending: int, now: float) -> None:
+        """A message came for a request at `now` (already held in the table: see
+        Worker.on_message); `pending`: how many more the stream held for the consumer then."""
         self.received += 1
         if self.credits > 0:
             self.credits -= 1
@@ -216,7 +230,7 @@ class Puller:
                 self.owner.changed.set()     # a stopping worker waits for it (shutdown.py)
         else:
             self.came_unasked()
-        self.timed(reply)
+        self.timed(pending, now)
 
     def came_unasked(self) -> None:
         """A message no credit accounts for: a request we gave up for lost was live after all (a
@@ -229,17 +243,16 @@ class Puller:
             log.info("worker %d: a message came that none of its pull requests accounted for (%d so far)",
                      self.slot, self.unasked, extra={"event": "pull_unasked", "slot": self.slot, "count": self.unasked})
 
-    def timed(self, reply: str) -> None:
+    def timed(self, pending: int, now: float) -> None:
         """Feed pull sizing: a message arrived (idleness); whether more are pending; the round
         trip of a request sent alone while they were."""
-        now = time.monotonic()
-        self.sizer.message(now, pending_after(reply))
+        self.sizer.message(now, pending)
         if self.pull_sent:
             self.sizer.round_trip(now - self.pull_sent)
             self.pull_sent = 0.0
 
-    def on_status(self, msg: Any) -> None:
-        headers = msg.headers or {}
+    def on_status(self, headers: dict[str, str]) -> None:
+        """A status message on our inbox (its headers): a request that ended unfilled, or refused."""
         status = headers.get("Status")
         if status in ("408", "409"):
             unfilled = int(headers.get("Nats-Pending-Messages", "0") or 0)
@@ -257,8 +270,3 @@ class Puller:
             log.warning("worker %d: pull request refused: %s", self.slot, why)
             self.last_refusal = (why, now)
 
-
-def pending_after(reply: str) -> int:
-    """Messages pending for the consumer after this one, from a $JS.ACK reply subject (v1 or v2)."""
-    t = reply.split(".")
-    return int(t[8 if len(t) == 9 else 10])

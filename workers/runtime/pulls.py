@@ -39,6 +39,12 @@ the gaps between a worker's long jobs), and starts over with a new burst after I
 worker shares its sums in its slot table and the parent hands back the fleet's residual
 (supervisor/parent/stats.py share_spread): the worse of the two counts, so a worker that has not
 met a long job yet learns from those that have, within a tick of the parent's loop.
+Until the fleet has seen KNOWN_JOBS recent jobs the spread is unknown, and unknown counts as
+wide: without a backlog a worker takes only what it can start now. The first long job is
+otherwise met by a worker with a buffer open: its pull request, still live at the server, fills
+with short jobs that then wait behind it (the fairness scenario's warm-up: 2-3 short jobs of
+1,000 waited 2 s behind a 2 s job, before any long job had finished). What that costs is a pull
+request per job for the first few hundred jobs of a stream without a backlog.
 
 Both figures are measured, not configured: the job time is the handler's own duration (an
 average that takes a slower job into account at once and forgets it slowly, since hoarding
@@ -56,16 +62,23 @@ machine, which is what the buffer must hide). The bounds:
 What a worker may have on the wire when it dies (its credits) is at most its capacity, and
 `concurrency` once it has been idle IDLE_STALE seconds.
 
+With [ordering] a buffered job is a cost, not a saving: it waits for a handler while every later
+job of its key waits for it. So nothing is prefetched; the room beyond `concurrency` is a look
+ahead (`lookahead`) of jobs parked until their key's turn (workers/runtime/ordering.py), which
+the worker counts as outstanding only while they wait, and outcomes go back to the loop at once
+(`batching` 0).
+
 Jobs parked for a limit ([limits], workers/middleware/limits.py) are counted two ways. One that
-waits for a full limit takes no handler and no place in the buffer (`waiting`): a free handler
-asks for work, so jobs that need no limit keep flowing past it. While any wait, the worker asks
-only for what its free handlers can start (no buffer: a buffered job could wait too, and jobs
-that wait then spread over the fleet by its handlers, not by who buffered most), and only while
-fewer than its allowance wait: WAIT_ROUNDS rounds of its handlers, or its capacity if that is
-more (so a pull alone never stops a worker). Past that it asks for nothing until one starts:
-more would only be work it cannot start, held from workers that could. And a pulled job not yet
-at its turn to take its limits (`held`: they are taken only for a job a handler can start soon)
-stops the asking altogether until it is, or it would be overtaken by every refill.
+waits for a full limit takes no handler and no place in the buffer (`limit_waiting`): a free
+handler asks for work, so jobs that need no limit keep flowing past it. While any wait, the
+worker asks only for what its free handlers can start (no buffer, [ordering]'s look ahead
+aside: a buffered job could wait too, and jobs that wait then spread over the fleet by its
+handlers, not by who buffered most), and only while fewer than its allowance wait: WAIT_ROUNDS
+rounds of its handlers, or its capacity if that is more (so a pull alone never stops a worker).
+Past that it asks for nothing until one starts: more would only be work it cannot start, held
+from workers that could. And a pulled job not yet at its turn to take its limits (`held`: they
+are taken only for a job a handler can start soon) stops the asking altogether until it is, or
+it would be overtaken by every refill.
 
 Pure: no clock is read here, every time is passed in.
 """
@@ -80,7 +93,8 @@ RTT_CAP = 0.2          # ... and at most this one: never hoard more than DEPTH x
 RTT_SAMPLES = 8        # the round trip is the worst of this many recent samples (2 s of PING/PONGs)
 UP, DOWN = 0.5, 0.1    # job-time average weights: a slower job counts at once, faster ones slowly
 IDLE_STALE = 5.0       # seconds without a message before the job time is no longer trusted
-SPREAD_JOBS = 1000     # the residual is an average over about this many recent jobs
+SPREAD_JOBS = 1000     # the residual is an average over about this many recent jobs ...
+KNOWN_JOBS = 500       # ... trusted once the fleet's recent jobs count this many (about 700 after a start)
 BACKLOG_RUN = 3        # a backlog: this many messages in a row said more were pending
 BUFFER_REQUESTS = 4    # the buffer holds at most this many requests of workers.batch (within the fair share)
 WAIT_ROUNDS = 4        # jobs waiting for a full limit a worker holds at most: this many rounds of its handlers
@@ -91,14 +105,20 @@ class PullSizer:
     worker's fair share of consumer.max_ack_pending; `threads`: sync handlers, whose finished jobs
     reach the loop up to `batching` seconds late."""
 
-    def __init__(self, concurrency: int, ceiling: int, share: int, threads: bool = False, batching: float = 0.0):
+    def __init__(self, concurrency: int, ceiling: int, share: int, threads: bool = False, batching: float = 0.0,
+                 lookahead: int = 0):
         self.concurrency = concurrency
+        # [ordering]: jobs held beyond those running are not a buffer (a job waiting for a handler
+        # delays every later job of its key) but a look ahead: this many, parked for their key's turn.
+        self.lookahead = lookahead
         self.hops, self.batching = (2, batching) if threads else (1, 0.0)
         self.ceiling = max(1, ceiling)
         self.share = max(1, share)
         self.job_time: float | None = None    # seconds per job, per handler
-        self.spent = self.spent_sq = 0.0      # sums of T and T^2 over the recent jobs (SPREAD_JOBS), decayed
-        self.fleet_residual = 0.0             # every worker's, from the parent
+        self.spent = self.spent_sq = 0.0      # sums of T and T^2 over the recent jobs (SPREAD_JOBS), decayed ...
+        self.seen = 0.0                       # ... and of 1: how many they are
+        self.fleet_residual = 0.0             # every worker's, from the parent ...
+        self.fleet_seen = 0.0                 # ... and how many jobs it rests on
         self.rtts: deque[float] = deque(maxlen=RTT_SAMPLES)
         self.last_message = 0.0                # when the last message arrived ...
         self.pending_run = 0                   # ... and how many in a row said more were pending
@@ -110,11 +130,12 @@ class PullSizer:
         seconds = max(seconds, 1e-6)
         if self.job_time is None or self.stale:
             self.job_time, self.stale = seconds, False
-            self.spent, self.spent_sq = seconds, seconds * seconds
+            self.spent, self.spent_sq, self.seen = seconds, seconds * seconds, 1.0
         else:
             keep = 1.0 - 1.0 / SPREAD_JOBS
             self.spent = self.spent * keep + seconds
             self.spent_sq = self.spent_sq * keep + seconds * seconds
+            self.seen = self.seen * keep + 1.0
             weight = UP if seconds > self.job_time else DOWN
             self.job_time += weight * (seconds - self.job_time)
 
@@ -134,16 +155,22 @@ class PullSizer:
         came: E[T^2] / 2 E[T] over the recent jobs (0 before any)."""
         return residual(self.spent, self.spent_sq)
 
-    def shared(self, now: float) -> tuple[float, float]:
-        """The sums this worker shares with the fleet: none once idle (its last burst says
-        nothing of the next)."""
-        return (0.0, 0.0) if self.idle(now) else (self.spent, self.spent_sq)
+    def shared(self, now: float) -> tuple[float, float, float]:
+        """The sums this worker shares with the fleet (of T, T^2 and 1): none once idle (its last
+        burst says nothing of the next)."""
+        return (0.0, 0.0, 0.0) if self.idle(now) else (self.spent, self.spent_sq, self.seen)
+
+    @property
+    def known(self) -> bool:
+        """Enough recent jobs, here or in the fleet, to trust their spread (KNOWN_JOBS)."""
+        return max(self.seen, self.fleet_seen) >= KNOWN_JOBS
 
     def spread(self) -> bool:
-        """The job times vary too much to buffer while there is no backlog: a buffered job would
-        wait longer for a handler than the buffer is sized to hide (see the module's docstring)."""
+        """The job times vary too much to buffer while there is no backlog, or may (not known
+        yet): a buffered job would wait longer for a handler than the buffer is sized to hide
+        (see the module's docstring)."""
         worst = max(self.residual, self.fleet_residual)
-        return not self.backlog and worst > self.concurrency * DEPTH * self.rtt
+        return not self.backlog and (not self.known or worst > self.concurrency * DEPTH * self.rtt)
 
     def wait_for_batch(self) -> float:
         """How late a finished job's outcome reaches the loop: a handler thread hands outcomes back
@@ -169,6 +196,8 @@ class PullSizer:
 
     def prefetch(self, now: float) -> int:
         """Jobs to hold beyond those running."""
+        if self.lookahead:
+            return self.lookahead
         if self.job_time is None or self.stale or self.idle(now) or self.spread():
             return 0
         return min(BUFFER_REQUESTS * self.ceiling, int(self.concurrency * DEPTH * self.rtt / self.job_time + 0.5))
@@ -182,16 +211,16 @@ class PullSizer:
         return max(WAIT_ROUNDS * self.concurrency, self.capacity(now))
 
     def size(self, now: float, outstanding: int, credits: int, free_entries: int,
-             jobs_left: int | None = None, waiting: int = 0, held: bool = False) -> int:
+             jobs_left: int | None = None, limit_waiting: int = 0, held: bool = False) -> int:
         """The next pull request's batch, or 0 to send none. `outstanding`: buffered, running and
         asked for; `credits`: asked for and not yet received; `free_entries`: slot-table entries
         not in use; `jobs_left`: jobs this worker may still take (max_jobs), None for no limit;
-        `waiting`: jobs parked for a full limit (not in `outstanding`); `held`: a job parked
+        `limit_waiting`: jobs parked for a full limit (not in `outstanding`); `held`: a job parked
         until it is its turn to take its limits (see the module's docstring)."""
-        if held or (waiting and waiting >= self.waiting_allowance(now)):
+        if held or (limit_waiting and limit_waiting >= self.waiting_allowance(now)):
             return 0
-        capacity = min(self.concurrency, self.share) if waiting else self.capacity(now)
-        room = min(capacity - outstanding, free_entries - credits, self.share - outstanding - waiting)
+        capacity = min(self.concurrency + self.lookahead, self.share) if limit_waiting else self.capacity(now)
+        room = min(capacity - outstanding, free_entries - credits, self.share - outstanding - limit_waiting)
         # Top up only once half the buffer is free: few, large requests, no dribbling. With no
         # buffer, as soon as a handler is free: it would otherwise wait for another to finish.
         if room < max(1, (capacity - self.concurrency + 1) // 2):

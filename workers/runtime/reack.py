@@ -34,6 +34,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -54,9 +55,12 @@ class RecentAcks:
         self.keep, self.limit = keep, limit
         self.acks: OrderedDict[int, tuple[str, float]] = OrderedDict()    # seq -> (reply subject, sent at)
 
-    def add(self, seq: int, reply: str, now: float) -> None:
-        self.acks.pop(seq, None)
-        self.acks[seq] = (reply, now)
+    def add(self, sent: Iterable[tuple[int, str]], now: float) -> None:
+        """Acks (stream seq, reply subject) sent at `now` (a batch of them: one prune)."""
+        acks = self.acks
+        for seq, reply in sent:
+            acks.pop(seq, None)
+            acks[seq] = (reply, now)
         self.prune(now)
 
     def prune(self, now: float) -> list[int]:
@@ -116,9 +120,9 @@ class Reacker:
 
     # -- what the worker tells us
 
-    def sent(self, seq: int, reply: str) -> None:
-        """A plain ack of `seq` was published (Settler.settle)."""
-        self.window.add(seq, reply, time.monotonic())
+    def sent(self, acks: Iterable[tuple[int, str]]) -> None:
+        """Plain acks (stream seq, reply subject) were published (Settler.sent, ack_all)."""
+        self.window.add(acks, time.monotonic())
 
     def trigger(self, why: str) -> None:
         """The consumer may have another leader now, or none: prove what the window holds."""
@@ -127,8 +131,7 @@ class Reacker:
         self.round.leader_back = None    # a confirmation from before this says nothing about now
         self.wake.set()
 
-    def on_pull_status(self, msg: Any) -> None:
-        headers = msg.headers or {}
+    def on_pull_status(self, headers: dict[str, str]) -> None:
         status, description = headers.get("Status"), headers.get("Description", "")
         if status == "409" and "Leadership Change" in description:
             self.trigger("409 Leadership Change on a pull")

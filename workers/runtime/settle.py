@@ -20,7 +20,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import nats.errors
@@ -54,14 +54,17 @@ class SettleHost(Protocol):
     wake_pull: asyncio.Event               # a released entry can take another message
 
     def emit(self, event: Event) -> None: ...
-    async def before_nak(self, job: Job, reason: str, delay: float, held_at: float) -> None: ...   # orphan.py
+    async def before_nak(self, job: Job, reason: str, delay: float, held_at: float) -> bool: ...   # orphan.py
 
 
 class Settler:
     def __init__(self, owner: SettleHost, slot: int, double_ack: bool, entries: int,
-                 acked: Callable[[int, str], None] = lambda seq, reply: None):
+                 acked: Callable[[Sequence[tuple[int, str]]], None] = lambda sent: None):
         self.owner = owner
-        self.acked = acked                         # (seq, reply) of each plain ack sent: reack.py
+        self.acked = acked                         # (seq, reply) of the plain acks sent: reack.py
+        # (entry, job, outcome) of every settle once it is on the wire ([ordering] says so to the
+        # workers waiting for the job's key: workers/runtime/ordering.py)
+        self.on_settled: Callable[[int, Job, str], None] = lambda i, job, outcome: None
         self.slot = slot
         self.double_ack = double_ack
         self.replies: list[str] = [""] * entries   # reply subject by entry index
@@ -83,27 +86,54 @@ class Settler:
                 w.table.count(OUTCOME_COUNTERS[outcome])
                 self.report(job, outcome, "")
                 w.table.release(i)
+                self.on_settled(i, job, outcome)
                 return
         await self.settle(i, job, b"+ACK", outcome, "")
 
     async def settle(self, i: int, job: Job, payload: bytes, outcome: str, reason: str) -> None:
         """Publish the ack/nak/term and keep the entry until a flush confirms it."""
         w = self.owner
-        if outcome == "nak":
-            await w.before_nak(job, reason, nak_delay(payload), w.table.held_at(i))
+        if outcome == "nak" and not await w.before_nak(job, reason, nak_delay(payload), w.table.held_at(i)):
+            w.table.release(i)           # an orphan's job the fleet released: its next holder settles it
+            return
         sent, held_at = time.monotonic(), w.table.held_at(i)
         generation, refused = await self.publish(i, payload)
-        if outcome in ACKS:
-            self.acked(job.stream_seq, self.replies[i])    # a leader change may lose it after the fence
-        w.table.mark(i, slots.ACKED if outcome in ACKS else slots.SETTLED)
-        w.table.count(OUTCOME_COUNTERS[outcome])
         # A NAK that went out says when, with what delay, and since when it was held (events.Settled).
-        self.report(job, outcome, reason, *((sent, nak_delay(payload), held_at) if outcome == "nak" and not refused
-                                            else ()))
-        if refused:
-            self.unsent(job, outcome, refused)
-        self.unconfirmed.append((i, generation, outcome in ACKS))
+        self.sent(i, job, outcome, reason, generation, refused,
+                  *((sent, nak_delay(payload), held_at) if outcome == "nak" and not refused else ()))
         self.wake_settle.set()
+        self.on_settled(i, job, outcome)
+
+    async def ack_all(self, done: Sequence[tuple[int, Job]]) -> None:
+        """Plain acks of many jobs (a handler thread's batch of outcomes): one command for all of
+        them in the client's write buffer (Client.publish_each, supervisor/nats/fix.py), then
+        each entry as settle() leaves it: ACKED until a fence proves the server read them all."""
+        if self.double_ack or len(done) == 1:
+            for i, job in done:
+                await self.ack(i, job)
+            return
+        w, replies = self.owner, self.replies
+        try:
+            await w.nc.publish_each([replies[i] for i, _ in done], b"+ACK")
+        except REFUSED as exc:
+            generation, refused = UNSENT, type(exc).__name__
+        else:
+            generation, refused = w.nc.stats["reconnects"], ""
+        # What sent() does for each, in one pass: the acks into reack.py's window together, the
+        # counter once.
+        self.acked([(job.stream_seq, replies[i]) for i, job in done])
+        mark = w.table.mark
+        for i, job in done:
+            mark(i, slots.ACKED)
+            if job.delivery > 1:
+                self.report(job, "ack", "")
+            if refused:
+                self.unsent(job, "ack", refused)
+        w.table.count(slots.ACKED_N, len(done))
+        self.unconfirmed.extend([(i, generation, True) for i, _ in done])
+        self.wake_settle.set()
+        for i, job in done:
+            self.on_settled(i, job, "ack")
 
     async def publish(self, i: int, payload: bytes) -> tuple[int, str]:
         """Send a settle: (the connection generation it went out on, ""), or (UNSENT, the error)
@@ -114,6 +144,19 @@ class Settler:
         except REFUSED as exc:
             return UNSENT, type(exc).__name__
         return nc.stats["reconnects"], ""
+
+    def sent(self, i: int, job: Job, outcome: str, reason: str, generation: int, refused: str, *times: float) -> None:
+        """A settle published (or refused: `refused` names why) on connection `generation`: the
+        entry is ACKED or SETTLED until a fence confirms it (confirm)."""
+        w = self.owner
+        if outcome in ACKS:
+            self.acked([(job.stream_seq, self.replies[i])])    # a leader change may lose it after the fence
+        w.table.mark(i, slots.ACKED if outcome in ACKS else slots.SETTLED)
+        w.table.count(OUTCOME_COUNTERS[outcome])
+        self.report(job, outcome, reason, *times)
+        if refused:
+            self.unsent(job, outcome, refused)
+        self.unconfirmed.append((i, generation, outcome in ACKS))
 
     def unsent(self, job: Job, outcome: str, error: str) -> None:
         """An ack is sent again once a fence works; a NAK or TERM is not (see confirm). Either way

@@ -74,6 +74,11 @@ class Shutdown:
         w.table.set_state(slots.DRAINING)
         self.deadline = time.monotonic() + w.grace
         while True:
+            # Cleared before anything here awaits: what happens meanwhile (a message that arrives
+            # while the NAKs below go out, a job's end, a key's turn, a limit granted, a 408, the
+            # credits given up) sets it, and the wait below must see that, not sleep to the
+            # deadline with a job in hand or the credits already accounted for.
+            w.changed.clear()
             if w.mode == STOPPING:
                 await self.nak_queued()
             now, deadline = time.monotonic(), self.deadline     # hurry() may bring it forward
@@ -83,10 +88,8 @@ class Shutdown:
                 busy = False
             if not busy and (w.pulls.credits <= 0 or now >= deadline):
                 break
-            w.changed.clear()                # a job's end, a message, a 408 or the credits given up set it
-            wake = deadline
             try:
-                await asyncio.wait_for(w.changed.wait(), max(0.001, wake - now))
+                await asyncio.wait_for(w.changed.wait(), max(0.001, deadline - now))
             except TimeoutError:
                 pass
         w.pulls.forget()

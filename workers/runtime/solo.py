@@ -48,7 +48,7 @@ class SuspectBoard:
     def suspect(self, seq: int) -> bool:
         """In a worker: is this job to run alone?"""
         n = min(self.q[0], self.capacity)
-        return any(self.q[1 + k] == seq for k in range(n))
+        return n > 0 and any(self.q[1 + k] == seq for k in range(n))
 
 
 class Gate:
@@ -101,14 +101,17 @@ class AsyncGate(Gate):
         turn.set()
 
     async def start(self, seq: int, stopping: Callable[[], bool]) -> bool:
-        """Wait until this job may start; False if the worker stops first (it is not started)."""
-        while not self.try_start(seq):
+        """Wait until this job may start; False if the worker stops first (it is not started).
+        The stop is looked at before the turn: a stop and the running jobs' end can come in one
+        tick, and a job pulled before a stop must then be given back, not started after it."""
+        while True:
             if stopping():
                 self.release(seq)
                 self.wake()
                 return False
+            if self.try_start(seq):
+                return True
             await self._turn.wait()
-        return True
 
     def done(self, seq: int) -> None:
         if self.finished(seq):

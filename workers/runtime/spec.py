@@ -31,4 +31,5 @@ class ChildSpec:
     crashes: CrashBoard | None = None          # the deaths redeliveries come back from (workers/protocol/crashes.py)
     graceful_timeout: float = 30.0             # workers.graceful_timeout as it was at fork: the parent's too
     server_dies_with_parent: bool = False      # the embedded nats-server: an orphan has nobody to settle with
+    fleet_key: str = ""                        # the parent's fleet heartbeat: an orphan claims its jobs there
     keep_fds: tuple[int, ...] = ()

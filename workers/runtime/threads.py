@@ -20,9 +20,11 @@ from typing import Any, Protocol
 
 from workers import Job
 from workers.middleware.chain import Chain, Ran
+from workers.middleware.eager import gather_eagerly
 from workers.protocol import slots
 from workers.protocol.modes import SERVING, STOPPING
 from workers.protocol.slots import SlotTable
+from workers.runtime.settle import Settler
 from workers.runtime.solo import Gate
 
 CONFIRM_AFTER = 0.1         # after a job this long a thread also waits for its ack's fence (a few ms at most) ...
@@ -39,6 +41,7 @@ class ThreadsHost(Protocol):
     mode: str                              # read under start_lock; the worker writes it under it too
     running: int                           # jobs taken from the worker's queue and not finished
     chain: Chain                           # the handler inside the worker's middleware
+    settler: Settler
     table: SlotTable
     changed: asyncio.Event
     wake_pull: asyncio.Event
@@ -49,11 +52,16 @@ class ThreadsHost(Protocol):
     def count_start(self) -> None: ...
     async def finish(self, i: int, job: Job, exc: BaseException | None, elapsed: float, started: bool = True
                      ) -> None: ...
+    def finished(self, job: Job, exc: BaseException | None, elapsed: float, started: bool) -> None: ...
 
 
 class HandlerThreads:
-    def __init__(self, owner: ThreadsHost, start_lock: threading.Lock, concurrency: int, job_limit: int):
+    def __init__(self, owner: ThreadsHost, start_lock: threading.Lock, concurrency: int, job_limit: int,
+                 batching: float = OUTCOME_EVERY):
         self.owner = owner
+        # How long an outcome may wait for others (0: each goes back at once; [ordering]: a job's
+        # ack is what the next job of its key waits for).
+        self.batching = batching
         self.concurrency = concurrency
         self.job_limit = job_limit
         # Jobs handed to the threads (guarded by start_lock), outcomes coming back, and whether
@@ -78,8 +86,8 @@ class HandlerThreads:
         came meanwhile NAKs the rest from the threads' queue (wind_down wakes for that)."""
         w = self.owner
         chain = w.chain
-        if chain.outer:
-            entered = await asyncio.gather(*(chain.enter(job) for _, _, job in chunk))
+        if any(chain.enters(job) for _, _, job in chunk):       # a chunk of first deliveries: mostly none
+            entered = await gather_eagerly(chain.enter(job) for _, _, job in chunk)
             runnable = []
             for (msg, i, job), (k, exc) in zip(chunk, entered):
                 if exc is None:
@@ -130,13 +138,20 @@ class HandlerThreads:
                 batch, self.outcomes, self.rung = self.outcomes, [], False
             try:
                 chain = w.chain
-                if chain.outer:          # the outer hooks of the whole batch at once (its done-markers)
-                    outcomes = await asyncio.gather(*(chain.leave(job, chain.outer, ran.exc) for _, job, ran in batch))
+                if chain.outer_after:    # the outer hooks of the whole batch at once (its done-markers)
+                    outcomes = await gather_eagerly(chain.leave(job, chain.outer, ran.exc) for _, job, ran in batch)
                 else:
                     outcomes = [ran.exc for _, _, ran in batch]
+                acks = []                # the batch's plain acks go out together (Settler.ack_all)
                 for (i, job, ran), exc in zip(batch, outcomes):
-                    await w.finish(i, job, exc, ran.elapsed, ran.started)
-                    w.running -= 1
+                    if exc is None:
+                        w.finished(job, exc, ran.elapsed, ran.started)
+                        acks.append((i, job))
+                    else:
+                        await w.finish(i, job, exc, ran.elapsed, ran.started)
+                if acks:
+                    await w.settler.ack_all(acks)
+                w.running -= len(batch)
             finally:
                 w.changed.set()
                 w.wake_pull.set()
@@ -193,7 +208,7 @@ class HandlerThreads:
             if self.rung:
                 return True
             busy = bool(self.ready) and self.owner.mode == SERVING and isinstance(ran.exc, (Exception, type(None)))
-            if busy and now + ran.elapsed - self.outcomes_since < OUTCOME_EVERY:
+            if busy and now + ran.elapsed - self.outcomes_since < self.batching:
                 return True
             self.rung = True
         try:

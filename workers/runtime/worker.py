@@ -41,6 +41,7 @@ from workers.protocol.events import Event, PauseAsked, Ready, RecycleDue, Redeli
 from workers.protocol.exits import EXIT_CONNECT_FAILED, EXIT_CRASHED, EXIT_DRAINED, EXIT_INIT_FAILED
 from workers.protocol.fork import neutralise_inherited_fds, scrub_child_env, set_parent_death_signal
 from workers.protocol.modes import RETIRING, SERVING, STOPPING
+from workers.runtime.ordering import Ordering
 from workers.runtime.orphan import ParentWatch
 from workers.runtime.outcome import Outcomes
 from workers.runtime.puller import Puller
@@ -56,6 +57,7 @@ log = logging.getLogger("worker")
 
 LIVENESS_EVERY = 0.25       # a worker proves its NATS connection with a PING/PONG this often ...
 LIVENESS_TIMEOUT = 2.0      # ... and gives up waiting for the PONG after this
+LOOKAHEAD = 4               # [ordering]: jobs parked ahead per handler, beyond those it runs (pulls.py)
 
 
 # ---------------------------------------------------------------- process hygiene after fork
@@ -118,8 +120,10 @@ def run_worker(spec: ChildSpec) -> int:
 class Worker:
     """The worker's loop, wiring its rooms: pulling (workers/runtime/puller.py), the handler threads for
     sync handlers (workers/runtime/threads.py), settling and fencing (workers/runtime/settle.py), the shutdown
-    path (workers/runtime/shutdown.py), its parent (workers/runtime/orphan.py). It owns the mode, the
-    queue of pulled jobs, and running them."""
+    path (workers/runtime/shutdown.py), its parent (workers/runtime/orphan.py), jobs parked for their
+    key's turn (workers/runtime/ordering.py). It owns the mode, the queue of pulled jobs, and running
+    them. Long because it is where those rooms meet: what each asks of the others (the Protocols
+    in their modules) is answered here, in methods of a few lines each; the room folder is full."""
 
     def __init__(self, spec: ChildSpec):
         cfg = spec.cfg
@@ -132,7 +136,8 @@ class Worker:
         self.running = 0                 # taken from the queue (sync: handed to the threads), not finished
         sizer = PullSizer(self.wcfg.concurrency, self.wcfg.batch,
                           fair_share(cfg.consumer.max_ack_pending, self.wcfg.count),
-                          threads=not self.is_async, batching=OUTCOME_EVERY)
+                          threads=not self.is_async, batching=0.0 if cfg.ordering.key else OUTCOME_EVERY,
+                          lookahead=LOOKAHEAD * self.wcfg.concurrency if cfg.ordering.key else 0)
         self.pulls = Puller(self, spec.slot, sizer, spec.job_limit,
                             f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.consumer}")
         self.reacker = Reacker(self, spec.slot, self.stream, cfg.consumer)
@@ -153,10 +158,13 @@ class Worker:
         self.start_lock = threading.Lock()
         self.chain = Chain(spec.handler)  # every job runs through it: workers/middleware/chain.py
         self.limits: Limits | None = None  # [limits]: jobs waiting for theirs are parked there
+        # [ordering]: jobs wait, parked, until they are the first of their key in the stream
+        self.ordering = Ordering(cfg, spec.slot, self) if cfg.ordering.key else None
         self.gate = AsyncGate(spec.suspects)   # suspects run alone (workers/runtime/solo.py)
-        self.threads = HandlerThreads(self, self.start_lock, self.wcfg.concurrency, spec.job_limit)
+        self.threads = HandlerThreads(self, self.start_lock, self.wcfg.concurrency, spec.job_limit,
+                                      batching=0.0 if cfg.ordering.key else OUTCOME_EVERY)
         self.shutdown = Shutdown(self, spec.slot)
-        self.parent = ParentWatch(self, spec.slot, spec.parent_pid, spec.events_fd, spec.server_dies_with_parent)
+        self.parent = ParentWatch(self, spec)
 
     # -- lifecycle
 
@@ -183,9 +191,11 @@ class Worker:
             log.error("worker %d: starting workers.middleware raised %s", self.spec.slot, describe_exception(exc))
             log.debug("workers.middleware traceback", exc_info=True)
             return EXIT_INIT_FAILED
+        if self.ordering is not None:
+            await self.ordering.start(self.nc)
         self.pulls.inbox = self.nc.new_inbox()
-        self.sub = await self.nc.subscribe(self.pulls.inbox, cb=self.on_message, pending_msgs_limit=0,
-                                           pending_bytes_limit=0)
+        self.sub = await self.nc.subscribe(self.pulls.inbox, pending_msgs_limit=0, pending_bytes_limit=0)
+        self.nc.deliver_directly(self.sub, self.on_message)     # from the read loop: supervisor/nats/fix.py
         await self.reacker.start()
         loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
         loop.add_signal_handler(signal.SIGUSR1, self.on_sigusr1)
@@ -205,6 +215,8 @@ class Worker:
         for task in tasks + self.runners:
             task.cancel()
         self.threads.stop_threads()
+        if self.ordering is not None:
+            self.ordering.close()
         await settling                 # never cancel a task inside a flush: see supervisor/nats/fix.py
         self.reacker.close()
         beating.cancel()               # only now: waiting for NATS to take our acks is no hang
@@ -298,48 +310,70 @@ class Worker:
 
     # -- receiving (the requests themselves: workers/runtime/puller.py)
 
-    def outstanding(self) -> int:
-        """Jobs pulled and not finished: what pull sizing counts besides the credits and `waiting`."""
-        return len(self.queue) + self.running + (self.limits.occupying() if self.limits else 0)
+    def busy(self) -> int:
+        """Jobs that take a handler: queued, running, and parked ones that count as taking one
+        (workers/middleware/limits.py, workers/runtime/ordering.py `occupying`)."""
+        return len(self.queue) + self.running + (self.limits.occupying() if self.limits else 0) + \
+            (self.ordering.occupying() if self.ordering else 0)
 
-    def waiting(self) -> tuple[int, bool]:   # jobs parked for a full limit; one held for its turn (parking.py)
+    def outstanding(self) -> int:
+        """Jobs pulled and not finished: what pull sizing counts besides the credits. Jobs parked
+        for their key's turn fill the look ahead (pulls.py); jobs waiting for a full limit are
+        not here but in `limit_state`."""
+        return self.busy() + self.waiting()
+
+    def limit_state(self) -> tuple[int, bool]:   # jobs parked for a full limit; one held for its turn (parking.py)
         return self.limits.pull_state() if self.limits else (0, False)
 
     def parked(self) -> int:
-        """Jobs pulled and waiting for their limits: not started, not queued."""
-        return len(self.limits.parked) if self.limits else 0
+        """Jobs pulled and waiting for their limits or their key's turn: not started, not queued."""
+        return (len(self.limits.parked) if self.limits else 0) + (self.ordering.parked() if self.ordering else 0)
+
+    def waiting(self) -> int:
+        """Jobs parked for their key's turn: received, but not yet counted against max_jobs."""
+        return self.ordering.waiting() if self.ordering else 0
 
     def take_parked(self) -> list[tuple[Any, int, Job]]:
-        return self.limits.take_parked() if self.limits else []
+        """A drain: what waits for its key's turn, in stream order, then what waits for a limit."""
+        return (self.ordering.take_parked() if self.ordering else []) + \
+            (self.limits.take_parked() if self.limits else [])
 
     def release_limits(self, job: Job) -> None:
         if self.limits is not None:
             self.limits.finished(job)
 
-    async def on_message(self, msg: Any) -> None:
-        if not msg.reply:
-            self.reacker.on_pull_status(msg)   # a leader change, or no leader, may have lost acks
-            self.pulls.on_status(msg)
+    async def on_message(self, subject: str, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
+        if not reply:
+            self.reacker.on_pull_status(headers or {})   # a leader change, or no leader, may have lost acks
+            self.pulls.on_status(headers or {})
             return
-        job = make_job(msg)
+        job, pending = make_job(subject, reply, data, headers)
         # Record it before anything else, credits after: a death between the two leaves the
         # parent counting the message twice (held and in transit), never zero times.
-        i = self.table.hold(job.stream_seq, job.consumer_seq, job.delivery, msg.reply.encode())
-        self.pulls.arrived(msg.reply)
+        i = self.table.hold(job.stream_seq, job.consumer_seq, job.delivery, reply.encode(), now := time.monotonic())
+        self.pulls.arrived(pending, now)
         if i >= 0:
-            self.settler.replies[i] = msg.reply
+            self.settler.replies[i] = reply
         if job.delivery > 1:
             self.emit(Redelivered(job.stream_seq, job.delivery))
         if i < 0:                        # table full (more came than asked): told first, the NAK after
             self.pulls.not_started()
             self.emit(Settled(job.stream_seq, job.delivery, "nak", "table full"))
-            await self.nc.publish(msg.reply, b"-NAK")
+            await self.nc.publish(reply, b"-NAK")
             return
+        if self.ordering is not None and self.ordering.admit((reply, i, job)):
+            self.changed.set()           # it waits for its key's turn without a handler (cleared() next)
+            return
+        self.cleared((reply, i, job))
+
+    def cleared(self, item: tuple[Any, int, Job]) -> None:
+        """A pulled job may start as far as its key goes: on to its limits, or the queue."""
+        _, _, job = item
         if self.limits is not None and self.limits.needs(job) and not self.limits.hold_now(job):
-            self.limits.park((msg, i, job), job, self.admitted)   # it waits for its limits without a handler
+            self.limits.park(item, job, self.admitted)   # it waits for its limits without a handler
             self.changed.set()           # a shutdown NAKs it at once; a retirement lets it wait
             return
-        self.queue.append((msg, i, job))
+        self.queue.append(item)
         self.wake_run.set()
         self.changed.set()               # a shutdown NAKs it at once; a retirement runs it
 
@@ -394,10 +428,14 @@ class Worker:
         await self.finish(i, job, ran.exc, ran.elapsed, ran.started)
 
     async def finish(self, i: int, job: Job, exc: BaseException | None, elapsed: float, started: bool = True) -> None:
-        """Ack, NAK or TERM by the outcome of the job's chain (its handler's, or a hook's). A job
-        whose handler never ran (a duplicate, a hook's Retry) is not one of max_jobs (R1), nor a
-        sample of how long jobs take. Its limits go back whichever hook stopped it. A Pause
-        (workers.Pause) is NAKed like a Retry, and the parent pauses the consumer."""
+        """Ack, NAK or TERM by the outcome of the job's chain (its handler's, or a hook's)."""
+        self.finished(job, exc, elapsed, started)
+        await self.outcomes.settle(i, job, exc)
+
+    def finished(self, job: Job, exc: BaseException | None, elapsed: float, started: bool) -> None:
+        """A job's chain is done. One whose handler never ran (a duplicate, a hook's Retry) is not
+        one of max_jobs (R1), nor a sample of job times; its limits go back whichever hook stopped
+        it. A Pause (workers.Pause) is NAKed like a Retry, and the parent pauses the consumer."""
         self.release_limits(job)
         if isinstance(exc, Pause):
             self.emit(PauseAsked(exc.delay, exc.reason, job.stream_seq))
@@ -406,15 +444,14 @@ class Worker:
             self.pulls.sizer.job_done(elapsed)
         else:
             self.pulls.not_started()
-        await self.outcomes.settle(i, job, exc)
 
     # -- reporting rare events to the parent
 
     def emit(self, event: Event) -> None:
         self.parent.tell(event)
 
-    async def before_nak(self, job: Job, reason: str, delay: float, held_at: float) -> None:
-        await self.parent.announce_nak(job, reason, delay, held_at)
+    async def before_nak(self, job: Job, reason: str, delay: float, held_at: float) -> bool:
+        return await self.parent.announce_nak(job, reason, delay, held_at)
 
 
 # ---------------------------------------------------------------- small pure helpers
@@ -428,24 +465,26 @@ def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
-def make_job(msg: Any) -> Job:
-    sseq, cseq, delivery = parse_ack_reply(msg.reply)
-    headers = {k: v for k, v in (msg.headers or {}).items() if isinstance(k, str)}
-    return Job(data=msg.data, subject=msg.subject, headers=headers, stream_seq=sseq, consumer_seq=cseq,
-               delivery=delivery, msg_id=headers.get("Nats-Msg-Id"), stream=ack_reply_stream(msg.reply))
+def make_job(subject: str, reply: str, data: bytes, headers: dict[str, str] | None) -> tuple[Job, int]:
+    """The job a message is, and how many more the stream held for the consumer after it (from
+    its $JS.ACK reply subject, read once: this runs for every message)."""
+    stream, sseq, cseq, delivery, pending = parse_ack_reply(reply)
+    headers = {k: v for k, v in headers.items() if isinstance(k, str)} if headers else {}
+    # Job(...) itself, without its frozen __init__'s object.__setattr__ per field (a third of the
+    # cost of taking a message in; tests/unit/test_take_message.py checks the two are equal).
+    job = _new(Job)
+    vars(job).update(data=data, subject=subject, headers=headers, stream_seq=sseq, consumer_seq=cseq,
+                     delivery=delivery, msg_id=headers.get("Nats-Msg-Id"), stream=stream)
+    return job, pending
 
 
-def parse_ack_reply(reply: str) -> tuple[int, int, int]:
-    """(stream seq, consumer seq, delivery count) from a $JS.ACK reply subject (v1 or v2 form)."""
+_new = object.__new__
+
+
+def parse_ack_reply(reply: str) -> tuple[str, int, int, int, int]:
+    """(stream, stream seq, consumer seq, delivery count, messages pending after this one) from a
+    $JS.ACK reply subject: $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<time>.<pending>
+    (v1), or with <domain>.<account hash> after $JS.ACK and a token more at the end (v2)."""
     t = reply.split(".")
-    at = 4 if len(t) == 9 else 6         # v2 adds domain and account hash after $JS.ACK
-    return int(t[at + 1]), int(t[at + 2]), int(t[at])
-
-
-def ack_reply_stream(reply: str) -> str:
-    """The stream name in a $JS.ACK reply subject: $JS.ACK.<stream>... (v1) or
-    $JS.ACK.<domain>.<account hash>.<stream>... (v2)."""
-    t = reply.split(".")
-    return t[2] if len(t) == 9 else t[4]
-
-
+    at = 2 if len(t) == 9 else 4
+    return t[at], int(t[at + 3]), int(t[at + 4]), int(t[at + 2]), int(t[at + 6])

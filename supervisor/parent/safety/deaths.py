@@ -92,11 +92,14 @@ class Deaths:
         now = time.monotonic()
         entries = w.table.snapshot()
         nak = [self.nak_guard(w.pid, e, now) for e in entries]
+        left: list = []                   # held jobs the death names as waiting for AckWait (F10)
         if not clean:
-            held = [(e.stream_seq, e.delivery, slots.ENTRY_STATES[e.state], n) for e, n in zip(entries, nak)]
+            held = [(e.stream_seq, e.delivery, slots.ENTRY_STATES[e.state], n, self.timer_started(w.pid, e))
+                    for e, n in zip(entries, nak)]
             death = self.ledger.record_death(now, w.slot, w.pid, cause, held, in_transit=w.table.header(slots.CREDITS),
                                              job_to_blame=w.kill is None or w.kill.cause.blames_jobs,
                                              blame=w.kill.blame if w.kill else None, in_transit_since=w.table.server_seen())
+            left = [job for job in death.held if job.waits]
             if self.suspects is not None:     # on the board before the NAKs bring the suspects back
                 self.suspects.show(self.ledger.on_probation())
             if self.crashes is not None:      # likewise: their next spans name this death
@@ -108,6 +111,8 @@ class Deaths:
                                                  f"(pid {w.pid}) when it exited", e.delivery)
             if n:     # peers first: the redelivery our NAK causes may land on another host
                 self.peers.announce(e.stream_seq, f"held by worker {w.slot} (pid {w.pid}) at its death ({cause})")
+        for job in left:  # its redelivery (after AckWait) may land on another host too
+            self.peers.announce(job.seq, f"held by worker {w.slot} (pid {w.pid}) at its death ({cause}): {job.waits}")
         await self.peers.flush()
         for e, n in zip(entries, nak):
             if not n:
@@ -124,10 +129,13 @@ class Deaths:
                      extra={"event": "worker_exited", "slot": w.slot, "worker_pid": w.pid, "naked": naked})
         else:
             seqs = ", ".join(f"seq {e.stream_seq}" for e in entries) or "nothing"
-            log.warning("worker %d (pid %d) died: %s; held %s%s", w.slot, w.pid, cause, seqs,
-                        f"; NAKed {len(naked)} for immediate redelivery" if naked else "",
+            waits = "".join(f"; seq {job.seq} (delivery {job.delivery}) left to AckWait: {job.waits}" for job in left)
+            log.warning("worker %d (pid %d) died: %s; held %s%s%s", w.slot, w.pid, cause, seqs,
+                        f"; NAKed {len(naked)} for immediate redelivery" if naked else "", waits,
                         extra={"event": "worker_died", "slot": w.slot, "worker_pid": w.pid, "cause": cause,
-                               "held": [e.stream_seq for e in entries], "naked": naked})
+                               "held": [e.stream_seq for e in entries], "naked": naked,
+                               "left_to_ack_wait": [{"seq": job.seq, "delivery": job.delivery, "why": job.waits}
+                                                    for job in left]})
 
     def nak_guard(self, pid: int, e: slots.Entry, now: float) -> bool:
         """NAK unsettled jobs, and acked ones whose ack may be lost (a NAK after an ack is a no-op);

@@ -71,7 +71,7 @@ from typing import Any
 
 from nats.js.errors import NotFoundError
 
-from supervisor.config import Config, subject_matches
+from supervisor.config import Config
 from supervisor.config.schedules import job_subjects
 from supervisor.core.ledger import FOUND_IN_TRANSIT
 from supervisor.core.policy import ack_wait_for, nak_is_safe
@@ -80,7 +80,7 @@ log = logging.getLogger("supervisor")
 
 SLACK = 0.25            # after a ConsumerInfo, before a worker's PING counts as proof
 GIVE_UP = 5.0           # workers that cannot prove it within this long: leave it to AckWait
-MAX_SCAN = 2000         # stream sequences looked at, at most, per reconciliation
+MAX_SCAN = 2000         # stored messages of the pool looked at, at most, per reconciliation
 SAMPLES = 64            # ConsumerInfo readings kept for the lower bound
 NAMED_LIMIT = 10_000    # sequences recently named by a worker's event, remembered
 NOT_CONNECTED = "not connected to NATS"
@@ -442,24 +442,29 @@ class InTransit:
         self.stats["naked"] += len(lost)
 
     async def stored_in(self, first: int, last: int) -> list[int] | str:
-        """The stream sequences in [first, last] still stored, on the consumer's subject; or why
-        they cannot be listed."""
-        if last - first + 1 > MAX_SCAN:
-            return f"too many messages to scan ({last - first + 1}, at most {MAX_SCAN})"
-        js, found = self.nc.jetstream(), []
-        wanted = job_subjects(self.cfg)           # a schedule stored in between is no job in transit
-        for seq in range(first, last + 1):
-            if self.ledger.expecting(seq):
-                continue
-            try:
-                msg = await js.get_msg(self.cfg.stream.name, seq)
-            except NotFoundError:
-                continue                    # acked (a work queue deletes it) or never stored
-            except Exception as exc:        # timeout, no responders, a leader election: AckWait, not a dead parent
-                return f"{CANNOT_READ}{seq} from the stream: {exc or type(exc).__name__}"
-            if any(subject_matches(w, msg.subject) or w == msg.subject for w in wanted):
-                found.append(seq)
-        return found
+        """The stream sequences in [first, last] still stored, on the consumer's subjects; or why
+        they cannot be listed. Read by subject (the server's next message on the filter at or
+        after a sequence): one round trip per message of this pool, none for the others' (with
+        pools a busy neighbour's backlog lies between two of ours, and the parent's loop waits on
+        each read), nor for a schedule stored in between (no job in transit)."""
+        js, found = self.nc.jetstream(), set()
+        for subject in job_subjects(self.cfg):
+            seq = first
+            while seq <= last:
+                try:
+                    msg = await js.get_msg(self.cfg.stream.name, seq, subject=subject, next=True)
+                except NotFoundError:
+                    break                   # none left on it (a work queue deletes what is acked)
+                except Exception as exc:    # timeout, no responders, a leader election: AckWait, not a dead parent
+                    return f"{CANNOT_READ}{seq} from the stream: {exc or type(exc).__name__}"
+                if msg.seq > last:
+                    break
+                if not self.ledger.expecting(msg.seq):
+                    found.add(msg.seq)
+                if len(found) > MAX_SCAN:
+                    return f"too many messages to scan (over {MAX_SCAN} stored on {subject} in {first}..{last})"
+                seq = msg.seq + 1
+        return sorted(found)
 
     def done(self, outcome: str, why: str, losses: list[Loss] | None = None) -> None:
         """End the round for `losses` (all of them when None); a death that came meanwhile waits for the next."""

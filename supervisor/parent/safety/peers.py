@@ -186,25 +186,30 @@ class Peers:
 
     async def on_message(self, msg: Any) -> None:
         try:
-            body = json.loads(msg.data)
-            origin = str(body["origin"])
-            naks = [(int(seq), str(why)) for seq, why in body.get("naks", ())]
-            seen = [(int(seq), int(delivery)) for seq, delivery in body.get("seen", ())]
-            settled = [(int(seq), int(d), str(outcome)) for seq, d, outcome in body.get("settled", ())]
-            lost = [lost_item(item) for item in body.get("lost", ())]
-            naked = [(int(seq), int(d), float(at), float(delay), float(held))
-                     for seq, d, at, delay, held in body.get("naked", ())] if body.get("boot") == BOOT != "" else []
+            self.receive(json.loads(msg.data))
         except (ValueError, KeyError, TypeError, AttributeError):
             log.warning("ignoring a malformed ledger message on %s: %r", self.subject, msg.data[:100])
-            return
+
+    def receive(self, body: dict, record: bool = False) -> None:
+        """A ledger message; `record`: an orphan's record from the fleet bucket (workers/runtime/orphan.py
+        leave_record), its NAKs and then its goodbye in one, for a supervisor that was not listening
+        when it said them. Raises ValueError, KeyError, TypeError or AttributeError when malformed."""
+        origin = str(body["origin"])
+        naks = [(int(seq), str(why)) for seq, why in body.get("naks", ())]
+        seen = [(int(seq), int(delivery)) for seq, delivery in body.get("seen", ())]
+        settled = [(int(seq), int(d), str(outcome)) for seq, d, outcome in body.get("settled", ())]
+        lost = [lost_item(item) for item in body.get("lost", ())]
+        naked = [(int(seq), int(d), float(at), float(delay), float(held))
+                 for seq, d, at, delay, held in body.get("naked", ())] if body.get("boot") == BOOT != "" else []
         if origin == self.origin:
             self.post(self.echoed)
-        elif body.get("bye"):
-            self.post(lambda: self.said_goodbye(origin, bool(body.get("fenced"))))
-        else:
+            return
+        if not body.get("bye") or record:
             self.post(lambda: self.apply(origin, naks, seen, settled, lost, asked=bool(body.get("ask"))))
             if naked and self.in_transit is not None:
                 self.post(lambda: self.orphan_naked(origin, naked))
+        if body.get("bye"):
+            self.post(lambda: self.said_goodbye(origin, bool(body.get("fenced"))))
 
     def said_goodbye(self, origin: str, fenced: bool) -> None:
         self.gone.add(origin)

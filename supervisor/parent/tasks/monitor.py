@@ -7,8 +7,8 @@ Advisories: MAX_DELIVERIES means the server gave up on a job; it is still in the
 copied to the dead-letter subject and nothing vanishes silently. MSG_TERMINATED is counted.
 
 One monitor per pool (its consumer; parent/crew.py). In a fleet (supervisor/parent/tasks/fleet.py)
-only the elected poller asks the server about the first pool's consumer; the others take its
-samples and ask themselves only when those stop coming. In a cluster ConsumerInfo comes from the
+only the consumer's elected poller asks the server about it; the others take its samples and
+ask themselves only when those stop coming. In a cluster ConsumerInfo comes from the
 consumer leader, whichever node that is now; `SampleGuard` keeps an answer that cannot be right
 (a leader still catching up after a move, reporting consumer sequences that went backwards)
 out of the lag analysis and the ledger. Acks sent while the leader moves can be lost (measured on
@@ -33,7 +33,7 @@ from supervisor.config import Config
 from supervisor.config.schedules import job_subjects
 from supervisor.core.fleetview import ack_wait_range
 from supervisor.core.lag import LagAnalyzer, Sample
-from supervisor.nats import limits
+from supervisor.nats import limits, ordering
 from supervisor.nats.consumer import consumer_dict
 from supervisor.observe.history import History
 from supervisor.parent.crew import Crew
@@ -101,6 +101,14 @@ class SampleGuard:
         return ""
 
 
+def deletes_given_up(c: Config) -> bool:
+    """A job the consumer gave up on is deleted from the work queue once its dead-letter copy
+    is stored. With [ordering], whatever the copy (none without restart.dead_letter_subject):
+    stored, the job would hold back every later job of its key for good."""
+    return c.stream.retention == "workqueue" and (bool(c.ordering.key) or bool(
+        c.restart.dead_letter_subject and c.restart.dead_letter_stream))
+
+
 @dataclass
 class LimitsReading:
     """[limits.NAME] in use fleet-wide: the stream's limits, one reading for every pool (the
@@ -132,6 +140,7 @@ class Monitor:
         self.reading = limits or LimitsReading()     # [limits.NAME] in use fleet-wide (supervisor/nats/limits.py) ...
         self.reads_limits = reads_limits             # ... polled by this monitor while this says so
         self.paused_until: str | None = None          # as last seen, to log a pause once
+        self.backlog = ordering.Backlog()             # [ordering]: jobs stored per key
 
     def apply_config(self, cfg: Config) -> None:
         old, self.cfg = self.cfg, cfg
@@ -146,6 +155,7 @@ class Monitor:
             started = time.monotonic()
             await self.poll()
             await self.poll_limits()
+            await self.backlog.poll(self.nc, self.cfg)
             self.after_poll()
             await asyncio.sleep(max(0.0, self.cfg.monitor.interval - (time.monotonic() - started)))
 
@@ -153,14 +163,15 @@ class Monitor:
         js = self.nc.jetstream()
         now = time.monotonic()
         fleet = self.fleet
-        shared = fleet.shared_sample(now) if fleet else None
+        name = self.cfg.consumer.name
+        shared = fleet.shared_sample(now, name) if fleet else None
         if fleet and shared is not None:
             consumer, seq = shared
             if seq != self.shared_seq:          # a sample we have not taken yet
-                self.shared_seq, self.source = seq, fleet.summary.get("poller") or "poller"
+                self.shared_seq, self.source = seq, fleet.poller_name(name)
                 await self.accept(js, consumer)
             return
-        if self.fleet and not self.fleet.may_poll(now):
+        if self.fleet and not self.fleet.may_poll(now, name):
             return                              # a failover in a big fleet: the readings age meanwhile
         try:
             info = await js.consumer_info(self.cfg.stream.name, self.cfg.consumer.name,
@@ -176,7 +187,7 @@ class Monitor:
             consumer["pause_reason"] = await limits.pause_reason(js, self.cfg)
         if await self.accept(js, consumer, asked=now):
             if self.fleet:
-                await self.fleet.share(consumer)
+                await self.fleet.share(consumer, name)
             await self.find_given_up(js, consumer)
 
     async def accept(self, js: Any, consumer: dict[str, Any], asked: float | None = None) -> bool:
@@ -199,7 +210,7 @@ class Monitor:
         self.note_pause(consumer)
         beat = self.crew.stats.progress_beat(self.crew.cfg.workers.job_timeout)
         # In a fleet, progress anywhere counts (supervisor/parent/tasks/fleet.py Fleet.progress).
-        fleet_acked, fleet_busy = self.fleet.progress() if self.fleet else (0, False)
+        fleet_acked, fleet_busy = self.fleet.progress(self.cfg.consumer.name) if self.fleet else (0, False)
         self.analyzer.add(Sample(t=self.polled_at, num_pending=consumer["num_pending"],
                                  num_ack_pending=consumer["num_ack_pending"],
                                  num_redelivered=consumer["num_redelivered"],
@@ -344,8 +355,7 @@ class Monitor:
                   delivery=deliveries, msg_id=headers.get("Nats-Msg-Id"))
         try:
             await dead_letter(self.nc, self.cfg, job, reason)
-            if self.cfg.restart.dead_letter_subject and self.cfg.restart.dead_letter_stream \
-                    and self.cfg.stream.retention == "workqueue":
+            if deletes_given_up(self.cfg):
                 await self.nc.jetstream().delete_msg(self.cfg.stream.name, seq)
         except NotFoundError:
             pass                    # deleted meanwhile (another supervisor copied it: one copy, by its Msg-Id)

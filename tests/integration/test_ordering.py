@@ -1,0 +1,348 @@
+"""[ordering] against real servers, supervisors and workers (issue 27): the handlers' own journal
+(tests/handlers/testhandlers.py, `start|done pid seq delivery time data`) says, per key, whether
+any job started before the previous one of its key had ended (chaos/order.py judges), whether
+anything was lost, and how many jobs ran at once (keys in parallel, not one by one).
+
+The throughput against keys and workers lives in bench (`python -m bench --only ordering`); the
+randomized fault suite draws [ordering] too (chaos/, docs/RELIABILITY.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+
+import nats
+import tomli_w
+from browser import Browser, chromium_binary
+from harness import dead_letter_headers, run_cli, wait_until
+
+from chaos.order import Run, overlap, reorders
+
+ORDERED = {"key": "subject:2"}
+HANDLER = "testhandlers:record_raises"      # journals the end of a run that raised (a retry) too
+
+
+def publish_keyed(url: str, jobs: list[tuple[str, str]]) -> list[int]:
+    """Store (subject, data) jobs in this order; their stream sequences."""
+    async def run() -> list[int]:
+        nc = await nats.connect(url)
+        try:
+            js = nc.jetstream()
+            return [(await js.publish(subject, data.encode())).seq for subject, data in jobs]
+        finally:
+            await nc.close()
+    return asyncio.run(run())
+
+
+def keyed_jobs(rng: random.Random, n: int, keys: int, longest: float, prefix: str = "k") -> list[tuple[str, str]]:
+    return [(f"jobs.{prefix}{rng.randrange(keys)}", f"{rng.random() * longest:.4f}") for _ in range(n)]
+
+
+def runs_of(*sups) -> list[Run]:
+    """Every run in the supervisors' journals: start and done (or raised) lines paired by (pid, seq,
+    delivery)."""
+    starts, ends = {}, {}
+    for s in sups:
+        for r in s.jobs.records():
+            (starts if r.event == "start" else ends)[(r.pid, r.seq, r.delivery)] = r.t
+    return [Run(seq, pid, delivery, t, ends.get((pid, seq, delivery))) for (pid, seq, delivery), t in starts.items()]
+
+
+def done(*sups) -> set[int]:
+    return set().union(*(s.jobs.done_seqs() for s in sups))
+
+
+def assert_in_order(runs: list[Run], key_of: dict[int, str], died: dict[int, float] | None = None) -> None:
+    bad = reorders(runs, key_of, died)
+    assert not bad, f"{len(bad)} job(s) out of order per key, e.g. " + "; ".join(r.describe() for r in bad[:5])
+
+
+def most_keys_at_once(runs: list[Run], key_of: dict[int, str]) -> int:
+    """The most distinct keys whose jobs ran at one moment."""
+    edges = sorted([(r.start, 1, key_of[r.seq]) for r in runs if r.end is not None] +
+                   [(r.end, -1, key_of[r.seq]) for r in runs if r.end is not None])
+    running: dict[str, int] = {}
+    best = 0
+    for _, step, key in edges:
+        running[key] = running.get(key, 0) + step
+        best = max(best, sum(1 for n in running.values() if n > 0))
+    return best
+
+
+def kill_a_running_worker(sup, rng: random.Random, died: dict[int, float]) -> int | None:
+    """SIGKILL a worker of `sup` that is running a job now (its time of death noted)."""
+    running = {r.pid for r in sup.jobs.running()} & sup.worker_pids()
+    if not running:
+        return None
+    pid = rng.choice(sorted(running))
+    os.kill(pid, signal.SIGKILL)
+    died[pid] = time.time()
+    return pid
+
+
+# ---------------------------------------------------------------- order, parallelism, worker deaths
+
+def test_keys_keep_their_order_through_worker_kills_and_run_in_parallel(nats_server, supervisor_factory):
+    """1000 jobs over 20 keys (0-30 ms each) on 3 workers of 2 handlers, a running worker SIGKILLed
+    at a quarter, half and three quarters done. Per key no job starts before the previous one of
+    its key ended (a killed run ended at its worker's death), nothing is lost, and keys ran side
+    by side, not one by one: the handlers' time adds up to twice the run's span or more (jobs one
+    by one: below 1 whatever the machine's load), and 4 keys or more ran at one moment."""
+    sup = supervisor_factory(nats_server, workers={"count": 3, "concurrency": 2, "handler": HANDLER}, ordering=ORDERED)
+    sup.wait_ready()
+    rng = random.Random(27)
+    jobs = keyed_jobs(rng, 1000, 20, 0.03)
+    seqs = publish_keyed(nats_server.url, jobs)
+    key_of = {s: subject for s, (subject, _) in zip(seqs, jobs)}
+    died: dict[int, float] = {}
+    for share in (0.25, 0.5, 0.75):
+        wait_until(lambda: len(done(sup) & set(seqs)) >= share * len(seqs), what=f"{share:.0%} of the jobs done")
+        wait_until(lambda: kill_a_running_worker(sup, rng, died), what="a worker running a job, to kill")
+    wait_until(lambda: set(seqs) <= done(sup), timeout=120, what="every job done")
+    runs = runs_of(sup)
+    assert_in_order(runs, key_of, died)
+    assert len(died) == 3 and any(r.end is None and r.pid in died for r in runs), "no kill caught a job running"
+    together, keys_at_once = overlap(runs), most_keys_at_once(runs, key_of)
+    print(f"jobs ran {together:.2f} at a time on average, up to {keys_at_once} keys at once")
+    assert together >= 2.0 and keys_at_once >= 4, \
+        f"jobs ran {together:.2f} at a time on average, {keys_at_once} keys at most: keys did not run in parallel"
+    status = sup.status()["ordering"]
+    assert status["key"] == "subject:2" and status["checks"] >= len(seqs) and status["parked"] == 0
+
+
+def test_two_supervisors_one_killed_keep_every_key_in_order(nats_server, supervisor_factory):
+    """Two supervisors on one stream (2 workers each), 800 jobs over 16 keys; one supervisor's whole
+    process group SIGKILLed mid-run. Its jobs come back after AckWait (3 s) and their keys wait
+    for them; the other keys go on; every key stays in order and nothing is lost."""
+    common = {"workers": {"count": 2, "concurrency": 2, "handler": HANDLER}, "ordering": ORDERED,
+              "consumer": {"ack_wait": 3.0}}
+    a, b = (supervisor_factory(nats_server, **common) for _ in range(2))
+    a.wait_ready()
+    b.wait_ready()
+    rng = random.Random(2)
+    jobs = keyed_jobs(rng, 800, 16, 0.008)
+    seqs = publish_keyed(nats_server.url, jobs)
+    key_of = {s: subject for s, (subject, _) in zip(seqs, jobs)}
+    victims = b.worker_pids()         # read first: between the journal's word and the kill, 0-8 ms jobs end
+    wait_until(lambda: len(done(b) & set(seqs)) >= 100 and b.jobs.running(), what="B running jobs")
+    os.killpg(b.proc.pid, signal.SIGKILL)
+    t = time.time()
+    b.proc.wait()
+    died = dict.fromkeys(victims, t)
+    wait_until(lambda: set(seqs) <= done(a, b), timeout=90, what="every job done by A")
+    runs = runs_of(a, b)
+    assert_in_order(runs, key_of, died)
+    # What B held at the kill, a job running or parked for its key's turn (4 per handler ahead of
+    # hundreds waiting), came back after AckWait and ran on A. A job seen running may have ended
+    # just before the kill: either shows the kill took jobs away.
+    caught = [r for r in runs if r.end is None and r.pid in victims]
+    back = [r for r in runs if r.pid not in victims and r.delivery > 1 and r.start > t]
+    assert caught or back, "the kill took no job away from B"
+    assert {r.pid for r in runs} & victims and {r.pid for r in runs} - victims, "one supervisor ran everything"
+
+
+# ---------------------------------------------------------------- a poison job holds back its key only
+
+def test_a_poison_job_holds_back_its_key_until_it_is_dead_lettered_and_no_other(nats_server, supervisor_factory):
+    """Key kP's first job kills its worker 0.5 s into every delivery: quarantined after 3 deaths
+    (dead-lettered and TERMed: it leaves the stream), and only then do kP's next jobs run, in
+    order. The 8 other keys' 240 jobs do not wait for it: every one of those keys runs jobs
+    while it comes and goes (1.5 s at least), two dozen of them or more in all."""
+    sup = supervisor_factory(nats_server, workers={"count": 3, "handler": HANDLER}, ordering=ORDERED,
+                             restart={"poison_after_crashes": 3, "backoff_initial": 0.05, "backoff_max": 0.2},
+                             args=("--log-format", "json"))
+    sup.wait_ready()
+    rng = random.Random(3)
+    jobs = [("jobs.kP", "crash-after:0.5"), *(("jobs.kP", "0.01") for _ in range(3))]
+    others = keyed_jobs(rng, 240, 8, 0.02)
+    seqs = publish_keyed(nats_server.url, jobs + others)
+    key_of = {s: subject for s, (subject, _) in zip(seqs, jobs + others)}
+    poison, after, rest = seqs[0], seqs[1:4], set(seqs[4:])
+    wait_until(lambda: set(seqs[1:]) <= done(sup), timeout=90, what="every job but the poison done")
+    dead_lettered = sup.wait_event("dead_letter", seq=poison)["ts"] - 0.001
+    runs = runs_of(sup)
+    poison_runs = [r for r in runs if r.seq == poison]
+    assert len(poison_runs) == 3 and all(r.end is None for r in poison_runs), poison_runs
+    died = {r.pid: r.start + 0.5 for r in poison_runs}
+    assert_in_order([r for r in runs if r.seq != poison], key_of, died)
+    assert min(r.start for r in runs if r.seq in after) > dead_lettered, "kP went on before its poison was dealt with"
+    first = min(r.start for r in poison_runs)
+    meanwhile = [r for r in runs if r.seq in rest and first < r.start < dead_lettered]
+    assert {key_of[r.seq] for r in meanwhile} == {key_of[q] for q in rest}, "a key waited for another key's poison"
+    assert len(meanwhile) >= 24, f"only {len(meanwhile)} jobs of other keys started while the poison came and went"
+    assert any(h.get("Supervisor-Dead-Letter-Sequence") == str(poison) for h in dead_letter_headers(nats_server.url))
+
+
+# ---------------------------------------------------------------- beside recycling, drains, retries, the guard
+
+def test_order_beside_recycling_a_drain_a_long_retry_and_the_guard(nats_server, supervisor_factory):
+    """max_jobs = 5 (workers recycled all along), [idempotency] on, one job of key kR asks for a
+    0.4 s retry (above retry.republish_after = 0.1: unordered, it would be re-published as a new,
+    later message), and the supervisor drained (SIGTERM) mid-run and started again. Every key in
+    order, nothing lost, and the retried job ran again as delivery 2 of its own sequence (a NAK
+    its key waited for, never a copy)."""
+    config = {"workers": {"count": 3, "concurrency": 2, "max_jobs": 5, "handler": HANDLER}, "ordering": ORDERED,
+              "idempotency": {"enabled": True}, "retry": {"republish_after": 0.1}}
+    sup = supervisor_factory(nats_server, **config)
+    sup.wait_ready()
+    rng = random.Random(4)
+    jobs = keyed_jobs(rng, 150, 10, 0.01)
+    jobs[20] = ("jobs.kR", "retry:0.4")
+    jobs += [("jobs.kR", "0.001") for _ in range(5)]
+    seqs = publish_keyed(nats_server.url, jobs)
+    key_of = {s: subject for s, (subject, _) in zip(seqs, jobs)}
+    wait_until(lambda: len(done(sup) & set(seqs)) >= 60, what="60 jobs done")
+    sup.signal(signal.SIGTERM)
+    assert sup.wait(timeout=15) == 0, "the drain took graceful_timeout: a job it had in hand waited for it"
+    sup.start()
+    wait_until(lambda: set(seqs) <= done(sup), timeout=90, what="every job done after the restart")
+    runs = runs_of(sup)
+    assert_in_order(runs, key_of)
+    retried = sorted((r.delivery, r.start) for r in runs if r.seq == seqs[20])
+    assert len(retried) == 2 and retried[0][0] == 1, f"the retried job ran as deliveries {retried}"   # the
+    # second may be delivery 3: a drain NAKs a job it had not started yet (delivery 2, parked or queued)
+    kr_after = [r.start for r in runs if r.seq in seqs[-5:]]
+    assert min(kr_after) > retried[1][1]
+    assert len({r.pid for r in runs}) > 6, "workers were not recycled"
+
+
+# ---------------------------------------------------------------- beside a pool that is not ordered
+
+def test_one_pool_ordered_beside_one_that_is_not_and_a_reload_that_orders_it(nats_server, supervisor_factory):
+    """[ordering] key = "subject:3" for every pool; pool b says `ordering_key = ""`. Both take jobs
+    keyed by their third token, on their own consumers. Pool a's keys stay in order; pool b's one
+    key runs its 0.3 s jobs side by side (it is not ordered, though its subjects have the token);
+    /status orders a alone (`pools.NAME.ordering`, the top level a's, the first pool's), /metrics
+    labels the series `pool="a"` and has none for b. A SIGHUP that drops b's override replaces
+    b's workers, and b's next jobs run one by one, in order."""
+    pools = {"a": {"count": 2, "concurrency": 2, "filter_subject": "jobs.a.>"},
+             "b": {"count": 2, "concurrency": 2, "filter_subject": "jobs.b.>", "ordering_key": ""}}
+    sup = supervisor_factory(nats_server, workers={"handler": HANDLER}, ordering={"key": "subject:3"}, pools=pools)
+    sup.wait_ready(4)
+    rng = random.Random(28)
+    a_jobs = keyed_jobs(rng, 80, 4, 0.02, prefix="a.k")
+    b_jobs = [("jobs.b.k0", "0.3")] * 8
+    seqs = publish_keyed(nats_server.url, a_jobs + b_jobs)
+    key_of = {s: subject for s, (subject, _) in zip(seqs, a_jobs + b_jobs)}
+    a_seqs, b_seqs = set(seqs[:len(a_jobs)]), set(seqs[len(a_jobs):])
+    wait_until(lambda: set(seqs) <= done(sup), what="both pools' jobs done")
+    status = sup.status()
+    owner = {w["pid"]: name for name, p in status["pools"].items() for w in p["workers"]["list"]}
+    runs = runs_of(sup)
+    assert {owner.get(r.pid) for r in runs if r.seq in a_seqs} == {"a"} and \
+        {owner.get(r.pid) for r in runs if r.seq in b_seqs} == {"b"}
+    assert_in_order([r for r in runs if r.seq in a_seqs], key_of)
+    assert reorders([r for r in runs if r.seq in b_seqs], key_of), "pool b's jobs ran one by one: it was ordered"
+    assert status["pools"]["a"]["ordering"]["key"] == "subject:3" and status["pools"]["b"]["ordering"] is None
+    assert status["ordering"] == status["pools"]["a"]["ordering"]
+    assert status["pools"]["a"]["ordering"]["checks"] >= len(a_seqs)
+    _, metrics = sup.get("/metrics")
+    assert 'jetstream_supervisor_ordering_checks_total{pool="a"}' in metrics and \
+        'ordering_parked{pool="b"}' not in metrics, metrics
+    # b's override dropped: b inherits [ordering] and its workers are replaced (read at fork)
+    old_b = {pid for pid, name in owner.items() if name == "b"}
+    inherits = {k: v for k, v in pools["b"].items() if k != "ordering_key"}
+    sup.config_path.write_text(tomli_w.dumps({**sup.config, "pools": {**pools, "b": inherits}}))
+    sup.signal(signal.SIGHUP)
+    wait_until(lambda: (sup.status()["pools"]["b"]["ordering"] or {}).get("key") == "subject:3", what="b ordered")
+    wait_until(lambda: not old_b & sup.worker_pids() and len(sup.status()["pools"]["b"]["workers"]["list"]) == 2
+               and all(w["state"] == "ready" for w in sup.status()["pools"]["b"]["workers"]["list"]),
+               what="b's workers replaced")
+    later = publish_keyed(nats_server.url, [("jobs.b.k0", "0.1")] * 6)
+    key_of.update(dict.fromkeys(later, "jobs.b.k0"))
+    wait_until(lambda: set(later) <= done(sup), what="b's later jobs done")
+    assert_in_order([r for r in runs_of(sup) if r.seq in later], key_of)
+
+
+# ---------------------------------------------------------------- what it refuses
+
+def test_ordering_refuses_a_stream_that_is_not_a_work_queue(nats_server, tmp_path):
+    """A stream that keeps what was acked (retention limits) would hold every key back for good:
+    exit 2 at start, naming ordering.key and why; with pools, for the pool that is ordered."""
+    async def make() -> None:
+        nc = await nats.connect(nats_server.url)
+        await nc.jetstream().add_stream(name="JOBS", subjects=["jobs.>"], retention="limits")
+        await nc.close()
+    asyncio.run(make())
+    config = tmp_path / "config.toml"
+    config.write_text(f'[nats]\nservers = ["{nats_server.url}"]\n[workers]\nhandler = "testhandlers:record"\n'
+                      '[monitor]\nhttp = ""\n[ordering]\nkey = "subject:2"\n')
+    r = run_cli("start", "--config", str(config), tmp=tmp_path, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "ordering.key" in r.stderr and "not a work queue" in r.stderr, r.stderr
+    # with pools, each ordered pool's consumer is checked: b, the second pool, ordered alone
+    config.write_text(f'[nats]\nservers = ["{nats_server.url}"]\n[workers]\nhandler = "testhandlers:record"\n'
+                      '[monitor]\nhttp = ""\n[pools.a]\nfilter_subject = "jobs.a"\n'
+                      '[pools.b]\nfilter_subject = "jobs.b.>"\nordering_key = "subject:3"\n')
+    r = run_cli("start", "--config", str(config), tmp=tmp_path, timeout=60)
+    assert r.returncode == 2 and "not a work queue" in r.stderr and "consumer workers-b" in r.stderr, r.stderr
+
+
+def test_the_status_names_the_key_a_job_waits_for(nats_server, supervisor_factory, tmp_path):
+    """A job of kA runs until the test says; the next jobs of kA wait, parked: /status `ordering`
+    shows them under `blocked` with the running job as the head they wait for, and the key's
+    jobs in the stream under `backlog`; /metrics has the gauges, `supervisor status` a line; the
+    dashboard draws the key in a real Chromium (where one is installed)."""
+    gate = tmp_path / "gate"
+    sup = supervisor_factory(nats_server, workers={"count": 2}, ordering=ORDERED)
+    sup.wait_ready()
+    seqs = publish_keyed(nats_server.url, [("jobs.kA", f"until:{gate}"), ("jobs.kA", "0"), ("jobs.kA", "0"),
+                                           ("jobs.kB", "0")])
+    wait_until(lambda: seqs[3] in sup.jobs.done_seqs(), what="kB's job done past kA's")
+
+    def blocked():
+        block = sup.status()["ordering"]
+        return block if block["blocked"] and block["backlog"]["keys"] else None
+    block = wait_until(blocked, what="kA's jobs shown waiting, with a backlog count")
+    assert block["blocked"][0]["key"] == "kA" and block["blocked"][0]["head_seq"] == seqs[0]
+    assert block["parked"] == block["blocked"][0]["waiting"] == 2 and block["waiting_keys"] == 1
+    assert block["backlog"]["top"][0] == {"key": "kA", "jobs": 3}
+    _, metrics = sup.get("/metrics")
+    assert "jetstream_supervisor_ordering_parked 2.0" in metrics, metrics
+    printed = run_cli("status", "--url", f"http://{sup.http}").stdout
+    assert f"2 job(s) parked on 1 key(s); longest: key kA behind seq {seqs[0]}" in printed, printed
+    if chromium_binary() is not None:
+        browser = Browser(chromium_binary())
+        try:
+            page = browser.new_page(1000, 1200)
+            page.goto(f"http://{sup.http}/")
+            page.wait_for("document.querySelector('#ordering-table td') && "
+                          "document.querySelector('#ordering-table td').textContent === 'kA'", what="kA drawn")
+            assert not page.evaluate("document.getElementById('ordering').hidden")
+            assert "kA 3" in page.evaluate("document.getElementById('ordering-backlog').textContent")
+        finally:
+            browser.close()
+    gate.touch()
+    wait_until(lambda: set(seqs) <= sup.jobs.done_seqs(), what="kA's jobs done")
+    assert json.loads(sup.get("/status")[1])["ordering"]["parked"] == 0
+
+
+# ---------------------------------------------------------------- on a cluster
+
+def test_on_an_r3_stream_order_holds_through_leader_changes(nats_cluster, supervisor_factory):
+    """Two supervisors on an R3 stream of a 3-node cluster, 400 jobs over 12 keys, the stream
+    leader (which answers the workers' questions and applies an ack's removal last: a raft
+    proposal after the consumer's own) and the consumer leader each stepped down mid-run. A new
+    leader that has not applied a removal yet only says an earlier job is still stored: every
+    key in order, nothing lost."""
+    sups = [supervisor_factory(None, nats={"servers": nats_cluster.urls, "startup_timeout": 30.0},
+                               stream={"replicas": 3}, consumer={"ack_wait": 10.0}, fleet={"name": name},
+                               workers={"count": 2, "handler": HANDLER}, ordering=ORDERED)
+            for name in ("alpha", "beta")]
+    for s in sups:
+        s.wait_ready()
+    rng = random.Random(5)
+    jobs = keyed_jobs(rng, 400, 12, 0.01)
+    seqs = publish_keyed(nats_cluster.urls[0], jobs)
+    key_of = {s: subject for s, (subject, _) in zip(seqs, jobs)}
+    for share, step in ((0.25, lambda: nats_cluster.stepdown_stream("JOBS")),
+                        (0.5, lambda: nats_cluster.stepdown_consumer("JOBS", "workers")),
+                        (0.75, lambda: nats_cluster.stepdown_stream("JOBS"))):
+        wait_until(lambda: len(done(*sups) & set(seqs)) >= share * len(seqs), what=f"{share:.0%} done")
+        assert "error" not in step()
+    wait_until(lambda: set(seqs) <= done(*sups), timeout=120, what="every job done")
+    assert_in_order(runs_of(*sups), key_of)
