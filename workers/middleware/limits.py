@@ -40,12 +40,12 @@ waits where it is, held (and kept alive by the parent's +WPI like any held job).
 
 Whole-job limits do not take a handler while they wait (`Limits.park`): a pulled job that needs
 one and cannot have it at once (`Limits.hold_now`) is parked (it stays in the slot table, HELD)
-until it has them, then goes first in the worker's queue; jobs that need none go on past it. A
-parked job counts as taking a handler (for pull sizing: `occupying`) while it tries for its
-limits (most get them at once, and would find the handler given away), and again beyond
-`workers.concurrency` of them waiting: a worker holds at most `concurrency` jobs waiting for a
-limit on top of what it can run, and stops pulling what it could not start. A drain NAKs parked
-jobs at once (they never started); a retirement lets them wait, within graceful_timeout.
+until it has them, then goes first in the worker's queue; jobs that need none go on past it.
+Which parked jobs try for their limits, and when (only while a handler is free for them), is
+workers/middleware/parking.py; a job that waits for a full limit takes no handler, and how many
+such a worker holds beside what it runs is pull sizing's (workers/runtime/pulls.py). A drain
+NAKs parked jobs at once (they never started); a retirement lets them wait, within
+graceful_timeout.
 """
 
 from __future__ import annotations
