@@ -19,6 +19,7 @@ import nats
 import tomli_w
 from browser import Browser, chromium_binary
 from harness import dead_letter_headers, run_cli, wait_until
+from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig
 
 from chaos.order import Run, overlap, reorders
 
@@ -280,6 +281,37 @@ def test_ordering_refuses_a_stream_that_is_not_a_work_queue(nats_server, tmp_pat
                       '[pools.b]\nfilter_subject = "jobs.b.>"\nordering_key = "subject:3"\n')
     r = run_cli("start", "--config", str(config), tmp=tmp_path, timeout=60)
     assert r.returncode == 2 and "not a work queue" in r.stderr and "consumer workers-b" in r.stderr, r.stderr
+
+
+def test_ordering_refuses_a_work_queue_that_drops_or_keeps_jobs_by_itself(nats_server, tmp_path):
+    """The rule's premise is that a job stays stored until acked or TERMed. A work queue made by
+    hand with max_msgs_per_subject = 2 drops a key's running job when its third one is published
+    (its second then started beside it: seen on the stream of this test before the check), and
+    one that denies deletes keeps a job the consumer gave up on, so its key waited for good (the
+    parent's delete refused every minute). Both: exit 2 at start, naming ordering.key and the
+    setting. Discard "new" alone still drops the oldest of the subject (nats-server 2.15.1: the
+    third publish stored, the first gone); discard "new" per subject refuses the third publish
+    instead, so that limit is refused no more."""
+    def stream(update: bool = False, **settings) -> None:
+        async def run() -> None:
+            nc = await nats.connect(nats_server.url)
+            js = nc.jetstream()
+            config = StreamConfig(name="JOBS", subjects=["jobs.>"], retention=RetentionPolicy.WORK_QUEUE, **settings)
+            await (js.update_stream(config) if update else js.add_stream(config))
+            await nc.close()
+        asyncio.run(run())
+    config = tmp_path / "config.toml"
+    config.write_text(f'[nats]\nservers = ["{nats_server.url}"]\n[workers]\nhandler = "testhandlers:record"\n'
+                      '[monitor]\nhttp = ""\n[ordering]\nkey = "subject:2"\n')
+    stream(max_msgs_per_subject=2)
+    r = run_cli("start", "--config", str(config), tmp=tmp_path, timeout=60)
+    assert r.returncode == 2 and "ordering.key" in r.stderr and "2 job(s) per subject" in r.stderr, r.stdout + r.stderr
+    stream(update=True, max_msgs_per_subject=2, discard=DiscardPolicy.NEW)
+    r = run_cli("start", "--config", str(config), tmp=tmp_path, timeout=60)
+    assert r.returncode == 2 and "2 job(s) per subject" in r.stderr, r.stdout + r.stderr
+    stream(update=True, max_msgs_per_subject=2, discard=DiscardPolicy.NEW, discard_new_per_subject=True, deny_delete=True)
+    r = run_cli("start", "--config", str(config), tmp=tmp_path, timeout=60)
+    assert r.returncode == 2 and "denies deletes" in r.stderr and "per subject" not in r.stderr, r.stdout + r.stderr
 
 
 def test_the_status_names_the_key_a_job_waits_for(nats_server, supervisor_factory, tmp_path):
