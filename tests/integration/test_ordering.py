@@ -178,6 +178,26 @@ def test_a_poison_job_holds_back_its_key_until_it_is_dead_lettered_and_no_other(
     assert any(h.get("Supervisor-Dead-Letter-Sequence") == str(poison) for h in dead_letter_headers(nats_server.url))
 
 
+def test_a_long_job_of_one_key_holds_up_no_other_key(nats_server, supervisor_factory, tmp_path):
+    """Key kA's job runs until the test says; six jobs of six other keys, published meanwhile, all
+    run on the other worker without waiting for it. A worker whose only handler is busy asks for
+    nothing: a job of another key, free to start, pulled then, would wait behind kA's job while
+    the other worker sat idle (3 of 6 did, before: the room beyond the handlers was a look ahead
+    any job could fill)."""
+    gate = tmp_path / "gate"
+    sup = supervisor_factory(nats_server, workers={"count": 2, "handler": HANDLER}, ordering=ORDERED)
+    sup.wait_ready(2)
+    [long_job] = publish_keyed(nats_server.url, [("jobs.kA", f"until:{gate}")])
+    wait_until(lambda: any(r.seq == long_job for r in sup.jobs.running()), what="kA's job running")
+    try:
+        others = set(publish_keyed(nats_server.url, [(f"jobs.kB{i}", "0") for i in range(6)]))
+        wait_until(lambda: others <= done(sup), timeout=30, what="the other keys' jobs done while kA's runs")
+        assert long_job not in done(sup)
+    finally:
+        gate.touch()
+    wait_until(lambda: long_job in done(sup), what="kA's job done")
+
+
 # ---------------------------------------------------------------- beside recycling, drains, retries, the guard
 
 def test_order_beside_recycling_a_drain_a_long_retry_and_the_guard(nats_server, supervisor_factory):

@@ -63,9 +63,13 @@ What a worker may have on the wire when it dies (its credits) is at most its cap
 `concurrency` once it has been idle IDLE_STALE seconds.
 
 With [ordering] a buffered job is a cost, not a saving: it waits for a handler while every later
-job of its key waits for it. So nothing is prefetched; the room beyond `concurrency` is a look
-ahead (`lookahead`) of jobs parked until their key's turn (workers/runtime/ordering.py), which
-the worker counts as outstanding only while they wait, and outcomes go back to the loop at once
+job of its key waits for it, and a job of another key, free to start, waits behind this worker's
+busy handler while another worker's is free (a key's long job, or a poison's deaths, held up
+other keys while the look ahead beyond the handlers was room any job could fill). So jobs ready
+to start are buffered by the rules above (`ordered_size`: none while the spread is wide or not
+known, a deep buffer for uniform short jobs), and a job that turns out to wait for its key's
+turn (parked, workers/runtime/ordering.py) takes no handler and no buffer: the worker asks
+again, past it, while fewer than `lookahead` are parked. Outcomes go back to the loop at once
 (`batching` 0).
 
 Pure: no clock is read here, every time is passed in.
@@ -182,9 +186,7 @@ class PullSizer:
     # -- what it decides
 
     def prefetch(self, now: float) -> int:
-        """Jobs to hold beyond those running."""
-        if self.lookahead:
-            return self.lookahead
+        """Jobs to hold beyond those running (ready to start: [ordering]'s parked jobs apart)."""
         if self.job_time is None or self.stale or self.idle(now) or self.spread():
             return 0
         return min(BUFFER_REQUESTS * self.ceiling, int(self.concurrency * DEPTH * self.rtt / self.job_time + 0.5))
@@ -207,6 +209,15 @@ class PullSizer:
         if jobs_left is not None:
             room = min(room, jobs_left)
         return max(0, min(room, self.ceiling))
+
+
+    def ordered_size(self, now: float, busy: int, parked: int, credits: int, free_entries: int,
+                     jobs_left: int | None = None) -> int:
+        """[ordering]'s next pull request: what the free handlers and the buffer have room for, as
+        without ordering (`busy`: jobs that take a handler, queued or running), while fewer than
+        `lookahead` jobs are `parked` for their key's turn and within the fair share; 0 for none."""
+        n = self.size(now, busy + credits, credits, free_entries, jobs_left)
+        return max(0, min(n, self.lookahead - parked - credits, self.share - busy - parked - credits))
 
 
 def residual(spent: float, spent_sq: float) -> float:
