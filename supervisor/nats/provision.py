@@ -258,14 +258,18 @@ async def ensure_queue(js: Any, pool_cfg: Config, stream: api.StreamConfig | Non
 
 async def check_ordering(js: Any, cfg: Config, stream: api.StreamConfig) -> None:
     """[ordering] knows a job is done when the stream no longer stores it: a work queue, whose
-    consumer delivers exactly the subjects the workers ask the stream about (job_subjects). With
-    pools, each ordered pool's consumer is checked on its own filter."""
+    consumer delivers exactly the subjects the workers ask the stream about (job_subjects), on a
+    stream that removes no job by itself and lets the parent delete one (removes_jobs_itself).
+    With pools, each ordered pool's consumer is checked on its own filter."""
     if stream.retention != api.RetentionPolicy.WORK_QUEUE:
         kind = getattr(stream.retention, "value", stream.retention)
         raise ConfigError("ordering.key", f"stream {cfg.stream.name} is not a work queue (retention {kind}): a job of "
                                           f"consumer {cfg.consumer.name} would stay stored once done, and its key would "
                                           "wait for it for good")
     have = (await js.consumer_info(cfg.stream.name, cfg.consumer.name)).config
+    removes = removes_jobs_itself(cfg, stream, have.max_deliver)
+    if removes:
+        raise ConfigError("ordering.key", removes)
     delivers = have.filter_subjects or ([have.filter_subject] if have.filter_subject else
                                         [s for s in stream.subjects or () if not sched.in_space(s)])
     ours = sched.job_subjects(cfg)
@@ -273,6 +277,26 @@ async def check_ordering(js: Any, cfg: Config, stream: api.StreamConfig) -> None
         raise ConfigError("ordering.key", f"consumer {cfg.consumer.name} delivers {', '.join(delivers)} but the config "
                                           f"names {', '.join(ours)} (consumer.filter_subject, else stream.subjects): "
                                           "workers would ask the stream about other jobs than theirs")
+
+
+def removes_jobs_itself(cfg: Config, stream: api.StreamConfig, max_deliver: int | None) -> str:
+    """[ordering] also needs the stream to keep a job until it is acked or TERMed, and to let the
+    parent delete one the consumer gave up on. Two settings a stream made by hand can have break
+    that; "" when neither. A per-subject limit that refuses new jobs (discard_new_per_subject) keeps
+    what is stored, so it passes; without it the server drops the oldest job of the subject, with
+    discard "new" too (nats-server stores the new message and then enforces the limit). Deletes
+    matter only to a consumer that gives up (`max_deliver`, the server's: -1 never does)."""
+    per_subject = stream.max_msgs_per_subject or 0
+    if per_subject > 0 and not stream.discard_new_per_subject:
+        return (f"stream {cfg.stream.name} keeps {per_subject} job(s) per subject and drops the oldest for a newer "
+                "one (max_msgs_per_subject without discard_new_per_subject): a running job of consumer "
+                f"{cfg.consumer.name} would leave the stream when a later job of its subject is published, and the "
+                "next job of its key would start beside it")
+    if stream.deny_delete and (max_deliver or -1) > 0:
+        return (f"stream {cfg.stream.name} denies deletes (deny_delete): a job consumer {cfg.consumer.name} gives up "
+                f"on after {max_deliver} deliveries (consumer.max_deliver; -1 never gives up) could not be deleted "
+                "from it, and its key would wait for it for good")
+    return ""
 
 
 async def ensure_idempotency(js: Any, cfg: Config) -> None:

@@ -19,6 +19,7 @@ import nats
 import tomli_w
 from browser import Browser, chromium_binary
 from harness import dead_letter_headers, run_cli, wait_until
+from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig
 
 from chaos.order import Run, overlap, reorders
 
@@ -177,6 +178,26 @@ def test_a_poison_job_holds_back_its_key_until_it_is_dead_lettered_and_no_other(
     assert any(h.get("Supervisor-Dead-Letter-Sequence") == str(poison) for h in dead_letter_headers(nats_server.url))
 
 
+def test_a_long_job_of_one_key_holds_up_no_other_key(nats_server, supervisor_factory, tmp_path):
+    """Key kA's job runs until the test says; six jobs of six other keys, published meanwhile, all
+    run on the other worker without waiting for it. A worker whose only handler is busy asks for
+    nothing: a job of another key, free to start, pulled then, would wait behind kA's job while
+    the other worker sat idle (3 of 6 did, before: the room beyond the handlers was a look ahead
+    any job could fill)."""
+    gate = tmp_path / "gate"
+    sup = supervisor_factory(nats_server, workers={"count": 2, "handler": HANDLER}, ordering=ORDERED)
+    sup.wait_ready(2)
+    [long_job] = publish_keyed(nats_server.url, [("jobs.kA", f"until:{gate}")])
+    wait_until(lambda: any(r.seq == long_job for r in sup.jobs.running()), what="kA's job running")
+    try:
+        others = set(publish_keyed(nats_server.url, [(f"jobs.kB{i}", "0") for i in range(6)]))
+        wait_until(lambda: others <= done(sup), timeout=30, what="the other keys' jobs done while kA's runs")
+        assert long_job not in done(sup)
+    finally:
+        gate.touch()
+    wait_until(lambda: long_job in done(sup), what="kA's job done")
+
+
 # ---------------------------------------------------------------- beside recycling, drains, retries, the guard
 
 def test_order_beside_recycling_a_drain_a_long_retry_and_the_guard(nats_server, supervisor_factory):
@@ -280,6 +301,37 @@ def test_ordering_refuses_a_stream_that_is_not_a_work_queue(nats_server, tmp_pat
                       '[pools.b]\nfilter_subject = "jobs.b.>"\nordering_key = "subject:3"\n')
     r = run_cli("start", "--config", str(config), tmp=tmp_path, timeout=60)
     assert r.returncode == 2 and "not a work queue" in r.stderr and "consumer workers-b" in r.stderr, r.stderr
+
+
+def test_ordering_refuses_a_work_queue_that_drops_or_keeps_jobs_by_itself(nats_server, tmp_path):
+    """The rule's premise is that a job stays stored until acked or TERMed. A work queue made by
+    hand with max_msgs_per_subject = 2 drops a key's running job when its third one is published
+    (its second then started beside it: seen on the stream of this test before the check), and
+    one that denies deletes keeps a job the consumer gave up on, so its key waited for good (the
+    parent's delete refused every minute). Both: exit 2 at start, naming ordering.key and the
+    setting. Discard "new" alone still drops the oldest of the subject (nats-server 2.15.1: the
+    third publish stored, the first gone); discard "new" per subject refuses the third publish
+    instead, so that limit is refused no more."""
+    def stream(update: bool = False, **settings) -> None:
+        async def run() -> None:
+            nc = await nats.connect(nats_server.url)
+            js = nc.jetstream()
+            config = StreamConfig(name="JOBS", subjects=["jobs.>"], retention=RetentionPolicy.WORK_QUEUE, **settings)
+            await (js.update_stream(config) if update else js.add_stream(config))
+            await nc.close()
+        asyncio.run(run())
+    config = tmp_path / "config.toml"
+    config.write_text(f'[nats]\nservers = ["{nats_server.url}"]\n[workers]\nhandler = "testhandlers:record"\n'
+                      '[monitor]\nhttp = ""\n[ordering]\nkey = "subject:2"\n')
+    stream(max_msgs_per_subject=2)
+    r = run_cli("start", "--config", str(config), tmp=tmp_path, timeout=60)
+    assert r.returncode == 2 and "ordering.key" in r.stderr and "2 job(s) per subject" in r.stderr, r.stdout + r.stderr
+    stream(update=True, max_msgs_per_subject=2, discard=DiscardPolicy.NEW)
+    r = run_cli("start", "--config", str(config), tmp=tmp_path, timeout=60)
+    assert r.returncode == 2 and "2 job(s) per subject" in r.stderr, r.stdout + r.stderr
+    stream(update=True, max_msgs_per_subject=2, discard=DiscardPolicy.NEW, discard_new_per_subject=True, deny_delete=True)
+    r = run_cli("start", "--config", str(config), tmp=tmp_path, timeout=60)
+    assert r.returncode == 2 and "denies deletes" in r.stderr and "per subject" not in r.stderr, r.stdout + r.stderr
 
 
 def test_the_status_names_the_key_a_job_waits_for(nats_server, supervisor_factory, tmp_path):

@@ -126,6 +126,30 @@ def test_with_pools_ordering_is_each_pools_own_on_its_filter():
     assert ("ordering.key", "subject:3", "subject:2") in p.kept["a"].changed
 
 
+def test_a_work_queue_that_drops_jobs_or_denies_deletes_is_refused_by_the_rule_it_breaks():
+    """The per-subject limit is refused unless it refuses new jobs instead of dropping stored ones
+    (discard "new" alone still drops: nats-server stores, then enforces); deny_delete only where
+    the consumer gives up on a job (max_deliver > 0), for the parent's delete of it."""
+    from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig
+
+    from supervisor.nats.provision import removes_jobs_itself
+
+    cfg = Config().replace(ordering={"key": "subject:2"})
+
+    def stream(**settings):
+        return StreamConfig(name="JOBS", subjects=["jobs.>"], retention=RetentionPolicy.WORK_QUEUE, **settings)
+    assert removes_jobs_itself(cfg, stream(), 10) == ""
+    assert removes_jobs_itself(cfg, stream(max_msgs_per_subject=-1), 10) == ""
+    for discard in (DiscardPolicy.OLD, DiscardPolicy.NEW):
+        said = removes_jobs_itself(cfg, stream(max_msgs_per_subject=3, discard=discard), 10)
+        assert "stream JOBS keeps 3 job(s) per subject" in said and "consumer workers" in said, said
+    assert removes_jobs_itself(cfg, stream(max_msgs_per_subject=3, discard=DiscardPolicy.NEW,
+                                           discard_new_per_subject=True), 10) == ""
+    said = removes_jobs_itself(cfg, stream(deny_delete=True), 10)
+    assert "denies deletes" in said and "after 10 deliveries" in said, said
+    assert removes_jobs_itself(cfg, stream(deny_delete=True), -1) == ""
+
+
 # ---------------------------------------------------------------- a worker's parking, on a fake stream
 
 

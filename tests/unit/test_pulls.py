@@ -376,3 +376,27 @@ def test_the_slot_table_holds_the_largest_buffer_twice(concurrency, batch, max_a
     s.round_trip(RTT_CAP)
     s.job_done(1e-6)                                   # the deepest buffer there is
     assert Pool.table_entries(SimpleNamespace(cfg=cfg)) >= 2 * s.capacity(NOW)
+
+
+def test_ordered_workers_buffer_only_by_the_spread_and_look_past_parked_jobs():
+    """[ordering]: a busy handler asks for nothing while the spread is wide or unknown (a job of
+    another key would wait behind it while another worker is free); uniform short jobs are
+    buffered as without ordering. Parked jobs take no handler nor buffer, so the worker asks past
+    them until the look ahead is full; credits, the fair share, the table and max_jobs bind."""
+    s = PullSizer(concurrency=2, ceiling=256, share=100, lookahead=8)
+    s.message(NOW)
+    s.job_done(0.001)                                                               # spread not known
+    assert s.ordered_size(NOW, busy=0, parked=0, credits=0, free_entries=100) == 2
+    assert s.ordered_size(NOW, busy=2, parked=0, credits=0, free_entries=100) == 0  # both handlers busy
+    assert s.ordered_size(NOW, busy=1, parked=5, credits=0, free_entries=100) == 1  # past the parked ones
+    assert s.ordered_size(NOW, busy=0, parked=7, credits=0, free_entries=100) == 1  # the look ahead nearly full
+    assert s.ordered_size(NOW, busy=0, parked=8, credits=0, free_entries=100) == 0
+    assert s.ordered_size(NOW, busy=0, parked=0, credits=2, free_entries=100) == 0  # already asked
+    assert s.ordered_size(NOW, busy=0, parked=0, credits=0, free_entries=1) == 1
+    assert s.ordered_size(NOW, busy=0, parked=0, credits=0, free_entries=100, jobs_left=1) == 1
+    uniform = sizer(concurrency=2, share=100, job=0.001, rtt=0.001)
+    uniform.lookahead = 8
+    assert uniform.prefetch(NOW) > 0
+    assert uniform.ordered_size(NOW, busy=2, parked=0, credits=0, free_entries=100) > 0   # a buffer
+    assert uniform.ordered_size(NOW, busy=2, parked=3, credits=0, free_entries=100) == 5  # the look ahead binds
+    assert uniform.ordered_size(NOW, busy=2, parked=0, credits=0, free_entries=100) <= 8

@@ -34,9 +34,12 @@ It learns of the death two ways, each covering what the other misses:
   - the kernel's parent-death signal (SIGTERM, PR_SET_PDEATHSIG: set at fork, it also ends a
     worker still in its init hook, where no loop runs). The kernel sends it when the *thread*
     that forked us exits: while the parent's other threads (uvloop's resolver pool) are still
-    dying, getppid() still names it, so the signal reads as an ordinary stop. And a change of
-    credentials (an init that drops privileges) clears it;
-  - the heartbeat's look at getppid(), in any mode, which hurries a stop already under way.
+    dying, getppid() still names it, but its main thread is a zombie (`exiting`: /proc), so the
+    signal is read as the death it is. And a change of credentials (an init that drops
+    privileges) clears it;
+  - the heartbeat's look at getppid(), in any mode, which hurries a stop already under way,
+    and a last look at a stop's end: a stop that NAKed jobs and ends within a heartbeat of a
+    death read as a stop says its NAKs as an orphan all the same (goodbye).
 """
 
 from __future__ import annotations
@@ -84,6 +87,19 @@ class OrphanHost(Protocol):
     def set_mode(self, mode: str) -> None: ...
 
 
+def exiting(pid: int) -> bool:
+    """The process is gone, or exiting: its main thread a zombie while the others die. The
+    parent-death signal comes when the thread that forked us exits, and getppid() names the
+    parent until its last thread has (module docstring): /proc tells the dying parent apart.
+    Without /proc, False: getppid() alone then decides, as before."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"Z", b"X")
+
+
 class ParentWatch:
     def __init__(self, owner: OrphanHost, spec: ChildSpec):
         self.owner = owner
@@ -118,7 +134,7 @@ class ParentWatch:
         (see the module's docstring). Called by the SIGTERM handler and by the heartbeat."""
         if self.orphaned:
             return True
-        if os.getppid() == self.parent_pid:
+        if os.getppid() == self.parent_pid and not exiting(self.parent_pid):
             return False
         self.orphaned = True
         w = self.owner
@@ -212,7 +228,11 @@ class ParentWatch:
     async def goodbye(self, fenced: bool) -> None:
         """At an orphan's exit: its NAKs once more, for a supervisor that was not listening yet
         (the successor a restart brings up), then the goodbye that ends its hold on the peers,
-        `fenced` when the server had read every NAK (and ack) it sent."""
+        `fenced` when the server had read every NAK (and ack) it sent. A stop whose NAKs are
+        done may have been the parent's death read as a stop, the heartbeat not yet round to
+        seeing it: look once more, or nobody says those NAKs, and claim (F11) before we go."""
+        if not self.orphaned and self.stop_naks and self.gone() and self.claiming is not None:
+            await asyncio.shield(self.claiming)
         if self.orphaned and self.stop_naks:
             await self.publish(self.naks_said(self.stop_naks, self.naked))
             await self.publish({"origin": self.origin, "bye": 1, **({"fenced": 1} if fenced else {})})

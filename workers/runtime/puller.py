@@ -197,8 +197,12 @@ class Puller:
         # would stop pulling, and the job their key waits for may need a pull to come back.
         taken = self.received - self.given_back - self.owner.waiting()
         jobs_left = self.job_limit - taken - self.credits if self.job_limit else None
-        limit_waiting, held = self.owner.limit_state()
-        n = self.sizer.size(now, outstanding, self.credits, table.free_entries(), jobs_left, limit_waiting, held)
+        limit_waiting, held = self.owner.limit_state()    # [limits]: parked for a full limit (pulls.py)
+        if self.sizer.lookahead:
+            n = self.sizer.ordered_size(now, self.owner.busy(), self.owner.waiting(), self.credits,
+                                        table.free_entries(), jobs_left, limit_waiting, held)
+        else:
+            n = self.sizer.size(now, outstanding, self.credits, table.free_entries(), jobs_left, limit_waiting, held)
         if n == 0 and not self.credits and self.owner.waiting():
             # [ordering]: a handler idle beside parked jobs always has a request out, whatever the
             # look ahead holds: the job their key waits for may be one only a pull brings back (a

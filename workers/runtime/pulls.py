@@ -63,22 +63,26 @@ What a worker may have on the wire when it dies (its credits) is at most its cap
 `concurrency` once it has been idle IDLE_STALE seconds.
 
 With [ordering] a buffered job is a cost, not a saving: it waits for a handler while every later
-job of its key waits for it. So nothing is prefetched; the room beyond `concurrency` is a look
-ahead (`lookahead`) of jobs parked until their key's turn (workers/runtime/ordering.py), which
-the worker counts as outstanding only while they wait, and outcomes go back to the loop at once
+job of its key waits for it, and a job of another key, free to start, waits behind this worker's
+busy handler while another worker's is free (a key's long job, or a poison's deaths, held up
+other keys while the look ahead beyond the handlers was room any job could fill). So jobs ready
+to start are buffered by the rules above (`ordered_size`: none while the spread is wide or not
+known, a deep buffer for uniform short jobs), and a job that turns out to wait for its key's
+turn (parked, workers/runtime/ordering.py) takes no handler and no buffer: the worker asks
+again, past it, while fewer than `lookahead` are parked. Outcomes go back to the loop at once
 (`batching` 0).
 
 Jobs parked for a limit ([limits], workers/middleware/limits.py) are counted two ways. One that
 waits for a full limit takes no handler and no place in the buffer (`limit_waiting`): a free
 handler asks for work, so jobs that need no limit keep flowing past it. While any wait, the
-worker asks only for what its free handlers can start (no buffer, [ordering]'s look ahead
-aside: a buffered job could wait too, and jobs that wait then spread over the fleet by its
-handlers, not by who buffered most), and only while fewer than its allowance wait: WAIT_ROUNDS
-rounds of its handlers, or its capacity if that is more (so a pull alone never stops a worker).
-Past that it asks for nothing until one starts: more would only be work it cannot start, held
-from workers that could. And a pulled job not yet at its turn to take its limits (`held`: they
-are taken only for a job a handler can start soon) stops the asking altogether until it is, or
-it would be overtaken by every refill.
+worker asks only for what its free handlers can start (no buffer: a buffered job could wait
+too, and jobs that wait then spread over the fleet by its handlers, not by who buffered most),
+and only while fewer than its allowance wait: WAIT_ROUNDS rounds of its handlers, or its
+capacity if that is more (so a pull alone never stops a worker). Past that it asks for nothing
+until one starts: more would only be work it cannot start, held from workers that could. And a
+pulled job not yet at its turn to take its limits (`held`: they are taken only for a job a
+handler can start soon) stops the asking altogether until it is, or it would be overtaken by
+every refill. With [ordering] both rules hold within `ordered_size` as well.
 
 Pure: no clock is read here, every time is passed in.
 """
@@ -195,9 +199,7 @@ class PullSizer:
     # -- what it decides
 
     def prefetch(self, now: float) -> int:
-        """Jobs to hold beyond those running."""
-        if self.lookahead:
-            return self.lookahead
+        """Jobs to hold beyond those running (ready to start: [ordering]'s parked jobs apart)."""
         if self.job_time is None or self.stale or self.idle(now) or self.spread():
             return 0
         return min(BUFFER_REQUESTS * self.ceiling, int(self.concurrency * DEPTH * self.rtt / self.job_time + 0.5))
@@ -219,7 +221,7 @@ class PullSizer:
         until it is its turn to take its limits (see the module's docstring)."""
         if held or (limit_waiting and limit_waiting >= self.waiting_allowance(now)):
             return 0
-        capacity = min(self.concurrency + self.lookahead, self.share) if limit_waiting else self.capacity(now)
+        capacity = min(self.concurrency, self.share) if limit_waiting else self.capacity(now)
         room = min(capacity - outstanding, free_entries - credits, self.share - outstanding - limit_waiting)
         # Top up only once half the buffer is free: few, large requests, no dribbling. With no
         # buffer, as soon as a handler is free: it would otherwise wait for another to finish.
@@ -228,6 +230,15 @@ class PullSizer:
         if jobs_left is not None:
             room = min(room, jobs_left)
         return max(0, min(room, self.ceiling))
+
+
+    def ordered_size(self, now: float, busy: int, parked: int, credits: int, free_entries: int,
+                     jobs_left: int | None = None, limit_waiting: int = 0, held: bool = False) -> int:
+        """[ordering]'s next pull request: what the free handlers and the buffer have room for, as
+        without ordering (`busy`: jobs that take a handler, queued or running), while fewer than
+        `lookahead` jobs are `parked` for their key's turn and within the fair share; 0 for none."""
+        n = self.size(now, busy + credits, credits, free_entries, jobs_left, limit_waiting, held)
+        return max(0, min(n, self.lookahead - parked - credits, self.share - busy - parked - credits))
 
 
 def residual(spent: float, spent_sq: float) -> float:
