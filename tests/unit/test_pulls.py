@@ -394,6 +394,9 @@ def test_ordered_workers_buffer_only_by_the_spread_and_look_past_parked_jobs():
     assert s.ordered_size(NOW, busy=0, parked=0, credits=2, free_entries=100) == 0  # already asked
     assert s.ordered_size(NOW, busy=0, parked=0, credits=0, free_entries=1) == 1
     assert s.ordered_size(NOW, busy=0, parked=0, credits=0, free_entries=100, jobs_left=1) == 1
+    for _ in range(BACKLOG_RUN):
+        s.message(NOW, pending=100)
+    assert s.backlog and s.ordered_size(NOW, busy=2, parked=0, credits=0, free_entries=100) == 0   # no buffer
     uniform = sizer(concurrency=2, share=100, job=0.001, rtt=0.001)
     uniform.lookahead = 8
     assert uniform.prefetch(NOW) > 0

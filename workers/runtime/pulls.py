@@ -66,11 +66,11 @@ With [ordering] a buffered job is a cost, not a saving: it waits for a handler w
 job of its key waits for it, and a job of another key, free to start, waits behind this worker's
 busy handler while another worker's is free (a key's long job, or a poison's deaths, held up
 other keys while the look ahead beyond the handlers was room any job could fill). So jobs ready
-to start are buffered by the rules above (`ordered_size`: none while the spread is wide or not
-known, a deep buffer for uniform short jobs), and a job that turns out to wait for its key's
-turn (parked, workers/runtime/ordering.py) takes no handler and no buffer: the worker asks
-again, past it, while fewer than `lookahead` are parked. Outcomes go back to the loop at once
-(`batching` 0).
+to start are buffered by the rules above, bar the backlog's (`ordered_size`: none while the
+spread is wide or not known, backlog or not; a deep buffer for uniform short jobs), and a job
+that turns out to wait for its key's turn (parked, workers/runtime/ordering.py) takes no handler
+and no buffer: the worker asks again, past it, while fewer than `lookahead` are parked. Outcomes
+go back to the loop at once (`batching` 0).
 
 Jobs parked for a limit ([limits], workers/middleware/limits.py) are counted two ways. One that
 waits for a full limit takes no handler and no place in the buffer (`limit_waiting`): a free
@@ -174,7 +174,10 @@ class PullSizer:
         yet): a buffered job would wait longer for a handler than the buffer is sized to hide
         (see the module's docstring)."""
         worst = max(self.residual, self.fleet_residual)
-        return not self.backlog and (not self.known or worst > self.concurrency * DEPTH * self.rtt)
+        # [ordering]: a backlog keeps no buffer. A job buffered behind a long one (a poison's
+        # next delivery) holds up its whole key, not just itself, while other workers are free.
+        backlog = self.backlog and not self.lookahead
+        return not backlog and (not self.known or worst > self.concurrency * DEPTH * self.rtt)
 
     def wait_for_batch(self) -> float:
         """How late a finished job's outcome reaches the loop: a handler thread hands outcomes back
