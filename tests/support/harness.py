@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import re
@@ -374,9 +375,23 @@ def run_cli(*args: str, tmp: Path | None = None, env: dict | None = None, timeou
 
 
 def publish(server_url: str, *, count: int, data: str = "0", tmp: Path | None = None, extra: tuple = ()) -> str:
-    r = run_cli("publish", "--server", server_url, "--count", str(count), "--data", data, *extra, tmp=tmp)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
+    """`supervisor publish` (it provisions the stream, as `start` would); its stdout. Run in this
+    process, through the command's own code, unless the test gives it a working directory of its
+    own (a config.toml there) or the environment holds SUPERVISOR_* keys (the subprocess drops
+    them): a Python start-up and the command's imports per call cost a second or more on a loaded
+    box. Tests of the CLI itself run it with run_cli."""
+    argv = ("publish", "--server", server_url, "--count", str(count), "--data", data, *extra)
+    if tmp is not None or any(k.startswith("SUPERVISOR_") for k in os.environ):
+        r = run_cli(*argv, tmp=tmp)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+    from supervisor.cli.main import COMMANDS, parse
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = COMMANDS["publish"](parse(list(argv)))
+    assert rc == 0, out.getvalue()
+    return out.getvalue()
 
 
 def publish_now(server_url: str, *, count: int, data: str = "0", subject: str = "jobs.new") -> list[int]:
