@@ -334,11 +334,7 @@ class SupervisorProc:
 
     def workers(self) -> list[psutil.Process]:
         """Direct children that are workers (the embedded nats-server excluded)."""
-        try:
-            children = psutil.Process(self.proc.pid).children()
-        except psutil.NoSuchProcess:
-            return []
-        return [c for c in children if "nats-server" not in " ".join(_cmdline(c))]
+        return [c for c in children_of(self.proc.pid) if "nats-server" not in " ".join(_cmdline(c))]
 
     def worker_pids(self) -> set[int]:
         return {p.pid for p in self.workers()}
@@ -384,6 +380,38 @@ class SupervisorProc:
                 p.kill()
         if self._log:
             self._log.close()
+
+
+def children_of(pid: int) -> list[psutil.Process]:
+    """A process's direct children, from the kernel's list of each of its threads' children:
+    psutil's children() reads every process on the box (12 ms with ~100 of them, and tests poll
+    this every 20 ms). psutil's way where the kernel keeps no such list (or the process is gone)."""
+    if not os.path.exists(f"/proc/{pid}/task/{pid}/children"):
+        try:
+            return psutil.Process(pid).children()
+        except psutil.NoSuchProcess:
+            return []
+    out = []
+    for task in _listdir(f"/proc/{pid}/task"):
+        for child in _read(f"/proc/{pid}/task/{task}/children").split():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                out.append(psutil.Process(int(child)))
+    return out
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:            # the process ended meanwhile
+        return []
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:            # a thread that ended meanwhile
+        return ""
 
 
 def _cmdline(p: psutil.Process) -> list[str]:
