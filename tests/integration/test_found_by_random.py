@@ -572,8 +572,9 @@ def test_an_orphans_naks_are_explained_to_the_supervisor_that_gets_their_redeliv
                [e for e in held(alpha) if e["stream_seq"] in seqs], what="alpha's worker running a job and holding more")
     [worker] = alpha.workers()
     worker.suspend()        # holds on to what it has while beta starts
-    beta = supervisor_factory(nats_server, args=JSON_LOGS, **same)
-    beta.wait_ready(1)
+    # Beta's four workers run the 1 s jobs alpha did not finish in a quarter of the time one takes.
+    beta = supervisor_factory(nats_server, args=JSON_LOGS, **{**same, "workers": {**same["workers"], "count": 4}})
+    beta.wait_ready(4)
     wait_until(lambda: beta.status()["peers"]["heard"], what="beta has heard alpha")
     worker.resume()
     alpha.signal(signal.SIGKILL)
