@@ -436,22 +436,35 @@ def run_cli(*args: str, tmp: Path | None = None, env: dict | None = None, timeou
 
 def publish(server_url: str, *, count: int, data: str = "0", tmp: Path | None = None, extra: tuple = ()) -> str:
     """`supervisor publish` (it provisions the stream, as `start` would); its stdout. Run in this
-    process, through the command's own code, unless the test gives it a working directory of its
-    own (a config.toml there) or the environment holds SUPERVISOR_* keys (the subprocess drops
-    them): a Python start-up and the command's imports per call cost a second or more on a loaded
-    box. Tests of the CLI itself run it with run_cli."""
+    process, through the command's own code: a Python start-up and the command's imports per call
+    cost a second or more on a loaded box. A working directory `tmp` without a config.toml is a
+    config of defaults, given as an empty file. As a subprocess (as before) where this process
+    would differ: a config.toml in `tmp` or a --config (it may turn tracing on, or name files
+    relative to `tmp`), SUPERVISOR_* keys in the environment (the subprocess drops them). Tests
+    of the CLI itself run it with run_cli."""
     argv = ("publish", "--server", server_url, "--count", str(count), "--data", data, *extra)
-    if tmp is not None or any(k.startswith("SUPERVISOR_") for k in os.environ):
+    if "--config" in extra or (tmp is not None and (tmp / "config.toml").exists()) \
+            or any(k.startswith("SUPERVISOR_") for k in os.environ):
         r = run_cli(*argv, tmp=tmp)
         assert r.returncode == 0, r.stderr
         return r.stdout
     from supervisor.cli.main import COMMANDS, parse
 
+    if tmp is not None:                  # not this process's ./config.toml: none, as in `tmp`
+        argv = (*argv, "--config", str(empty_config()))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = COMMANDS["publish"](parse(list(argv)))
     assert rc == 0, out.getvalue()
     return out.getvalue()
+
+
+def empty_config() -> Path:
+    """An empty config file (defaults, as no file at all) in the session's temp dir."""
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / "jss-empty-config.toml"
+    if not path.exists():
+        path.write_text("")
+    return path
 
 
 def publish_now(server_url: str, *, count: int, data: str = "0", subject: str = "jobs.new") -> list[int]:
