@@ -153,10 +153,12 @@ def test_worker_deaths_alert_and_crash_metrics_match_the_crosscheck(nats_server,
     sup = supervisor_factory(nats_server, workers={"count": 2, "batch": 1},
                              restart={"backoff_initial": 0.05, "backoff_max": 0.5})
     sup.wait_ready(2)
-    for n in range(1, deaths + 1):      # one at a time: a worker dies holding only the job that kills it
+    # One at a time, each redone and acked (the stream empty) before the next: a worker dies
+    # holding only the job that kills it, not also the last job's ack still in its batch.
+    for n in range(1, deaths + 1):
         publish(nats_server.url, count=1, data="crash-once")
         wait_until(lambda n=n: sup.status()["crosscheck"]["crashes"] >= n, what=f"worker death {n}")
-    wait_until(lambda: nats_server.stream_msgs() == 0, what="every crash-once job redone and acked")
+        wait_until(lambda: nats_server.stream_msgs() == 0, what=f"crash-once job {n} redone and acked")
     alert = wait_until(lambda: [a for a in sup.status()["alerts"] if a["kind"] == "worker_deaths"],
                        what="the worker_deaths alert")[0]
     assert f"{deaths} worker deaths" in alert["message"] and f"{deaths}x exit code 13" in alert["message"], alert
