@@ -206,7 +206,7 @@ class Deaths:
             await self.nc.publish(e.reply, b"+TERM " + reason.encode()[:300])
         except Exception as exc:    # any failure: the job must not be left to AckWait, nor escape poison detection
             log.error("cannot quarantine poison job seq=%d (%s); NAKing it instead: its next fatal run tries again",
-                      e.stream_seq, exc or type(exc).__name__,
+                      e.stream_seq, str(exc) or type(exc).__name__,
                       extra={"event": "quarantine_failed", "seq": e.stream_seq, "error": f"{type(exc).__name__}: {exc}"})
             await self.nak(HeldBack(e.stream_seq, e.delivery, e.reply, timer_started))
             return
@@ -270,7 +270,7 @@ class Deaths:
         try:
             await self.nc.fence(timeout=2)
         except Exception as exc:    # timeout, disconnect: the NAKs stay unconfirmed, re-NAK waits
-            log.warning("flushing NAKs to NATS failed: %s", exc or type(exc).__name__)
+            log.warning("flushing NAKs to NATS failed: %s", str(exc) or type(exc).__name__)
             return
         now = time.monotonic()
         for n in self.renak.values():

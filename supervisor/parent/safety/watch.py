@@ -82,7 +82,7 @@ class Watch:
             try:
                 await self.nc.publish(e.reply, b"+WPI")
             except Exception as exc:     # the connection went in the meantime: the rest wait for the next tick
-                log.warning("+WPI not sent: %s", exc or type(exc).__name__)
+                log.warning("+WPI not sent: %s", str(exc) or type(exc).__name__)
                 break
             self.deaths.pinged_now(w.pid, e.stream_seq, now)
             sent += 1
