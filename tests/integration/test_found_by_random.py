@@ -586,7 +586,7 @@ def held(sup: SupervisorProc) -> list[dict]:
 
 
 def test_a_job_that_waited_in_the_stream_is_not_redelivered_by_a_server_restart_while_held(tmp_path):
-    """F13. Found by `python -m chaos --random --seed 604 --minutes 1` on 095ebed (replayed on
+    """F14. Found by `python -m chaos --random --seed 604 --minutes 1` on 095ebed (replayed on
     83ff657): 10 jobs ran twice, 5-17 s after a nats-server SIGKILL, between two live workers of
     one supervisor, no fault on either. nats-server keeps a delivery's AckWait timer in memory
     from the delivery, but stores the message's own timestamp for it (consumer.go deliverMsg:
@@ -619,7 +619,7 @@ def test_a_job_that_waited_in_the_stream_is_not_redelivered_by_a_server_restart_
         # most). Without it the first ping is due a third of AckWait in (4 s): the kill comes first.
         wait_until(lambda: pings(sup) >= 1 or time.monotonic() - t0 > 2.5, 10, "a ping, or 2.5 s")
         # The server's consumer store writes at most every 100 ms (filestore.go flushLoop): a
-        # SIGKILL sooner after the +WPI finds the publish time stored still (F13's window left).
+        # SIGKILL sooner after the +WPI finds the publish time stored still (F14's window left).
         seen = time.monotonic()
         wait_until(lambda: time.monotonic() - seen >= 0.3, 5, "the +WPI in the consumer's store")
         server.proc.send_signal(signal.SIGKILL)

@@ -76,7 +76,7 @@ def test_a_ping_restarts_the_timer_and_each_delivery_has_its_own_ack_wait():
 
 
 def test_the_stored_timer_of_a_job_that_waited_in_the_stream_starts_at_its_publish_time():
-    """F13: nats-server stores a delivery's AckWait timer as the message's timestamp (a restart
+    """F14: nats-server stores a delivery's AckWait timer as the message's timestamp (a restart
     or a new consumer leader counts from it); only a +WPI stores a time of its own."""
     wall, now = 1_000_000.0, 500.0                                      # time.time() and monotonic, at once
     reply = f"$JS.ACK.JOBS.workers.1.7.9.{int((wall - 12.0) * 1e9)}.3"  # published 12 s ago

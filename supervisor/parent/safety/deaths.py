@@ -81,7 +81,7 @@ class Deaths:
         +WPI (or a NAK's delay) stores a time of its own. A restarted server, or a new consumer
         leader, counts AckWait from what is stored: a job published more than AckWait before it
         was delivered and not pinged since is redelivered at once while its holder runs it or
-        waits with it (F13, docs/RELIABILITY.md)."""
+        waits with it (F14, docs/RELIABILITY.md)."""
         return liveness.stored_timer(e, self.pinged.get((pid, e.stream_seq), 0.0), now, wall)
 
     def pinged_now(self, pid: int, seq: int, now: float) -> None:

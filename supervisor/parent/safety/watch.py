@@ -105,7 +105,7 @@ class Watch:
         if not self.link_fresh(w, held, now):
             return []
         # Due by the timer the server stores, not only the one it runs: a job that waited in the
-        # stream longer than a third of AckWait gets its +WPI a second after it was held (F13).
+        # stream longer than a third of AckWait gets its +WPI a second after it was held (F14).
         wall = time.time()
         return [(w, e) for e in liveness.pings_due(
             now, held, lambda e: self.deaths.stored_timer_started(w.pid, e, now, wall), self.deaths.ack_wait)]
