@@ -39,7 +39,14 @@ the journal, not trusted). Per job (stream sequence):
   whose worker died with its NAK sent but not fenced (F10: the parent must not NAK it again, a
   second NAK could land on the next holder), but only when a supervisor's ledger named that
   very job, delivery and worker pid at the death (`/status` `crosscheck.left_to_ack_wait`),
-  never by a rule about the faults around it.
+  never by a rule about the faults around it. And one more: a delivery the chaos proxy saw sit in
+  a stalled link (chaos/proxy.py `late()`: read from the server, not written on to the worker)
+  from before until after the job came back, or until its connection closed unread, with an
+  outside fault on a connection acting when the proxy read it: the server's AckWait for that very
+  delivery ran out while the link held it. That names the job, the delivery and the fault, so it
+  holds whatever else happened in the window (seed 600: SIGHUPs and a scale, routine, fell inside
+  the window of a never-started delivery and charged it, although the proxy had held it in a
+  worker's stalled link all along).
 - unacked: still in the work-queue stream at the end (an ack that never landed).
 - ticks_extra: firings of the drawn `[schedules.tick]` beyond one per period over the time it
   could exist (from the first supervisor's start to its removal when the load ends): a schedule
@@ -72,7 +79,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .facts import Fault, Life, Rec, Stored
+from .facts import Fault, Late, Life, Rec, Stored
 from .order import Run, reorders
 
 ACKWAIT_FRACTION = 0.5      # a redelivery later than this share of AckWait waited for AckWait
@@ -138,6 +145,7 @@ class Evidence:
     # supervisors SIGKILLed on the way, from their last /status (the living's: `statuses`).
     left_to_ack_wait: list[dict] = field(default_factory=list)
     pools: dict[str, str] = field(default_factory=dict)    # with pools: "main"/"side" -> consumer
+    late: list[Late] = field(default_factory=list)          # work-queue deliveries a stalled link held (proxy)
     copies: set[int] = field(default_factory=set)           # seqs of [retry] copies for later (in `stored` too)
 
     def pool_of(self, key: str) -> str:
@@ -361,11 +369,13 @@ class Checker:
                                       f"after the previous delivery was last seen; {cause}")
         if lag < ACKWAIT_FRACTION * self.ev.ack_wait:
             return
-        outside = culprits and all(not f.controls(started=bool(before)) for f in culprits)
+        held = held_in_link(self.ev, seq, run)
+        outside = held or (culprits and all(not f.controls(started=bool(before)) for f in culprits))
         named = "" if outside else named_at_death(self.named, seq, before, run)
         verdict = "ackwait_outside" if outside or named else "ackwait"
         c[verdict] += 1
-        why = self.wait_context(run.start, culprits) + (f"; named at the death by the ledger: {named}" if named else "")
+        why = held or self.wait_context(run.start, culprits) + (
+            f"; named at the death by the ledger: {named}" if named else "")
         self.find(verdict, seq, f"delivery {run.delivery} started {lag:.1f}s after the previous delivery was last "
                                 f"seen{'' if before else ' (it never started)'}; {why}")
 
@@ -480,6 +490,28 @@ def order_runs(runs_by: dict[int, list[RunOfJob]], lives: dict) -> list[Run]:
                 end = min(bounds, default=None)
             out.append(Run(seq, r.pid, r.delivery, r.start, end))
     return out
+
+
+def held_in_link(ev: Evidence, seq: int, run: RunOfJob) -> str:
+    """How a stalled link held the delivery before `run` while its AckWait ran out, or "": the
+    proxy read it from the server before `run` and had not written it on to the worker by the
+    time the job came back (EXPIRY_SLACK: the redelivery's way to a handler), or never did (the
+    connection closed with it); and an outside fault on a connection acted when the proxy read
+    it. Only that delivery of that job, by that fault."""
+    def at(t: float) -> str:
+        return f"+{t - ev.origin:.2f}s"
+    for d in ev.late:
+        if d.seq != seq or d.delivery != run.delivery - 1 or d.came > run.start:
+            continue
+        if d.out is not None and d.out < run.start - EXPIRY_SLACK:
+            continue                    # the worker could read it before it came back: the wait is not the link's
+        stalls = [f for f in ev.faults if "connection" in f.kind and not f.controls(started=False)
+                  and f.t0 - SLACK <= d.came <= f.t1 + SLACK]
+        if stalls:
+            out = "never written on (its connection closed)" if d.out is None else f"written on {at(d.out)}"
+            return (f"delivery {d.delivery} held in the stalled link of {d.name!r} from {at(d.came)}, {out}: "
+                    f"{stalls[0].name(ev.origin)}")
+    return ""
 
 
 def named_at_death(names: dict, seq: int, before: list[RunOfJob], run: RunOfJob) -> str:

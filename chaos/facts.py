@@ -5,6 +5,8 @@
 - `Fault`: each fault the runner injected, with its time window and the worker processes it
   touched (None: all of them, e.g. a server restart), and whether it is inside the
   supervisor's control (a job it touches must never wait for AckWait).
+- `Late`: each JetStream delivery the chaos proxy (chaos/proxy.py) carried to its client a second
+  or more after the server sent it, or never: what a stalled link held, by sequence and delivery.
 - `Life`: each worker process's first and last sighting, from the runner's process watcher, and
   the consumer it works for (several pools: each pool's own).
 """
@@ -66,6 +68,17 @@ class Fault:
     def name(self, origin: float) -> str:
         who = " (every worker)" if self.pids is None else "".join(f" (pid {p})" for p in sorted(self.pids))
         return f"{self.kind}{who} at +{self.t0 - origin:.2f}s" + (f": {self.note}" if self.note else "")
+
+
+@dataclass(frozen=True)
+class Late:
+    """A JetStream delivery the proxy carried to a client late, or never (chaos/proxy.py late())."""
+    name: str               # the client's connection name
+    stream: str
+    seq: int                # stream sequence
+    delivery: int           # the server's delivery count
+    came: float             # time.monotonic() the proxy read it from the server
+    out: float | None       # when it was written on to the client; None: never (the connection closed)
 
 
 @dataclass

@@ -22,6 +22,13 @@ and can tell a test when something passed: `tap(pattern, to_server, to_client)` 
 on, each time a connection of that name forwards one of those byte strings that way (a pull
 request's `MSG.NEXT`, a `PING` to the server; a `PONG` back), and `tapped(pattern)` lists them.
 
+What the server sends is read on through a stall and waits here, not in the kernel, so the proxy
+knows each JetStream delivery a stall kept from its client: `late()` lists every delivery (stream
+sequence and delivery number, from its `$JS.ACK` reply subject) that reached the client LATE
+seconds or more after the server sent it, or never (its connection closed first). That is the
+ground truth the checker needs for a job that never started and came back after AckWait: the
+stall held that very delivery while its AckWait ran out (chaos/checker.py).
+
 Runs on an asyncio loop (the chaos runner's background loop); every method is a coroutine.
 """
 
@@ -34,10 +41,37 @@ import re
 import socket
 import struct
 import time
+from collections import deque
 from dataclasses import dataclass, field
+
+from .facts import Late
 
 log = logging.getLogger("chaos.proxy")
 CHUNK = 65536
+LATE = 1.0                  # seconds: a delivery forwarded this much after it came is noted (late())
+# The reply subject of a JetStream delivery, whole (the space after it is in the same chunk):
+# $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>... (9 tokens), or with a domain and an account
+# hash before the stream (12; 11 from older servers), as nats-py's Msg.Metadata reads it.
+ACK_REPLY = re.compile(rb"\$JS\.ACK\.[^ \r\n]+(?= )")
+TAIL = 512                  # bytes kept of the last chunk: a reply subject split between two reads
+
+
+def deliveries(tail: bytes, data: bytes) -> list[tuple[str, int, int]]:
+    """(stream, stream seq, delivery) of each delivery whose reply subject `data` completes."""
+    out = []
+    seen = tail + data
+    for m in ACK_REPLY.finditer(seen):
+        if m.end() <= len(tail):              # whole in the chunk before: noted with it
+            continue
+        tokens = m.group().split(b".")
+        if len(tokens) == 9:
+            stream, delivered, seq = tokens[2], tokens[4], tokens[5]
+        elif len(tokens) >= 11:
+            stream, delivered, seq = tokens[4], tokens[6], tokens[7]
+        else:
+            continue
+        out.append((stream.decode(), int(seq), int(delivered)))
+    return out
 
 
 @dataclass(eq=False)
@@ -47,6 +81,10 @@ class Conn:
     name: str | None = None
     flowing: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    # What the server sent, not yet written to the client: (when read, bytes, deliveries), oldest
+    # first; None once the server closed its side. `more` wakes the writer.
+    down: deque[tuple[float, bytes, list[tuple[str, int, int]]] | None] = field(default_factory=deque)
+    more: asyncio.Event = field(default_factory=asyncio.Event)
 
     def close(self, rst: bool = False) -> None:
         for _, writer in (self.client, self.server):
@@ -71,6 +109,7 @@ class Proxy:
         self.noted: list[tuple[float, str, bytes]] = []     # (when, connection name, needle), closed ones too
         self.holds: dict[str, tuple[bytes, bool]] = {}     # pattern -> (needle, after) of a hold
         self.held: list[tuple[float, str]] = []             # (when, connection name) of each hold
+        self.lates: list[Late] = []                     # deliveries forwarded late or never (late())
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
         self.accepted = 0
@@ -134,6 +173,15 @@ class Proxy:
         oldest first: (time.monotonic() once written on, needle), one per occurrence."""
         return [(t, needle) for t, name, needle in self.noted if re.search(pattern, name)]
 
+    async def late(self) -> list[Late]:
+        """Every JetStream delivery forwarded to its client LATE seconds or more after the server
+        sent it, or never (`out` None), connections closed since included, oldest first."""
+        return sorted(self.lates, key=lambda d: d.came)
+
+    async def waiting(self, pattern: str) -> int:
+        """Deliveries the connections of that name have read from the server and not written on."""
+        return sum(len(item[2]) for c in self.matching(pattern) for item in unwritten(c))
+
     async def hold(self, pattern: str, needle: bytes, after: bool = False) -> None:
         self.holds[pattern] = (needle, after)
 
@@ -159,6 +207,7 @@ class Proxy:
 
     def drop(self, conn: Conn, rst: bool = False) -> None:
         self.conns.discard(conn)
+        self.never_forwarded(conn)          # now, not when the cancelled writer gets to run
         conn.close(rst)
 
     # ------------------------------------------------------------ forwarding
@@ -174,7 +223,8 @@ class Proxy:
         conn.flowing.set()
         self.conns.add(conn)
         conn.tasks = [asyncio.ensure_future(self.client_to_server(conn)),
-                      asyncio.ensure_future(self.pump(conn, s_reader, c_writer))]
+                      asyncio.ensure_future(self.server_to_queue(conn)),
+                      asyncio.ensure_future(self.queue_to_client(conn))]
 
     async def client_to_server(self, conn: Conn) -> None:
         """The first line a NATS client sends is CONNECT: learn the name, apply the rules."""
@@ -214,6 +264,61 @@ class Proxy:
             if conn in self.conns:
                 self.drop(conn)
 
+    async def server_to_queue(self, conn: Conn) -> None:
+        """Read what the server sends as it comes, a stall or not (it waits in `conn.down`): the
+        client sees exactly what it would through a stalled socket, and each delivery's arrival
+        here is known."""
+        reader, _ = conn.server
+        tail = b""
+        try:
+            while True:
+                data = await reader.read(CHUNK)
+                if not data:
+                    break
+                conn.down.append((time.monotonic(), data, deliveries(tail, data)))
+                conn.more.set()
+                tail = (tail + data)[-TAIL:]
+        except (ConnectionError, OSError):
+            pass
+        conn.down.append(None)
+        conn.more.set()
+
+    async def queue_to_client(self, conn: Conn) -> None:
+        """Write on what the server sent, in order, whenever the connection flows; close both sides
+        after the server's end (when it flows: a stalled client must not see the close either)."""
+        _, writer = conn.client
+        tail = b""
+        try:
+            while True:
+                while not conn.down:
+                    conn.more.clear()
+                    await conn.more.wait()
+                await conn.flowing.wait()
+                item = conn.down[0]            # left in `down` until written: unwritten() sees it
+                if item is None:
+                    break
+                came, data, found = item
+                writer.write(data)             # from here it may reach the client: noted as out
+                conn.down.popleft()
+                self.noted_late(conn, came, found, time.monotonic())
+                await writer.drain()
+                tail = self.note(conn, False, tail, data)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            if conn in self.conns:
+                self.drop(conn)
+
+    def noted_late(self, conn: Conn, came: float, found: list[tuple[str, int, int]], out: float | None) -> None:
+        if found and (out is None or out - came >= LATE):
+            self.lates += [Late(conn.name or "?", stream, seq, d, came, out) for stream, seq, d in found]
+
+    def never_forwarded(self, conn: Conn) -> None:
+        """The connection is closing: what it still had for its client never reached it."""
+        for came, _, found in unwritten(conn):
+            self.noted_late(conn, came, found, None)
+        conn.down.clear()
+
     def note(self, conn: Conn, to_server: bool, tail: bytes, data: bytes) -> bytes:
         """Note each tapped needle `data` completes (written on just now); the tail to keep."""
         name = conn.name
@@ -230,6 +335,11 @@ class Proxy:
                 at = seen.find(needle, at + 1)
         keep = max(map(len, needles)) - 1
         return seen[len(seen) - keep:] if keep else b""
+
+
+def unwritten(conn: Conn) -> list[tuple[float, bytes, list[tuple[str, int, int]]]]:
+    """What the server sent that has not been written to the client yet, oldest first."""
+    return [item for item in conn.down if item is not None]
 
 
 def connect_name(line: bytes) -> str | None:

@@ -44,7 +44,7 @@ from harness import SupervisorProc, run_cli, wait_until
 from natsauth import free_port
 from otlp import Receiver
 
-from workers.protocol.limitkeys import LEASE_TTL, RENEW_EVERY
+from workers.protocol.limitkeys import LEASE_TTL, RENEW_EVERY, rate_window
 
 from .checker import VERDICTS
 from .core import Result, run_with
@@ -647,6 +647,29 @@ def over_limit(run: Run, limit: int) -> list[str]:
     return out
 
 
+RATE_SLACK = 0.25           # a start's S line comes after its take (the worker's loop, queue, a thread, the GIL)
+DELAYING = ("SIGSTOP", "stall", "cut")   # faults after which a start taken before is stamped late
+
+
+def over_rate(run: Run, rate: float) -> list[str]:
+    """Moments the journal's starts (S lines, one per delivery that ran) outran `rate`: more than
+    its window's keys (limitkeys.rate_window) within the window less RATE_SLACK. The bound is
+    the server's (a start key's TTL); a handler stamps a start after its take, so a stopped
+    worker or server, or a stalled or cut link, can bunch stamps of starts taken apart: those
+    windows, to one window after the fault, are excused."""
+    keys, seconds = rate_window(rate)
+    starts = sorted(r.t for r in run.tail.poll() if r.event == "S")
+    excused = [(f.t0, f.t1 + seconds) for f in run.faults if any(word in f.kind for word in DELAYING)]
+    out, lo = [], 0
+    for hi, t in enumerate(starts):
+        while t - starts[lo] >= seconds - RATE_SLACK:
+            lo += 1
+        if hi - lo + 1 > keys and not any(t0 <= t and starts[lo] <= t1 for t0, t1 in excused):
+            out.append(f"{run.at(starts[lo])}: {hi - lo + 1} starts within {seconds - RATE_SLACK:g} s "
+                       f"(rate {rate:g}: {keys} per {seconds} s)")
+    return out
+
+
 def hup_params(rng: random.Random, c: Cfg) -> dict:
     choices = [s for s in SETTINGS if s.hup and s.needs(c) and not s.key.startswith("chaos.")]
     s = rng.choice(choices)
@@ -885,17 +908,21 @@ def overridden(plan: Plan, env: dict[str, str]) -> Plan:
 
 def run_random(seed: int, minutes: float, workdir: Any, logs_to: Any = None) -> Result:
     plan = overridden(draw(seed, minutes), dict(os.environ))
-    over: list[str] = []
+    over: list[str] = []                        # more jobs at once than the cap
+    fast: list[str] = []                        # more starts in a window than the rate
 
     def play_plan(run: Run) -> None:
         if plan.config["chaos.limit"]:          # judged from the journal once the run settled
             run.after_settle.append(lambda: over.extend(over_limit(run, plan.config["chaos.limit"])))
+        if plan.config["chaos.limit_rate"]:
+            run.after_settle.append(lambda: fast.extend(over_rate(run, plan.config["chaos.limit_rate"])))
         execute(run, plan)
     result = run_with(f"random-{seed}", seed, play_plan, expectations(plan), workdir, logs_to=logs_to,
                       plan=plan.describe())
-    if over:
-        result.failures.append(f"over_limit={len(over)} (must be 0): {over[0]}")
-        result.passed = False
+    for name, found in (("over_limit", over), ("over_rate", fast)):
+        if found:
+            result.failures.append(f"{name}={len(found)} (must be 0): {found[0]}")
+            result.passed = False
     return result
 
 

@@ -39,7 +39,7 @@ from supervisor.parent.safety.peers import SUSPECT_GRACE
 from workers.runtime.deadletter import DLQ_HEADER
 
 from .checker import SIDE_KEY, Evidence, Report, check
-from .facts import Fault, Life, Rec, Stored, order_key
+from .facts import Fault, Late, Life, Rec, Stored, order_key
 from .proxy import Proxy
 
 STREAM, CONSUMER, SUBJECT, DLQ_STREAM = "JOBS", "workers", "jobs.chaos", "JOBS_DLQ"
@@ -53,6 +53,13 @@ def named_schedule(subject: str) -> bool:
     """A recurring schedule's own message (it lives in the stream); a delayed job's counts as a job."""
     kind = (sched.parse_subject(STREAM, subject) or ("", ""))[0]
     return kind in sched.NAMED_KINDS
+
+
+def late_deliveries(run: Run) -> list[Late]:
+    """The work queue's deliveries the proxy held in a stalled link (checker.py held_in_link)."""
+    if run.proxy is None:
+        return []
+    return [d for d in run.bg.call(run.proxy.late()) if d.stream == STREAM]
 
 
 def copies_for_later(journal: list[Rec], published: dict[int, Stored]) -> dict[int, Stored]:
@@ -524,7 +531,7 @@ class Run:
                       status=self.status, statuses=[s for s in statuses if s],
                       sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), drains=self.drains,
                       healthz_s=max(self.healthz) if self.healthz else None, pools=dict(self.pools),
-                      left_to_ack_wait=self.left_to_ack_wait, copies=set(copies))
+                      left_to_ack_wait=self.left_to_ack_wait, copies=set(copies), late=late_deliveries(self))
         return check(ev)
 
     def ledger_status(self, sup: SupervisorProc) -> dict | None:

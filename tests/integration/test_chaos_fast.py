@@ -19,7 +19,7 @@ import pytest
 from chaos import scenarios  # noqa: F401  (registers the scenarios)
 from chaos.checker import Evidence, check
 from chaos.core import SCENARIOS, run_scenario
-from chaos.facts import Fault, Life, Rec, Stored
+from chaos.facts import Fault, Late, Life, Rec, Stored
 from chaos.rig import copies_for_later
 
 SEED = int(os.environ["CHAOS_SEED"]) if "CHAOS_SEED" in os.environ else None
@@ -245,6 +245,83 @@ def test_checker_blames_a_dead_links_heal_for_what_the_server_handed_it_then():
     assert check(evidence(later + back, [], stored=2)).counts["ackwait"] == 1
     long_before = Fault("worker link stalled", T0 + 1.0, T0 + 30.0, frozenset({1}), in_control=False)
     assert check(evidence(later + back, [long_before], stored=2)).counts["ackwait"] == 1
+
+
+def test_checker_takes_a_wait_as_the_links_only_for_the_delivery_the_proxy_saw_it_hold():
+    """Seed 600: worker 1's link stalled 39 s (outside); a job handed to it meanwhile never
+    started and came back after AckWait, and routine SIGHUPs and a scale (in the supervisor's
+    control, touching no worker) fell in the window of that never-started delivery, so the wait
+    was charged. The proxy saw that very delivery sit in the stalled link past the redelivery:
+    the link's, whatever else happened. Only that job and delivery, held that long, by a fault
+    on a connection acting when the proxy read it."""
+    later = [("S", 2, 2, 1, 1.6), ("D", 2, 2, 1, 1.7)]
+    back = [("S", 3, 1, 2, 31.5), ("D", 3, 1, 2, 31.6)]
+    stall = Fault("network: worker 1's connection stall 39s", T0 + 0.4, T0 + 39.4, frozenset({1}), in_control=False)
+    hup = Fault("op: SIGHUP (workers.max_jobs=6)", T0 + 10.0, T0 + 10.0, frozenset())
+    faults = [stall, hup]
+
+    def late(seq: int = 1, delivery: int = 1, came: float = 1.5, out: float | None = None) -> list[Late]:
+        return [Late("chaos-a worker 1", "JOBS", seq, delivery, T0 + came, None if out is None else T0 + out)]
+    assert check(evidence(later + back, faults, stored=2)).counts["ackwait"] == 1        # the failure seen
+    for held in (late(), late(out=39.4)):                   # closed unread; written on at the heal
+        report = check(evidence(later + back, faults, stored=2, late=held))
+        assert (report.counts["ackwait"], report.counts["ackwait_outside"]) == (0, 1), held
+        assert any("held in the stalled link of 'chaos-a worker 1'" in f.text and "stall 39s" in f.text
+                   for f in report.findings if f.verdict == "ackwait_outside")
+    # Another job; another delivery; written on in time for the worker; read before the stall began.
+    for other in (late(seq=2), late(delivery=2), late(out=20.0), late(came=0.2)):
+        assert check(evidence(later + back, faults, stored=2, late=other)).counts["ackwait"] == 1, other
+    inside = Fault("network: the parent's connection stall 39s", T0 + 0.4, T0 + 39.4, frozenset(), in_control=True)
+    assert check(evidence(later + back, [inside, hup], stored=2, late=late())).counts["ackwait"] == 1
+
+
+def test_the_proxy_names_each_delivery_a_stalled_link_kept_from_its_worker(nats_server):
+    """chaos/proxy.py reads on through a stall: a delivery the server sent into a stalled link is
+    known by its stream sequence and delivery number, with when it came and whether it was ever
+    written on (here: never, the link is cut with it unread); one that flowed at once is not."""
+    import asyncio
+    import contextlib
+
+    import nats
+
+    from chaos.proxy import Proxy
+
+    async def scenario() -> list[Late]:
+        proxy = await Proxy("127.0.0.1", nats_server.port).start()
+        admin = await nats.connect(nats_server.url)
+        worker = await nats.connect(proxy.url, name="w", max_reconnect_attempts=0, allow_reconnect=False)
+        try:
+            js = admin.jetstream()
+            await js.add_stream(name="T", subjects=["t.>"], retention="workqueue")
+            sub = await worker.jetstream().pull_subscribe("t.>", durable="c", stream="T")
+            await js.publish("t.1", b"1")
+            (first,) = await sub.fetch(1, timeout=10)           # flowed: not late
+            await first.ack()
+            fetching = asyncio.ensure_future(sub.fetch(1, timeout=30))
+            await until(lambda: js.consumer_info("T", "c"), lambda i: i.num_waiting == 1)
+            await proxy.stall("^w$")
+            await js.publish("t.2", b"2")
+            await until(lambda: proxy.waiting("^w$"), lambda n: n == 1)
+            await proxy.cut("^w$")
+            held = await proxy.late()
+            fetching.cancel()
+            with contextlib.suppress(BaseException):
+                await fetching
+            return held
+        finally:
+            await worker.close()
+            await admin.close()
+            await proxy.close()
+
+    async def until(read, ok) -> None:
+        for _ in range(200):
+            if ok(await read()):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the proxy or the server never got there")
+
+    (held,) = asyncio.run(scenario())
+    assert (held.name, held.stream, held.seq, held.delivery, held.out) == ("w", "T", 2, 1, None)
 
 
 def test_checker_takes_a_handler_retry_as_the_reason_for_the_next_delivery():

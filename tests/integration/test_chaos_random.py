@@ -21,6 +21,7 @@ from chaos.randomized import (
     draw,
     draw_config,
     expectations,
+    over_rate,
     parse_seeds,
     run_random,
     sections,
@@ -121,6 +122,29 @@ def test_faults_outside_control_relax_only_the_supervisors_own_count():
         expect = expectations(plan)
         assert expect["lost"] == 0 and expect["ackwait"] == 0 and expect["dup_unexplained"] == 0
         assert (expect["sup_unexplained"] is None) == outside
+
+
+def test_the_rate_check_fails_a_window_with_too_many_starts_unless_a_fault_bunched_them():
+    """chaos.limit_rate: `over_rate` counts the journal's starts in every window of the rate (less
+    RATE_SLACK for the stamps' lag) and fails a run with more than the window's keys, except near
+    a fault that stamps starts taken apart late (a stop, a stall, a cut); a kill excuses nothing."""
+    from types import SimpleNamespace
+
+    from chaos.facts import Fault, Rec
+
+    def run(times: list[float], *faults: Fault) -> SimpleNamespace:
+        recs = [Rec("S", 1, seq, 1, t, t, "k") for seq, t in enumerate(sorted(times))]
+        return SimpleNamespace(tail=SimpleNamespace(poll=lambda: recs), faults=list(faults), at=lambda t: f"+{t:.2f}s")
+
+    steady = [k / 10 for k in range(40)]                     # 10 a second, for 4 s
+    assert over_rate(run(steady), 10.0) == []
+    bunched = steady + [2.01, 2.02, 2.03]                    # 3 more in one second: 11 within 0.75 s
+    assert over_rate(run(bunched), 10.0)
+    assert over_rate(run(bunched), 20.0) == []
+    assert over_rate(run(bunched, Fault("worker SIGSTOP 0.5s", 1.5, 2.0)), 10.0) == []
+    assert over_rate(run(bunched, Fault("worker SIGKILL", 1.5, 1.5)), 10.0)
+    assert over_rate(run([0.0, 0.4, 0.8, 1.2, 1.6, 1.7]), 2.5)           # 5 per 2 s: 6 within 1.75 s
+    assert over_rate(run([0.0, 0.4, 0.8, 1.2, 1.6, 2.0]), 2.5) == []
 
 
 def test_a_draw_of_pools_and_keys_orders_pool_a_alone_and_every_draw_loads():

@@ -89,11 +89,12 @@ def test_random_sigkills_lose_nothing_and_ledger_matches(nats_server, supervisor
 
 
 def test_long_job_outlives_ack_wait_without_redelivery(nats_server, supervisor_factory):
-    """AckWait 5 s and one 16 s job: in-progress pings keep it; delivered once, never redelivered.
-    (A ping is due every third of AckWait: 5 s leaves a loaded box seconds of slack, 2 s did not.)"""
+    """AckWait 5 s and one 11 s job (past two AckWaits): in-progress pings keep it; delivered once,
+    never redelivered. (A ping is due every third of AckWait: 5 s leaves a loaded box seconds of
+    slack, 2 s did not.)"""
     sup = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": 5.0}, args=JSON_LOGS)
     sup.wait_ready(2)
-    publish(nats_server.url, count=1, data="16")
+    publish(nats_server.url, count=1, data="11")
     seen_redelivered = 0
     deadline = time.monotonic() + 60
     while not sup.jobs.done() and time.monotonic() < deadline:

@@ -26,7 +26,7 @@ from supervisor.config import Config
 from supervisor.core.ledger import CrashLedger
 from supervisor.nats import provision
 from supervisor.nats.fix import Client
-from supervisor.parent.safety.in_transit import SLACK, InTransit
+from supervisor.parent.safety.in_transit import GIVE_UP, SLACK, InTransit
 from supervisor.parent.safety.peers import LISTEN_FIRST, PEER_QUIET, Peers
 from workers.protocol import slots
 from workers.runtime.puller import PULL_EXPIRES, PULL_MARGIN
@@ -377,13 +377,13 @@ def test_a_stalled_loop_reading_an_old_pong_proves_only_what_its_ping_covered(na
 # ---------------------------------------------------------------- R5b: a replacement slow to start
 
 def test_a_slow_starting_replacement_does_not_block_the_in_transit_check(nats_server, supervisor_factory):
-    """R5b. The dead worker's replacement is forked 50 ms later and spends 8 s in workers.init.
-    It has no subscription yet, so it can hold nothing, but it was asked to prove what it held:
-    the check gave up after GIVE_UP (5 s) and the message on the wire waited for AckWait. (W2,
-    stopped until the replacement exists, keeps the check waiting for that moment.)"""
+    """R5b. The dead worker's replacement is forked 50 ms later and spends GIVE_UP + 1.5 s (6.5 s)
+    in workers.init. It has no subscription yet, so it can hold nothing, but it was asked to prove
+    what it held: the check gave up after GIVE_UP (5 s) and the message on the wire waited for
+    AckWait. (W2, stopped until the replacement exists, keeps the check waiting for that moment.)"""
     sup = supervisor_factory(nats_server, args=JSON, workers={"count": 2, "init": "testhandlers:slow_init"},
                              consumer={"ack_wait": ACK_WAIT}, restart={"backoff_initial": 0.05},
-                             env={"SLOW_INIT": "8"})
+                             env={"SLOW_INIT": str(GIVE_UP + 1.5)})
     sup.wait_ready(2)
     wait_until(lambda: sup.status()["peers"]["alone"], timeout=30, what="the supervisor sure it is alone")
     victim, w2 = (psutil.Process(p.pid) for p in sup.workers())

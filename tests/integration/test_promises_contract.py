@@ -214,9 +214,9 @@ def test_filter_subject_runs_only_its_subject(nats_server, supervisor_factory):
 
 def test_backoff_reaches_the_server_and_pings_outlast_its_first_step(nats_server, supervisor_factory):
     """consumer.backoff: the server applies backoff[0] instead of AckWait to a first delivery
-    (policy.ack_wait_for), so the in-progress pings must beat that step, not ack_wait: a job three
-    times longer than backoff[0] still runs once, on its first delivery."""
-    first_step, job_s = 4.0, 12.0      # a ping every third of the step: seconds of slack on a loaded box
+    (policy.ack_wait_for), so the in-progress pings must beat that step, not ack_wait: a job more
+    than twice as long as backoff[0] still runs once, on its first delivery."""
+    first_step, job_s = 4.0, 9.0      # a ping every third of the step: seconds of slack on a loaded box
     sup = supervisor_factory(nats_server, consumer={"ack_wait": 60.0, "backoff": [first_step, 30.0], "max_deliver": 5})
     sup.wait_ready(2)
     config = consumer_config(nats_server)

@@ -147,7 +147,8 @@ def test_orphans_give_back_what_they_did_not_start_and_finish_what_runs(nats_ser
     finished = {r.seq for r in sup.jobs.done()} & set(seqs)
     assert finished and {r.seq for r in sup.jobs.started()} & set(seqs) == finished, "what ran finished, once"
 
-    again = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": ack_wait})
+    # Four workers: the rest (about 14 jobs of 1 s) drain in half the time two would take.
+    again = supervisor_factory(nats_server, workers={"count": 4}, consumer={"ack_wait": ack_wait})
     rest = set(seqs) - finished
     wait_until(lambda: again.jobs.done_seqs() >= rest, timeout=ack_wait, what="the unstarted jobs run by the next one")
     late = [r for r in again.jobs.started() if r.t - killed >= ack_wait / 2]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import re
@@ -15,7 +16,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -163,16 +164,34 @@ class Record:
 
 @dataclass
 class JobLog:
+    """The job log, read incrementally: each call parses only the lines appended since the last
+    (a test polling a log of tens of thousands of jobs every 20 ms re-parsed all of it each time:
+    most of a core on a 2-core box, taken from the system under test). A line is taken once
+    complete (its newline written: each is one O_APPEND write); a file replaced or cut is read
+    again from its start."""
     path: Path
+    _parsed: list[Record] = field(default_factory=list, init=False, repr=False, compare=False)
+    _offset: int = field(default=0, init=False, repr=False, compare=False)
+    _inode: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def records(self) -> list[Record]:
-        if not self.path.exists():
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            self._parsed, self._offset, self._inode = [], 0, None
             return []
-        out = []
-        for line in self.path.read_text().splitlines():
+        with f:
+            st = os.fstat(f.fileno())
+            if st.st_ino != self._inode or st.st_size < self._offset:
+                self._parsed, self._offset, self._inode = [], 0, st.st_ino
+            f.seek(self._offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1
+        for line in chunk[:end].decode().splitlines():
             event, pid, seq, delivery, t, data = line.split(" ", 5)
-            out.append(Record(event, int(pid), int(seq), int(delivery), float(t), data))
-        return out
+            self._parsed.append(Record(event, int(pid), int(seq), int(delivery), float(t), data))
+        self._offset += end
+        return list(self._parsed)
 
     def done(self) -> list[Record]:
         return [r for r in self.records() if r.event == "done"]
@@ -218,6 +237,8 @@ class SupervisorProc:
         self.wrapper: tuple[str, ...] = ()      # a command the supervisor runs under (strace -f ...)
         self._http: str | None = None
         self._log_from = 0
+        self._events: list[dict] = []        # _event_records: what the log held up to _events_read
+        self._events_read = 0
 
     def start(self) -> SupervisorProc:
         self._http = None
@@ -243,18 +264,30 @@ class SupervisorProc:
     def events(self, kind: str | None = None, /, **match: Any) -> list[dict]:
         """The structured log events (extra={"event": ...}) of a supervisor started with
         `--log-format json`, in order; only those of `kind` whose fields equal `match`."""
-        out = []
-        for line in self.log().splitlines():
+        return [dict(record) for record in self._event_records() if kind in (None, record["event"])
+                and all(record.get(k) == v for k, v in match.items())]
+
+    def _event_records(self) -> list[dict]:
+        """Every event record logged so far, parsing only the complete lines appended since the
+        last call (tests poll these every 20 ms; a long log was parsed whole each time)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._events_read)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n") + 1
+        self._events_read += end
+        for line in chunk[:end].decode(errors="replace").splitlines():
             if not line.startswith("{"):
                 continue
             try:
                 record = json.loads(line)
             except ValueError:
-                continue                     # a line still being written
-            if "event" in record and kind in (None, record["event"]) and \
-                    all(record.get(k) == v for k, v in match.items()):
-                out.append(record)
-        return out
+                continue
+            if "event" in record:
+                self._events.append(record)
+        return self._events
 
     def wait_event(self, kind: str, /, timeout: float = DEADLINE, **match: Any) -> dict:
         def found():
@@ -301,11 +334,7 @@ class SupervisorProc:
 
     def workers(self) -> list[psutil.Process]:
         """Direct children that are workers (the embedded nats-server excluded)."""
-        try:
-            children = psutil.Process(self.proc.pid).children()
-        except psutil.NoSuchProcess:
-            return []
-        return [c for c in children if "nats-server" not in " ".join(_cmdline(c))]
+        return [c for c in children_of(self.proc.pid) if "nats-server" not in " ".join(_cmdline(c))]
 
     def worker_pids(self) -> set[int]:
         return {p.pid for p in self.workers()}
@@ -353,6 +382,38 @@ class SupervisorProc:
             self._log.close()
 
 
+def children_of(pid: int) -> list[psutil.Process]:
+    """A process's direct children, from the kernel's list of each of its threads' children:
+    psutil's children() reads every process on the box (12 ms with ~100 of them, and tests poll
+    this every 20 ms). psutil's way where the kernel keeps no such list (or the process is gone)."""
+    if not os.path.exists(f"/proc/{pid}/task/{pid}/children"):
+        try:
+            return psutil.Process(pid).children()
+        except psutil.NoSuchProcess:
+            return []
+    out = []
+    for task in _listdir(f"/proc/{pid}/task"):
+        for child in _read(f"/proc/{pid}/task/{task}/children").split():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                out.append(psutil.Process(int(child)))
+    return out
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:            # the process ended meanwhile
+        return []
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:            # a thread that ended meanwhile
+        return ""
+
+
 def _cmdline(p: psutil.Process) -> list[str]:
     try:
         return p.cmdline()
@@ -374,9 +435,36 @@ def run_cli(*args: str, tmp: Path | None = None, env: dict | None = None, timeou
 
 
 def publish(server_url: str, *, count: int, data: str = "0", tmp: Path | None = None, extra: tuple = ()) -> str:
-    r = run_cli("publish", "--server", server_url, "--count", str(count), "--data", data, *extra, tmp=tmp)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
+    """`supervisor publish` (it provisions the stream, as `start` would); its stdout. Run in this
+    process, through the command's own code: a Python start-up and the command's imports per call
+    cost a second or more on a loaded box. A working directory `tmp` without a config.toml is a
+    config of defaults, given as an empty file. As a subprocess (as before) where this process
+    would differ: a config.toml in `tmp` or a --config (it may turn tracing on, or name files
+    relative to `tmp`), SUPERVISOR_* keys in the environment (the subprocess drops them). Tests
+    of the CLI itself run it with run_cli."""
+    argv = ("publish", "--server", server_url, "--count", str(count), "--data", data, *extra)
+    if "--config" in extra or (tmp is not None and (tmp / "config.toml").exists()) \
+            or any(k.startswith("SUPERVISOR_") for k in os.environ):
+        r = run_cli(*argv, tmp=tmp)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+    from supervisor.cli.main import COMMANDS, parse
+
+    if tmp is not None:                  # not this process's ./config.toml: none, as in `tmp`
+        argv = (*argv, "--config", str(empty_config()))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = COMMANDS["publish"](parse(list(argv)))
+    assert rc == 0, out.getvalue()
+    return out.getvalue()
+
+
+def empty_config() -> Path:
+    """An empty config file (defaults, as no file at all) in the session's temp dir."""
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / "jss-empty-config.toml"
+    if not path.exists():
+        path.write_text("")
+    return path
 
 
 def publish_now(server_url: str, *, count: int, data: str = "0", subject: str = "jobs.new") -> list[int]:

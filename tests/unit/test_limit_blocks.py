@@ -68,6 +68,12 @@ class Bucket:
     def want(self, name: str) -> None:
         """The word a worker waiting for a full limit sends: nobody else listens here."""
 
+    def admit(self) -> None:
+        """Before each take: a worker's parked jobs without a handler withdraw (none here)."""
+
+    def timed(self, seconds: float) -> None:
+        """A take's round trip (the worker's look-ahead): not measured here."""
+
 
 @pytest.fixture
 def worker_loop(monkeypatch):

@@ -111,6 +111,12 @@ class FakeBucket:
     def want(self, name: str) -> None:
         self.wants += 1
 
+    def admit(self) -> None:
+        """Before each take: a worker's parked jobs without a handler withdraw (none here)."""
+
+    def timed(self, seconds: float) -> None:
+        """A take's round trip (the worker's look-ahead): not measured here."""
+
 
 def test_a_take_looks_again_while_the_limit_had_room_and_waits_once_it_is_full():
     """With room to spare, each take finds a slot itself (before: only the first did; the next
@@ -155,11 +161,19 @@ def test_a_job_redelivered_to_the_worker_that_parks_it_gives_back_both_deliverie
     from workers.middleware.limits import Grant, Limits
 
     class FakeGate:                       # one slot, free when the test says
+        index = 0
+
         def __init__(self) -> None:
             self.free = asyncio.Event()
             self.held: list[Grant] = []
 
-        async def take(self, waiting=None) -> Grant:
+        def known_full(self) -> bool:
+            return False
+
+        def take_now(self) -> None:
+            return None
+
+        async def take(self, waiting=None, counted=True) -> Grant:
             if waiting is not None and not self.free.is_set():
                 waiting()
             await self.free.wait()
@@ -171,7 +185,8 @@ def test_a_job_redelivered_to_the_worker_that_parks_it_gives_back_both_deliverie
             self.held.remove(grant)
 
     async def run() -> None:
-        limits = Limits(Config().replace(limits={"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}))
+        limits = Limits(Config().replace(limits={"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}},
+                                         workers={"concurrency": 2}))      # a handler free for each
         gate = FakeGate()
         limits.limiter = type("FakeLimiter", (), {"gate": lambda self, name: gate})()   # type: ignore[assignment]
         first, second = (Job(b"x", "jobs.db.w", stream_seq=7, delivery=d) for d in deliveries)
@@ -179,7 +194,7 @@ def test_a_job_redelivered_to_the_worker_that_parks_it_gives_back_both_deliverie
         limits.park(first, first, admitted.append)
         limits.park(second, second, admitted.append)
         await asyncio.sleep(0)
-        assert len(limits.parked) == len(limits.waiting) == 2      # both parked, both waiting
+        assert len(limits.parked) == len(limits.parked.waiting) == 2      # both parked, both waiting
         gate.free.set()
         for _ in range(100):
             await asyncio.sleep(0)
@@ -252,4 +267,89 @@ def test_a_slot_passes_from_job_to_job_in_a_worker_until_someone_elsewhere_wants
         rated.give_back(grant)
         assert rated.take_now() is None and not rated.held, "a limit with a rate kept a slot"
         await asyncio.sleep(0)
+    asyncio.run(run())
+
+
+def test_a_parked_job_takes_its_limits_only_when_a_handler_is_free_for_it():
+    """Parking (workers/middleware/parking.py) with one handler: the first `room` parked jobs try
+    for their limits, where room = handlers (+ the look-ahead, 0 here) - jobs running or queued.
+    While the handler runs a job, nothing is taken and the worker asks for no more (`held`); once
+    it frees, only the first job tries. Refused (the limit is full) it waits without a handler,
+    so the next job in line has its try and the waiter's take is withdrawn; when both wait, the
+    first tries again, alone. Before: every parked job had a take under way at once, so a worker
+    took slots for jobs queued behind its own busy handler while workers elsewhere, idle, waited."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from workers import Job
+    from workers.middleware.parking import Parking
+
+    class Host:                                    # the limits middleware and the worker, as parking sees them
+        table = None
+
+        def __init__(self) -> None:
+            self.busy = 1                          # jobs running or queued
+            self.gate = SimpleNamespace(index=0, known_full=lambda: False)
+            self.takes: dict[int, tuple[asyncio.Future, object]] = {}     # stream seq -> (its take, on_wait)
+
+        def line(self) -> tuple[int, float | None]:
+            return self.busy, None
+
+        def wake_pull(self) -> None:
+            parking.nudge()
+
+        def first_gate(self, job: Job) -> SimpleNamespace:
+            return self.gate
+
+        def take_now(self, job: Job) -> bool:
+            return False
+
+        async def hold(self, job: Job, on_wait) -> None:
+            future = asyncio.get_running_loop().create_future()
+            self.takes[job.stream_seq] = (future, on_wait)
+            try:
+                await future
+            finally:
+                del self.takes[job.stream_seq]
+
+        def take_rtt(self) -> float:
+            return 0.0
+
+    async def turns() -> None:
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    async def run() -> None:
+        a, b = (Job(b"x", "jobs.db.w", stream_seq=seq, delivery=1) for seq in (1, 2))
+        admitted: list[Job] = []
+
+        def queued(job: Job) -> None:              # the worker's: first in its queue, and it pulls
+            admitted.append(job)
+            host.busy += 1
+            host.wake_pull()
+        for job in (a, b):
+            parking.park(job, job, queued)
+        await turns()
+        assert host.takes == {} and parking.occupying() == 2 and parking.pull_state() == (0, True)
+        host.busy = 0                              # the handler frees
+        host.wake_pull()
+        await turns()
+        assert set(host.takes) == {1} and parking.pull_state() == (0, True)
+        host.takes[1][1](host.gate)                # a: the limit is full
+        await turns()
+        assert set(host.takes) == {2} and parking.pull_state() == (1, False) and parking.occupying() == 1
+        host.takes[2][1](host.gate)                # b too
+        await turns()
+        assert set(host.takes) == {1} and parking.pull_state() == (2, False) and parking.occupying() == 0
+        host.takes[1][0].set_result(None)          # a has its limits
+        await turns()
+        assert admitted == [a] and host.takes == {} and len(parking) == 1     # b waits for the handler
+        host.busy = 0                              # a done
+        host.wake_pull()
+        await turns()
+        assert set(host.takes) == {2}
+        parking.close()
+
+    host = Host()
+    parking = Parking(host, concurrency=1)         # type: ignore[arg-type]
     asyncio.run(run())

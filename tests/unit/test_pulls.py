@@ -17,6 +17,7 @@ from workers.runtime.pulls import (
     RTT_CAP,
     RTT_SAMPLES,
     SPREAD_JOBS,
+    WAIT_ROUNDS,
     PullSizer,
     fair_share,
 )
@@ -333,6 +334,30 @@ def test_an_idle_worker_shares_nothing_of_its_last_burst():
     assert s.shared(NOW + IDLE_STALE + 1) == (0.0, 0.0, 0.0)
 
 
+def test_jobs_waiting_for_a_full_limit_take_no_handler_and_buy_no_buffer():
+    """[limits]: jobs parked for a full limit are not outstanding, so a free handler asks past
+    them (for jobs that need none); while any wait the worker asks only for what its free
+    handlers can start, within the fair share with the waiters in it, and for nothing once
+    WAIT_ROUNDS rounds of its handlers wait (or its capacity, if more), nor while a parked job
+    is held for its turn to take its limits. Before: waiters beyond `concurrency` counted as
+    taking a handler, so a worker of concurrency 1 with two waiters stopped asking, idle."""
+    slow = sizer(concurrency=2, job=0.2, rtt=0.002)          # no buffer: capacity 2
+    assert slow.size(NOW, outstanding=0, credits=0, free_entries=100, limit_waiting=5) == 2
+    assert slow.size(NOW, outstanding=1, credits=0, free_entries=100, limit_waiting=5) == 1
+    assert slow.size(NOW, outstanding=2, credits=0, free_entries=100, limit_waiting=5) == 0
+    assert slow.waiting_allowance(NOW) == WAIT_ROUNDS * 2
+    assert slow.size(NOW, outstanding=0, credits=0, free_entries=100, limit_waiting=WAIT_ROUNDS * 2) == 0
+    assert slow.size(NOW, outstanding=0, credits=0, free_entries=100, held=True) == 0
+    one = sizer(concurrency=1, job=0.2, rtt=0.002)
+    assert one.size(NOW, outstanding=0, credits=0, free_entries=100, limit_waiting=2) == 1   # idle: asks
+    fast = sizer(concurrency=2, job=0.00001, rtt=0.01, share=5000)   # a deep buffer without waiters ...
+    assert fast.size(NOW, outstanding=0, credits=0, free_entries=3000) == 256
+    assert fast.size(NOW, outstanding=0, credits=0, free_entries=3000, limit_waiting=3) == 2   # ... none with
+    assert fast.waiting_allowance(NOW) == fast.capacity(NOW)         # a pull alone never stops it
+    shared = sizer(concurrency=2, job=0.2, rtt=0.002, share=4)
+    assert shared.size(NOW, outstanding=0, credits=0, free_entries=100, limit_waiting=3) == 1   # the share holds
+
+
 @pytest.mark.parametrize("concurrency, batch, max_ack_pending, count",
                          [(1, 256, 1000, 1), (1, 256, 1000, 8), (4, 16, 100_000, 2), (1, 1, 1000, 1), (8, 1024, 20_000, 1)])
 def test_the_slot_table_holds_the_largest_buffer_twice(concurrency, batch, max_ack_pending, count):
@@ -369,6 +394,9 @@ def test_ordered_workers_buffer_only_by_the_spread_and_look_past_parked_jobs():
     assert s.ordered_size(NOW, busy=0, parked=0, credits=2, free_entries=100) == 0  # already asked
     assert s.ordered_size(NOW, busy=0, parked=0, credits=0, free_entries=1) == 1
     assert s.ordered_size(NOW, busy=0, parked=0, credits=0, free_entries=100, jobs_left=1) == 1
+    for _ in range(BACKLOG_RUN):
+        s.message(NOW, pending=100)
+    assert s.backlog and s.ordered_size(NOW, busy=2, parked=0, credits=0, free_entries=100) == 0   # no buffer
     uniform = sizer(concurrency=2, share=100, job=0.001, rtt=0.001)
     uniform.lookahead = 8
     assert uniform.prefetch(NOW) > 0

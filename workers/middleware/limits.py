@@ -40,17 +40,18 @@ waits where it is, held (and kept alive by the parent's +WPI like any held job).
 
 Whole-job limits do not take a handler while they wait (`Limits.park`): a pulled job that needs
 one and cannot have it at once (`Limits.hold_now`) is parked (it stays in the slot table, HELD)
-until it has them, then goes first in the worker's queue; jobs that need none go on past it. A
-parked job counts as taking a handler (for pull sizing: `occupying`) while it tries for its
-limits (most get them at once, and would find the handler given away), and again beyond
-`workers.concurrency` of them waiting: a worker holds at most `concurrency` jobs waiting for a
-limit on top of what it can run, and stops pulling what it could not start. A drain NAKs parked
-jobs at once (they never started); a retirement lets them wait, within graceful_timeout.
+until it has them, then goes first in the worker's queue; jobs that need none go on past it.
+Which parked jobs try for their limits, and when (only while a handler is free for them), is
+workers/middleware/parking.py; a job that waits for a full limit takes no handler, and how many
+such a worker holds beside what it runs is pull sizing's (workers/runtime/pulls.py). A drain
+NAKs parked jobs at once (they never started); a retirement lets them wait, within
+graceful_timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -61,9 +62,9 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from nats.js.errors import NotFoundError
 
@@ -72,6 +73,7 @@ from supervisor.config.subjects import subject_matches
 from workers import Job
 from workers.middleware.base import Context, Middleware
 from workers.middleware.guard import KV_TIMEOUT, Conflict, kv_write
+from workers.middleware.parking import Parking, delivery_key
 from workers.protocol import slots
 from workers.protocol.limitkeys import (
     LEASE_TTL,
@@ -98,6 +100,7 @@ CONTENDED_FOR = 2.0        # after a worker elsewhere said it waits, slots go ba
 WANT_EVERY = 0.25          # a worker waiting for a full limit says so at most this often (and at every look: POLL)
 LINGER = 0.5               # a slot nobody here waits for stays a spare this long while the limit has room
 NAMES_KEPT = 1024          # subjects whose whole-job limits a worker remembers
+RTT_SAMPLES = 8            # a take's round trip is the worst of this many recent ones (the look-ahead's)
 
 
 @dataclass
@@ -128,24 +131,29 @@ class Gate:
         self.lingering: asyncio.TimerHandle | None = None     # the next look at what lingers too long
         self.wanted_until = 0.0               # a worker elsewhere waits for this limit until then (monotonic)
         self.taking = False                   # serve() has a take's requests out
+        self.full = False                     # the last look found it full: a new waiter waits at once
         self.wanted_at = -WANT_EVERY          # when this worker last said it waits
 
     # -- for the waiters
 
-    async def take(self, waiting: Callable[[], None] | None = None) -> Grant:
+    async def take(self, waiting: Callable[[], None] | None = None, counted: bool = True) -> Grant:
         """Wait until this worker holds the limit for the caller (FIFO among its waiters).
-        `waiting` is called once if the limit was not to be had at once: the caller waits."""
+        `waiting` is called once if the limit was not to be had at once: the caller waits.
+        `counted`: the wait is counted in the table's waiting word here (else by the caller)."""
         future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
         told: list[bool] = []
 
         def wait_begins() -> None:
             told.append(True)
-            if self.limiter.table is not None:
+            if counted and self.limiter.table is not None:
                 self.limiter.table.limit_add(self.index, slots.LIMIT_WAITING)
             if waiting is not None:
                 waiting()
         self.waiters.append((future, wait_begins))
         since = time.monotonic()
+        if self.full:                          # full at the last look: it waits for a word or a poll
+            self.waiters[-1] = (future, None)
+            wait_begins()
         if self.server is None or self.server.done():
             self.server = asyncio.ensure_future(self.serve())
         try:
@@ -157,7 +165,7 @@ class Gate:
         finally:
             table = self.limiter.table
             if table is not None:
-                if told:
+                if told and counted:
                     table.limit_add(self.index, slots.LIMIT_WAITING, -len(told))
                 table.limit_waited(self.index, time.monotonic() - since)
 
@@ -238,6 +246,10 @@ class Gate:
 
     async def serve(self) -> None:
         while self.someone_waits() and not self.limiter.closing:
+            self.limiter.admit()                  # jobs with no handler free for them withdraw (Limits.rebalance)
+            if not self.someone_waits():
+                break
+            self.full = False
             self.taking = True                    # requests out: Limiter.close lets them come back
             try:
                 grants, wait = await self.attempt(min(self.live_waiters(), BATCH))
@@ -270,8 +282,10 @@ class Gate:
         return sum(not future.done() for future, _ in self.waiters)
 
     def tell_waiting(self) -> None:
-        """The limit is not to be had now: each waiter not told yet is told, once."""
-        for k, (future, told) in enumerate(self.waiters):
+        """The limit is not to be had now: each waiter not told yet is told, once (and so is each
+        that comes before the next look: `full`)."""
+        self.full = True
+        for k, (future, told) in enumerate(list(self.waiters)):
             if told is not None and not future.done():
                 told()
                 self.waiters[k] = (future, None)
@@ -330,8 +344,10 @@ class Gate:
         queue, taken, found = hinted + looks, 0, False
         while queue and taken < n:
             batch, queue = queue[:n - taken], queue[n - taken:]
+            sent = time.monotonic()
             results = await asyncio.gather(*(self.limiter.create(slot_key(self.name, k), LEASE_TTL) for k in batch),
                                            return_exceptions=True)
+            self.limiter.timed(time.monotonic() - sent)
             failure: BaseException | None = None
             for k, result in zip(batch, results):
                 if isinstance(result, Conflict):
@@ -373,7 +389,12 @@ class Gate:
 
     def on_freed(self, k: int) -> None:
         self.hints.add(k)
+        self.full = False
         self.freed.set()
+
+    def known_full(self) -> bool:
+        """The last look found the limit full and no word since said a slot was freed."""
+        return self.full
 
 class Starts:
     """A rate's starts in one worker (rate_window: `keys` start keys of `window` seconds each): what
@@ -392,8 +413,10 @@ class Starts:
         queue, taken = self.candidates(time.monotonic(), n), 0
         while queue and taken < n:
             batch, queue = queue[:n - taken], queue[n - taken:]
+            sent = time.monotonic()
             results = await asyncio.gather(*(self.limiter.create(rate_key(self.name, k), self.window) for k in batch),
                                            return_exceptions=True)
+            self.limiter.timed(time.monotonic() - sent)
             failure: BaseException | None = None
             refused = []
             for k, result in zip(batch, results):
@@ -444,6 +467,16 @@ class Limiter:
         self.last_warning = 0.0
         self.lost = 0
         self.closing = False
+        self.admit: Callable[[], None] = lambda: None    # before each take: Limits.rebalance
+        self.rtts: deque[float] = deque(maxlen=RTT_SAMPLES)
+
+    def timed(self, seconds: float) -> None:
+        self.rtts.append(seconds)
+
+    @property
+    def take_rtt(self) -> float:
+        """A take's round trip to the bucket: the worst of the last RTT_SAMPLES."""
+        return max(self.rtts, default=0.0)
 
     async def start(self) -> Limiter:
         self.sub = await self.nc.subscribe(words_subject(self.bucket), cb=self.on_word)
@@ -602,6 +635,20 @@ class Limiter:
 _current: Limits | None = None         # this worker's, once set up (limit() uses it)
 
 
+class WorkerView(Protocol):
+    """What Limits.attach reads of the worker (workers/runtime/worker.py Worker)."""
+    @property
+    def table(self) -> slots.SlotTable: ...
+    @property
+    def wake_pull(self) -> asyncio.Event: ...
+    @property
+    def running(self) -> int: ...       # jobs taken from its queue (sync: handed to the threads), not finished
+    @property
+    def queue(self) -> Sized: ...       # pulled, not started
+    @property
+    def pulls(self) -> Any: ...         # its puller: `.sizer.job_time`, seconds per job per handler
+
+
 class Limits(Middleware):
     """[limits]: holds each job's whole-job limits (those whose `subjects` match its subject)
     from before its first hook until it is settled, and serves `limit()`. The worker parks a job
@@ -611,7 +658,6 @@ class Limits(Middleware):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.whole = [(name, lim.subjects) for name, lim in sorted(cfg.limits.items()) if lim.subjects]
-        self.allowance = cfg.workers.concurrency
         self.names: dict[str, list[str]] = {}            # subject -> its whole-job limits (names_for)
         self.table: slots.SlotTable | None = None       # the worker's, set before setup()
         self.limiter: Limiter | None = None
@@ -622,22 +668,33 @@ class Limits(Middleware):
         # waits, at delivery 1 again if the server lost the consumer's state meanwhile, and each
         # delivery has its own grants to give back.
         self.granted: dict[int, tuple[Job, list[Grant]]] = {}     # the job's whole-job limits
-        self.parked: dict[int, tuple[Any, asyncio.Task]] = {}     # the task's callback holds the job
-        self.waiting: set[int] = set()   # parked jobs refused their limit once: they wait
+        self.parked = Parking(self, cfg.workers.concurrency)      # jobs waiting for theirs: which try, when
         self.wake_pull: Callable[[], None] = lambda: None   # the worker's: a parked job waits, pull for its handler
+        self.line: Callable[[], tuple[int, float | None]] = lambda: (0, None)   # the worker's: (running or
+        #                                                                         queued, job time)
 
     async def setup(self, ctx: Context) -> None:
         global _current
         self.limiter = await Limiter(ctx.nc, ctx.loop, ctx.cfg, ctx.slot, self.table).start()
+        self.limiter.admit = self.parked.rebalance
         _current = self
 
     async def close(self) -> None:
         global _current
-        for _, task in self.parked.values():
-            task.cancel()
+        self.parked.close()
         if self.limiter is not None:
             await self.limiter.close()
         _current = None
+
+    def attach(self, worker: WorkerView) -> None:
+        """The worker's: its slot table (our waits and holdings, for the parent's /status), the
+        event that wakes its pulls (set when a parked job waits: it frees its handler; and, a
+        `Wake`, it nudges the parked jobs whenever the worker's room changes), and what it runs
+        (jobs running or queued, the job time): which parked jobs may take their limits."""
+        self.table, self.wake_pull = worker.table, worker.wake_pull.set
+        self.line = lambda: (worker.running + len(worker.queue), worker.pulls.sizer.job_time)
+        if isinstance(worker.wake_pull, Wake):
+            worker.wake_pull.also = self.nudge
 
     def names_for(self, job: Job) -> list[str]:
         """The whole-job limits of `job`, in name order: every worker takes them in the same order,
@@ -654,29 +711,29 @@ class Limits(Middleware):
     def needs(self, job: Job) -> bool:
         return bool(self.whole) and bool(self.names_for(job))
 
-    async def hold(self, job: Job) -> None:
-        """Take the job's whole-job limits (waiting as long as it takes)."""
+    async def hold(self, job: Job, on_wait: Callable[[Gate], None] | None = None) -> None:
+        """Take the job's whole-job limits (waiting as long as it takes). `on_wait(gate)`: a parked
+        job's, told its limit is full (it counts its own wait: Parking.refused)."""
         assert self.limiter is not None, "setup() makes the limiter"
         grants: list[Grant] = []
-
-        key = delivery_key(job)
-
-        def waits() -> None:
-            if key in self.parked and key not in self.waiting:
-                self.waiting.add(key)
-                self.wake_pull()
         try:
             for name in self.names_for(job):
-                grants.append(await self.limiter.gate(name).take(waits))
+                gate = self.limiter.gate(name)
+                told = None if on_wait is None else functools.partial(on_wait, gate)
+                grants.append(await gate.take(told, counted=on_wait is None))
         except BaseException:
             for grant in grants:
                 grant.gate.give_back(grant)
             raise
-        self.granted[key] = (job, grants)
+        self.granted[delivery_key(job)] = (job, grants)
 
     def hold_now(self, job: Job) -> bool:
-        """Take the job's whole-job limits at once if this worker has them to spare (Gate.take_now);
-        else take nothing (the job is parked)."""
+        """A job just pulled: its whole-job limits at once if a handler is free for it and this
+        worker has them to spare (`take_now`); else nothing is taken (the job is parked)."""
+        return self.parked.may_take_now() and self.take_now(job)
+
+    def take_now(self, job: Job) -> bool:
+        """The job's whole-job limits from this worker's spares (Gate.take_now), all or none."""
         assert self.limiter is not None, "setup() makes the limiter"
         grants: list[Grant] = []
         for name in self.names_for(job):
@@ -688,6 +745,13 @@ class Limits(Middleware):
             grants.append(grant)
         self.granted[delivery_key(job)] = (job, grants)
         return True
+
+    def first_gate(self, job: Job) -> Gate:
+        assert self.limiter is not None, "setup() makes the limiter"
+        return self.limiter.gate(self.names_for(job)[0])
+
+    def take_rtt(self) -> float:
+        return self.limiter.take_rtt if self.limiter is not None else 0.0
 
     def finished(self, job: Job) -> None:
         """The job is settled (or given back unrun): its whole-job limits go back."""
@@ -704,44 +768,25 @@ class Limits(Middleware):
     async def after_job(self, job: Job, outcome: str, error: BaseException | None) -> None:
         self.finished(job)
 
-    # -- parking: jobs waiting for their limits hold no handler
+    # -- parking: jobs waiting for their limits hold no handler (workers/middleware/parking.py)
 
     def park(self, item: Any, job: Job, admitted: Callable[[Any], None]) -> None:
         """Hold `item` (the worker's queue entry of `job`) until the job has its limits, then
         hand it to `admitted` (the front of the worker's queue)."""
-        key = delivery_key(job)
-        task = asyncio.ensure_future(self.hold(job))
-        self.parked[key] = (item, task)
-
-        def done(t: asyncio.Task) -> None:
-            self.waiting.discard(key)
-            if self.parked.pop(key, None) is None or t.cancelled():
-                return                           # taken back by a drain
-            if t.exception() is not None:        # before_job tries again, in the chain
-                log.error("worker: taking the limits of seq=%d failed", job.stream_seq, exc_info=t.exception())
-            admitted(item)
-        task.add_done_callback(done)
+        self.parked.park(item, job, admitted)
 
     def take_parked(self) -> list[Any]:
-        """A drain: the parked jobs back (their waits cancelled, nothing taken for them)."""
-        items = []
-        for item, task in self.parked.values():
-            task.cancel()
-            items.append(item)
-        self.parked.clear()
-        self.waiting.clear()
-        return items
+        """A drain: the parked jobs back (their takes cancelled, nothing held for them)."""
+        return self.parked.take_back()
 
     def occupying(self) -> int:
-        """Parked jobs that count as taking a handler (for pull sizing): those still trying for
-        their limits (most get them at once, and would find the handler taken), and those
-        waiting beyond `workers.concurrency` of them."""
-        return len(self.parked) - len(self.waiting) + max(0, len(self.waiting) - self.allowance)
+        return self.parked.occupying()
 
+    def pull_state(self) -> tuple[int, bool]:
+        return self.parked.pull_state()
 
-def delivery_key(job: Job) -> int:
-    """One delivery's key: its Job, made once per message received (see Limits.granted)."""
-    return id(job)
+    def nudge(self) -> None:
+        self.parked.nudge()
 
 
 class limit:  # noqa: N801 (used like a function: `with limit("db"):`)
@@ -841,6 +886,20 @@ class _Ticket:
         grant = self.held.pop(self.key, None)
         if grant is not None:
             grant.gate.give_back(grant)
+
+
+class Wake(asyncio.Event):
+    """A worker's `wake_pull`: set whenever its room changes (a job ended, a message or a 408 came,
+    a parked job was admitted); with [limits] it also nudges the parked jobs (Limits.attach)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.also: Callable[[], None] | None = None
+
+    def set(self) -> None:
+        super().set()
+        if self.also is not None:
+            self.also()
 
 
 def give_back_stranded() -> None:

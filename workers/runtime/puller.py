@@ -42,6 +42,7 @@ class PullHost(Protocol):
     def outstanding(self) -> int: ...      # queued and running jobs
     def busy(self) -> int: ...             # jobs that take a handler (queued, running, ...)
     def waiting(self) -> int: ...          # received jobs parked for their key's turn ([ordering])
+    def limit_state(self) -> tuple[int, bool]: ...   # jobs parked for a full limit; one held for its turn
 
 
 class Puller:
@@ -196,11 +197,12 @@ class Puller:
         # would stop pulling, and the job their key waits for may need a pull to come back.
         taken = self.received - self.given_back - self.owner.waiting()
         jobs_left = self.job_limit - taken - self.credits if self.job_limit else None
+        limit_waiting, held = self.owner.limit_state()    # [limits]: parked for a full limit (pulls.py)
         if self.sizer.lookahead:
             n = self.sizer.ordered_size(now, self.owner.busy(), self.owner.waiting(), self.credits,
-                                        table.free_entries(), jobs_left)
+                                        table.free_entries(), jobs_left, limit_waiting, held)
         else:
-            n = self.sizer.size(now, outstanding, self.credits, table.free_entries(), jobs_left)
+            n = self.sizer.size(now, outstanding, self.credits, table.free_entries(), jobs_left, limit_waiting, held)
         if n == 0 and not self.credits and self.owner.waiting():
             # [ordering]: a handler idle beside parked jobs always has a request out, whatever the
             # look ahead holds: the job their key waits for may be one only a pull brings back (a

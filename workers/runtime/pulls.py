@@ -66,11 +66,23 @@ With [ordering] a buffered job is a cost, not a saving: it waits for a handler w
 job of its key waits for it, and a job of another key, free to start, waits behind this worker's
 busy handler while another worker's is free (a key's long job, or a poison's deaths, held up
 other keys while the look ahead beyond the handlers was room any job could fill). So jobs ready
-to start are buffered by the rules above (`ordered_size`: none while the spread is wide or not
-known, a deep buffer for uniform short jobs), and a job that turns out to wait for its key's
-turn (parked, workers/runtime/ordering.py) takes no handler and no buffer: the worker asks
-again, past it, while fewer than `lookahead` are parked. Outcomes go back to the loop at once
-(`batching` 0).
+to start are buffered by the rules above, bar the backlog's (`ordered_size`: none while the
+spread is wide or not known, backlog or not; a deep buffer for uniform short jobs), and a job
+that turns out to wait for its key's turn (parked, workers/runtime/ordering.py) takes no handler
+and no buffer: the worker asks again, past it, while fewer than `lookahead` are parked. Outcomes
+go back to the loop at once (`batching` 0).
+
+Jobs parked for a limit ([limits], workers/middleware/limits.py) are counted two ways. One that
+waits for a full limit takes no handler and no place in the buffer (`limit_waiting`): a free
+handler asks for work, so jobs that need no limit keep flowing past it. While any wait, the
+worker asks only for what its free handlers can start (no buffer: a buffered job could wait
+too, and jobs that wait then spread over the fleet by its handlers, not by who buffered most),
+and only while fewer than its allowance wait: WAIT_ROUNDS rounds of its handlers, or its
+capacity if that is more (so a pull alone never stops a worker). Past that it asks for nothing
+until one starts: more would only be work it cannot start, held from workers that could. And a
+pulled job not yet at its turn to take its limits (`held`: they are taken only for a job a
+handler can start soon) stops the asking altogether until it is, or it would be overtaken by
+every refill. With [ordering] both rules hold within `ordered_size` as well.
 
 Pure: no clock is read here, every time is passed in.
 """
@@ -89,6 +101,7 @@ SPREAD_JOBS = 1000     # the residual is an average over about this many recent 
 KNOWN_JOBS = 500       # ... trusted once the fleet's recent jobs count this many (about 700 after a start)
 BACKLOG_RUN = 3        # a backlog: this many messages in a row said more were pending
 BUFFER_REQUESTS = 4    # the buffer holds at most this many requests of workers.batch (within the fair share)
+WAIT_ROUNDS = 4        # jobs waiting for a full limit a worker holds at most: this many rounds of its handlers
 
 
 class PullSizer:
@@ -161,7 +174,10 @@ class PullSizer:
         yet): a buffered job would wait longer for a handler than the buffer is sized to hide
         (see the module's docstring)."""
         worst = max(self.residual, self.fleet_residual)
-        return not self.backlog and (not self.known or worst > self.concurrency * DEPTH * self.rtt)
+        # [ordering]: a backlog keeps no buffer. A job buffered behind a long one (a poison's
+        # next delivery) holds up its whole key, not just itself, while other workers are free.
+        backlog = self.backlog and not self.lookahead
+        return not backlog and (not self.known or worst > self.concurrency * DEPTH * self.rtt)
 
     def wait_for_batch(self) -> float:
         """How late a finished job's outcome reaches the loop: a handler thread hands outcomes back
@@ -195,13 +211,21 @@ class PullSizer:
         """Jobs running, buffered and asked for, at most."""
         return min(self.concurrency + self.prefetch(now), self.share)
 
+    def waiting_allowance(self, now: float) -> int:
+        """How many jobs waiting for a full limit a worker holds before it asks for no more."""
+        return max(WAIT_ROUNDS * self.concurrency, self.capacity(now))
+
     def size(self, now: float, outstanding: int, credits: int, free_entries: int,
-             jobs_left: int | None = None) -> int:
+             jobs_left: int | None = None, limit_waiting: int = 0, held: bool = False) -> int:
         """The next pull request's batch, or 0 to send none. `outstanding`: buffered, running and
         asked for; `credits`: asked for and not yet received; `free_entries`: slot-table entries
-        not in use; `jobs_left`: jobs this worker may still take (max_jobs), None for no limit."""
-        capacity = self.capacity(now)
-        room = min(capacity - outstanding, free_entries - credits)
+        not in use; `jobs_left`: jobs this worker may still take (max_jobs), None for no limit;
+        `limit_waiting`: jobs parked for a full limit (not in `outstanding`); `held`: a job parked
+        until it is its turn to take its limits (see the module's docstring)."""
+        if held or (limit_waiting and limit_waiting >= self.waiting_allowance(now)):
+            return 0
+        capacity = min(self.concurrency, self.share) if limit_waiting else self.capacity(now)
+        room = min(capacity - outstanding, free_entries - credits, self.share - outstanding - limit_waiting)
         # Top up only once half the buffer is free: few, large requests, no dribbling. With no
         # buffer, as soon as a handler is free: it would otherwise wait for another to finish.
         if room < max(1, (capacity - self.concurrency + 1) // 2):
@@ -212,11 +236,11 @@ class PullSizer:
 
 
     def ordered_size(self, now: float, busy: int, parked: int, credits: int, free_entries: int,
-                     jobs_left: int | None = None) -> int:
+                     jobs_left: int | None = None, limit_waiting: int = 0, held: bool = False) -> int:
         """[ordering]'s next pull request: what the free handlers and the buffer have room for, as
         without ordering (`busy`: jobs that take a handler, queued or running), while fewer than
         `lookahead` jobs are `parked` for their key's turn and within the fair share; 0 for none."""
-        n = self.size(now, busy + credits, credits, free_entries, jobs_left)
+        n = self.size(now, busy + credits, credits, free_entries, jobs_left, limit_waiting, held)
         return max(0, min(n, self.lookahead - parked - credits, self.share - busy - parked - credits))
 
 

@@ -35,7 +35,7 @@ import setproctitle
 from workers import Context, Job, Pause
 from workers.middleware.builtin import instances
 from workers.middleware.chain import Chain
-from workers.middleware.limits import Limits
+from workers.middleware.limits import Limits, Wake
 from workers.protocol import slots
 from workers.protocol.events import Event, PauseAsked, Ready, RecycleDue, Redelivered, Settled
 from workers.protocol.exits import EXIT_CONNECT_FAILED, EXIT_CRASHED, EXIT_DRAINED, EXIT_INIT_FAILED
@@ -146,7 +146,7 @@ class Worker:
         self.started_jobs = 0
         self.generation = 0              # reconnects seen: what was sent on a dead connection may be lost
         self.mode = SERVING
-        self.wake_pull = asyncio.Event()
+        self.wake_pull: asyncio.Event = Wake()   # with [limits] it also nudges parked jobs (Limits.attach)
         self.wake_run = asyncio.Event()
         self.changed = asyncio.Event()
         self.stop = asyncio.Event()
@@ -183,9 +183,8 @@ class Worker:
             middleware = instances(self.spec.middleware, self.spec.cfg, self.is_async,   # made here, after fork
                                    self.spec.crashes)
             self.limits = next((mw for _, mw in middleware if isinstance(mw, Limits)), None)
-            if self.limits is not None:
-                self.limits.table = self.table    # its waits and holdings, for the parent's /status
-                self.limits.wake_pull = self.wake_pull.set    # a parked job that waits frees its handler
+            if self.limits is not None:       # our table, and what parked jobs go by (Limits.attach)
+                self.limits.attach(self)
             await self.chain.setup(middleware, Context(self.spec.slot, os.getpid(), self.nc, loop, self.spec.cfg,
                                                        self.is_async))
         except Exception as exc:          # read by the parent like a failing init hook
@@ -319,8 +318,12 @@ class Worker:
 
     def outstanding(self) -> int:
         """Jobs pulled and not finished: what pull sizing counts besides the credits. Jobs parked
-        for their key's turn fill the look ahead (pulls.py)."""
+        for their key's turn fill the look ahead (pulls.py); jobs waiting for a full limit are
+        not here but in `limit_state`."""
         return self.busy() + self.waiting()
+
+    def limit_state(self) -> tuple[int, bool]:   # jobs parked for a full limit; one held for its turn (parking.py)
+        return self.limits.pull_state() if self.limits else (0, False)
 
     def parked(self) -> int:
         """Jobs pulled and waiting for their limits or their key's turn: not started, not queued."""
