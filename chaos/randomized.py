@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import signal
 import threading
@@ -894,8 +895,19 @@ def expectations(plan: Plan) -> dict[str, Any]:
     return {**VERDICTS, **({"sup_unexplained": None} if outside else {})}
 
 
+def overridden(plan: Plan, env: dict[str, str]) -> Plan:
+    """A replay narrowed by hand: CHAOS_SET="key=json;..." sets drawn keys, CHAOS_DROP="fault,..."
+    drops those faults from the schedule (the jobs stay as drawn). Not part of the draw."""
+    for item in filter(None, env.get("CHAOS_SET", "").split(";")):
+        key, _, value = item.partition("=")
+        plan.config[key.strip()] = json.loads(value)
+    drop = set(filter(None, env.get("CHAOS_DROP", "").split(",")))
+    plan.schedule = [s for s in plan.schedule if s.fault not in drop]
+    return plan
+
+
 def run_random(seed: int, minutes: float, workdir: Any, logs_to: Any = None) -> Result:
-    plan = draw(seed, minutes)
+    plan = overridden(draw(seed, minutes), dict(os.environ))
     over: list[str] = []                        # more jobs at once than the cap
     fast: list[str] = []                        # more starts in a window than the rate
 

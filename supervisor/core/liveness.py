@@ -20,6 +20,7 @@ STALE_LINK = 3.0            # a worker that had no PONG from NATS for this long 
 RENAK_AFTER = 4.0           # a dead worker's NAKed job nobody has seen again by then is NAKed once more
 RSS_EVERY = 5.0             # seconds between RSS checks (psutil reads /proc)
 PING_AT = 1 / 3             # +WPI once this fraction of a delivery's AckWait has gone by
+STORED_PING_AFTER = 1.0     # ... or, for a job that waited in the stream that long, once held this long
 UNSETTLED = (slots.HELD, slots.RUNNING)
 
 
@@ -97,6 +98,33 @@ def pings_due(now: float, held: Iterable[slots.Entry], timer_started: Callable[[
     be free to come back."""
     return [e for e in held if e.state in UNSETTLED and e.reply
             and now - timer_started(e) >= ack_wait(e.delivery) * PING_AT]
+
+
+def published_at(reply: str) -> float | None:
+    """The message's timestamp (seconds since the epoch, by the server's clock) in a `$JS.ACK`
+    reply subject: `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<nanoseconds>.<pending>`,
+    or with a domain and account hash before the stream and a token more at the end; None when
+    the subject is neither (or names no time)."""
+    tokens = reply.split(".")
+    if tokens[:2] != ["$JS", "ACK"] or len(tokens) not in (9, 11, 12):
+        return None
+    ns = tokens[7 if len(tokens) == 9 else 9]
+    return int(ns) / 1e9 if ns.isdigit() and int(ns) > 0 else None
+
+
+def stored_timer(e: slots.Entry, pinged: float, now: float, wall: float) -> float:
+    """When the AckWait timer nats-server stores for a held delivery started (monotonic, as `now`
+    and `pinged`; `wall` is time.time() at `now`): our last +WPI of this delivery, else the
+    message's timestamp (what the server stores at a delivery), never later than the delivery.
+    Not before STORED_PING_AFTER: most jobs end sooner, and a +WPI that lands after a NAK with a
+    delay stretches the delay to a whole AckWait (processNak stores now - AckWait + delay,
+    progressUpdate now), so none is sent where a fast job's NAK is likeliest."""
+    if pinged >= e.t_held or now - e.t_held < STORED_PING_AFTER:
+        return max(pinged, e.t_held)
+    published = published_at(e.reply)
+    if published is None:
+        return e.t_held
+    return min(e.t_held, now - max(0.0, wall - published))
 
 
 def may_retire(last_job_started: bool, draining: bool, awaiting_replacement: bool,

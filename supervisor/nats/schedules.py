@@ -55,7 +55,8 @@ async def stream_facts(nc: Any, cfg: Config) -> StreamFacts:
     try:
         reply = await nc.request(f"$JS.API.STREAM.INFO.{cfg.stream.name}", b"", timeout=API_TIMEOUT)
     except Exception as exc:
-        raise NatsUnavailable(f"stream {cfg.stream.name}: no answer to STREAM.INFO ({exc or type(exc).__name__})") from None
+        why = str(exc) or type(exc).__name__
+        raise NatsUnavailable(f"stream {cfg.stream.name}: no answer to STREAM.INFO ({why})") from None
     answered = time.time()
     info = json.loads(reply.data)
     if "error" in info:

@@ -7,11 +7,13 @@ reproducer of its finding and fails on the code it was found on.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
 import time
 
+import nats
 import psutil
 import pytest
 from harness import NatsServer, SupervisorProc, backlog_of, base_config, publish_now, wait_until
@@ -592,3 +594,77 @@ def test_an_orphans_naks_are_explained_to_the_supervisor_that_gets_their_redeliv
 
 def held(sup: SupervisorProc) -> list[dict]:
     return [e for w in sup.status()["workers"]["list"] for e in w["in_flight"] if e["state"] == "held"]
+
+
+def test_a_job_that_waited_in_the_stream_is_not_redelivered_by_a_server_restart_while_held(tmp_path):
+    """F14. Found by `python -m chaos --random --seed 604 --minutes 1` on 095ebed (replayed on
+    83ff657): 10 jobs ran twice, 5-17 s after a nats-server SIGKILL, between two live workers of
+    one supervisor, no fault on either. nats-server keeps a delivery's AckWait timer in memory
+    from the delivery, but stores the message's own timestamp for it (consumer.go deliverMsg:
+    updateDelivered(..., pmsg.ts)); only a +WPI stores a time of its own. The restarted server
+    counted AckWait from the publish time: held jobs that had waited in the stream about AckWait,
+    and that the parent had not pinged yet (a third of AckWait after it was held), were handed
+    to the next pull request a second or two after the restart while their holders ran them or,
+    with [ordering], kept them parked for their key's turn (then both deliveries start). Here:
+    a job stored about AckWait ago runs 6 s in the supervisor's one worker; the server is
+    SIGKILLed and restarted 1-3 s into it (a ping by the delivery's time is due after 4 s),
+    and a client of the test's asks the consumer for a job as another worker would: it must get
+    none while the worker runs it, and the job must run once."""
+    ack_wait, long_job = 12.0, 6.0
+    server = NatsServer(tmp_path / "store").start()
+    cfg = base_config(server, tmp_path, workers={"count": 1, "concurrency": 1, "handler": "testhandlers:record"},
+                      consumer={"ack_wait": ack_wait})
+    sup = SupervisorProc(tmp_path, cfg).start()          # makes the stream and the consumer as configured
+    try:
+        sup.wait_ready()
+        assert sup.stop() == 0
+        [seq] = publish_now(server.url, count=1, data=f"{long_job}")
+        stored = time.time()
+        # The job must be about AckWait old when it is delivered (a backlog's jobs are), so that
+        # the restarted server finds its stored timer out a second or two after the restart.
+        wait_until(lambda: time.time() - stored > ack_wait - 1.0, ack_wait + 5, "the job about AckWait old")
+        sup.start()
+        started = wait_until(lambda: [r for r in sup.jobs.started() if r.seq == seq], 30, "the job started")
+        t0 = time.monotonic()
+        # With the fix it is pinged at the first inspection a second after it was held (1.5 s at
+        # most). Without it the first ping is due a third of AckWait in (4 s): the kill comes first.
+        wait_until(lambda: pings(sup) >= 1 or time.monotonic() - t0 > 2.5, 10, "a ping, or 2.5 s")
+        # The server's consumer store writes at most every 100 ms (filestore.go flushLoop): a
+        # SIGKILL sooner after the +WPI finds the publish time stored still (F14's window left).
+        seen = time.monotonic()
+        wait_until(lambda: time.monotonic() - seen >= 0.3, 5, "the +WPI in the consumer's store")
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait()
+        server.start()
+        taken = pull_one(server.url, seconds=3.0)
+        assert taken is None, f"the restarted server handed out seq {taken[0]} (delivery {taken[1]}) while its worker ran it"
+        wait_until(lambda: seq in sup.jobs.done_seqs(), 60, "the job done")
+        wait_until(lambda: server.consumer()["num_ack_pending"] == 0, 30, "nothing left ack pending")
+        assert [(r.seq, r.delivery) for r in sup.jobs.started()] == [(seq, 1)] and started
+    finally:
+        sup.cleanup()
+        server.stop()
+
+
+def pull_one(url: str, seconds: float) -> tuple[int, int] | None:
+    """(stream seq, delivery) of what one pull request on the consumer gets within `seconds`
+    (left unacked), or None: what another worker would have been handed."""
+    async def run() -> tuple[int, int] | None:
+        nc = await nats.connect(url)
+        try:
+            sub = await nc.jetstream().pull_subscribe_bind(CONSUMER, STREAM)
+            try:
+                [msg] = await sub.fetch(1, timeout=seconds)
+            except nats.errors.TimeoutError:
+                return None
+            return msg.metadata.sequence.stream, msg.metadata.num_delivered
+        finally:
+            await nc.close()
+    return asyncio.run(run())
+
+
+def pings(sup: SupervisorProc) -> int:
+    """+WPI the supervisor has sent (/metrics)."""
+    _, text = sup.get("/metrics")
+    found = re.search(r"^jetstream_supervisor_in_progress_pings_total(?:\{[^}]*\})? (\S+)$", text, re.M)
+    return int(float(found.group(1))) if found else 0

@@ -75,6 +75,31 @@ def test_a_ping_restarts_the_timer_and_each_delivery_has_its_own_ack_wait():
     assert liveness.pings_due(30.0, [job], timer, backoff) == [job]
 
 
+def test_the_stored_timer_of_a_job_that_waited_in_the_stream_starts_at_its_publish_time():
+    """F14: nats-server stores a delivery's AckWait timer as the message's timestamp (a restart
+    or a new consumer leader counts from it); only a +WPI stores a time of its own."""
+    wall, now = 1_000_000.0, 500.0                                      # time.time() and monotonic, at once
+    reply = f"$JS.ACK.JOBS.workers.1.7.9.{int((wall - 12.0) * 1e9)}.3"  # published 12 s ago
+    held = entry(7, state=slots.HELD, held=now - 1.0, reply=reply)       # delivered 1 s ago
+    assert liveness.published_at(reply) == pytest.approx(wall - 12.0)
+    assert liveness.stored_timer(held, 0.0, now, wall) == pytest.approx(now - 12.0)
+    assert liveness.pings_due(now, [held], lambda e: liveness.stored_timer(e, 0.0, now, wall), lambda d: 30.0) == [held]
+    assert liveness.stored_timer(held, now - 0.5, now, wall) == now - 0.5          # pinged since it was held
+    just = entry(7, state=slots.HELD, held=now - liveness.STORED_PING_AFTER / 2, reply=reply)
+    assert liveness.stored_timer(just, 0.0, now, wall) == just.t_held              # not while a fast job may end
+    fresh = entry(8, held=now - 1.0, reply=f"$JS.ACK.JOBS.workers.1.8.10.{int((wall - 2.0) * 1e9)}.0")
+    assert liveness.stored_timer(fresh, 0.0, now, wall) == now - 2.0
+    assert liveness.pings_due(now, [fresh], lambda e: liveness.stored_timer(e, 0.0, now, wall), lambda d: 30.0) == []
+    # v2 subjects (a domain and an account hash), a time in the future (clocks apart), no time
+    v2 = f"$JS.ACK.dom.acchash.JOBS.workers.1.7.9.{int((wall - 12.0) * 1e9)}.3.rand"
+    assert liveness.published_at(v2) == pytest.approx(wall - 12.0)
+    ahead = entry(9, held=now - 1.0, reply=f"$JS.ACK.JOBS.workers.1.9.11.{int((wall + 5.0) * 1e9)}.0")
+    assert liveness.stored_timer(ahead, 0.0, now, wall) == now - 1.0
+    assert liveness.published_at("$JS.ACK.JOBS.workers.1.7.9.0.0") is None
+    assert liveness.published_at("_INBOX.x") is None
+    assert liveness.stored_timer(entry(10, held=now - 1.0, reply="$JS.ACK.x"), 0.0, now, wall) == now - 1.0
+
+
 def test_beat_and_link_freshness_bounds():
     assert liveness.beat_fresh(100.0, 100.0 - FRESH_BEAT)
     assert not liveness.beat_fresh(100.0, 100.0 - FRESH_BEAT - 0.01)

@@ -87,7 +87,7 @@ class CopyWaiting(Middleware):
             return                                # no copy waits: this delivery is the job
         except Exception as exc:
             log.warning("seq=%d: cannot tell whether its copy for later is stored (%s); running it",
-                        job.stream_seq, exc or type(exc).__name__)
+                        job.stream_seq, str(exc) or type(exc).__name__)
             return
         log.info("seq=%d delivery %d: its copy for later is stored (%s): acked unrun, the copy runs when due",
                  job.stream_seq, job.delivery, subject,

@@ -126,7 +126,7 @@ class Later:
                 self.refusal = await why_not(nc, self.cfg)
             except Exception as exc:              # asked again at the next long delay
                 log.warning("worker %d: cannot tell whether stream %s holds message schedules (%s); NAKing "
-                            "with the delay instead", self.slot, self.cfg.stream.name, exc or type(exc).__name__)
+                            "with the delay instead", self.slot, self.cfg.stream.name, str(exc) or type(exc).__name__)
                 return False
             self.checked = True
             if self.refusal:

@@ -194,7 +194,7 @@ class ParentWatch:
             return await asyncio.wait_for(self.claim_in(bucket, key), ORPHAN_GRACE)
         except Exception as exc:
             log.warning("worker %d: cannot claim our jobs in the supervisor's fleet heartbeat (%s): NAKing none of "
-                        "them (the fleet's poller may release them)", self.slot, exc or type(exc).__name__,
+                        "them (the fleet's poller may release them)", self.slot, str(exc) or type(exc).__name__,
                         extra={"event": "orphan_claim_failed", "slot": self.slot})
             return None
 
@@ -251,7 +251,8 @@ class ParentWatch:
             await asyncio.wait_for(kv.create(fleetclaim.orphan_key(key, self.token), json.dumps(
                 body, separators=(",", ":")).encode(), msg_ttl=self.record_ttl), RECORD_TIMEOUT)
         except Exception as exc:
-            log.warning("worker %d: cannot leave our NAKs in the fleet bucket: %s", self.slot, exc or type(exc).__name__)
+            log.warning("worker %d: cannot leave our NAKs in the fleet bucket: %s", self.slot,
+                        str(exc) or type(exc).__name__)
 
     async def publish(self, body: dict) -> None:
         w = self.owner

@@ -88,7 +88,7 @@ class Outcomes:
                 await republish_later(self.nc(), self.cfg, job, delay, attempt, reason)
             except Exception as exc:
                 log.warning("worker %d: cannot re-publish seq=%d for later (%s); NAKing it with its %.3gs delay",
-                            self.slot, job.stream_seq, exc or type(exc).__name__, delay)
+                            self.slot, job.stream_seq, str(exc) or type(exc).__name__, delay)
             else:
                 await self.settler.settle(i, job, b"+ACK", "later", f"re-published for {delay:.3g}s later: {reason}"[:200])
                 return

@@ -237,7 +237,7 @@ class Settler:
         except Exception as exc:
             # While nats-py reconnects (nats_disconnected told that already) a fence fails every FENCE_RETRY.
             level = logging.DEBUG if isinstance(exc, nats.errors.ConnectionReconnectingError) else logging.WARNING
-            log.log(level, "worker %d: fence failed (%s); acks stay unconfirmed", self.slot, exc or type(exc).__name__)
+            log.log(level, "worker %d: fence failed (%s); acks stay unconfirmed", self.slot, str(exc) or type(exc).__name__)
             self.unconfirmed = batch + self.unconfirmed
             # A reconnect wakes us (Worker.reconnected); a fence that timed out on a live link must
             # not leave an idle worker's acks unconfirmed until its next job.

@@ -175,7 +175,7 @@ class Worker:
             await self.nc.jetstream().consumer_info(self.stream, self.consumer)
         except Exception as exc:
             log.error("worker %d: cannot connect or bind %s/%s: %s", self.spec.slot, self.stream,
-                      self.consumer, exc or type(exc).__name__)
+                      self.consumer, str(exc) or type(exc).__name__)
             return EXIT_CONNECT_FAILED
         self.table.server_answered(time.monotonic())
         loop = asyncio.get_running_loop()

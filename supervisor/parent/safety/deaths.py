@@ -73,6 +73,17 @@ class Deaths:
         """When the server's AckWait timer for this delivery last started: held, or our last +WPI."""
         return max(e.t_held, self.pinged.get((pid, e.stream_seq), 0.0))
 
+    def stored_timer_started(self, pid: int, e: slots.Entry, now: float, wall: float) -> float:
+        """When the AckWait timer the server *stores* for this delivery started (monotonic, like
+        `now`): our last +WPI, or else the message's own timestamp. nats-server keeps the delivery
+        time in memory only: its consumer store records the message's timestamp at a delivery
+        (consumer.go deliverMsg: updateDelivered(..., pmsg.ts)), in whole seconds, and only a
+        +WPI (or a NAK's delay) stores a time of its own. A restarted server, or a new consumer
+        leader, counts AckWait from what is stored: a job published more than AckWait before it
+        was delivered and not pinged since is redelivered at once while its holder runs it or
+        waits with it (F14, docs/RELIABILITY.md)."""
+        return liveness.stored_timer(e, self.pinged.get((pid, e.stream_seq), 0.0), now, wall)
+
     def pinged_now(self, pid: int, seq: int, now: float) -> None:
         self.pinged[(pid, seq)] = now
 
@@ -195,7 +206,7 @@ class Deaths:
             await self.nc.publish(e.reply, b"+TERM " + reason.encode()[:300])
         except Exception as exc:    # any failure: the job must not be left to AckWait, nor escape poison detection
             log.error("cannot quarantine poison job seq=%d (%s); NAKing it instead: its next fatal run tries again",
-                      e.stream_seq, exc or type(exc).__name__,
+                      e.stream_seq, str(exc) or type(exc).__name__,
                       extra={"event": "quarantine_failed", "seq": e.stream_seq, "error": f"{type(exc).__name__}: {exc}"})
             await self.nak(HeldBack(e.stream_seq, e.delivery, e.reply, timer_started))
             return
@@ -259,7 +270,7 @@ class Deaths:
         try:
             await self.nc.fence(timeout=2)
         except Exception as exc:    # timeout, disconnect: the NAKs stay unconfirmed, re-NAK waits
-            log.warning("flushing NAKs to NATS failed: %s", exc or type(exc).__name__)
+            log.warning("flushing NAKs to NATS failed: %s", str(exc) or type(exc).__name__)
             return
         now = time.monotonic()
         for n in self.renak.values():

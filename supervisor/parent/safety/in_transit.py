@@ -333,7 +333,7 @@ class InTransit:
             self.info = await self.nc.jetstream().consumer_info(self.cfg.stream.name, self.cfg.consumer.name,
                                                                  timeout=2.0)
         except Exception as exc:
-            self.failed(f"ConsumerInfo failed: {exc or type(exc).__name__}")
+            self.failed(f"ConsumerInfo failed: {str(exc) or type(exc).__name__}")
             return
         self.info_at = Reading(asked, time.monotonic(), self.info.delivered.stream_seq, self.info.num_waiting or 0,
                                self.info.delivered.consumer_seq)
@@ -436,7 +436,7 @@ class InTransit:
             try:
                 await self.nc.fence(timeout=2)
             except Exception as exc:    # NATS away mid-step: the NAKs wait in nats-py's buffer; never end the parent
-                log.warning("fencing in-transit NAKs failed: %s", exc or type(exc).__name__)
+                log.warning("fencing in-transit NAKs failed: %s", str(exc) or type(exc).__name__)
             log.warning("NAKed %d message(s) that were on their way to %s when it died: seq %s", len(lost), who,
                         ", ".join(map(str, lost)))
         self.stats["naked"] += len(lost)
@@ -456,7 +456,7 @@ class InTransit:
                 except NotFoundError:
                     break                   # none left on it (a work queue deletes what is acked)
                 except Exception as exc:    # timeout, no responders, a leader election: AckWait, not a dead parent
-                    return f"{CANNOT_READ}{seq} from the stream: {exc or type(exc).__name__}"
+                    return f"{CANNOT_READ}{seq} from the stream: {str(exc) or type(exc).__name__}"
                 if msg.seq > last:
                     break
                 if not self.ledger.expecting(msg.seq):

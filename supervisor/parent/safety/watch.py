@@ -74,10 +74,15 @@ class Watch:
         self.pings_waiting = False
         sent = 0
         for w, e in pings:
+            # Settled since the snapshot (or reaped: its table closed)? A +WPI landing after a NAK
+            # with a delay would stretch the delay to a whole AckWait.
+            if w.pidfd < 0 or w.table.state_of(e.index) not in liveness.UNSETTLED \
+                    or w.table.held_at(e.index) != e.t_held:
+                continue
             try:
                 await self.nc.publish(e.reply, b"+WPI")
             except Exception as exc:     # the connection went in the meantime: the rest wait for the next tick
-                log.warning("+WPI not sent: %s", exc or type(exc).__name__)
+                log.warning("+WPI not sent: %s", str(exc) or type(exc).__name__)
                 break
             self.deaths.pinged_now(w.pid, e.stream_seq, now)
             sent += 1
@@ -99,8 +104,11 @@ class Watch:
         held = [e for e in entries if e.state in liveness.UNSETTLED and e.reply]
         if not self.link_fresh(w, held, now):
             return []
-        return [(w, e) for e in liveness.pings_due(now, held, lambda e: self.deaths.timer_started(w.pid, e),
-                                                   self.deaths.ack_wait)]
+        # Due by the timer the server stores, not only the one it runs: a job that waited in the
+        # stream longer than a third of AckWait gets its +WPI a second after it was held (F14).
+        wall = time.time()
+        return [(w, e) for e in liveness.pings_due(
+            now, held, lambda e: self.deaths.stored_timer_started(w.pid, e, now, wall), self.deaths.ack_wait)]
 
     def link_fresh(self, w: WorkerProcess, held: list[slots.Entry], now: float) -> bool:
         """Did the worker hear from NATS lately? Say so once when it stops, and explain in advance
