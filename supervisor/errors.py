@@ -34,9 +34,15 @@ class HandlerError(SupervisorError):
 
 
 class NatsUnavailable(SupervisorError):
-    """NATS unreachable within nats.startup_timeout, or stream/consumer cannot be ensured."""
+    """NATS unreachable within nats.startup_timeout, or stream/consumer cannot be ensured.
+    `transient`: NATS did not answer (a timeout, a link that dropped, an election), so trying
+    again may succeed, where a refusal will not."""
 
     exit_code = EXIT_NATS
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 class Halted(SupervisorError):

@@ -13,8 +13,9 @@ import re
 import time
 from typing import Any
 
+from nats import errors as nats_errors
 from nats.js import api
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from supervisor.config import Config
 from supervisor.config import schedules as sched
@@ -82,6 +83,34 @@ def consumer_config(cfg: Config, stream_subjects: list[str] | None = None) -> ap
                               deliver_policy=api.DeliverPolicy.ALL)
 
 
+# NATS did not answer in time, or the link dropped under the request, or a leader is being
+# elected: a start tries again within nats.startup_timeout (ensure_until).
+TRANSIENT = (asyncio.TimeoutError, nats_errors.TimeoutError, nats_errors.NoRespondersError,
+             nats_errors.ConnectionReconnectingError, nats_errors.StaleConnectionError,
+             nats_errors.ConnectionClosedError, ServiceUnavailableError)
+
+
+def transient(exc: Exception) -> bool:
+    return isinstance(exc, TRANSIENT) or (isinstance(exc, APIError) and exc.code == 503)
+
+
+async def ensure_until(nc: Any, cfg: Config, pools: list[Config], started: float) -> None:
+    """ensure(), tried again while NATS does not answer, until nats.startup_timeout from
+    `started` (the start's monotonic time): a link that drops just after the connect, or a
+    stream leader being elected, is the unreachable server the timeout is for, not exit 4 at once
+    (seed 700: a parent's link cut 1 s after its successor connected)."""
+    deadline = started + cfg.nats.startup_timeout
+    while True:
+        try:
+            return await ensure(nc, cfg, pools)
+        except NatsUnavailable as exc:
+            now = time.monotonic()
+            if not exc.transient or now >= deadline:
+                raise
+            log.warning("%s; retrying for up to %.0fs more", exc, deadline - now)
+            await asyncio.sleep(min(0.5, deadline - now))
+
+
 async def ensure(nc: Any, cfg: Config, pools: list[Config] | None = None) -> None:
     """The stream, each pool's consumer (`pools`: their effective configs; None: the config's
     one consumer), the dead-letter stream and the buckets."""
@@ -102,7 +131,7 @@ async def ensure(nc: Any, cfg: Config, pools: list[Config] | None = None) -> Non
         raise
     except Exception as exc:
         raise NatsUnavailable(f"cannot ensure stream {cfg.stream.name} / consumer {cfg.consumer.name}: "
-                              f"{_describe(exc)}") from None
+                              f"{_describe(exc)}", transient=transient(exc)) from None
     await ensure_fleet_bucket(js, cfg)
     await ensure_limits_bucket(js, cfg)
 
@@ -121,7 +150,8 @@ async def ensure_limits_bucket(js: Any, cfg: Config) -> None:
         have = None
     except Exception as exc:
         if needed:
-            raise NatsUnavailable(f"fleet.limits_bucket: KV bucket {bucket}: {_describe(exc)}") from None
+            raise NatsUnavailable(f"fleet.limits_bucket: KV bucket {bucket}: {_describe(exc)}",
+                                  transient=transient(exc)) from None
         log.warning("limits bucket %s: %s; pause reasons are not kept", bucket, _describe(exc))
         return
     if have is not None:

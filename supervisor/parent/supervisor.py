@@ -244,12 +244,13 @@ class Supervisor:
 
     async def serve(self, codes: Mapping[str, Code]) -> int:
         cfg = self.cfg
+        started = time.monotonic()
         self.nc = await provision.connect_until(cfg, name=cfg.nats.name, ping_interval=PING_INTERVAL,
                                                 max_outstanding_pings=2)
         tasks: list[asyncio.Task] = []
         try:
             pools = {name: (effective(cfg, name), code) for name, code in codes.items()}
-            await provision.ensure(self.nc, cfg, [pool_cfg for pool_cfg, _ in pools.values()])
+            await provision.ensure_until(self.nc, cfg, [pool_cfg for pool_cfg, _ in pools.values()], started)
             await self.apply_schedules(cfg)
             self.arbiter = arbiter = Arbiter(cfg, self.nc, pools, self.connect_worker, self.notifier,
                                              reload_config=self.reload if self.reload_source else None,

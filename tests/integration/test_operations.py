@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -15,7 +16,8 @@ import urllib.request
 import nats
 import psutil
 import tomli_w
-from harness import publish, wait_until
+from harness import NatsServer, publish, wait_until
+from natsauth import free_port, nats_server_binary
 
 JSON_LOGS = ("--log-format", "json")
 ACK_WAIT = 60.0      # a job back within seconds was NAKed, not expired
@@ -412,3 +414,31 @@ def test_sigquit_stops_at_once_and_naks_what_was_held(nats_server, supervisor_fa
     redone = wait_until(lambda: len(again.jobs.started()) == 2 and again.jobs.started(), timeout=60,
                         what="both jobs redelivered long before AckWait")
     assert sorted((r.seq, r.delivery) for r in redone) == [(1, 2), (2, 2)]
+
+
+def test_a_jetstream_that_does_not_answer_at_start_is_waited_for_within_startup_timeout(tmp_path, supervisor_factory):
+    """`start` connects, but JetStream does not answer (a nats-server without it, then the real
+    one on the same port; a link that drops just after the connect, or a stream leader being
+    elected, look the same to it): the stream and consumer are ensured again within
+    nats.startup_timeout, not given up at once with exit 4. Found by the randomized suite (seed
+    700: a parent's link cut a second after its successor connected, the successor exited 4)."""
+    port = free_port()
+    bare = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = NatsServer(tmp_path / "store", port=port)
+    try:
+        wait_until(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, what="the bare server listening")
+        sup = supervisor_factory(server, nats={"startup_timeout": 60.0})
+        wait_until(lambda: "retrying for up to" in sup.log() or sup.proc.poll() is not None,
+                   what="the stream's ensure retried")
+        assert sup.proc.poll() is None, sup.log()[-2000:]
+        bare.terminate()
+        bare.wait(timeout=10)
+        server.start()
+        sup.wait_ready(2)
+        publish(server.url, count=3, data="0")
+        wait_until(lambda: len(sup.jobs.done()) == 3, what="jobs run once JetStream answers")
+        assert sup.stop() == 0
+    finally:
+        bare.kill()
+        server.stop()
