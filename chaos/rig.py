@@ -377,7 +377,7 @@ class Run:
                          **sections: dict) -> SupervisorProc:
         sub = self.dir / f"sup{len(self.sups)}"
         sub.mkdir()
-        defaults = {"nats": {"servers": servers},
+        defaults = {"nats": {"servers": servers, "startup_timeout": 30.0},   # > a drawn link fault (seed 607)
                     "workers": {"count": 4, "handler": "chaos.handlers:journal", "graceful_timeout": 10.0},
                     "consumer": {"ack_wait": self.ack_wait},
                     "restart": {"poison_after_crashes": 100}}
