@@ -16,6 +16,7 @@ import signal
 import time
 
 import nats
+import psutil
 import tomli_w
 from browser import Browser, chromium_binary
 from harness import dead_letter_headers, run_cli, wait_until
@@ -198,6 +199,38 @@ def test_a_long_job_of_one_key_holds_up_no_other_key(nats_server, supervisor_fac
     finally:
         gate.touch()
     wait_until(lambda: long_job in done(sup), what="kA's job done")
+
+
+def test_a_retiring_worker_gives_back_at_once_what_waits_for_its_keys_turn(nats_server, supervisor_factory, tmp_path):
+    """F16 (seed 702): a retiring worker (recycled: max_jobs, max_rss_mb, a reload; here its
+    SIGUSR1) let a job parked for its key's turn wait within graceful_timeout, and start when the
+    turn came, however little grace was left: NAKed still running when the grace ran out, its
+    redelivery ran beside it. Now it gives parked jobs back at once: the worker holding kA's second
+    job, parked behind kA's first (running elsewhere until the test says), retires and exits long
+    before its 60 s grace, and the job runs once, after the first, on another worker."""
+    gate = tmp_path / "gate"
+    sup = supervisor_factory(nats_server, workers={"count": 2, "handler": HANDLER, "graceful_timeout": 60.0},
+                             ordering=ORDERED, args=("--log-format", "json"))
+    sup.wait_ready(2)
+    first, second = publish_keyed(nats_server.url, [("jobs.kA", f"until:{gate}"), ("jobs.kA", "0")])
+    wait_until(lambda: any(r.seq == first for r in sup.jobs.running()), what="kA's first job running")
+
+    def holder() -> int | None:
+        return next((w["pid"] for w in sup.status()["workers"]["list"] if w["parked"]), None)   # the one parked
+    pid = wait_until(holder, what="kA's second job parked in a worker")
+    runner = next(r.pid for r in sup.jobs.running() if r.seq == first)
+    assert pid != runner, "both in one worker: nothing to force"     # one handler each: it must be the other
+    os.kill(pid, signal.SIGUSR1)
+    try:
+        wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+                   timeout=20, what="the retiring worker gone, its parked job given back")
+        assert second not in done(sup) and not sup.events("graceful_timeout_nak")
+    finally:
+        gate.touch()
+    wait_until(lambda: {first, second} <= done(sup), what="both jobs done")
+    runs = runs_of(sup)
+    assert [r.seq for r in sorted(runs, key=lambda r: r.start)] == [first, second], runs
+    assert sup.stop() == 0
 
 
 # ---------------------------------------------------------------- beside recycling, drains, retries, the guard

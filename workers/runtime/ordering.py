@@ -29,8 +29,9 @@ request brings back. So parking is bounded by consumer.max_ack_pending (the slot
 for that many: supervisor/parent/pool.py), not by the worker. Parked jobs do not count against
 max_jobs until they start, for the same reason.
 
-A drain (STOPPING) NAKs parked jobs at once, in stream order (`take_parked`); a retirement lets
-them wait like any held job, within graceful_timeout.
+A drain (STOPPING) NAKs parked jobs at once, in stream order (`take_parked`), and so does a
+retirement, without the drain's delay: a parked job that started late in a retirement could not
+finish within graceful_timeout, and its redelivery would run beside it (F16).
 """
 
 from __future__ import annotations

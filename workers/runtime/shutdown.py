@@ -1,7 +1,8 @@
 """A worker's way out: stop pulling, give back what it will not run, let running jobs finish
 within graceful_timeout, and NAK what still runs after it.
 
-RETIRING runs what the worker already holds; STOPPING NAKs what has not started (with a delay:
+RETIRING runs what the worker already holds, but gives back at once what is parked for its
+key's turn ([ordering]: it may start too late to finish); STOPPING NAKs what has not started (with a delay:
 SHUTDOWN_NAK_DELAY) and takes the worker's start_lock to switch, so no handler thread starts a
 job behind the shutdown's back (workers/runtime/threads.py).
 """
@@ -49,6 +50,7 @@ class ShutdownHost(Protocol):
     def set_mode(self, mode: str) -> None: ...
     def parked(self) -> int: ...           # jobs waiting for their limits (workers/middleware/limits.py)
     def take_parked(self) -> list[tuple[Any, int, Job]]: ...
+    def take_key_parked(self) -> list[tuple[Any, int, Job]]: ...   # [ordering]'s parked jobs alone
     def release_limits(self, job: Job) -> None: ...
 
 
@@ -81,6 +83,8 @@ class Shutdown:
             w.changed.clear()
             if w.mode == STOPPING:
                 await self.nak_queued()
+            else:
+                await self.give_back_parked()
             now, deadline = time.monotonic(), self.deadline     # hurry() may bring it forward
             busy = bool(w.running or w.queue or w.parked())
             if busy and now >= deadline:
@@ -123,6 +127,16 @@ class Shutdown:
         admitted.extend(w.take_parked())          # still waiting for their limits
         for _, i, job in admitted:
             await self.nak_unstarted_job(i, job)
+
+    async def give_back_parked(self) -> None:
+        """A retirement gives back, at once, what waits for its key's turn ([ordering]): started
+        late, such a job could not finish within the grace, and its redelivery would run beside it
+        (F16, seed 702: a parked job started 70 ms before graceful_timeout ran out). No delay:
+        only this worker is leaving, the others take it now. (A job waiting for a limit keeps
+        waiting here: giving it back would spend a delivery attempt a wait must not.)"""
+        w = self.owner
+        for _, i, job in w.take_key_parked():
+            await w.settler.settle(i, job, b"-NAK", "nak", "waiting for its turn when its worker retired")
 
     async def nak_unstarted_job(self, i: int, job: Job) -> None:
         """A shutdown gives back a job it never started, with a delay (SHUTDOWN_NAK_DELAY), and

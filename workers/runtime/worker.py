@@ -333,6 +333,10 @@ class Worker:
         """Jobs parked for their key's turn: received, but not yet counted against max_jobs."""
         return self.ordering.waiting() if self.ordering else 0
 
+    def take_key_parked(self) -> list[tuple[Any, int, Job]]:
+        """A retirement: what waits for its key's turn, in stream order (workers/runtime/shutdown.py)."""
+        return self.ordering.take_parked() if self.ordering else []
+
     def take_parked(self) -> list[tuple[Any, int, Job]]:
         """A drain: what waits for its key's turn, in stream order, then what waits for a limit."""
         return (self.ordering.take_parked() if self.ordering else []) + \
