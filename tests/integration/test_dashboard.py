@@ -152,8 +152,11 @@ def crashed(tmp_path_factory):
     acked; then long jobs that hold the consumer's numbers still, each one different."""
     tmp = tmp_path_factory.mktemp("dashboard")
     server = NatsServer(tmp / "store").start()
+    # A 10-minute window: the module's tests may run minutes apart (one at a time, longest files
+    # first, over four processes), and the chart must still hold the crash when the browser's turn comes.
     sup = SupervisorProc(tmp, base_config(server, tmp, workers={"count": 3},
-                                          consumer={"max_ack_pending": MAX_ACK_PENDING}))
+                                          consumer={"max_ack_pending": MAX_ACK_PENDING},
+                                          monitor={"lag_window": 600.0}))
     try:
         sup.start()
         sup.wait_ready(3)
@@ -217,8 +220,8 @@ def test_root_serves_one_self_contained_page_and_history_shows_the_crash(crashed
 
     code, headers, body = fetch(crashed.sup, "/history")
     h = json.loads(body)
-    assert code == 200 and h["interval_s"] == 0.25 and h["window_s"] == 60.0 and h["pid"] == crashed.sup.proc.pid
-    assert h["capacity"] == capacity(60.0, 0.25)
+    assert code == 200 and h["interval_s"] == 0.25 and h["window_s"] == 600.0 and h["pid"] == crashed.sup.proc.pid
+    assert h["capacity"] == capacity(600.0, 0.25)
     samples = h["samples"]
     assert len(samples) >= 3 and all(a["age_s"] > b["age_s"] for a, b in zip(samples, samples[1:]))
     last = samples[-1]

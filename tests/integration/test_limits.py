@@ -354,8 +354,9 @@ def test_pause_and_resume_from_the_command_line(nats_server, supervisor_factory,
     cfg.write_text(f'[nats]\nservers = ["{nats_server.url}"]\n')
     r = run_cli("pause", "--config", str(cfg), "--reason", "deploying the API", tmp=tmp_path)
     assert r.returncode == 0 and "until `supervisor resume`" in r.stdout, r.stderr
-    status = wait_until(lambda: (st := sup.status())["paused_until"] and st, what="paused")
-    assert status["pause_reason"] == "deploying the API"
+    # The pause and its reason reach /status on their own polls (the consumer's state, the bucket's key).
+    wait_until(lambda: (st := sup.status())["paused_until"] and st["pause_reason"] == "deploying the API",
+               what="paused, with its reason")
     seqs = publish_now(nats_server.url, count=3)
     r = run_cli("pause", "--config", str(cfg), "--for", "5", tmp=tmp_path)      # never shortens a pause
     assert r.returncode == 0 and "already paused" in r.stdout, r.stdout
