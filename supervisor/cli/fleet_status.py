@@ -10,7 +10,8 @@ import time
 from typing import Any
 
 import uvloop
-from nats.js.errors import BucketNotFoundError
+from nats.js.errors import NotFoundError
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from supervisor.cli.oneshot import connect_oneshot
 from supervisor.cli.render import fmt_age
@@ -54,26 +55,27 @@ async def read_fleet(cfg: Config) -> dict:
 
 
 async def read_beats(js: Any, bucket: str) -> tuple[list[tuple[dict, float]], str]:
-    """Every heartbeat in the bucket with the server time it was stored, through one watch."""
+    """Every heartbeat in the bucket with the server time it was stored: the keys from the stream's
+    per-subject counts, then each key's last message. (A KV watch's "nothing pending" marker can
+    come before an entry the server already sent: nats-py reads num_pending before its handler has
+    seen the delivery, and the view then showed no supervisor at all.)"""
+    stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
     try:
-        kv = await js.key_value(bucket)
-    except BucketNotFoundError:
+        info = await js.stream_info(stream, subjects_filter=f"{prefix}{BEAT_PREFIX}>")
+    except NotFoundError:
         return [], f"KV bucket {bucket} does not exist: no supervisor has run with stream.create on this server"
-    watcher = await kv.watch(f"{BEAT_PREFIX}>", ignore_deletes=True)
     beats = []
-    try:
-        while True:
-            entry = await watcher.updates(timeout=READ_TIMEOUT)
-            if entry is None:
-                break
-            try:
-                beats.append((json.loads(entry.value), entry.created.timestamp()))
-            except ValueError:
-                continue
-            if not entry.delta:
-                break                 # nothing pending after this one: that was the last key
-    finally:
-        await watcher.stop()
+    for subject in sorted(info.state.subjects or {}):
+        try:
+            msg = await js.get_msg(stream, subject=subject)
+        except NotFoundError:
+            continue                          # deleted or expired since the count
+        if (msg.headers or {}).get(KV_OP) in (KV_DEL, KV_PURGE) or msg.time is None:
+            continue                          # a supervisor that left cleanly
+        try:
+            beats.append((json.loads(msg.data or b""), msg.time.timestamp()))
+        except ValueError:
+            continue
     return beats, ""
 
 

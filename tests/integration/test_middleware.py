@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import signal
 
 import nats
 import pytest
-from harness import dead_letter_headers, publish_now, wait_until
+from harness import backlog_of, dead_letter_headers, publish_now, wait_until
 
 JSON_LOGS = ("--log-format", "json")
 KINDS = {"sync-c1": ("record", "Outer", 1), "sync-c3": ("record", "Outer", 3), "async-c3": ("record_async", "OuterAsync", 3)}
@@ -186,16 +187,24 @@ def test_a_sync_handlers_async_only_middleware_runs_on_the_loop_and_hears_of_a_d
     assert journal(sup, seqs["hook-before-rejects"]) == ["mw:B.before"] and len(dead_letter_headers(nats_server.url)) == 1
     assert {e["where"] for e in sup.events("middleware_failed")} == {"testmiddleware:Inner.before_job",
                                                                      "testmiddleware:Inner.after_job"}
-    # The drain: one job running, some pulled and admitted by the loop-side hooks, not started.
-    [running] = publish_now(nats_server.url, count=1, data=f"until:{gate}")
-    publish_now(nats_server.url, count=3, data="0")
+    # The drain: one job running, some pulled and admitted by the loop-side hooks, not started. A
+    # worker buffers jobs behind a running one only from a backlog (workers/runtime/pulls.py): it
+    # is stored while the worker is stopped, fast jobs ahead so that the worker learns they are.
+    [pid] = [w["pid"] for w in sup.status()["workers"]["list"]]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        [running] = backlog_of(nats_server.url, fast=40, count=1, data=f"until:{gate}")
+        publish_now(nats_server.url, count=3, data="0")
+    finally:
+        os.kill(pid, signal.SIGCONT)
     wait_until(lambda: sup.jobs.running(), what="the gated job running")
 
-    def held():
+    def held():       # pulled, not started, and through the loop-side before_job (a job is held before it is)
         status = sup.try_status()
-        return status and {e["stream_seq"] for w in status["workers"]["list"] for e in w["in_flight"]
+        seqs = status and {e["stream_seq"] for w in status["workers"]["list"] for e in w["in_flight"]
                            if e["state"] == "held"}
-    admitted = wait_until(held, what="jobs pulled but not started")
+        return seqs and all(journal(sup, s) == ["mw:B.before"] for s in seqs) and seqs
+    admitted = wait_until(held, what="jobs pulled and admitted, not started")
     sup.signal(signal.SIGTERM)
     wait_until(lambda: all(journal(sup, s)[-1:] == ["mw:B.after:retry"] for s in admitted),
                what="the jobs given back at the stop told their after_job hooks")
