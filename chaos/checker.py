@@ -7,8 +7,9 @@ the journal, not trusted). Per job (stream sequence):
 - lost: stored, never completed by the end of the run (after waiting out AckWait).
 - vanished: stored (PubAck'd), never delivered to any handler and gone from the stream at the
   end: the server lost it (a handler runs before any ack, so no ack of ours can remove it).
-- deduplicated: never run and gone from the stream, its key done under another sequence (a
-  publisher's retry after the stream's duplicate window): the idempotency guard acked it unrun.
+- deduplicated: never completed (never run, or only failed runs) and gone from the stream, its
+  key done under another sequence (a publisher's retry after the stream's duplicate window): the
+  idempotency guard acked it unrun.
 - dead-lettered: never completed, copied to the dead-letter stream (max_deliver or poison).
 - bounced: first ran at a delivery higher than 1 + the drains between its PubAck and that run:
   handed out and NAKed unstarted more often than drains could (each spends consumer.max_deliver).
@@ -39,7 +40,10 @@ the journal, not trusted). Per job (stream sequence):
   whose worker died with its NAK sent but not fenced (F10: the parent must not NAK it again, a
   second NAK could land on the next holder), but only when a supervisor's ledger named that
   very job, delivery and worker pid at the death (`/status` `crosscheck.left_to_ack_wait`),
-  never by a rule about the faults around it. And one more: a delivery the chaos proxy saw sit in
+  never by a rule about the faults around it; likewise a dead worker's job whose NAK the parent
+  held back while disconnected and took with it when it was SIGKILLed (its last /status
+  `crosscheck.naks_held_back`, read by the rig just before the kill: seed 700, the parent's link
+  cut or stalled from the worker's death until its own SIGKILL). And one more: a delivery the chaos proxy saw sit in
   a stalled link (chaos/proxy.py `late()`: read from the server, not written on to the worker)
   from before until after the job came back, or until its connection closed unread, with an
   outside fault on a connection acting when the proxy read it: the server's AckWait for that very
@@ -244,13 +248,18 @@ class Checker:
             runs = self.runs.get(seq, [])
             if seq not in self.ev.stored:
                 self.find("unknown", seq, "run by a worker but never stored (publish side bookkeeping is wrong)")
-            if not runs and seq not in self.ev.unacked and self.done_elsewhere(seq):
+            done = any(r.done is not None for r in runs)
+            copy = 0 if done else first_copy(seq, self.keys, self.ev.copies)
+            if not done and not (runs and copy) and seq not in self.ev.unacked and self.done_elsewhere(seq):
+                # Its key done under another sequence (a publisher's retry after the duplicate
+                # window), before any run of this one or between its failed runs: the guard acked it unrun.
                 c["deduplicated"] += 1
-                self.find("deduplicated", seq, "its key was done under another sequence; acked without running")
-            elif not any(r.done is not None for r in runs) and (copy := first_copy(seq, self.keys, self.ev.copies)):
+                self.find("deduplicated", seq, "its key was done under another sequence; acked without running"
+                          + (f" after {len(runs)} failed run(s)" if runs else ""))
+            elif copy:
                 c["copied"] += 1
                 self.find("copied", seq, f"ran {len(runs)}x and was re-published for later as seq {copy} (its own job)")
-            elif not any(r.done is not None for r in runs):
+            elif not done:
                 verdict = ("dead_lettered" if seq in self.ev.dead_lettered else
                            "vanished" if not runs and seq not in self.ev.unacked else "lost")
                 c[verdict] += 1

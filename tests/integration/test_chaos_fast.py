@@ -121,6 +121,22 @@ def test_checker_counts_a_job_re_published_for_later_by_its_copy():
     assert list(copies_for_later(fired, {})) == [7]          # a delayed job (its firing unpublished) and its copy
 
 
+def test_checker_counts_a_job_whose_key_was_done_under_another_sequence_as_deduplicated():
+    """Seed 700: seq 1 (key j1) failed twice and asked for a retry; meanwhile the publisher's retry
+    of j1 (seq 2, after the duplicate window) completed, and the guard acked seq 1's third
+    delivery unrun. Its key was done: deduplicated, not lost. Still in the stream, it is lost."""
+    def run(**kw):
+        return check(Evidence(stored={1: Stored(1, "j1", T0), 2: Stored(2, "j1", T0 + 0.5)},
+                              journal=[Rec(e, pid, seq, d, T0 + t, 0.0, "j1") for e, pid, seq, d, t in (
+                                  ("S", 1, 1, 1, 0.1), ("R", 1, 1, 1, 0.1), ("S", 2, 1, 2, 0.6), ("R", 2, 1, 2, 0.6),
+                                  ("S", 3, 2, 1, 1.4), ("D", 3, 2, 1, 1.5))],
+                              faults=[], ack_wait=30.0, origin=T0, **kw)).counts
+    c = run()
+    assert (c["deduplicated"], c["lost"], c["vanished"]) == (1, 0, 0)
+    c = run(unacked=[1])
+    assert (c["deduplicated"], c["lost"]) == (0, 1)
+
+
 def test_checker_names_a_dead_lettered_job():
     c = check(evidence([("S", 1, 1, 1, 0.1)], dead_lettered=[1])).counts
     assert (c["dead_lettered"], c["lost"], c["vanished"]) == (1, 0, 0)
