@@ -551,8 +551,12 @@ def parent_kill(act: Act, p: dict) -> None:
     if not act.live(sup):
         return
     pids = sup.worker_pids()
-    before = sup.try_status()         # what its ledger left to AckWait so far, with why (checker.py)
-    act.run.left_to_ack_wait += before["crosscheck"]["left_to_ack_wait"] if before else []
+    # What its ledger left to AckWait so far, with why (checker.py); and the NAKs it holds back
+    # while disconnected, which die with it: both wait for AckWait (or a peer's release) now.
+    before = sup.try_status()
+    cc = before["crosscheck"] if before else {}
+    act.run.left_to_ack_wait += cc.get("left_to_ack_wait", []) + [
+        {**o, "waits": f"{o['waits']} when the supervisor was SIGKILLed"} for o in cc.get("naks_held_back", [])]
     f = act.run.fault("parent SIGKILL, then a new supervisor", time.monotonic(), pids=pids, **peer_rule(act))
     sup.proc.kill()
     sup.proc.wait()

@@ -51,6 +51,8 @@ class HeldBack:
     delivery: int
     reply: str
     timer_started: float
+    pid: int                              # the dead worker that held it
+    since: float = dataclasses.field(default_factory=time.monotonic)    # held back since
 
 
 class Deaths:
@@ -129,9 +131,9 @@ class Deaths:
             if not n:
                 continue
             if not clean and e.state == slots.RUNNING and self.ledger.is_poison(e.stream_seq):
-                await self.quarantine(e, self.timer_started(w.pid, e))
+                await self.quarantine(e, self.timer_started(w.pid, e), w.pid)
             else:
-                await self.nak(HeldBack(e.stream_seq, e.delivery, e.reply, self.timer_started(w.pid, e)))
+                await self.nak(HeldBack(e.stream_seq, e.delivery, e.reply, self.timer_started(w.pid, e), w.pid))
         if any(nak):
             await self.flush()
         naked = [e.stream_seq for e, n in zip(entries, nak) if n]
@@ -183,11 +185,20 @@ class Deaths:
                      extra={"event": "held_back_sent", "count": sent})
             await self.flush()
 
+    def held_back_view(self, now: float) -> list[dict]:
+        """/status `crosscheck.naks_held_back`: dead workers' jobs whose NAK waits for NATS to come
+        back. A supervisor that dies meanwhile takes these NAKs with it: the jobs then come back
+        after AckWait, or when a peer releases a lost supervisor's jobs, and its last /status
+        names them."""
+        return [{"stream_seq": o.seq, "delivery": o.delivery, "pid": o.pid, "since_s": round(now - o.since, 3),
+                 "waits": "its NAK waits for NATS to come back (the supervisor is disconnected)"}
+                for o in self.held_back]
+
     def held_back_useful_until(self) -> float:
         """The last moment any held-back NAK is still safe to send (monotonic); 0 when none is held."""
         return max((nak_safe_until(o.timer_started, self.ack_wait(o.delivery)) for o in self.held_back), default=0.0)
 
-    async def quarantine(self, e: slots.Entry, timer_started: float) -> None:
+    async def quarantine(self, e: slots.Entry, timer_started: float, pid: int) -> None:
         """A job held at poison_after_crashes worker deaths: dead-letter it with the evidence, TERM it.
         The ledger marks it quarantined only once the TERM went out: a quarantine that fails (the
         dead-letter stream away, the parent disconnected) NAKs the job, or holds the NAK back while
@@ -208,7 +219,7 @@ class Deaths:
             log.error("cannot quarantine poison job seq=%d (%s); NAKing it instead: its next fatal run tries again",
                       e.stream_seq, str(exc) or type(exc).__name__,
                       extra={"event": "quarantine_failed", "seq": e.stream_seq, "error": f"{type(exc).__name__}: {exc}"})
-            await self.nak(HeldBack(e.stream_seq, e.delivery, e.reply, timer_started))
+            await self.nak(HeldBack(e.stream_seq, e.delivery, e.reply, timer_started, pid))
             return
         self.ledger.quarantine(e.stream_seq)
         self.alert("poison", f"job seq={e.stream_seq} quarantined to {self.cfg.restart.dead_letter_subject}: {reason}")
