@@ -33,6 +33,17 @@ request brings back. So parking is bounded by consumer.max_ack_pending (the slot
 for that many: supervisor/parent/pool.py), not by the worker. Parked jobs do not count against
 max_jobs until they start, for the same reason.
 
+A parked delivery may be handed out again while it waits: the server's AckWait timer for it ran
+out (the parent's +WPI did not reach the server in time: its link or the worker's went quiet)
+or restarted from an older stored time (a restarted server, a new consumer leader: F14). Then
+the stream's answer is the same for both deliveries and both would start when the key's turn
+comes (F15). So when the consumer's state may have been undone (the triggers of reack.py: a
+reconnect of ours, a consumer leader elected, a 409 Leadership Change or a 503 on a pull), every
+parked delivery is given up unsettled (`superseded`; a reconnect the worker has not noticed yet
+is seen by the candidate, which remembers its connection): its entry freed, no NAK (a NAK matches by
+sequence and would send the newer delivery away), the parent told (events.GivenUp) so its ledger
+explains the redelivery. One that was not handed out again comes back by AckWait.
+
 A drain (STOPPING) NAKs parked jobs at once, in stream order (`take_parked`), and so does a
 retirement, without the drain's delay: a parked job that started late in a retirement could not
 finish within graceful_timeout, and its redelivery would run beside it (F16).
@@ -54,6 +65,7 @@ from supervisor.config.ordering import GONE, START, WAIT, key_filters, key_of, t
 from supervisor.config.schedules import job_subjects
 from workers import Job
 from workers.protocol import slots
+from workers.protocol.events import Event, GivenUp
 from workers.protocol.modes import STOPPING
 from workers.protocol.slots import SlotTable
 from workers.runtime.puller import Puller
@@ -87,6 +99,7 @@ class Parked:
     item: Item
     seq: int
     since: float                   # monotonic: when it was parked
+    generation: int = 0            # the worker's connection (its reconnects) when it was delivered
     answered: bool = False         # the stream has told it to wait once: it no longer takes a handler
 
 
@@ -113,6 +126,15 @@ class Key:
             self.settled.discard(min(self.settled))
         self.poll, self.quick = POLL_FIRST, QUICK_FIRST
 
+    def backoff(self, settled: bool = False) -> float:
+        """The next look's delay: soon when the key's first job was said to be settled, else the
+        slower poll a note cuts short."""
+        if settled and self.quick <= QUICK_MAX:
+            delay, self.quick = self.quick, self.quick * 2
+            return delay
+        delay, self.poll = self.poll, min(self.poll * 2, POLL_MAX)
+        return delay
+
     def candidate(self) -> tuple[int, Parked] | None:
         """The parked job that may be the key's first: the lowest, while none taken from here is
         unsettled (one of those is lower, or the same job delivered twice)."""
@@ -131,6 +153,7 @@ class OrderingHost(Protocol):
     settler: Settler
 
     def cleared(self, item: Item) -> None: ...     # on to its limits, or the queue
+    def emit(self, event: Event) -> None: ...       # to the parent
 
 
 class Ordering:
@@ -146,6 +169,7 @@ class Ordering:
         host.settler.on_settled = self.settled
         self.ask: Callable[[str, int], Awaitable[int | None]] = _unconnected
         self.publish: Callable[[str, bytes], Awaitable[None]] = _unconnected
+        self.generation: Callable[[], int] = lambda: 0               # the connection's reconnects so far
         self.keys: dict[str, Key] = {}
         self.where: dict[int, str] = {}                          # table entry -> its key, parked or cleared
         self.floors: OrderedDict[str, int] = OrderedDict()       # key -> no job of it below this is stored
@@ -164,6 +188,7 @@ class Ordering:
             if msg.data.isdigit():
                 self.note(msg.subject.rpartition(".")[2], int(msg.data))
         self.ask, self.publish = ask, nc.publish
+        self.generation = lambda: int(nc.stats["reconnects"])
         await nc.subscribe(note_subject(self.stream, self.consumer), cb=on_note)
 
     def admit(self, item: Item) -> bool:
@@ -174,7 +199,7 @@ class Ordering:
         if name is None:
             return False
         k = self.keys.get(name) or self.keys.setdefault(name, Key(name))
-        k.parked[i] = Parked(item, job.stream_seq, time.monotonic())
+        k.parked[i] = Parked(item, job.stream_seq, time.monotonic(), self.generation())
         self.where[i] = name
         self.table.park(i, name.encode())
         self.consider(k)
@@ -236,6 +261,27 @@ class Ordering:
         self.drop_idle()
         return [item for _, item in sorted(out, key=lambda x: x[0])]
 
+    def superseded(self, why: str, generation: int | None = None) -> None:
+        """The server may have handed out the parked deliveries again (`why`: a reconnect, a
+        consumer leader change): each is given up unsettled, never to start here (F15); with
+        `generation`, only those delivered on that connection."""
+        given: list[Job] = []
+        for k in list(self.keys.values()):
+            for i, p in list(k.parked.items()):
+                if generation is None or p.generation == generation:
+                    given.append(self.unpark(k, i, p))
+                    self.table.release(i)
+        if not given:
+            return
+        for job in given:
+            self.host.pulls.not_started()
+            self.host.emit(GivenUp(job.stream_seq, job.delivery, why))
+        log.info("worker %d: %s; giving up %d parked job(s) unsettled (seq %s): the server may have handed them "
+                 "out again, or does after AckWait", self.slot, why, len(given),
+                 ",".join(str(j.stream_seq) for j in given[:20]),
+                 extra={"event": "ordering_given_up", "why": why, "seqs": [j.stream_seq for j in given]})
+        self.host.wake_pull.set()
+
     def close(self) -> None:
         for k in self.keys.values():
             self.stop_looking(k)
@@ -282,12 +328,15 @@ class Ordering:
                 if p.seq in k.settled:                   # a second delivery of a job done (F15)
                     await self.done_before(k, i, p)
                     continue
+                if p.generation != self.generation():    # delivered before a reconnect the worker has
+                    self.superseded("reconnected to NATS", p.generation)   # not noticed yet (heartbeat)
+                    continue
                 head = await self.first(k.name, p.seq)
                 now = k.candidate()
                 if now is None or now[1] is not p:       # settled, started or drained meanwhile
                     continue
                 if head is False:                        # unanswered: look again later, never start
-                    delay = self.backoff(k)
+                    delay = k.backoff()
                 else:
                     self.table.count(slots.ORDER_CHECKS)
                     delay = await self.act(k, i, p, head)
@@ -323,7 +372,7 @@ class Ordering:
             p.answered = True
             self.unanswered.discard(k.name)
             self.table.waits_for(i, head)
-            return self.backoff(k, settled=head <= k.left)
+            return k.backoff(settled=head <= k.left)
         assert rule == GONE
         k.gone += 1
         if k.gone < GONE_CHECKS:
@@ -354,15 +403,6 @@ class Ordering:
                  extra={"event": "ordering_settled_twice", "seq": p.seq, "key": k.name, "delivery": job.delivery})
         self.host.pulls.not_started()
         await self.host.settler.ack(i, job, "duplicate")
-
-    def backoff(self, k: Key, settled: bool = False) -> float:
-        """The next look's delay: soon when the key's first job was said to be settled, else the
-        slower poll a note cuts short."""
-        if settled and k.quick <= QUICK_MAX:
-            delay, k.quick = k.quick, k.quick * 2
-            return delay
-        delay, k.poll = k.poll, min(k.poll * 2, POLL_MAX)
-        return delay
 
     def wake(self, k: Key) -> None:
         k.timer = None
