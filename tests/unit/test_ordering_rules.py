@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import random
 import re
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -394,4 +395,26 @@ def test_a_candidate_delivered_before_a_reconnect_the_worker_has_not_noticed_yet
         del stream.stored[2]
         host.ordering.note("K", 2)
         await until(lambda: host.started == [3], "3 started")
+    asyncio.run(run())
+
+
+def test_at_a_reconnect_a_parked_job_stored_lately_is_kept_one_stored_nearly_ackwait_ago_is_given_up():
+    """AckWait counts at the earliest from the message's timestamp (in its $JS.ACK reply): one
+    stored lately cannot have been handed out again, whatever the server restarted from, and
+    stays for the parent's +WPI; one stored longer ago than AckWait less a third is let go of."""
+    async def run() -> None:
+        stream = Stream(["jobs.K", "jobs.K", "jobs.K"])
+        host = Host(stream)
+        now_ns = time.time_ns()
+        for seq, age in ((2, 1.0), (3, 25.0)):               # AckWait 30 s: 3 is past 30 - 10
+            job = Job(data=b"", subject="jobs.K", headers={}, stream_seq=seq)
+            reply = f"$JS.ACK.JOBS.workers.1.{seq}.{seq}.{now_ns - int(age * 1e9)}.0"
+            i = host.table.hold(seq, seq, 1, reply.encode())
+            assert host.ordering.admit((reply, i, job))
+        await until(lambda: host.ordering.occupying() == 0, "both waiting for 1")
+        host.ordering.superseded("reconnected to NATS")
+        assert [e.seq for e in host.events] == [3] and host.ordering.parked() == 1
+        del stream.stored[1]
+        host.ordering.note("K", 1)
+        await until(lambda: host.started == [2], "2 started")
     asyncio.run(run())

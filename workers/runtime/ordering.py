@@ -39,10 +39,13 @@ or restarted from an older stored time (a restarted server, a new consumer leade
 the stream's answer is the same for both deliveries and both would start when the key's turn
 comes (F15). So when the consumer's state may have been undone (the triggers of reack.py: a
 reconnect of ours, a consumer leader elected, a 409 Leadership Change or a 503 on a pull), every
-parked delivery is given up unsettled (`superseded`; a reconnect the worker has not noticed yet
-is seen by the candidate, which remembers its connection): its entry freed, no NAK (a NAK matches by
-sequence and would send the newer delivery away), the parent told (events.GivenUp) so its ledger
-explains the redelivery. One that was not handed out again comes back by AckWait.
+parked delivery the server may have handed out again is given up unsettled (`superseded`): one
+whose message was stored long enough ago that AckWait counted from its timestamp is nearly out
+(supervisor/config/ordering.py may_be_out_again; the others stay, kept by the parent's +WPI).
+A reconnect the worker has not noticed yet is seen by the candidate, which remembers its
+connection. Given up: its entry freed, no NAK (a NAK matches by sequence and would send the
+newer delivery away), the parent told (events.GivenUp) so its ledger explains the redelivery.
+One that was not handed out again comes back by AckWait.
 
 A drain (STOPPING) NAKs parked jobs at once, in stream order (`take_parked`), and so does a
 retirement, without the drain's delay: a parked job that started late in a retirement could not
@@ -61,8 +64,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from supervisor.config import Config
-from supervisor.config.ordering import GONE, START, WAIT, key_filters, key_of, token_of, verdict
+from supervisor.config.ordering import GONE, START, WAIT, key_filters, key_of, may_be_out_again, token_of, verdict
 from supervisor.config.schedules import job_subjects
+from supervisor.config.subjects import published_at
 from workers import Job
 from workers.protocol import slots
 from workers.protocol.events import Event, GivenUp
@@ -166,6 +170,7 @@ class Ordering:
         assert token is not None, "[ordering] off: no Ordering"
         self.token, self.patterns, self.slot, self.host, self.table = token, job_subjects(cfg), slot, host, host.table
         self.stream, self.consumer = cfg.stream.name, cfg.consumer.name
+        self.shortest_ack_wait = min(cfg.consumer.backoff) if cfg.consumer.backoff else cfg.consumer.ack_wait
         host.settler.on_settled = self.settled
         self.ask: Callable[[str, int], Awaitable[int | None]] = _unconnected
         self.publish: Callable[[str, bytes], Awaitable[None]] = _unconnected
@@ -263,24 +268,22 @@ class Ordering:
 
     def superseded(self, why: str, generation: int | None = None) -> None:
         """The server may have handed out the parked deliveries again (`why`: a reconnect, a
-        consumer leader change): each is given up unsettled, never to start here (F15); with
-        `generation`, only those delivered on that connection."""
+        consumer leader change; with `generation`, those delivered on that connection): each it
+        may have (its message stored long enough ago: may_be_out_again) is given up unsettled,
+        never to start here (F15). The others stay, on the connection of now."""
         given: list[Job] = []
+        now = time.time()
         for k in list(self.keys.values()):
             for i, p in list(k.parked.items()):
-                if generation is None or p.generation == generation:
+                if generation is not None and p.generation != generation:
+                    continue
+                if may_be_out_again(published_at(p.item[0] or ""), now, self.shortest_ack_wait):
                     given.append(self.unpark(k, i, p))
                     self.table.release(i)
-        if not given:
-            return
-        for job in given:
-            self.host.pulls.not_started()
-            self.host.emit(GivenUp(job.stream_seq, job.delivery, why))
-        log.info("worker %d: %s; giving up %d parked job(s) unsettled (seq %s): the server may have handed them "
-                 "out again, or does after AckWait", self.slot, why, len(given),
-                 ",".join(str(j.stream_seq) for j in given[:20]),
-                 extra={"event": "ordering_given_up", "why": why, "seqs": [j.stream_seq for j in given]})
-        self.host.wake_pull.set()
+                else:
+                    p.generation = self.generation()
+        if given:
+            _given_up(self.host, self.slot, why, given)
 
     def close(self) -> None:
         for k in self.keys.values():
@@ -456,6 +459,17 @@ class Ordering:
         task = asyncio.ensure_future(coro)
         task.add_done_callback(_log_failure)
         return task
+
+
+def _given_up(host: OrderingHost, slot: int, why: str, given: list[Job]) -> None:
+    """Parked jobs let go of unsettled: not started (pull sizing), the parent told, one line."""
+    for job in given:
+        host.pulls.not_started()
+        host.emit(GivenUp(job.stream_seq, job.delivery, why))
+    log.info("worker %d: %s; giving up %d parked job(s) unsettled (seq %s): the server may have handed them "
+             "out again, or does after AckWait", slot, why, len(given), ",".join(str(j.stream_seq) for j in given[:20]),
+             extra={"event": "ordering_given_up", "why": why, "seqs": [j.stream_seq for j in given]})
+    host.wake_pull.set()
 
 
 async def _unconnected(*_: Any) -> Any:
