@@ -22,18 +22,6 @@ MAX_TOKEN = 64              # a subject of more tokens than this is not a design
 START, WAIT, GONE = "start", "wait", "gone"
 
 
-def may_be_out_again(published: float | None, now: float, shortest_ack_wait: float) -> bool:
-    """Could the server have handed out again by `now` (seconds since the epoch) a delivery of a
-    message stored at `published` (its $JS.ACK timestamp; None: unknown, so yes), had nobody
-    pinged it? AckWait counts at the earliest from that timestamp: the timer a server runs starts
-    at the delivery, the one it stores (what a restarted server or a new consumer leader goes by)
-    at the timestamp, to the second, or at a +WPI, later (F14). A margin of a third of AckWait (2 s
-    at least) leaves the parent's next +WPI time to land and covers the second's truncation."""
-    if published is None:
-        return True
-    return now - published >= shortest_ack_wait - max(2.0, shortest_ack_wait / 3)
-
-
 def token_of(spec: str) -> int | None:
     """`ordering.key` -> the 1-based subject token that is the key; None for "" (unordered).
     ValueError, saying what is expected, for anything else."""

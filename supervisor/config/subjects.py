@@ -59,15 +59,3 @@ def parse_hostport(text: str, name: str, source: str = "") -> tuple[str, int]:
 def default_subject(stream_subjects: tuple[str, ...]) -> str:
     """A plain subject inside the stream's first pattern: `jobs.>` -> `jobs.new`, `a.*` -> `a.any`."""
     return ".".join("new" if t == ">" else "any" if t == "*" else t for t in stream_subjects[0].split("."))
-
-
-def published_at(reply: str) -> float | None:
-    """The message's timestamp (seconds since the epoch, by the server's clock) in a `$JS.ACK`
-    reply subject: `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<nanoseconds>.<pending>`,
-    or with a domain and account hash before the stream and a token more at the end; None when
-    the subject is neither (or names no time)."""
-    tokens = reply.split(".")
-    if tokens[:2] != ["$JS", "ACK"] or len(tokens) not in (9, 11, 12):
-        return None
-    ns = tokens[7 if len(tokens) == 9 else 9]
-    return int(ns) / 1e9 if ns.isdigit() and int(ns) > 0 else None

@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from supervisor.config import Config
-from supervisor.config.subjects import published_at
 from workers.protocol import slots
 from workers.protocol.exits import Kill, KillCause
 
@@ -99,6 +98,18 @@ def pings_due(now: float, held: Iterable[slots.Entry], timer_started: Callable[[
     be free to come back."""
     return [e for e in held if e.state in UNSETTLED and e.reply
             and now - timer_started(e) >= ack_wait(e.delivery) * PING_AT]
+
+
+def published_at(reply: str) -> float | None:
+    """The message's timestamp (seconds since the epoch, by the server's clock) in a `$JS.ACK`
+    reply subject: `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<nanoseconds>.<pending>`,
+    or with a domain and account hash before the stream and a token more at the end; None when
+    the subject is neither (or names no time)."""
+    tokens = reply.split(".")
+    if tokens[:2] != ["$JS", "ACK"] or len(tokens) not in (9, 11, 12):
+        return None
+    ns = tokens[7 if len(tokens) == 9 else 9]
+    return int(ns) / 1e9 if ns.isdigit() and int(ns) > 0 else None
 
 
 def stored_timer(e: slots.Entry, pinged: float, now: float, wall: float) -> float:

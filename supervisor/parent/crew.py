@@ -41,7 +41,7 @@ from supervisor.parent.scaler import Scaler
 from supervisor.parent.stats import Stats
 from workers.protocol import slots
 from workers.protocol.crashes import CrashBoard
-from workers.protocol.events import AcksResent, Event, GivenUp, PauseAsked, Ready, RecycleDue, Redelivered, Settled, Unsent
+from workers.protocol.events import AcksResent, Event, PauseAsked, Ready, RecycleDue, Redelivered, Settled, Unsent
 from workers.protocol.exits import CHILD_EXIT_REASONS, EXIT_CONNECT_FAILED
 from workers.runtime.solo import SuspectBoard
 from workers.runtime.spec import ChildSpec
@@ -203,10 +203,6 @@ class Crew:
             case Unsent(seq, delivery, outcome, error):    # nats-py refused it: the job may come back
                 why = f"its {outcome} by worker {w.slot} (pid {w.pid}) was not sent ({error})"
                 self.ledger.expect(seq, why, delivery, retroactive=False)
-                self.peers.announce(seq, why)
-            case GivenUp(seq, delivery, why):   # let go of unstarted, unsettled: it may be out again already
-                why = f"given up unstarted by worker {w.slot} (pid {w.pid}): {why}"
-                self.ledger.expect(seq, why, delivery)
                 self.peers.announce(seq, why)
             case AcksResent(why, resent, confirmed, unconfirmed):   # after a consumer leader change
                 self.ledger.acks_resent(resent, confirmed, list(unconfirmed), why)

@@ -6,7 +6,6 @@ import pytest
 from workers.protocol.events import (
     KINDS,
     AcksResent,
-    GivenUp,
     PauseAsked,
     Ready,
     RecycleDue,
@@ -18,8 +17,7 @@ from workers.protocol.events import (
 )
 
 EVERY = [Ready(), Redelivered(42, 2), Settled(42, 2, "nak", "table full"), Settled(7, 1, "ack"),
-         Unsent(3, 1, "ack", "OutboundBufferLimitError"),
-         GivenUp(5, 1, "reconnected to NATS"), AcksResent("leader elected", 5, 4, (11, 12)), RecycleDue(3),
+         Unsent(3, 1, "ack", "OutboundBufferLimitError"), AcksResent("leader elected", 5, 4, (11, 12)), RecycleDue(3),
          PauseAsked(30.0, "payments API down", 17)]
 
 

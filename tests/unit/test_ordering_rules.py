@@ -8,7 +8,6 @@ import asyncio
 import itertools
 import random
 import re
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -182,7 +181,6 @@ class Host:
         self.started: list[int] = []
         self.given_back: list[int] = []
         self.notes: list[tuple[str, bytes]] = []
-        self.events: list = []
         self.pulls = SimpleNamespace(not_started=lambda: None)
         self.acked_unrun: list[tuple[int, int]] = []       # (seq, delivery)
         self.settler = SimpleNamespace(settle=self.settle, ack=self.ack_unrun)
@@ -192,9 +190,6 @@ class Host:
 
     def cleared(self, item) -> None:
         self.started.append(item[2].stream_seq)
-
-    def emit(self, event) -> None:
-        self.events.append(event)
 
     async def settle(self, i: int, job: Job, payload: bytes, outcome: str, reason: str) -> None:
         assert payload == b"-NAK" and outcome == "nak"
@@ -350,71 +345,4 @@ def test_a_job_a_note_said_settled_is_acked_unrun_when_its_redelivery_is_parked_
         host.admit(1, delivery=2)
         await until(lambda: host.acked_unrun == [(1, 2)], "seq 1 acked unrun")
         assert host.started == []
-    asyncio.run(run())
-
-
-def test_parked_deliveries_the_server_may_have_handed_out_again_are_given_up_unsettled():
-    """F15: after a reconnect or a consumer leader change (reack.py's triggers) every parked
-    delivery is let go of: its entry freed, no NAK (it would send the newer delivery away), the
-    parent told; it never starts here, though its key's turn comes. A job running is kept."""
-    async def run() -> None:
-        stream = Stream(["jobs.K", "jobs.K", "jobs.J"])
-        host = Host(stream)
-        host.admit(3)
-        host.admit(2)
-        await until(lambda: host.started == [3] and host.ordering.occupying() == 0, "3 started, 2 waiting for 1")
-        host.ordering.superseded("reconnected to NATS")
-        assert host.ordering.parked() == 0 and host.table.header(slots.ORDER_PARKED) == 0
-        assert [(e.seq, e.delivery, e.why) for e in host.events] == [(2, 1, "reconnected to NATS")]
-        assert [e.stream_seq for e in host.table.snapshot()] == [3] and host.given_back == []
-        del stream.stored[1]
-        host.ordering.note("K", 1)
-        await asyncio.sleep(0.05)
-        assert host.started == [3]
-    asyncio.run(run())
-
-
-def test_a_candidate_delivered_before_a_reconnect_the_worker_has_not_noticed_yet_is_given_up():
-    """The worker notices a reconnect on its heartbeat (up to half a second late): a candidate
-    whose turn comes meanwhile, delivered on the old connection, is given up, not started; one
-    delivered on the new connection starts."""
-    async def run() -> None:
-        stream = Stream(["jobs.K", "jobs.K", "jobs.K"])
-        host = Host(stream)
-        reconnects = [0]
-        host.ordering.generation = lambda: reconnects[0]
-        host.admit(2)
-        await until(lambda: host.ordering.occupying() == 0, "2 waiting for 1")
-        reconnects[0] = 1
-        host.admit(3)
-        del stream.stored[1]
-        host.ordering.note("K", 1)
-        await until(lambda: [e.seq for e in host.events] == [2], "2 given up")
-        await asyncio.sleep(0.05)
-        assert host.started == [] and host.ordering.parked() == 1     # 3 waits for 2, still stored
-        del stream.stored[2]
-        host.ordering.note("K", 2)
-        await until(lambda: host.started == [3], "3 started")
-    asyncio.run(run())
-
-
-def test_at_a_reconnect_a_parked_job_stored_lately_is_kept_one_stored_nearly_ackwait_ago_is_given_up():
-    """AckWait counts at the earliest from the message's timestamp (in its $JS.ACK reply): one
-    stored lately cannot have been handed out again, whatever the server restarted from, and
-    stays for the parent's +WPI; one stored longer ago than AckWait less a third is let go of."""
-    async def run() -> None:
-        stream = Stream(["jobs.K", "jobs.K", "jobs.K"])
-        host = Host(stream)
-        now_ns = time.time_ns()
-        for seq, age in ((2, 1.0), (3, 25.0)):               # AckWait 30 s: 3 is past 30 - 10
-            job = Job(data=b"", subject="jobs.K", headers={}, stream_seq=seq)
-            reply = f"$JS.ACK.JOBS.workers.1.{seq}.{seq}.{now_ns - int(age * 1e9)}.0"
-            i = host.table.hold(seq, seq, 1, reply.encode())
-            assert host.ordering.admit((reply, i, job))
-        await until(lambda: host.ordering.occupying() == 0, "both waiting for 1")
-        host.ordering.superseded("reconnected to NATS")
-        assert [e.seq for e in host.events] == [3] and host.ordering.parked() == 1
-        del stream.stored[1]
-        host.ordering.note("K", 1)
-        await until(lambda: host.started == [2], "2 started")
     asyncio.run(run())

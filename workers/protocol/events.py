@@ -54,17 +54,6 @@ class Unsent:
 
 
 @dataclass(frozen=True)
-class GivenUp:
-    """A job the worker held unstarted and let go of unsettled, neither acked nor NAKed: the
-    server may have handed it out again already ([ordering]'s parked jobs after a reconnect or a
-    consumer leader change, workers/runtime/ordering.py). If it has not, it comes back by AckWait."""
-    kind: ClassVar[str] = "given_up"
-    seq: int
-    delivery: int
-    why: str
-
-
-@dataclass(frozen=True)
 class AcksResent:
     """Recent acks sent again after a consumer leader change (workers/runtime/reack.py)."""
     kind: ClassVar[str] = "acks_resent"
@@ -110,9 +99,9 @@ def boot_id() -> str:
         return ""
 
 
-Event = Ready | Redelivered | Settled | Unsent | GivenUp | AcksResent | RecycleDue | PauseAsked
-KINDS: dict[str, type[Event]] = {cls.kind: cls for cls in (Ready, Redelivered, Settled, Unsent, GivenUp, AcksResent,
-                                                           RecycleDue, PauseAsked)}
+Event = Ready | Redelivered | Settled | Unsent | AcksResent | RecycleDue | PauseAsked
+KINDS: dict[str, type[Event]] = {cls.kind: cls for cls in (Ready, Redelivered, Settled, Unsent, AcksResent, RecycleDue,
+                                                           PauseAsked)}
 
 
 def encode(event: Event) -> bytes:

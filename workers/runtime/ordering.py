@@ -33,20 +33,6 @@ request brings back. So parking is bounded by consumer.max_ack_pending (the slot
 for that many: supervisor/parent/pool.py), not by the worker. Parked jobs do not count against
 max_jobs until they start, for the same reason.
 
-A parked delivery may be handed out again while it waits: the server's AckWait timer for it ran
-out (the parent's +WPI did not reach the server in time: its link or the worker's went quiet)
-or restarted from an older stored time (a restarted server, a new consumer leader: F14). Then
-the stream's answer is the same for both deliveries and both would start when the key's turn
-comes (F15). So when the consumer's state may have been undone (the triggers of reack.py: a
-reconnect of ours, a consumer leader elected, a 409 Leadership Change or a 503 on a pull), every
-parked delivery the server may have handed out again is given up unsettled (`superseded`): one
-whose message was stored long enough ago that AckWait counted from its timestamp is nearly out
-(supervisor/config/ordering.py may_be_out_again; the others stay, kept by the parent's +WPI).
-A reconnect the worker has not noticed yet is seen by the candidate, which remembers its
-connection. Given up: its entry freed, no NAK (a NAK matches by sequence and would send the
-newer delivery away), the parent told (events.GivenUp) so its ledger explains the redelivery.
-One that was not handed out again comes back by AckWait.
-
 A drain (STOPPING) NAKs parked jobs at once, in stream order (`take_parked`), and so does a
 retirement, without the drain's delay: a parked job that started late in a retirement could not
 finish within graceful_timeout, and its redelivery would run beside it (F16).
@@ -64,12 +50,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from supervisor.config import Config
-from supervisor.config.ordering import GONE, START, WAIT, key_filters, key_of, may_be_out_again, token_of, verdict
+from supervisor.config.ordering import GONE, START, WAIT, key_filters, key_of, token_of, verdict
 from supervisor.config.schedules import job_subjects
-from supervisor.config.subjects import published_at
 from workers import Job
 from workers.protocol import slots
-from workers.protocol.events import Event, GivenUp
 from workers.protocol.modes import STOPPING
 from workers.protocol.slots import SlotTable
 from workers.runtime.puller import Puller
@@ -103,7 +87,6 @@ class Parked:
     item: Item
     seq: int
     since: float                   # monotonic: when it was parked
-    generation: int = 0            # the worker's connection (its reconnects) when it was delivered
     answered: bool = False         # the stream has told it to wait once: it no longer takes a handler
 
 
@@ -130,15 +113,6 @@ class Key:
             self.settled.discard(min(self.settled))
         self.poll, self.quick = POLL_FIRST, QUICK_FIRST
 
-    def backoff(self, settled: bool = False) -> float:
-        """The next look's delay: soon when the key's first job was said to be settled, else the
-        slower poll a note cuts short."""
-        if settled and self.quick <= QUICK_MAX:
-            delay, self.quick = self.quick, self.quick * 2
-            return delay
-        delay, self.poll = self.poll, min(self.poll * 2, POLL_MAX)
-        return delay
-
     def candidate(self) -> tuple[int, Parked] | None:
         """The parked job that may be the key's first: the lowest, while none taken from here is
         unsettled (one of those is lower, or the same job delivered twice)."""
@@ -157,7 +131,6 @@ class OrderingHost(Protocol):
     settler: Settler
 
     def cleared(self, item: Item) -> None: ...     # on to its limits, or the queue
-    def emit(self, event: Event) -> None: ...       # to the parent
 
 
 class Ordering:
@@ -170,11 +143,9 @@ class Ordering:
         assert token is not None, "[ordering] off: no Ordering"
         self.token, self.patterns, self.slot, self.host, self.table = token, job_subjects(cfg), slot, host, host.table
         self.stream, self.consumer = cfg.stream.name, cfg.consumer.name
-        self.shortest_ack_wait = min(cfg.consumer.backoff) if cfg.consumer.backoff else cfg.consumer.ack_wait
         host.settler.on_settled = self.settled
         self.ask: Callable[[str, int], Awaitable[int | None]] = _unconnected
         self.publish: Callable[[str, bytes], Awaitable[None]] = _unconnected
-        self.generation: Callable[[], int] = lambda: 0               # the connection's reconnects so far
         self.keys: dict[str, Key] = {}
         self.where: dict[int, str] = {}                          # table entry -> its key, parked or cleared
         self.floors: OrderedDict[str, int] = OrderedDict()       # key -> no job of it below this is stored
@@ -193,7 +164,6 @@ class Ordering:
             if msg.data.isdigit():
                 self.note(msg.subject.rpartition(".")[2], int(msg.data))
         self.ask, self.publish = ask, nc.publish
-        self.generation = lambda: int(nc.stats["reconnects"])
         await nc.subscribe(note_subject(self.stream, self.consumer), cb=on_note)
 
     def admit(self, item: Item) -> bool:
@@ -204,7 +174,7 @@ class Ordering:
         if name is None:
             return False
         k = self.keys.get(name) or self.keys.setdefault(name, Key(name))
-        k.parked[i] = Parked(item, job.stream_seq, time.monotonic(), self.generation())
+        k.parked[i] = Parked(item, job.stream_seq, time.monotonic())
         self.where[i] = name
         self.table.park(i, name.encode())
         self.consider(k)
@@ -266,25 +236,6 @@ class Ordering:
         self.drop_idle()
         return [item for _, item in sorted(out, key=lambda x: x[0])]
 
-    def superseded(self, why: str, generation: int | None = None) -> None:
-        """The server may have handed out the parked deliveries again (`why`: a reconnect, a
-        consumer leader change; with `generation`, those delivered on that connection): each it
-        may have (its message stored long enough ago: may_be_out_again) is given up unsettled,
-        never to start here (F15). The others stay, on the connection of now."""
-        given: list[Job] = []
-        now = time.time()
-        for k in list(self.keys.values()):
-            for i, p in list(k.parked.items()):
-                if generation is not None and p.generation != generation:
-                    continue
-                if may_be_out_again(published_at(p.item[0] or ""), now, self.shortest_ack_wait):
-                    given.append(self.unpark(k, i, p))
-                    self.table.release(i)
-                else:
-                    p.generation = self.generation()
-        if given:
-            _given_up(self.host, self.slot, why, given)
-
     def close(self) -> None:
         for k in self.keys.values():
             self.stop_looking(k)
@@ -331,15 +282,12 @@ class Ordering:
                 if p.seq in k.settled:                   # a second delivery of a job done (F15)
                     await self.done_before(k, i, p)
                     continue
-                if p.generation != self.generation():    # delivered before a reconnect the worker has
-                    self.superseded("reconnected to NATS", p.generation)   # not noticed yet (heartbeat)
-                    continue
                 head = await self.first(k.name, p.seq)
                 now = k.candidate()
                 if now is None or now[1] is not p:       # settled, started or drained meanwhile
                     continue
                 if head is False:                        # unanswered: look again later, never start
-                    delay = k.backoff()
+                    delay = self.backoff(k)
                 else:
                     self.table.count(slots.ORDER_CHECKS)
                     delay = await self.act(k, i, p, head)
@@ -375,7 +323,7 @@ class Ordering:
             p.answered = True
             self.unanswered.discard(k.name)
             self.table.waits_for(i, head)
-            return k.backoff(settled=head <= k.left)
+            return self.backoff(k, settled=head <= k.left)
         assert rule == GONE
         k.gone += 1
         if k.gone < GONE_CHECKS:
@@ -406,6 +354,15 @@ class Ordering:
                  extra={"event": "ordering_settled_twice", "seq": p.seq, "key": k.name, "delivery": job.delivery})
         self.host.pulls.not_started()
         await self.host.settler.ack(i, job, "duplicate")
+
+    def backoff(self, k: Key, settled: bool = False) -> float:
+        """The next look's delay: soon when the key's first job was said to be settled, else the
+        slower poll a note cuts short."""
+        if settled and k.quick <= QUICK_MAX:
+            delay, k.quick = k.quick, k.quick * 2
+            return delay
+        delay, k.poll = k.poll, min(k.poll * 2, POLL_MAX)
+        return delay
 
     def wake(self, k: Key) -> None:
         k.timer = None
@@ -459,17 +416,6 @@ class Ordering:
         task = asyncio.ensure_future(coro)
         task.add_done_callback(_log_failure)
         return task
-
-
-def _given_up(host: OrderingHost, slot: int, why: str, given: list[Job]) -> None:
-    """Parked jobs let go of unsettled: not started (pull sizing), the parent told, one line."""
-    for job in given:
-        host.pulls.not_started()
-        host.emit(GivenUp(job.stream_seq, job.delivery, why))
-    log.info("worker %d: %s; giving up %d parked job(s) unsettled (seq %s): the server may have handed them "
-             "out again, or does after AckWait", slot, why, len(given), ",".join(str(j.stream_seq) for j in given[:20]),
-             extra={"event": "ordering_given_up", "why": why, "seqs": [j.stream_seq for j in given]})
-    host.wake_pull.set()
 
 
 async def _unconnected(*_: Any) -> Any:

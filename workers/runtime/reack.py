@@ -34,7 +34,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -108,9 +108,6 @@ class Reacker:
         self.round: Round | None = None
         self.wake = asyncio.Event()
         self.inbox = ""
-        # Told of every trigger: what else a new consumer leader or server may have undone
-        # ([ordering] gives up its parked deliveries: workers/runtime/ordering.py superseded)
-        self.on_trigger: Callable[[str], None] = lambda why: None
 
     async def start(self) -> None:
         nc = self.owner.nc
@@ -129,7 +126,6 @@ class Reacker:
 
     def trigger(self, why: str) -> None:
         """The consumer may have another leader now, or none: prove what the window holds."""
-        self.on_trigger(why)
         if self.round is None:
             self.round = Round(why)
         self.round.leader_back = None    # a confirmation from before this says nothing about now

@@ -160,8 +160,6 @@ class Worker:
         self.limits: Limits | None = None  # [limits]: jobs waiting for theirs are parked there
         # [ordering]: jobs wait, parked, until they are the first of their key in the stream
         self.ordering = Ordering(cfg, spec.slot, self) if cfg.ordering.key else None
-        if self.ordering is not None:
-            self.reacker.on_trigger = self.ordering.superseded
         self.gate = AsyncGate(spec.suspects)   # suspects run alone (workers/runtime/solo.py)
         self.threads = HandlerThreads(self, self.start_lock, self.wcfg.concurrency, spec.job_limit,
                                       batching=0.0 if cfg.ordering.key else OUTCOME_EVERY)
