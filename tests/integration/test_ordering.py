@@ -13,6 +13,7 @@ import json
 import os
 import random
 import signal
+import threading
 import time
 
 import nats
@@ -433,3 +434,104 @@ def test_on_an_r3_stream_order_holds_through_leader_changes(nats_cluster, superv
         assert "error" not in step()
     wait_until(lambda: set(seqs) <= done(*sups), timeout=120, what="every job done")
     assert_in_order(runs_of(*sups), key_of)
+
+
+# ---------------------------------------------------------------- two deliveries of one job in one worker (F15)
+
+class HeldJob:
+    """The test's own client as another worker: it takes the next job from the consumer and keeps
+    it alive (+WPI every `ping` seconds) on a thread of its own until `ack()`; the key's later jobs
+    wait for it wherever they are parked."""
+
+    def __init__(self, urls: list[str], ping: float):
+        self.ping, self.urls = ping, urls
+        self.loop = asyncio.new_event_loop()
+        self.acked = asyncio.Event()
+        self.seq: int | None = None
+        self.taken = threading.Event()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._hold(),), daemon=True)
+        self.thread.start()
+        assert self.taken.wait(30) and self.seq, "the test's client took no job"
+
+    async def _hold(self) -> None:
+        nc = await nats.connect(self.urls)
+        try:
+            sub = await nc.jetstream().pull_subscribe_bind("workers", "JOBS")
+            [msg] = await sub.fetch(1, timeout=20)
+            self.seq = msg.metadata.sequence.stream
+            self.taken.set()
+            while not self.acked.is_set():
+                await msg.in_progress()
+                try:
+                    await asyncio.wait_for(self.acked.wait(), self.ping)
+                except TimeoutError:
+                    pass
+            await msg.ack_sync()
+        finally:
+            self.taken.set()
+            await nc.close()
+
+    def ack(self) -> None:
+        self.loop.call_soon_threadsafe(self.acked.set)
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the held job's ack did not go out"
+
+
+def test_a_second_delivery_of_a_job_its_worker_just_acked_does_not_start(nats_cluster, supervisor_factory, tmp_path):
+    """F15 (seed 604, seq 771). Two deliveries of kA's second job B parked in the one worker: B
+    waits behind kA's first job A (held by the test's client) while the parent is SIGSTOPped
+    past AckWait (no +WPI), so the server hands B to the worker again. A is acked, one delivery
+    of B runs, and the other becomes kA's candidate the moment that one is acked. The server has
+    read that ack but not applied it: on an R3 stream the removal is two raft proposals away,
+    held here by pausing the two nodes that do not lead the stream (the worker talks to the
+    leader alone), so the stream still says B is the first stored job of kA. Before, the START
+    rule held and B ran twice (and in about one run of three without the pause). It is acked
+    unrun now (ordering_settled_twice), and runs once."""
+    ack_wait, gate = 2.0, tmp_path / "gate"
+    maker = supervisor_factory(None, nats={"servers": nats_cluster.urls, "startup_timeout": 30.0},
+                               stream={"replicas": 3}, consumer={"ack_wait": ack_wait},
+                               workers={"count": 1, "handler": HANDLER}, ordering=ORDERED)
+    maker.wait_ready()
+    assert maker.stop() == 0                     # the stream and the consumer are made: A goes to the test
+    leader = nats_cluster.stream_leader("JOBS")
+    others = [n for n in nats_cluster.live() if n is not leader]
+    [first] = publish_keyed(leader.url, [("jobs.kA", "0")])
+    held = HeldJob(nats_cluster.urls, ping=ack_wait / 4)
+    assert held.seq == first
+    sup = supervisor_factory(None, nats={"servers": [leader.url], "startup_timeout": 30.0},
+                             stream={"replicas": 3}, consumer={"ack_wait": ack_wait},
+                             workers={"count": 1, "concurrency": 1, "handler": HANDLER}, ordering=ORDERED,
+                             args=("--log-format", "json"))
+    try:
+        sup.wait_ready()
+        [second] = publish_keyed(leader.url, [("jobs.kA", f"until:{gate}")])
+
+        def parked() -> int:
+            return sum(w["parked"] for w in sup.status()["workers"]["list"])
+        wait_until(lambda: parked() == 1, what="B parked behind A")
+        delivered = nats_cluster.consumer_state("JOBS", "workers")["delivered"]["consumer_seq"]
+        os.kill(sup.proc.pid, signal.SIGSTOP)    # no +WPI for B: AckWait runs out, B comes again
+        try:
+            wait_until(lambda: nats_cluster.consumer_state("JOBS", "workers")["delivered"]["consumer_seq"] > delivered,
+                       timeout=ack_wait * 5, what="B delivered again")
+        finally:
+            os.kill(sup.proc.pid, signal.SIGCONT)
+        wait_until(lambda: parked() == 2, what="both deliveries of B parked in the one worker")
+    finally:
+        held.ack()
+
+    def b_starts() -> int:
+        return sum(r.seq == second for r in sup.jobs.started())
+    wait_until(lambda: b_starts() == 1, what="one delivery of B running")
+    for n in others:
+        n.pause()
+    try:
+        gate.touch()                             # B's run ends: its ack is read, and cannot be applied
+        wait_until(lambda: b_starts() > 1 or sup.events("ordering_settled_twice", seq=second),
+                   what="B's other delivery started or acked unrun")
+    finally:
+        for n in others:
+            n.resume()
+    wait_until(lambda: nats_cluster.consumer_state("JOBS", "workers")["num_ack_pending"] == 0, what="nothing pending")
+    assert b_starts() == 1, sup.jobs.started()
+    assert second in done(sup) and nats_cluster.stream_messages("JOBS") == 0

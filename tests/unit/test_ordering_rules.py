@@ -182,7 +182,8 @@ class Host:
         self.given_back: list[int] = []
         self.notes: list[tuple[str, bytes]] = []
         self.pulls = SimpleNamespace(not_started=lambda: None)
-        self.settler = SimpleNamespace(settle=self.settle)
+        self.acked_unrun: list[tuple[int, int]] = []       # (seq, delivery)
+        self.settler = SimpleNamespace(settle=self.settle, ack=self.ack_unrun)
         cfg = cfg or Config().replace(ordering={"key": "subject:2"})
         self.ordering = Ordering(cfg, 0, self)
         self.ordering.ask, self.ordering.publish = stream.ask, self.publish
@@ -194,14 +195,19 @@ class Host:
         assert payload == b"-NAK" and outcome == "nak"
         self.given_back.append(job.stream_seq)
 
+    async def ack_unrun(self, i: int, job: Job, outcome: str) -> None:
+        assert outcome == "duplicate"
+        self.acked_unrun.append((job.stream_seq, job.delivery))
+
     async def publish(self, subject: str, payload: bytes) -> None:
         """A note: it comes back to the worker that sent it, as NATS echoes it."""
         self.notes.append((subject, payload))
         self.ordering.note(subject.rpartition(".")[2], int(payload))
 
-    def admit(self, seq: int) -> tuple[int, Job]:
-        job = Job(data=b"", subject=self.stream.stored.get(seq, "jobs.gone"), headers={}, stream_seq=seq)
-        i = self.table.hold(seq, seq, 1, b"$JS.ACK.JOBS.workers.1.%d.%d.0.0" % (seq, seq))
+    def admit(self, seq: int, delivery: int = 1) -> tuple[int, Job]:
+        job = Job(data=b"", subject=self.stream.stored.get(seq, "jobs.gone"), headers={}, stream_seq=seq,
+                  delivery=delivery)
+        i = self.table.hold(seq, seq, delivery, b"$JS.ACK.JOBS.workers.%d.%d.%d.0.0" % (delivery, seq, seq))
         assert self.ordering.admit((None, i, job))
         return i, job
 
@@ -298,8 +304,45 @@ def test_a_job_stored_again_below_what_the_stream_said_is_first_still_runs():
         host.ordering.note("K", 1)
         await until(lambda: host.started == [2], "seq 2 started")
         host.ack(i2, j2)
+        # Once the key is idle here its settled sequences are forgotten (while it is busy, a
+        # delivery of seq 1 would be acked unrun: the next test).
+        await until(lambda: "K" not in host.ordering.keys, "the key idle")
         stream.stored[1] = "jobs.K"                      # the restarted server has it again
         host.admit(1)
         await until(lambda: host.started == [2, 1], "seq 1 ran again")
         assert host.given_back == []
+    asyncio.run(run())
+
+
+def test_a_second_delivery_of_a_job_settled_here_is_acked_unrun_while_the_stream_still_stores_it():
+    """F15 (seed 604, seq 771): two deliveries of one job parked in one worker. The first ran and
+    was acked; the server has read the ack and not applied it yet, so the stream still says the
+    job is the first of its key. The second must not start: it is acked unrun, never asked about."""
+    async def run() -> None:
+        stream = Stream(["jobs.K", "jobs.K"])
+        host = Host(stream)
+        i1, j1 = host.admit(1)
+        host.admit(1, delivery=2)
+        host.admit(2)
+        await until(lambda: host.started == [1], "delivery 1 of seq 1 started")
+        host.ordering.settled(i1, j1, "ack")              # acked; the stream still stores seq 1
+        await until(lambda: host.acked_unrun == [(1, 2)], "delivery 2 acked unrun")
+        assert host.started == [1] and host.given_back == []
+        del stream.stored[1]                              # the removal applied
+        await until(lambda: host.started == [1, 2], "seq 2 started")
+    asyncio.run(run())
+
+
+def test_a_job_a_note_said_settled_is_acked_unrun_when_its_redelivery_is_parked_here():
+    """Another worker said it settled seq 1 (a note): a delivery of seq 1 parked here, behind the
+    key's earlier job or not, is acked unrun, whatever the stream still stores."""
+    async def run() -> None:
+        stream = Stream(["jobs.K", "jobs.K"])
+        host = Host(stream)
+        host.admit(2)
+        await until(lambda: host.ordering.occupying() == 0, "seq 2 waiting for 1")
+        host.ordering.note("K", 1)
+        host.admit(1, delivery=2)
+        await until(lambda: host.acked_unrun == [(1, 2)], "seq 1 acked unrun")
+        assert host.started == []
     asyncio.run(run())

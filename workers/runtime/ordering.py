@@ -16,6 +16,10 @@ lowest sequence the key can still have: `floors`), the lowest answer winning.
     doubling up to POLL_MAX (a lost note, or a key settled by a dead-letter copy, a quarantine,
     a deletion). When the earlier job is one said to be settled, the server has read its ack
     but not applied it yet: it looks again after QUICK_FIRST, doubling up to QUICK_MAX.
+  - The candidate's own sequence was said to have left the stream (settled here, or a note): it
+    is a second delivery of a job done, which the stream may still store while the server has
+    read the first one's ack and not applied it (F15). It is acked unrun, never asked about:
+    the job was done, and an ack is right whoever holds the delivery now.
   - The candidate itself is not stored (acked, TERMed or deleted elsewhere: it came twice) or
     not yet on the server that answers: it is looked for GONE_CHECKS times, GONE_RECHECK apart,
     then given back with a NAK (the server drops the redelivery of a message it no longer has,
@@ -65,6 +69,7 @@ QUICK_MAX = 0.05           # ... looks again this soon, doubling to this
 GONE_CHECKS = 3            # a candidate the stream does not store is looked for this many times ...
 GONE_RECHECK = 0.05        # ... this far apart, then given back
 FLOOR_KEYS = 10000         # keys whose lowest possible sequence is remembered (most recent first)
+SETTLED_KEEP = 1024        # sequences of a key said to have left the stream, remembered while it is busy
 WARN_EVERY = 10.0          # an unanswered stream is logged at most this often
 NOTE_PREFIX = "_SUPERVISOR.ordering"
 LEFT = ("ack", "duplicate", "term", "later")   # outcomes after which the job is no longer stored
@@ -97,11 +102,15 @@ class Key:
     poll: float = POLL_FIRST       # the next look without a word ...
     quick: float = QUICK_FIRST     # ... and when the first job was said to be settled
     left: int = 0                  # the highest sequence of the key said to have left the stream
+    settled: set[int] = field(default_factory=set)   # ... each of them (the latest SETTLED_KEEP)
     gone: int = 0                  # GONE answers in a row for the candidate
 
     def heard(self, seq: int) -> None:
         """A job of the key left the stream (a settle here, or a note): look again at once."""
         self.left = max(self.left, seq)
+        self.settled.add(seq)
+        if len(self.settled) > SETTLED_KEEP:
+            self.settled.discard(min(self.settled))
         self.poll, self.quick = POLL_FIRST, QUICK_FIRST
 
     def candidate(self) -> tuple[int, Parked] | None:
@@ -270,6 +279,9 @@ class Ordering:
                         self.keys.pop(k.name, None)
                     return
                 i, p = c
+                if p.seq in k.settled:                   # a second delivery of a job done (F15)
+                    await self.done_before(k, i, p)
+                    continue
                 head = await self.first(k.name, p.seq)
                 now = k.candidate()
                 if now is None or now[1] is not p:       # settled, started or drained meanwhile
@@ -316,17 +328,32 @@ class Ordering:
         k.gone += 1
         if k.gone < GONE_CHECKS:
             return GONE_RECHECK * k.gone
-        k.gone = 0
-        del k.parked[i]
-        self.where.pop(i, None)
-        self.unanswered.discard(k.name)
-        self.table.unpark(i, time.monotonic() - p.since)
-        _, _, job = p.item
+        job = self.unpark(k, i, p)
         log.info("worker %d: job seq=%d (key %s) is no longer in the stream (done elsewhere: it came twice); "
                  "giving it back unrun", self.slot, p.seq, k.name,
                  extra={"event": "ordering_gone", "seq": p.seq, "key": k.name, "delivery": job.delivery})
         await self.give_back(i, job, f"key {k.name}: no longer in the stream (done elsewhere)")
         return None
+
+    def unpark(self, k: Key, i: int, p: Parked) -> Job:
+        """The candidate leaves this worker's parking without starting; its job."""
+        k.gone = 0
+        del k.parked[i]
+        self.where.pop(i, None)
+        self.unanswered.discard(k.name)
+        self.table.unpark(i, time.monotonic() - p.since)
+        return p.item[2]
+
+    async def done_before(self, k: Key, i: int, p: Parked) -> None:
+        """The candidate's sequence was said to have left the stream: acked unrun. Asking would
+        find it still stored while the server applies the first ack (the START rule holds then),
+        and a NAK would be wrong if a lost removal left it stored (it was done)."""
+        job = self.unpark(k, i, p)
+        log.info("worker %d: job seq=%d (key %s) came again after it was settled (delivery %d); acking it unrun",
+                 self.slot, p.seq, k.name, job.delivery,
+                 extra={"event": "ordering_settled_twice", "seq": p.seq, "key": k.name, "delivery": job.delivery})
+        self.host.pulls.not_started()
+        await self.host.settler.ack(i, job, "duplicate")
 
     def backoff(self, k: Key, settled: bool = False) -> float:
         """The next look's delay: soon when the key's first job was said to be settled, else the
