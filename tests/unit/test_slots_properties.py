@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+import traceback
 import types
 from dataclasses import dataclass
 
@@ -231,15 +232,19 @@ def test_snapshot_never_returns_a_torn_entry(program):
     flags = mmap.mmap(-1, 16)
     flag = memoryview(flags).cast("q")
     started = {n: step[1] for n, step in enumerate(program)}
+    told, tell = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 0
+        os.close(told)
         try:
             writer(table, program, flag)
-        except BaseException:                  # noqa: BLE001 - any failure is a failed child
+        except BaseException:                  # noqa: BLE001 - any failure is a failed child: say which
             code = 1
+            os.write(tell, traceback.format_exc().encode()[-4000:])
         finally:
             os._exit(code)
+    os.close(tell)
     try:
         deadline = time.monotonic() + 10
         while not flag[0]:
@@ -255,5 +260,7 @@ def test_snapshot_never_returns_a_torn_entry(program):
         flag.release()
         flags.close()
         table.close()
-    assert os.waitstatus_to_exitcode(status) == 0, "the writer failed"
+    with os.fdopen(told, "rb") as f:
+        why = f.read().decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, f"the writer failed: {why}"
     assert len(seen) >= 100, len(seen)           # the check was not vacuous
