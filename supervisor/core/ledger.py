@@ -15,6 +15,7 @@ fleet heartbeat listed, and a window with a count for those it took after it), o
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -240,13 +241,13 @@ class CrashLedger:
         self.counts[counter] += 1
         self.cluster_explained.append(Redelivery(t, seq, delivery, why))
 
-    def confirm_suspects(self, now: float, grace: float) -> list[Redelivery]:
-        """Suspects older than `grace` that nothing explained: counted as unexplained, unless they
-        were pending before we started (the weakest explanation, so a peer's word wins if it came).
-        While a fleet peer is silent (`hold_suspects`) they wait, up to HOLD_MAX past the grace."""
+    def confirm_suspects(self, now: float, grace: float, caught_up: float = math.inf) -> list[Redelivery]:
+        """Suspects older than `grace` nothing explained: unexplained, unless pending before we started (the
+        weakest explanation). Up to HOLD_MAX past the grace they wait while a fleet peer is silent
+        (`hold_suspects`), or if seen after `caught_up`: a peer's word may not be here yet (F13, peers.py)."""
         held = now < self._hold_until
         due = [(seq, d, t) for (seq, d), t in self._suspects.items()
-               if now - t >= grace and (not held or now - t >= grace + HOLD_MAX)]
+               if now - t >= grace and (now - t >= grace + HOLD_MAX or (not held and t <= caught_up))]
         confirmed = []
         for seq, d, t in due:
             del self._suspects[(seq, d)]
@@ -414,7 +415,7 @@ class CrashLedger:
         out = dict(self.counts)
         out["left_to_ack_wait"] = [left_row(death, job, ack_wait_for(self.ack_wait, self.backoff, job.delivery))
                                    for death, job in self.waits]
-        out["outstanding"] = self.outstanding(now)
+        out["outstanding"], out["suspects"] = self.outstanding(now), len(self._suspects)   # suspects: not judged yet
         out["recent_deaths"] = [d.summary(now) for d in list(self.deaths)[-10:]]
         out["recent_cluster_explained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "why": r.why,
                                             "age_s": round(now - r.t, 3)} for r in list(self.cluster_explained)[-20:]]
