@@ -89,6 +89,12 @@ class Death:
     # The consumer's delivered stream sequence at the first ConsumerInfo after the death: a
     # message in transit at the death had been delivered, so its sequence is at most this.
     delivered_bound: int | None = None
+    # A peer supervisor's worker (F13): "<its origin>#<its death id>"; "" for a worker of ours.
+    key: str = ""
+
+    def where(self) -> str:
+        """Whose worker: "" for ours, " (on <origin>)" for a peer's."""
+        return f" (on {self.key.rsplit('#', 1)[0]})" if self.key else ""
 
     def summary(self, now: float) -> dict:
         """`held` lists the seqs; `held_jobs` says per job when it came back and when it was
@@ -123,6 +129,8 @@ class Window:
 
 @dataclass
 class CrashLedger:
+    """Long because every explanation of a redelivery is weighed against the others in one place
+    (the order of `_explain`, the suspects' grace, the counters /status cross-checks)."""
     ack_wait: float
     poison_after: int
     backoff: tuple[float, ...] = ()         # consumer.backoff: AckWait per delivery when set
@@ -145,6 +153,8 @@ class CrashLedger:
         self.cluster_explained: deque[Redelivery] = deque(maxlen=HISTORY)
         self._hold_until = 0.0                                      # see hold_suspects
         self._settles: OrderedDict[int, tuple[int, str]] = OrderedDict()  # seq -> (delivery, "nak"|"term") a worker sent
+        self.peer_deaths: deque[Death] = deque(maxlen=HISTORY)       # a peer's workers dead with messages in transit
+        self.attributions: list[int | str] = []     # deaths (our id, a peer's key) we explained a redelivery by: for peers
 
     # ------------------------------------------------------------ inputs
 
@@ -306,24 +316,39 @@ class CrashLedger:
 
     def delivered_seen(self, t: float, delivered_stream_seq: int) -> None:
         """A ConsumerInfo taken at `t`: bounds what deaths before it can have had in transit."""
-        for death in reversed(self.deaths):
-            if death.delivered_bound is not None:
-                break
-            if death.t <= t:
-                death.delivered_bound = delivered_stream_seq
+        for deaths in (self.deaths, self.peer_deaths):
+            for death in reversed(deaths):
+                if death.delivered_bound is not None:
+                    break
+                if death.t <= t:
+                    death.delivered_bound = delivered_stream_seq
+
+    def peer_death(self, death: Death) -> None:
+        """A peer supervisor's worker died with messages maybe in transit (its pull credits), and
+        with a peer on the consumer they wait for AckWait: their redeliveries may come here (F13)."""
+        self.peer_deaths.append(death)
+
+    def attributed_elsewhere(self, ref: int | str) -> None:
+        """A peer explained a redelivery as in transit at death `ref` (our id, or a peer's key): one
+        credit of that death spent, so the ledgers together explain no more than its credits."""
+        for death in [*self.deaths, *self.peer_deaths]:
+            if (death.key or death.id) == ref:
+                death.attributed += 1
+                return
 
     def _attribute_in_transit(self, t: float, seq: int) -> str:
         """A message pulled by a worker that died before recording it comes back after AckWait
         (first delivery: that is what was on the wire), within the death's credits, and only if
         the consumer had delivered it by the death."""
         ack_wait = ack_wait_for(self.ack_wait, self.backoff, 1)
-        for death in reversed(self.deaths):
+        for death in [*reversed(self.deaths), *reversed(self.peer_deaths)]:
             first_due, due = min(death.t, death.in_transit_since or death.t) + ack_wait, death.t + ack_wait
             in_range = death.delivered_bound is None or seq <= death.delivered_bound
             if death.attributed < death.in_transit and in_range and first_due - 1.0 <= t <= due + max(5.0, ack_wait):
                 death.attributed += 1
+                self.attributions.append(death.key or death.id)
                 self.counts["in_transit_redeliveries"] += 1
-                return f"in transit to worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
+                return f"in transit to worker {death.slot} (pid {death.pid}) at its death ({death.cause}){death.where()}"
         return "unexplained"
 
     def settled(self, t: float, seq: int, delivery: int, outcome: str) -> None:

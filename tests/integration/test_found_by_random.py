@@ -741,3 +741,46 @@ def started(run: Run, seq: int, delivery: int) -> int | None:
     """The pid of the worker that started `seq`'s `delivery`, if one has."""
     return next((r.pid for r in read_journal(run.journal) if r.seq == seq and r.event == "S" and r.delivery == delivery),
                 None)
+
+
+def test_what_was_on_a_peers_dead_workers_wire_is_explained_where_it_comes_back(tmp_path):
+    """F13's second form, seed 600 again (seq 85 on 095ebed; 81, 83 and 90 once the words were
+    delayed no more): a worker SIGKILLed with a job on its wire; with a peer on the consumer the
+    in-transit check stands down (README), so the job comes back after AckWait, and its own
+    supervisor's ledger explains that as in transit at the death, but the redelivery went to the
+    peer's worker, whose ledger had only its own deaths. Beta's two workers run 15 s jobs (no pull
+    request out); alpha's worker's first pull request reaches the server and its link is held right
+    after; a job stored then is filled into it, and the worker is SIGKILLed (its replacement waits
+    30 s: restart.backoff_initial). The job comes back after AckWait (6 s) to beta's worker: beta
+    explains it by alpha's word about the death. Red before: unexplained."""
+    run = Run("f13-in-transit", tmp_path / "run", quick=True, ack_wait=6.0)
+    try:
+        server = run.start_server()
+        run.connect([server.url])
+        proxy = run.start_proxy(server)
+        one = {"concurrency": 1, "heartbeat_timeout": 60.0}
+        beta = run.start_supervisor([proxy.url], nats={"name": "beta"}, workers={"count": 2, **one},
+                                    log={"format": "json"})
+        for _ in range(2):
+            publish_run(run, "long:15")
+        alpha_worker = r"^alpha worker 0$"
+        run.bg.call(proxy.hold(alpha_worker, NEXT, after=True))
+        alpha = run.start_supervisor([proxy.url], nats={"name": "alpha"}, workers={"count": 1, **one},
+                                     restart={"backoff_initial": 30.0, "backoff_max": 30.0})
+        wait_until(lambda: run.bg.call(proxy.holding(alpha_worker)), 20, "alpha's worker's request out, its link held")
+        wait_until(lambda: alpha.status()["peers"]["heard"] and beta.status()["peers"]["heard"], 20,
+                   "each supervisor heard the other")
+        seq = run.bg.call(run.nc.jetstream().publish(SUBJECT, b"wire:0.01")).seq
+        wait_until(lambda: run.bg.call(proxy.waiting(alpha_worker)) == 1, 10, "the job filled into alpha's held link")
+        [victim] = alpha.worker_pids()
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: not run.watcher.alive(victim), 30, "alpha's worker gone")
+        came = wait_until(lambda: [e for e in beta.events("redelivered") if e["seq"] == seq], 6.0 + 30, "the job back")
+        assert started(run, seq, 1) is None, "the job ran before its worker died: nothing was in transit"
+        assert came[0]["why"], "beta did not explain the redelivery at once"
+        assert f"in transit to worker 0 (pid {victim}) at its death" in came[0]["why"] and "(on " in came[0]["why"], came
+        wait_until(lambda: started(run, seq, 2), 10, "the job run")
+        crosscheck = wait_until(lambda: (c := beta.status()["crosscheck"])["suspects"] == 0 and c, 10, "beta's verdicts")
+        assert crosscheck["unexplained_redeliveries"] == 0 and crosscheck["in_transit_redeliveries"] == 1, crosscheck
+    finally:
+        run.close()

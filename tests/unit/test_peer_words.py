@@ -136,3 +136,31 @@ def test_any_word_of_a_peer_names_its_last_number_so_a_gap_shows_before_it_count
     run(peers.on_message(message({"origin": "b", "hello": 1, "last": 0})))
     run(peers.on_message(message({"origin": "b", "resend": [peers.origin, [1]], "last": 1})))
     assert peers.caught_up(1e9) == -math.inf and peers.asked_again == [1]
+
+
+def test_a_peers_death_explains_what_was_on_its_wire_here_within_its_credits():
+    # F13's second form: the dead worker's own supervisor attributes an AckWait redelivery as in
+    # transit at the death; the peer whose worker got it does the same from the death's word, and
+    # the credits are spent across both ledgers.
+    led_a, led_b = CrashLedger(ack_wait=6.0, poison_after=3), CrashLedger(ack_wait=6.0, poison_after=3)
+    a = Peers(FakeNats(), "JOBS", "workers", led_a, post=lambda work: work())
+    b = Peers(FakeNats(), "JOBS", "workers", led_b, post=lambda work: work())
+    death = led_a.record_death(100.0, 0, 4242, "signal SIGKILL", [], in_transit=2, in_transit_since=99.5)
+    a.death(death)
+    run(a.flush())
+    [said] = [m for m in a.nc.sent if "deaths" in m]
+    run(b.on_message(message(said)))
+    [copy] = led_b.peer_deaths
+    assert copy.in_transit == 2 and copy.key == f"{a.origin}#{death.id}"
+    t = copy.t + 6.0
+    why = led_b.redelivered(t, 11, 2)
+    assert why == f"in transit to worker 0 (pid 4242) at its death (signal SIGKILL) (on {a.origin})"
+    run(b.flush())
+    [spent] = [m for m in b.nc.sent if "attributed" in m]
+    run(a.on_message(message(spent)))
+    assert death.attributed == 1
+    assert "in transit" in led_a.redelivered(106.0, 12, 2)           # the second credit, spent at A
+    run(a.flush())
+    run(b.on_message(message([m for m in a.nc.sent if "attributed" in m][-1])))
+    assert led_b.redelivered(t + 0.1, 13, 2) == ""                     # none left: a suspect like any other
+    assert led_b.redelivered(copy.t + 30.0, 14, 2) == ""               # and none out of its window

@@ -54,7 +54,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from supervisor.core.hearing import Heard, Said
-from supervisor.core.ledger import HOLD_MAX, LOST_PEER
+from supervisor.core.ledger import HOLD_MAX, LOST_PEER, Death
 from workers.protocol.events import boot_id, ledger_subject
 
 log = logging.getLogger("supervisor.peers")
@@ -82,7 +82,10 @@ class Peers:
         # our workers received; settled: [seq, delivery, outcome] how a redelivered job ended;
         # lost: a lost supervisor's jobs, {"name", "held": [[seq, delivery]], "window": [start, end]
         # seconds from the send, "budget": how many it may have taken after its last heartbeat}.
-        self.outbox: dict[str, list] = {"naks": [], "seen": [], "settled": [], "lost": []}
+        # deaths: [id, slot, pid, cause, credits, seconds since the death, since it last heard the server]
+        # a worker of ours dead with messages maybe in transit; attributed: [death ref] a redelivery
+        # explained as in transit at that death (ours: "<origin>#<id>"), one of its credits spent.
+        self.outbox: dict[str, list] = {"naks": [], "seen": [], "settled": [], "lost": [], "deaths": [], "attributed": []}
         self.seen_max: OrderedDict[int, int] = OrderedDict()
         self.warned = False
         self.listening_since: float | None = None
@@ -107,6 +110,14 @@ class Peers:
 
     def announce(self, seq: int, why: str) -> None:
         self.outbox["naks"].append((seq, why))
+
+    def death(self, death: Any) -> None:
+        """A worker of ours died with pull credits outstanding: with a peer on the consumer, what
+        was on its wire waits for AckWait and may come back to a peer's worker (F13)."""
+        if death.in_transit > 0:
+            now = time.monotonic()
+            self.outbox["deaths"].append([death.id, death.slot, death.pid, death.cause, death.in_transit,
+                                          round(now - death.t, 3), round(now - (death.in_transit_since or death.t), 3)])
 
     def seen(self, seq: int, delivery: int) -> None:
         self.outbox["seen"].append((seq, delivery))
@@ -189,6 +200,9 @@ class Peers:
             await self._publish(self.hello())
         if not self.nc.is_connected:
             return
+        self.outbox["attributed"] += [f"{self.origin}#{ref}" if isinstance(ref, int) else ref
+                                      for ref in self.ledger.attributions]
+        self.ledger.attributions.clear()
         await self.ask_again(now)
         if self.asked_again:
             numbers, self.asked_again = self.asked_again, []
@@ -226,7 +240,7 @@ class Peers:
         """A message of ours, with the last number we had said by then (a peer that missed one
         asks for it, whatever word of ours it hears next) and when we sent it: heard back, it
         says our link carried everything routed to us before it (caught_up)."""
-        return json.dumps({**body, "last": self.said.last, "at": round(time.monotonic(), 3)},
+        return json.dumps({**body, "last": self.said.last, "at": round(time.monotonic(), 3), "boot": BOOT},
                           separators=(",", ":")).encode()
 
     async def _publish(self, body: dict) -> None:
@@ -258,6 +272,9 @@ class Peers:
         seen = [(int(seq), int(delivery)) for seq, delivery in body.get("seen", ())]
         settled = [(int(seq), int(d), str(outcome)) for seq, d, outcome in body.get("settled", ())]
         lost = [lost_item(item) for item in body.get("lost", ())]
+        deaths = [peer_death(origin, item, float(body["at"]) if body.get("boot") == BOOT != "" else None)
+                  for item in body.get("deaths", ())]
+        attributed = [str(ref) for ref in body.get("attributed", ())]
         naked = [(int(seq), int(d), float(at), float(delay), float(held))
                  for seq, d, at, delay, held in body.get("naked", ())] if body.get("boot") == BOOT != "" else []
         if origin == self.origin:
@@ -279,6 +296,11 @@ class Peers:
                 return                           # said again for another peer: taken already
             if not again:
                 self.heard_of(origin, last)
+            for death in deaths:
+                self.ledger.peer_death(death)
+            for ref in attributed:
+                mine = ref.startswith(self.origin + "#")
+                self.ledger.attributed_elsewhere(int(ref.rsplit("#", 1)[1]) if mine else ref)
             if not body.get("bye") or record:
                 self.apply(origin, naks, seen, settled, lost, asked=bool(body.get("ask")))
                 if naked and self.in_transit is not None:
@@ -347,6 +369,15 @@ class Peers:
         for seq, delivery, outcome in settled:
             if outcome in ("ack", "term"):
                 self.ledger.settled(now, seq, delivery, outcome)
+
+
+def peer_death(origin: str, item: list, sent_at: float | None) -> Death:
+    """A "deaths" item as a Death in this ledger's clock: from the sender's own monotonic time on
+    this host (`sent_at`), else counted back from now (a link's delay makes it later)."""
+    death_id, slot, pid, cause, credits, ago, since_ago = item
+    now = time.monotonic() if sent_at is None else sent_at
+    return Death(0, now - float(ago), int(slot), int(pid), str(cause), [], int(credits),
+                 in_transit_since=now - float(since_ago), key=f"{origin}#{int(death_id)}")
 
 
 def lost_item(item: dict) -> dict:
