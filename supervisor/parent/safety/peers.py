@@ -33,8 +33,8 @@ drops it (a cut, or a stall that ends in a reconnect). F13: a redelivery only a 
 explains must not read as unexplained for that. So (a) a suspect is judged only once every link
 that could carry its explanation has carried something since (`caught_up`: our own hello sent
 after it came back to us, and each peer spoke after it), at most HOLD_MAX (core/ledger.py) past
-its grace; and (b) each supervisor numbers what it says (`n`, and each hello says the last number
-sent), keeps it a while, and says again what a peer asks for (`resend`): a peer that finds
+its grace; and (b) each supervisor numbers what it says (`n`; every message also says the last
+number sent), keeps it a while, and says again what a peer asks for (`resend`): a peer that finds
 numbers missing asks for them, and holds its suspects until they came or it gave up on them,
 warning then that a link fault lost them (supervisor/core/hearing.py).
 """
@@ -65,7 +65,6 @@ HELLO_EVERY = 2.0       # a supervisor says it exists this often, even with noth
 PEER_QUIET = 3 * HELLO_EVERY + 1.0   # ... a peer unheard for this long is gone ...
 LISTEN_FIRST = HELLO_EVERY + 1.0     # ... and a fresh supervisor knows whether it is alone after this
 SEEN_LIMIT = 100_000    # redeliveries remembered (seq -> highest delivery) for the fleet's release check
-
 BOOT = boot_id()        # an orphan's NAK times are read only from one on this host (one monotonic clock)
 
 
@@ -190,7 +189,7 @@ class Peers:
             self.sub = None
 
     def hello(self, ask: bool = False) -> dict:
-        """We are here, and had said everything up to `last` (a peer missing some asks for it)."""
+        """We are here (`encode` adds the last number we said: a peer missing some asks for it)."""
         return {"origin": self.origin, "hello": 1, **({"ask": 1} if ask else {})}
 
     async def flush(self) -> None:
