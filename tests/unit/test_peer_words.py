@@ -99,7 +99,7 @@ def test_a_peers_late_word_explains_a_suspect_held_for_it():
     peers = Peers(nc, "JOBS", "workers", led, post=lambda work: work())
     peers.listening_since = 0.0
     run(peers.on_message(message({"origin": "b", "hello": 1, "last": 3})))
-    run(peers.on_message(message({"origin": peers.origin, "hello": 1, "last": 0, "at": 1.0})))
+    run(peers.on_message(message({"origin": peers.origin, "hello": 1, "last": 0, "at": 1000})))
     before = peers.caught_up(1e9)
     assert before <= 1.0                            # our own word sent at 1.0 came back: no later
     led.redelivered(before + 0.5, 7, 2)             # seen after: held until the links carried more

@@ -81,9 +81,8 @@ class Peers:
         # our workers received; settled: [seq, delivery, outcome] how a redelivered job ended;
         # lost: a lost supervisor's jobs, {"name", "held": [[seq, delivery]], "window": [start, end]
         # seconds from the send, "budget": how many it may have taken after its last heartbeat}.
-        # deaths: [id, slot, pid, cause, credits, seconds since the death, since it last heard the server]
-        # a worker of ours dead with messages maybe in transit; attributed: [death ref] a redelivery
-        # explained as in transit at that death (ours: "<origin>#<id>"), one of its credits spent.
+        # deaths: [id, slot, pid, cause, credits, s since the death, s since it last heard the server] of a worker
+        # of ours dead with messages maybe in transit; attributed: ["<origin>#<id>"] a death's credit spent.
         self.outbox: dict[str, list] = {"naks": [], "seen": [], "settled": [], "lost": [], "deaths": [], "attributed": []}
         self.seen_max: OrderedDict[int, int] = OrderedDict()
         self.warned = False
@@ -239,8 +238,9 @@ class Peers:
         """A message of ours, with the last number we had said by then (a peer that missed one
         asks for it, whatever word of ours it hears next) and when we sent it: heard back, it
         says our link carried everything routed to us before it (caught_up)."""
-        return json.dumps({**body, "last": self.said.last, "at": round(time.monotonic(), 3), "boot": BOOT},
-                          separators=(",", ":")).encode()
+        boot = {"boot": BOOT} if "deaths" in body else {}      # a death's times are read on this host only
+        body = {**body, "last": self.said.last, "at": int(time.monotonic() * 1000), **boot}   # ms: a fixed size
+        return json.dumps(body, separators=(",", ":")).encode()
 
     async def _publish(self, body: dict) -> None:
         await self._send(self.encode(body))
@@ -271,14 +271,14 @@ class Peers:
         seen = [(int(seq), int(delivery)) for seq, delivery in body.get("seen", ())]
         settled = [(int(seq), int(d), str(outcome)) for seq, d, outcome in body.get("settled", ())]
         lost = [lost_item(item) for item in body.get("lost", ())]
-        deaths = [peer_death(origin, item, float(body["at"]) if body.get("boot") == BOOT != "" else None)
+        deaths = [peer_death(origin, item, float(body["at"]) / 1000 if body.get("boot") == BOOT != "" else None)
                   for item in body.get("deaths", ())]
         attributed = [str(ref) for ref in body.get("attributed", ())]
         naked = [(int(seq), int(d), float(at), float(delay), float(held))
                  for seq, d, at, delay, held in body.get("naked", ())] if body.get("boot") == BOOT != "" else []
         if origin == self.origin:
             sent = body.get("at")
-            self.post(lambda: self.echoed(None if sent is None else float(sent)))
+            self.post(lambda: self.echoed(None if sent is None else float(sent) / 1000))
             return
         numbered = None if record or body.get("n") is None else int(body["n"])
         last = None if record or body.get("last") is None else int(body["last"])
@@ -287,7 +287,8 @@ class Peers:
             target, numbers = str(body["resend"][0]), [int(n) for n in body["resend"][1]]
             if target == self.origin:
                 self.post(lambda: self.asked_again.extend(numbers))
-            self.post(lambda: self.heard_of(origin, last, then=lambda: self.apply(origin, [], [], [])))
+            self.post(lambda: self.heard_of(origin, last))      # before apply: a gap known before it counts as heard
+            self.post(lambda: self.apply(origin, [], [], []))
             return
 
         def take() -> None:
@@ -308,12 +309,11 @@ class Peers:
                 self.said_goodbye(origin, bool(body.get("fenced")))
         self.post(take)
 
-    def heard_of(self, origin: str, last: int | None, then: Callable[[], None] = lambda: None) -> None:
+    def heard_of(self, origin: str, last: int | None) -> None:
         """Whatever a peer says (but what it says again) names the last number it had said:
         one we never got is known missing before anything heard from it counts (caught_up)."""
         if last is not None:
             self.words.told_last(origin, last, time.monotonic())
-        then()
 
     def said_goodbye(self, origin: str, fenced: bool) -> None:
         self.gone.add(origin)
