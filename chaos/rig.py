@@ -35,6 +35,7 @@ from nats.js.errors import NotFoundError
 from natscluster import NatsCluster
 
 from supervisor.config import schedules as sched
+from supervisor.core.ledger import HOLD_MAX
 from supervisor.parent.safety.peers import SUSPECT_GRACE
 from workers.runtime.deadletter import DLQ_HEADER
 
@@ -53,6 +54,16 @@ def named_schedule(subject: str) -> bool:
     """A recurring schedule's own message (it lives in the stream); a delayed job's counts as a job."""
     kind = (sched.parse_subject(STREAM, subject) or ("", ""))[0]
     return kind in sched.NAMED_KINDS
+
+
+def ledger_settled(sup: SupervisorProc) -> None:
+    """Wait a while for every held job of a death to be seen back, and for every redelivery to be
+    judged (one is held for a peer's word up to HOLD_MAX past its grace: F13)."""
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: (s := sup.try_status()) and not s["crosscheck"]["outstanding"], 10, "ledger settled")
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: (s := sup.try_status()) and not s["crosscheck"].get("suspects"), HOLD_MAX + 5,
+                   "every redelivery judged")
 
 
 def late_deliveries(run: Run) -> list[Late]:
@@ -540,8 +551,7 @@ class Run:
         last = max((r.t for r in recs if r.event == "S" and r.delivery > 1), default=0.0)
         ready_at = last + SUSPECT_GRACE + 2 * 0.25 + 0.5         # the grace, then two monitor polls
         wait_until(lambda: time.monotonic() >= ready_at, SUSPECT_GRACE + 5, "the ledger's grace")
-        with contextlib.suppress(AssertionError):
-            wait_until(lambda: (s := sup.try_status()) and not s["crosscheck"]["outstanding"], 10, "ledger settled")
+        ledger_settled(sup)
         return sup.try_status()
 
     async def unacked(self) -> list[int]:

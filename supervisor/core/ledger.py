@@ -15,6 +15,7 @@ fleet heartbeat listed, and a window with a count for those it took after it), o
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -88,6 +89,12 @@ class Death:
     # The consumer's delivered stream sequence at the first ConsumerInfo after the death: a
     # message in transit at the death had been delivered, so its sequence is at most this.
     delivered_bound: int | None = None
+    # A peer supervisor's worker (F13): "<its origin>#<its death id>"; "" for a worker of ours.
+    key: str = ""
+
+    def where(self) -> str:
+        """Whose worker: "" for ours, " (on <origin>)" for a peer's."""
+        return f" (on {self.key.rsplit('#', 1)[0]})" if self.key else ""
 
     def summary(self, now: float) -> dict:
         """`held` lists the seqs; `held_jobs` says per job when it came back and when it was
@@ -122,6 +129,8 @@ class Window:
 
 @dataclass
 class CrashLedger:
+    """Long because every explanation of a redelivery is weighed against the others in one place
+    (the order of `_explain`, the suspects' grace, the counters /status cross-checks)."""
     ack_wait: float
     poison_after: int
     backoff: tuple[float, ...] = ()         # consumer.backoff: AckWait per delivery when set
@@ -144,6 +153,8 @@ class CrashLedger:
         self.cluster_explained: deque[Redelivery] = deque(maxlen=HISTORY)
         self._hold_until = 0.0                                      # see hold_suspects
         self._settles: OrderedDict[int, tuple[int, str]] = OrderedDict()  # seq -> (delivery, "nak"|"term") a worker sent
+        self.peer_deaths: deque[Death] = deque(maxlen=HISTORY)       # a peer's workers dead with messages in transit
+        self.attributions: list[int | str] = []     # deaths (our id, a peer's key) we explained a redelivery by: for peers
 
     # ------------------------------------------------------------ inputs
 
@@ -240,13 +251,13 @@ class CrashLedger:
         self.counts[counter] += 1
         self.cluster_explained.append(Redelivery(t, seq, delivery, why))
 
-    def confirm_suspects(self, now: float, grace: float) -> list[Redelivery]:
-        """Suspects older than `grace` that nothing explained: counted as unexplained, unless they
-        were pending before we started (the weakest explanation, so a peer's word wins if it came).
-        While a fleet peer is silent (`hold_suspects`) they wait, up to HOLD_MAX past the grace."""
+    def confirm_suspects(self, now: float, grace: float, caught_up: float = math.inf) -> list[Redelivery]:
+        """Suspects older than `grace` nothing explained: unexplained, unless pending before we started (the
+        weakest explanation). Up to HOLD_MAX past the grace they wait while a fleet peer is silent
+        (`hold_suspects`), or if seen after `caught_up`: a peer's word may not be here yet (F13, peers.py)."""
         held = now < self._hold_until
         due = [(seq, d, t) for (seq, d), t in self._suspects.items()
-               if now - t >= grace and (not held or now - t >= grace + HOLD_MAX)]
+               if now - t >= grace and (now - t >= grace + HOLD_MAX or (not held and t <= caught_up))]
         confirmed = []
         for seq, d, t in due:
             del self._suspects[(seq, d)]
@@ -305,24 +316,39 @@ class CrashLedger:
 
     def delivered_seen(self, t: float, delivered_stream_seq: int) -> None:
         """A ConsumerInfo taken at `t`: bounds what deaths before it can have had in transit."""
-        for death in reversed(self.deaths):
-            if death.delivered_bound is not None:
-                break
-            if death.t <= t:
-                death.delivered_bound = delivered_stream_seq
+        for deaths in (self.deaths, self.peer_deaths):
+            for death in reversed(deaths):
+                if death.delivered_bound is not None:
+                    break
+                if death.t <= t:
+                    death.delivered_bound = delivered_stream_seq
+
+    def peer_death(self, death: Death) -> None:
+        """A peer supervisor's worker died with messages maybe in transit (its pull credits), and
+        with a peer on the consumer they wait for AckWait: their redeliveries may come here (F13)."""
+        self.peer_deaths.append(death)
+
+    def attributed_elsewhere(self, ref: int | str) -> None:
+        """A peer explained a redelivery as in transit at death `ref` (our id, or a peer's key): one
+        credit of that death spent, so the ledgers together explain no more than its credits."""
+        for death in [*self.deaths, *self.peer_deaths]:
+            if (death.key or death.id) == ref:
+                death.attributed += 1
+                return
 
     def _attribute_in_transit(self, t: float, seq: int) -> str:
         """A message pulled by a worker that died before recording it comes back after AckWait
         (first delivery: that is what was on the wire), within the death's credits, and only if
         the consumer had delivered it by the death."""
         ack_wait = ack_wait_for(self.ack_wait, self.backoff, 1)
-        for death in reversed(self.deaths):
+        for death in [*reversed(self.deaths), *reversed(self.peer_deaths)]:
             first_due, due = min(death.t, death.in_transit_since or death.t) + ack_wait, death.t + ack_wait
             in_range = death.delivered_bound is None or seq <= death.delivered_bound
             if death.attributed < death.in_transit and in_range and first_due - 1.0 <= t <= due + max(5.0, ack_wait):
                 death.attributed += 1
+                self.attributions.append(death.key or death.id)
                 self.counts["in_transit_redeliveries"] += 1
-                return f"in transit to worker {death.slot} (pid {death.pid}) at its death ({death.cause})"
+                return f"in transit to worker {death.slot} (pid {death.pid}) at its death ({death.cause}){death.where()}"
         return "unexplained"
 
     def settled(self, t: float, seq: int, delivery: int, outcome: str) -> None:
@@ -414,7 +440,7 @@ class CrashLedger:
         out = dict(self.counts)
         out["left_to_ack_wait"] = [left_row(death, job, ack_wait_for(self.ack_wait, self.backoff, job.delivery))
                                    for death, job in self.waits]
-        out["outstanding"] = self.outstanding(now)
+        out["outstanding"], out["suspects"] = self.outstanding(now), len(self._suspects)   # suspects: not judged yet
         out["recent_deaths"] = [d.summary(now) for d in list(self.deaths)[-10:]]
         out["recent_cluster_explained"] = [{"stream_seq": r.seq, "delivery": r.delivery, "why": r.why,
                                             "age_s": round(now - r.t, 3)} for r in list(self.cluster_explained)[-20:]]

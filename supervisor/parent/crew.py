@@ -361,7 +361,7 @@ class Crew:
             await self.in_transit.step(now(), self.fresh_view, self.links_all_fresh_since, self.peers.alone(now()),
                                        self.peers.echo_at or 0.0)
         with step("audit"):
-            for r in self.ledger.confirm_suspects(now(), SUSPECT_GRACE):
+            for r in self.ledger.confirm_suspects(now(), SUSPECT_GRACE, self.peers.caught_up(now())):
                 log.warning("job seq=%d redelivered (delivery %d) and nothing explains it: AckWait (%gs) shorter "
                             "than the job, or held by a process outside any supervisor's ledger", r.seq, r.delivery,
                             self.deaths.ack_wait(r.delivery - 1),

@@ -93,7 +93,8 @@ def pool_snapshot(crew: Crew, now: float) -> PoolSnapshot:
         ledger=dict(ledger.counts),
         outstanding=tuple({**o, **tag} for o in ledger.outstanding(now)),
         peers={"alone": bool(crew.peers.alone(now)), "heard": sorted(crew.peers.heard),
-               "gone": sorted(crew.peers.gone), "in_transit_checks": dict(crew.in_transit.stats)},
+               "gone": sorted(crew.peers.gone), "in_transit_checks": dict(crew.in_transit.stats),
+               "words_missing": crew.peers.words.missing(), "words_lost": crew.peers.words.lost},
         advisories=dict(monitor.advisories) if monitor else {}, halted=crew.halted, ordering=ordering_view(crew, now))
 
 

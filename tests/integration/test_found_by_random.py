@@ -22,8 +22,9 @@ from chaos import scenarios
 from chaos.checker import VERDICTS
 from chaos.core import run_with
 from chaos.facts import read_journal
-from chaos.rig import CONSUMER, STREAM, Run
+from chaos.rig import CONSUMER, STREAM, SUBJECT, Run
 from supervisor.parent.safety.in_transit import SLACK
+from supervisor.parent.safety.peers import SUSPECT_GRACE
 from workers.runtime.puller import PULL_EXPIRES
 from workers.runtime.shutdown import SHUTDOWN_NAK_DELAY
 
@@ -668,3 +669,121 @@ def pings(sup: SupervisorProc) -> int:
     _, text = sup.get("/metrics")
     found = re.search(r"^jetstream_supervisor_in_progress_pings_total(?:\{[^}]*\})? (\S+)$", text, re.M)
     return int(float(found.group(1))) if found else 0
+
+
+@pytest.mark.parametrize("whose, end", [("peer", "heal"), ("peer", "reset"), ("own", "heal"), ("own", "reset")])
+def test_a_redelivery_only_a_peers_word_explains_is_explained_across_a_link_fault(tmp_path, whose, end):
+    """F13, found by `python -m chaos --random --seed 600 --minutes 1` on 095ebed (two supervisors
+    on one consumer, parent links stalled and cut): a supervisor counted as unexplained the
+    redelivery of a job its peer's worker had NAKed, its peer's word on the ledger subject (core
+    NATS) held in a stalled link past SUSPECT_GRACE, or lost with the link. Two supervisors, one
+    worker each, one job at a time: R's worker runs a 4 s job; N's worker takes a job that raises
+    Retry(0.3), then a long one, so the redelivery goes to R's worker when its job ends. The word
+    is held: `peer`, N's parent link stalls right before the proxy forwards N's NAK announcement;
+    `own`, R's parent link is stalled before N's worker NAKs. Held past the grace, the link is
+    then healed (the word arrives late) or reset (the word is gone; N says it again when R asks
+    for what it missed). Red before F13's fix: R counted the redelivery unexplained at the grace."""
+    run = Run(f"f13-{whose}-{end}", tmp_path / "run", quick=True)
+    try:
+        server = run.start_server()
+        run.connect([server.url])
+        proxy = run.start_proxy(server)
+        one = {"workers": {"count": 1, "concurrency": 1, "heartbeat_timeout": 60.0},
+               "fleet": {"heartbeat": 30.0},      # the fleet's view sees nobody silent: the ledger subject alone
+               "log": {"format": "json"}}
+        sups = {name: run.start_supervisor([proxy.url], nats={"name": name}, **one) for name in ("alpha", "beta")}
+        wait_until(lambda: all(s.status()["peers"]["heard"] for s in sups.values()), 20, "each supervisor heard the other")
+        z = publish_run(run, "z:4")
+        r_name = next(n for n, s in sups.items() if started(run, z, 1) in s.worker_pids())
+        n_name = next(n for n in sups if n != r_name)
+        receiver, naker = sups[r_name], sups[n_name]
+        if whose == "peer":
+            run.bg.call(proxy.hold(f"^{n_name}$", b'"naks"'))
+        else:
+            run.bg.call(proxy.stall(f"^{r_name}$"))
+        x = publish_run(run, "x:retry0.3:0.05")
+        publish_run(run, "y:15")
+        assert started(run, x, 1) in naker.worker_pids(), "the retried job went to the wrong worker"
+        if whose == "peer":
+            wait_until(lambda: run.bg.call(proxy.holding(f"^{n_name}$")), 10, "the NAK's announcement held")
+        wait_until(lambda: started(run, x, 2), 20, "the retried job redelivered", interval=0.02)
+        assert started(run, x, 2) in receiver.worker_pids(), "the redelivery went to the wrong worker"
+        back = next(r.t for r in read_journal(run.journal) if r.seq == x and r.event == "S" and r.delivery == 2)
+        # Held past the grace: without the fix, R has judged the redelivery by now.
+        wait_until(lambda: time.monotonic() > back + SUSPECT_GRACE + 2.0 and receiver.try_status(), 30,
+                   "the grace over, by a status answered after it")
+        link = f"^{n_name if whose == 'peer' else r_name}$"
+        run.bg.call(proxy.heal(link) if end == "heal" else proxy.reset(link))
+        if end == "reset":
+            run.bg.call(proxy.heal(link))
+        judged = wait_until(lambda: [e for e in receiver.events() if e.get("seq") == x and e["event"] in
+                                     ("redelivery_explained", "unexplained_redelivery")], 30, "R's ledger judging it")
+        assert judged[0]["event"] == "redelivery_explained", f"R counted it unexplained: {judged}"
+        assert "NAKed by a worker at delivery 1" in judged[0]["why"], judged
+        crosscheck = receiver.status()["crosscheck"]
+        assert crosscheck["unexplained_redeliveries"] == 0, crosscheck
+        assert not receiver.events("unexplained_redelivery"), receiver.events("unexplained_redelivery")
+        if end == "reset":
+            assert whose == "own" or naker.status()["peers"]["words_lost"] == 0
+            assert receiver.status()["peers"]["words_lost"] == 0, receiver.status()["peers"]
+    finally:
+        run.close()
+
+
+def publish_run(run: Run, payload: str) -> int:
+    """Publish one job; its stream sequence, once a worker has started it."""
+    seq = run.bg.call(run.nc.jetstream().publish(SUBJECT, payload.encode())).seq
+    wait_until(lambda: started(run, seq, 1), 20, f"seq {seq} ({payload}) started")
+    return seq
+
+
+def started(run: Run, seq: int, delivery: int) -> int | None:
+    """The pid of the worker that started `seq`'s `delivery`, if one has."""
+    return next((r.pid for r in read_journal(run.journal) if r.seq == seq and r.event == "S" and r.delivery == delivery),
+                None)
+
+
+def test_what_was_on_a_peers_dead_workers_wire_is_explained_where_it_comes_back(tmp_path):
+    """F13's second form, seed 600 again (seq 85 on 095ebed; 81, 83 and 90 once the words were
+    delayed no more): a worker SIGKILLed with a job on its wire; with a peer on the consumer the
+    in-transit check stands down (README), so the job comes back after AckWait, and its own
+    supervisor's ledger explains that as in transit at the death, but the redelivery went to the
+    peer's worker, whose ledger had only its own deaths. Beta's two workers run long jobs (no pull
+    request out); alpha's worker's first pull request reaches the server and its link is held right
+    after; a job stored then is filled into it, and the worker is SIGKILLed (its replacement waits
+    30 s: restart.backoff_initial) while beta starts a third worker (SIGTTIN). The job comes back
+    after AckWait (6 s) to that worker (within the death's window: a redelivery that waited for a
+    worker long after AckWait is not attributed, by design): beta explains it by alpha's word about
+    the death. Red before: unexplained."""
+    run = Run("f13-in-transit", tmp_path / "run", quick=True, ack_wait=6.0)
+    try:
+        server = run.start_server()
+        run.connect([server.url])
+        proxy = run.start_proxy(server)
+        one = {"concurrency": 1, "heartbeat_timeout": 60.0}
+        beta = run.start_supervisor([proxy.url], nats={"name": "beta"}, workers={"count": 2, **one},
+                                    log={"format": "json"})
+        for _ in range(2):
+            publish_run(run, "long:60")
+        alpha_worker = r"^alpha worker 0$"
+        run.bg.call(proxy.hold(alpha_worker, NEXT, after=True))
+        alpha = run.start_supervisor([proxy.url], nats={"name": "alpha"}, workers={"count": 1, **one},
+                                     restart={"backoff_initial": 30.0, "backoff_max": 30.0})
+        wait_until(lambda: run.bg.call(proxy.holding(alpha_worker)), 20, "alpha's worker's request out, its link held")
+        wait_until(lambda: alpha.status()["peers"]["heard"] and beta.status()["peers"]["heard"], 20,
+                   "each supervisor heard the other")
+        seq = run.bg.call(run.nc.jetstream().publish(SUBJECT, b"wire:0.01")).seq
+        wait_until(lambda: run.bg.call(proxy.waiting(alpha_worker)) == 1, 10, "the job filled into alpha's held link")
+        [victim] = alpha.worker_pids()
+        os.kill(victim, signal.SIGKILL)
+        os.kill(beta.proc.pid, signal.SIGTTIN)
+        wait_until(lambda: not run.watcher.alive(victim), 30, "alpha's worker gone")
+        came = wait_until(lambda: [e for e in beta.events("redelivered") if e["seq"] == seq], 6.0 + 30, "the job back")
+        assert started(run, seq, 1) is None, "the job ran before its worker died: nothing was in transit"
+        assert came[0]["why"], "beta did not explain the redelivery at once"
+        assert f"in transit to worker 0 (pid {victim}) at its death" in came[0]["why"] and "(on " in came[0]["why"], came
+        wait_until(lambda: started(run, seq, 2), 10, "the job run")
+        crosscheck = wait_until(lambda: (c := beta.status()["crosscheck"])["suspects"] == 0 and c, 10, "beta's verdicts")
+        assert crosscheck["unexplained_redeliveries"] == 0 and crosscheck["in_transit_redeliveries"] == 1, crosscheck
+    finally:
+        run.close()

@@ -113,6 +113,7 @@ class Deaths:
                                              job_to_blame=w.kill is None or w.kill.cause.blames_jobs,
                                              blame=w.kill.blame if w.kill else None, in_transit_since=w.table.server_seen())
             left = [job for job in death.held if job.waits]
+            self.peers.death(death)       # what was on its wire may come back to a peer's worker after AckWait
             if self.suspects is not None:     # on the board before the NAKs bring the suspects back
                 self.suspects.show(self.ledger.on_probation())
             if self.crashes is not None:      # likewise: their next spans name this death
