@@ -224,11 +224,8 @@ class Monitor:
 
         def record() -> None:
             ledger.ack_floor(c["ack_floor_stream_seq"])
-            # What the consumer had delivered bounds a death's in-transit messages only for deaths
-            # before we asked: the server read its state somewhere between the ask and the answer,
-            # and a message handed to a worker that died in between is above the reading (counted
-            # unexplained at its AckWait redelivery). A shared sample's moment is the poller's.
-            if asked is not None:
+            # Bounds only deaths before the ask (the server read its state between ask and answer);
+            if asked is not None:      # a shared sample's moment is the poller's, unknown here
                 ledger.delivered_seen(asked, c["delivered_stream_seq"])
         self.crew.post(record)
         if asked is not None:            # bounds what a later death can have had in transit (in_transit.py)
