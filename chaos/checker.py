@@ -42,7 +42,7 @@ the journal, not trusted). Per job (stream sequence):
   very job, delivery and worker pid at the death (`/status` `crosscheck.left_to_ack_wait`),
   never by a rule about the faults around it; likewise a dead worker's job whose NAK the parent
   held back while disconnected and took with it when it was SIGKILLed (its last /status
-  `crosscheck.naks_held_back`, read by the rig just before the kill: seed 700, the parent's link
+  `crosscheck.naks_in_doubt`, read by the rig just before the kill: seed 700, the parent's link
   cut or stalled from the worker's death until its own SIGKILL). And one more: a delivery the chaos proxy saw sit in
   a stalled link (chaos/proxy.py `late()`: read from the server, not written on to the worker)
   from before until after the job came back, or until its connection closed unread, with an

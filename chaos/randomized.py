@@ -556,7 +556,7 @@ def parent_kill(act: Act, p: dict) -> None:
     before = sup.try_status()
     cc = before["crosscheck"] if before else {}
     act.run.left_to_ack_wait += cc.get("left_to_ack_wait", []) + [
-        {**o, "waits": f"{o['waits']} when the supervisor was SIGKILLed"} for o in cc.get("naks_held_back", [])]
+        {**o, "waits": f"{o['waits']} when the supervisor was SIGKILLed"} for o in cc.get("naks_in_doubt", [])]
     f = act.run.fault("parent SIGKILL, then a new supervisor", time.monotonic(), pids=pids, **peer_rule(act))
     sup.proc.kill()
     sup.proc.wait()

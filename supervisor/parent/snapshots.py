@@ -89,7 +89,7 @@ def pool_snapshot(crew: Crew, now: float) -> PoolSnapshot:
         name=crew.name, cfg=cfg, pool=pool_view(crew, now),
         consumer=consumer_view(monitor, cfg.stream.name, cfg.consumer.name),
         lag=monitor.analyzer.report(now) if monitor else None, autoscale=crew.autoscale.status(now),
-        crosscheck={**ledger.crosscheck(now), "naks_held_back": crew.deaths.held_back_view(now)},
+        crosscheck={**ledger.crosscheck(now), "naks_in_doubt": crew.deaths.naks_in_doubt(now)},
         ledger=dict(ledger.counts),
         outstanding=tuple({**o, **tag} for o in ledger.outstanding(now)),
         peers={"alone": bool(crew.peers.alone(now)), "heard": sorted(crew.peers.heard),

@@ -40,7 +40,7 @@ def test_a_nak_held_back_past_its_ack_wait_is_not_sent(nats_server, supervisor_f
         wait_until(lambda: not sup.status()["nats"]["connected"], what="the parent disconnected")
         psutil.Process(first.pid).send_signal(signal.SIGKILL)
         sup.wait_event("nak_held_back", seq=seq)
-        [held] = sup.status()["crosscheck"]["naks_held_back"]      # named while it waits, for a death meanwhile
+        [held] = sup.status()["crosscheck"]["naks_in_doubt"]      # named while it waits, for a death meanwhile
         assert (held["stream_seq"], held["delivery"], held["pid"]) == (seq, 1, first.pid), held
         second = wait_until(lambda: [r for r in sup.jobs.started() if r.seq == seq and r.delivery == 2],
                             timeout=4 * ack_wait, what="J's AckWait over: delivery 2 to a live worker")[0]
@@ -49,7 +49,7 @@ def test_a_nak_held_back_past_its_ack_wait_is_not_sent(nats_server, supervisor_f
         wait_until(lambda: sup.status()["nats"]["connected"], what="the parent reconnected")
         sup.wait_event("held_back_expired", seq=seq)
         assert not sup.events("held_back_sent"), "a NAK built for delivery 1 went out after its AckWait"
-        assert sup.status()["crosscheck"]["naks_held_back"] == []
+        assert sup.status()["crosscheck"]["naks_in_doubt"] == []
         # The same tick that dropped it would have sent it: had it, delivery 3 would start at once.
         # Proof it did not: J finishes at delivery 2, and nothing else ever started it.
         gate.touch()

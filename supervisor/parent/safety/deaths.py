@@ -39,6 +39,7 @@ class SentNak:
     reply: str
     delivery: int
     sent_at: float
+    pid: int = 0                          # the dead worker that held it
     confirmed_at: float | None = None     # when a fence proved the server had read it
     blocked: str = ""                     # why a re-NAK could not be proven safe yet
 
@@ -167,7 +168,7 @@ class Deaths:
             return
         log.debug("NAK seq=%d (delivery %d) via %s", order.seq, order.delivery, order.reply)
         await self.nc.publish(order.reply, b"-NAK")
-        self.renak[order.seq] = SentNak(order.reply, order.delivery, time.monotonic())
+        self.renak[order.seq] = SentNak(order.reply, order.delivery, time.monotonic(), order.pid)
 
     async def send_held_back(self) -> None:
         if not self.held_back or not self.nc.is_connected:
@@ -186,14 +187,19 @@ class Deaths:
                      extra={"event": "held_back_sent", "count": sent})
             await self.flush()
 
-    def held_back_view(self, now: float) -> list[dict]:
-        """/status `crosscheck.naks_held_back`: dead workers' jobs whose NAK waits for NATS to come
-        back. A supervisor that dies meanwhile takes these NAKs with it: the jobs then come back
-        after AckWait, or when a peer releases a lost supervisor's jobs, and its last /status
-        names them."""
-        return [{"stream_seq": o.seq, "delivery": o.delivery, "pid": o.pid, "since_s": round(now - o.since, 3),
+    def naks_in_doubt(self, now: float) -> list[dict]:
+        """/status `crosscheck.naks_in_doubt`: dead workers' jobs whose NAK has not surely reached
+        the server: held back while NATS is away, or sent and not yet confirmed by a fence (a
+        stalled link holds it). A supervisor that dies meanwhile takes these NAKs with it: the
+        jobs then come back after AckWait, or when a peer releases a lost supervisor's jobs, and
+        its last /status names them."""
+        held = [{"stream_seq": o.seq, "delivery": o.delivery, "pid": o.pid, "since_s": round(now - o.since, 3),
                  "waits": "its NAK waits for NATS to come back (the supervisor is disconnected)"}
                 for o in self.held_back]
+        sent = [{"stream_seq": seq, "delivery": n.delivery, "pid": n.pid, "since_s": round(now - n.sent_at, 3),
+                 "waits": "its NAK was sent and no fence has confirmed it yet"}
+                for seq, n in self.renak.items() if n.confirmed_at is None]
+        return held + sent
 
     def held_back_useful_until(self) -> float:
         """The last moment any held-back NAK is still safe to send (monotonic); 0 when none is held."""
