@@ -505,10 +505,13 @@ def test_an_ack_nats_py_refuses_while_reconnecting_is_sent_once_it_is_back(nats_
 def test_a_batch_of_acks_refused_while_reconnecting_is_sent_once_it_is_back(nats_server, supervisor_factory, tmp_path):
     """Issue 25, the same interleaving on the batched path: 50 quick jobs, one that runs until
     the test says, and 50 quick ones behind it, pulled together (a backlog) by one worker. The
-    server stops while the gated job runs; once it ends, its ack and the 50 behind it (a handler
-    thread's batches: one publish_each each, Settler.ack_all) are refused whole by nats-py
-    (testhandlers.full_buffer_when_down_init), each reported unsent and kept. Once the server is
-    back every ack is sent again and fenced: all 101 jobs acked, none ran twice, no crash."""
+    server stops while the gated job runs; once it ends, its ack and those of the jobs pulled
+    behind it (a handler thread's batches: one publish_each each, Settler.ack_all) are refused
+    whole by nats-py (testhandlers.full_buffer_when_down_init), each reported unsent and kept.
+    Once the server is back every ack is sent again and fenced: all 101 jobs acked, none ran
+    twice, no crash. How many the worker holds behind the gated job is its pull sizing's (a
+    buffer sized from the measured job time and round trip: all 50, or, on a loaded box, fewer);
+    at least one, and the count is taken once the server is down and nothing more can come."""
     gate = tmp_path / "finish"
     publish(nats_server.url, count=50, data="0")
     publish(nats_server.url, count=1, data=f"until:{gate}")
@@ -517,15 +520,17 @@ def test_a_batch_of_acks_refused_while_reconnecting_is_sent_once_it_is_back(nats
                              consumer={"ack_wait": ACK_WAIT}, args=JSON_LOGS)
     sup.wait_ready(1)
 
-    def holding() -> list:
-        return sup.status()["workers"]["list"][0]["in_flight"]
-    wait_until(lambda: len(holding()) == 51 and nats_server.stream_msgs() == 51,
-               what="the first 50 acked, the gated job running and the last 50 held behind it")
+    def holding() -> list[int]:
+        return sorted(j["stream_seq"] for j in sup.status()["workers"]["list"][0]["in_flight"])
+    wait_until(lambda: nats_server.stream_msgs() == 51 and (seqs := holding())[:1] == [51] and len(seqs) >= 2,
+               what="the first 50 acked, the gated job running and jobs held behind it")
     [gated] = sup.jobs.running()
     nats_server.stop()
     sup.wait_event("nats_disconnected", pid=gated.pid)
-    gate.touch()                                                    # 51 jobs end now, offline
-    wait_until(lambda: len(sup.events("settle_unsent")) == 51, what="every ack refused and reported")
+    held = holding()                                                # nothing more can come now
+    gate.touch()                                                    # they all end now, offline
+    wait_until(lambda: len(sup.events("settle_unsent")) == len(held), what="every ack refused and reported")
+    assert sorted(e["seq"] for e in sup.events("settle_unsent")) == held
     assert {e["outcome"] for e in sup.events("settle_unsent")} == {"ack"}
     nats_server.start()
     wait_until(lambda: nats_server.stream_msgs() == 0, timeout=ACK_WAIT / 3,

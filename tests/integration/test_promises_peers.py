@@ -33,7 +33,7 @@ def checks(sup: SupervisorProc) -> dict:
 
 def kill_with_credits(sup: SupervisorProc, server) -> None:
     """SIGKILL the one worker of `sup` while it has a pull request outstanding. An idle worker
-    renews its request every second (workers/runtime/puller.py PULL_EXPIRES): a kill between the
+    renews its request every PULL_EXPIRES (workers/runtime/puller.py): a kill between the
     expiry and the renewal finds no credits, and the in-transit check has nothing to look at;
     kill the replacement then."""
     for _ in range(10):

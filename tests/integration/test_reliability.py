@@ -95,6 +95,68 @@ def test_a_client_pausing_after_its_ping_strands_no_pull_reply(nats_server, supe
     assert last.stop() == 0
 
 
+async def take_one(url: str, timeout: float) -> tuple[int, int]:
+    """One message of the durable, pulled by this process and acked: (stream seq, delivery)."""
+    nc = await nats.connect(url)
+    try:
+        sub = await nc.jetstream().pull_subscribe_bind("workers", stream="JOBS")
+        msg = (await sub.fetch(1, timeout=timeout))[0]
+        await msg.ack_sync()
+        return msg.metadata.sequence.stream, msg.metadata.num_delivered
+    finally:
+        await nc.close()
+
+
+def test_a_job_published_as_an_idle_worker_drains_reaches_it_or_waits_in_the_stream(nats_server,
+                                                                                     supervisor_factory):
+    """The interleaving a drain must not lose a job to: an idle worker's pull request R is live at
+    the server when SIGTERM comes; a job J stored then is assigned to R and sent to the worker's
+    inbox. A worker that drops its subscription before R has ended (filled, or its 408 at expiry:
+    the server has no way to cancel it) misses J, which the server counts delivered: it waits for
+    AckWait. Forced: the parent's 'draining' line, then J at once, while a relay holds back what
+    the worker writes after each PING (its UNSUB reaches the server late, as on a slow link). The
+    drain must take J and give it back (delivery 2, within SHUTDOWN_NAK_DELAY), not leave it to
+    AckWait; an attempt whose R had ended before J came (J still in the stream) is tried again."""
+    from stallproxy import StallAfterPing
+
+    from workers.runtime.shutdown import SHUTDOWN_NAK_DELAY
+
+    proxy = StallAfterPing(nats_server.port, stall=0.3).start()
+    try:
+        sup = supervisor_factory(nats_server, workers={"count": 1}, consumer={"ack_wait": ACK_WAIT},
+                                 nats={"servers": [proxy.url]})
+        for _ in range(10):
+            sup.wait_ready(1)
+            wait_until(lambda: consumer(nats_server)["waiting"] == 1, what="the idle worker's pull request")
+            proxy.armed = True
+            logged = len(sup.log())
+            sup.signal(signal.SIGTERM)
+            wait_until(lambda: "draining 1 worker" in sup.log()[logged:], what="the drain begun")
+            [seq] = publish_now(nats_server.url, count=1)
+            # Once J is delivered the relay has done its part: the rest of the stop need not wait
+            # 0.3 s at each of its PINGs (they pile up: 11-16 s a stop). A supervisor gone first
+            # keeps it armed: its held-back UNSUB is what a drain that left early would lose J to.
+            wait_until(lambda: sup.proc.poll() is not None or consumer(nats_server)["ack_pending"] == 1,
+                       what="J delivered, or the supervisor gone")
+            if sup.proc.poll() is None:
+                proxy.armed = False
+            assert sup.wait() == 0
+            c = consumer(nats_server)
+            if c["ack_pending"] == 1:                            # J went to R during the drain
+                break
+            # Else R had ended before J came (J waits in the stream), or the worker had J before
+            # SIGTERM reached it (and ran it): try again.
+            assert c["pending"] == 1 or seq in sup.jobs.done_seqs(), c
+            sup.start()
+        else:
+            raise AssertionError("J never reached a draining worker's live pull request")
+        taken = asyncio.run(take_one(nats_server.url, timeout=SHUTDOWN_NAK_DELAY + 10.0))
+        assert taken == (seq, 2), "J came back from the drain's NAK, not from AckWait"
+        assert seq not in {r.seq for r in sup.jobs.started()}, "the drain gave J back unstarted"
+    finally:
+        proxy.stop()
+
+
 def test_scaling_down_under_load_strands_nothing(nats_server, supervisor_factory):
     """Retired workers (SIGTTOU) give up their pull requests the same careful way: every job
     published is done within seconds, none waits for AckWait."""
@@ -326,7 +388,7 @@ def test_a_stop_while_workers_boot_is_not_a_crash(nats_server, supervisor_factor
 # ---------------------------------------------------------------- 11. in transit at a death
 
 async def suspend_then_publish(url: str, victim: psutil.Process, subject: str = "jobs.new") -> int:
-    """Freeze the worker, then store one job at once: its pull request (PULL_EXPIRES, 1 s) must
+    """Freeze the worker, then store one job at once: its pull request (PULL_EXPIRES, 0.5 s) must
     still be live when the job lands, so no process start-up may sit between the two. Its seq."""
     nc = await nats.connect(url)
     try:

@@ -23,7 +23,18 @@ from workers.runtime.settle import REFUSED
 
 log = logging.getLogger("worker")
 
-PULL_EXPIRES = 1.0          # a pull request lives this long: an idle worker renews it this often
+# A pull request lives this long: an idle worker renews it this often. A stopping or retiring
+# worker keeps its subscription until its last request has ended (shutdown.py), and nats-server
+# 2.15 cannot end one early: its waiting queue ends a request filled, at its expiry (a 408 with the
+# unfilled count) or, silently, once its reply subject has no interest; a later request from the
+# same inbox, no_wait or not, replaces nothing. Dropping interest is safe only where the server
+# routes the delivery itself (one it routes to a closed subscription goes back to the consumer at
+# once: consumer.go didNotDeliver), not across a route, a leaf node or a gateway, and never once
+# nats-py has dropped its side. So an idle drain waits out what is left of its last request, half
+# of this on average (docs/RELIABILITY.md, "An idle drain"). 0.5 s, from 1 s: an idle stop or
+# retirement ends a quarter second sooner, for 2 requests a second from an idle worker (its
+# liveness PINGs are 4); a test that catches a request live still has time to act on it.
+PULL_EXPIRES = 0.5
 PULL_MARGIN = 1.0           # past a request's local expiry, before its credits are given up (the server's
                             # clock starts when the request arrives; one round trip at most)
 STALL = 0.5                 # a liveness round trip this much longer than the link's quickest lately: the
