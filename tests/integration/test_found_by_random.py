@@ -82,11 +82,11 @@ def test_a_retry_on_its_way_to_a_worker_that_dies_comes_back_at_once(tmp_path):
 
 
 def on_the_wire_to_a_stopped_worker(server: NatsServer, sup: SupervisorProc, journal, attempt: int):
-    """Publish a job whose first run raises Retry(0.5); once its NAK is out, SIGSTOP the worker and
+    """Publish a job whose first run raises Retry(0.2); once its NAK is out, SIGSTOP the worker and
     wait for the server to redeliver it (into the worker's live pull request). (seq, pid), or
     (None, pid) when the worker read the redelivery before it stopped."""
     pid = next(iter(sup.worker_pids()))
-    seq = publish_now(server.url, count=1, data=f"j{attempt}:retry0.5:0.01", subject="jobs.found")[0]
+    seq = publish_now(server.url, count=1, data=f"j{attempt}:retry0.2:0.01", subject="jobs.found")[0]
     wait_until(lambda: (s := sup.try_status()) and s["jobs"]["nak"] >= attempt, 30, "the handler's NAK sent",
                interval=0.005)
     # The worker asks again only after its NAK: stopped before that, it has no request at the
