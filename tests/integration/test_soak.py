@@ -73,18 +73,18 @@ def test_recycling_and_random_kills_keep_the_pool_up_and_lose_nothing(nats_serve
     # Refilled at backoff_initial every time (0.1 s; grown, it would pass 2 s within five kills),
     # with room for a NAK fence and a fork on a loaded parent.
     assert longest_gap < 2.0, f"a slot stayed empty for {longest_gap:.2f}s (restart delays grew)"
-    # Every job ran: nothing lost (above). A redelivery the ledger cannot explain is F17
+    # A kill every 2-4 s is a storm by the policy's measure (STORM_MIN_DEATHS within STORM_WINDOW,
+    # or one per worker): /status must say so, unless the run was too short to kill that often.
+    assert kills < max(STORM_MIN_DEATHS, 4) or any(a["kind"] == "worker_deaths" for a in status["alerts"]), \
+        (kills, status["alerts"])
+    assert sup.stop() == 0
+    # Every job ran: nothing lost, and every other check held (above). A redelivery the ledger cannot explain is F17
     # (docs/RELIABILITY.md, open): a job's first delivery that never started came back as
     # delivery 2 at once, with no death, no NAK event and no in-transit NAK naming it. Seen in 2
     # of the last 3 full-suite runs, never in 188 runs of this test alone: reported, with its story,
     # as the known open finding, not as a pass.
     if cc["unexplained_redeliveries"]:
         pytest.xfail("F17 (open): " + story(sup, cc["recent_unexplained"], began))
-    # A kill every 2-4 s is a storm by the policy's measure (STORM_MIN_DEATHS within STORM_WINDOW,
-    # or one per worker): /status must say so, unless the run was too short to kill that often.
-    assert kills < max(STORM_MIN_DEATHS, 4) or any(a["kind"] == "worker_deaths" for a in status["alerts"]), \
-        (kills, status["alerts"])
-    assert sup.stop() == 0
 
 
 def kill_a_serving_worker(sup: SupervisorProc, status: dict, rng: random.Random) -> int | None:
