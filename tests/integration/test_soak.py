@@ -84,7 +84,7 @@ def test_recycling_and_random_kills_keep_the_pool_up_and_lose_nothing(nats_serve
     # of the last 3 full-suite runs, never in 188 runs of this test alone: reported, with its story,
     # as the known open finding, not as a pass.
     if cc["unexplained_redeliveries"]:
-        pytest.xfail("F17 (open): " + story(sup, cc["recent_unexplained"], began))
+        pytest.xfail("F17 (open): " + story(sup, cc["recent_unexplained"], began) + strangers(nats_server))
 
 
 def kill_a_serving_worker(sup: SupervisorProc, status: dict, rng: random.Random) -> int | None:
@@ -121,6 +121,21 @@ def story(sup: SupervisorProc, unexplained: list[dict], began: float) -> str:
                 if "seq" in line and re.search(rf"\b{seq}\b", line)]
         out += [f"seq {seq} delivery {r['delivery']}: {runs}", *said[-30:]]
     return "\n".join(out)
+
+
+def strangers(server) -> str:
+    """The server's connections once our supervisor has stopped: none but the test's own should
+    be left. A process of another test bound to this consumer (a stray reconnecting to a port
+    this server took over) would take jobs outside our ledger: F17's first suspect."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.monitor_port}/connz?subs=1", timeout=5) as r:
+            conns = json.loads(r.read())["connections"]
+    except (OSError, ValueError, KeyError) as exc:
+        return f"\nconnections after the stop: unknown ({exc})"
+    rows = [f"{c.get('name')!r} from {c.get('ip')}:{c.get('port')} since {c.get('start')}, "
+            f"subs {c.get('subscriptions_list', [])[:4]}" for c in conns]
+    return "\nconnections after the stop: " + ("; ".join(rows) or "none")
 
 
 def said_when(line: str, began: float) -> str:
