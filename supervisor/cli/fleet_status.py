@@ -19,6 +19,7 @@ from supervisor.config import Config, client_config, from_args
 from supervisor.config.pools import effective, names
 from supervisor.core.fleetview import BEAT_PREFIX, LOST_AFTER
 from supervisor.nats.consumer import consumer_dict, lag_line
+from supervisor.nats.kv import keys_under, prefix_of, stream_of
 
 READ_TIMEOUT = 5.0          # JetStream requests of `status --fleet` once connected
 
@@ -59,15 +60,14 @@ async def read_beats(js: Any, bucket: str) -> tuple[list[tuple[dict, float]], st
     per-subject counts, then each key's last message. (A KV watch's "nothing pending" marker can
     come before an entry the server already sent: nats-py reads num_pending before its handler has
     seen the delivery, and the view then showed no supervisor at all.)"""
-    stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
     try:
-        info = await js.stream_info(stream, subjects_filter=f"{prefix}{BEAT_PREFIX}>")
+        keys = await keys_under(js, bucket, f"{BEAT_PREFIX}>")
     except NotFoundError:
         return [], f"KV bucket {bucket} does not exist: no supervisor has run with stream.create on this server"
     beats = []
-    for subject in sorted(info.state.subjects or {}):
+    for key in sorted(keys):
         try:
-            msg = await js.get_msg(stream, subject=subject)
+            msg = await js.get_msg(stream_of(bucket), subject=prefix_of(bucket) + key)
         except NotFoundError:
             continue                          # deleted or expired since the count
         if (msg.headers or {}).get(KV_OP) in (KV_DEL, KV_PURGE) or msg.time is None:

@@ -23,6 +23,7 @@ from typing import Any
 from nats.js.errors import NotFoundError
 
 from supervisor.config import Config
+from supervisor.nats.kv import keys_under, prefix_of, stream_of
 from workers.protocol.limitkeys import LEASE_TTL, Holder, freed_subject, parse_key, pause_key, rate_window
 
 log = logging.getLogger("supervisor")
@@ -34,19 +35,9 @@ FOREVER = timedelta(days=3650)     # `supervisor pause` without --for: until `su
 REASON_KEEP = 60                   # a pause's reason outlives the pause by this (seconds)
 
 
-def stream_of(bucket: str) -> str:
-    return f"KV_{bucket}"
-
-
-def prefix_of(bucket: str) -> str:
-    return f"$KV.{bucket}."
-
-
 async def held_keys(js: Any, bucket: str) -> dict[str, int]:
     """Every slot and start key that holds a value now (key -> 1)."""
-    info = await js.stream_info(stream_of(bucket), subjects_filter=prefix_of(bucket) + "*.*.*")
-    prefix = prefix_of(bucket)
-    return {s[len(prefix):]: n for s, n in (info.state.subjects or {}).items() if s.startswith(prefix)}
+    return await keys_under(js, bucket, "*.*.*")
 
 
 async def in_use(js: Any, cfg: Config) -> dict[str, dict[str, int]]:

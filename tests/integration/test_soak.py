@@ -127,10 +127,8 @@ def strangers(server) -> str:
     """The server's connections once our supervisor has stopped: none but the test's own should
     be left. A process of another test bound to this consumer (a stray reconnecting to a port
     this server took over) would take jobs outside our ledger: F17's first suspect."""
-    import urllib.request
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.monitor_port}/connz?subs=1", timeout=5) as r:
-            conns = json.loads(r.read())["connections"]
+        conns = server.monitor("connz?subs=1")["connections"]
     except (OSError, ValueError, KeyError) as exc:
         return f"\nconnections after the stop: unknown ({exc})"
     rows = [f"{c.get('name')!r} from {c.get('ip')}:{c.get('port')} since {c.get('start')}, "

@@ -122,9 +122,13 @@ class NatsServer:
                 self.proc.kill()
                 self.proc.wait()
 
-    def jsz(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_port}/jsz?consumers=true", timeout=5) as r:
+    def monitor(self, path: str) -> dict:
+        """One of the server's monitoring endpoints (`jsz?consumers=true`, `connz?subs=1`), parsed."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_port}/{path}", timeout=5) as r:
             return json.load(r)
+
+    def jsz(self) -> dict:
+        return self.monitor("jsz?consumers=true")
 
     def consumer(self, stream: str = "JOBS", name: str = "workers") -> dict:
         for account in self.jsz().get("account_details", []):
