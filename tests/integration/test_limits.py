@@ -17,9 +17,11 @@ from datetime import datetime
 import nats
 import pytest
 from harness import publish_now, run_cli, wait_until
+from nats.js.errors import KeyNotFoundError
 
 from bench.costs.limits import most_in_window
-from workers.protocol.limitkeys import LEASE_TTL
+from supervisor.nats.limits import held_keys
+from workers.protocol.limitkeys import LEASE_TTL, Holder, parse_key
 
 DB = {"db": {"concurrency": 3, "subjects": ["jobs.db.>"]}}
 
@@ -60,6 +62,28 @@ def publish_to(url: str, subject: str, datas: list[str]) -> list[int]:
 
 def all_done(sups, seqs) -> bool:
     return set(seqs) <= set().union(*(s.jobs.done_seqs() for s in sups))
+
+
+def slot_holders(servers: str | list[str], name: str = "db", bucket: str = "SUPERVISOR_LIMITS") -> dict[int, Holder]:
+    """Each slot of limit `name` held now -> who holds it, by its value in the limits bucket."""
+    async def run() -> dict[int, Holder]:
+        nc = await nats.connect(servers)
+        try:
+            js, held = nc.jetstream(), {}
+            kv = await js.key_value(bucket)
+            for key in await held_keys(js, bucket):
+                parsed = parse_key(key)
+                if parsed and parsed[:2] == (name, "c"):
+                    try:
+                        holder = Holder.parse((await kv.get(key)).value or b"")
+                    except KeyNotFoundError:
+                        continue                # given back meanwhile
+                    if holder:
+                        held[parsed[2]] = holder
+            return held
+        finally:
+            await nc.close()
+    return asyncio.run(run())
 
 
 # ---------------------------------------------------------------- concurrency across the fleet
@@ -256,6 +280,41 @@ def test_a_worker_killed_holding_a_slot_frees_it_at_once(nats_server, supervisor
     wait_until(lambda: sup.jobs.done(), what="the job done")
     s = wait_until(lambda: (st := sup.status())["limits"]["db"]["in_use"] == 0 and st, what="the slot free")
     assert s["limits"]["db"]["waiting"] == 0
+
+
+def test_a_host_that_dies_holding_a_slot_frees_it_by_the_ttl_and_loses_nothing(nats_server, supervisor_factory,
+                                                                                   tmp_path):
+    """Two supervisors on one consumer, concurrency = 1. One's job holds the slot (on a gate);
+    that supervisor's whole process group is SIGKILLed, as a host lost: no parent is left to
+    release the slot, so only its TTL frees it. The other's job, waiting for the limit, starts
+    within LEASE_TTL (plus a margin for a loaded box) of the kill; the killed job comes back
+    after AckWait (3 s) and runs there too; nothing is lost, and never two at once."""
+    gate = tmp_path / "gate"
+    one = {"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}
+    sups = [supervisor_factory(nats_server, workers={"count": 1}, limits=one, consumer={"ack_wait": 3.0})
+            for _ in range(2)]
+    for s in sups:
+        s.wait_ready()
+    [held] = publish_to(nats_server.url, "jobs.db.write", [f"until:{gate}"])
+    [first] = wait_until(lambda: [r for r in records(*sups) if r.event == "start"], what="the gated job started")
+    lost, survivor = sups if first.pid in sups[0].worker_pids() else sups[::-1]
+    [later] = publish_to(nats_server.url, "jobs.db.write", ["0"])
+    wait_until(lambda: survivor.status()["limits"]["db"]["waiting"] == 1, what="the other's job waiting for the slot")
+    holders = slot_holders(nats_server.url)
+    assert {k: (h.parent, h.pid) for k, h in holders.items()} == {0: (lost.proc.pid, first.pid)}, holders
+    assert not survivor.jobs.records(), "a limited job ran on the survivor while the slot was held"
+    os.killpg(lost.proc.pid, signal.SIGKILL)
+    killed_at = time.time()
+    lost.proc.wait()
+    gate.touch()                                     # the job's next run, on the survivor, ends at once
+    wait_until(lambda: all_done([survivor], [held, later]), timeout=LEASE_TTL + 30, what="both jobs done on the survivor")
+    recs = survivor.jobs.records()
+    took = min(r.t for r in recs if r.event == "start") - killed_at
+    assert took < LEASE_TTL + 5, f"the dead host's slot freed {took:.1f} s after the kill, not by its TTL"
+    assert [r.delivery for r in recs if r.seq == held and r.event == "start"] == [2], "the killed job did not run again"
+    assert most_at_once(recs) == 1
+    wait_until(lambda: nats_server.stream_msgs() == 0, what="every job acked")
+    assert survivor.stop() == 0
 
 
 # ---------------------------------------------------------------- rate
