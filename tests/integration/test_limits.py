@@ -407,7 +407,10 @@ def test_pause_from_a_handler_stops_every_supervisor_and_resumes_by_itself(nats_
 
 
 def test_pause_and_resume_from_the_command_line(nats_server, supervisor_factory, tmp_path):
-    sup = supervisor_factory(nats_server, workers={"count": 1})
+    """`pause` until `resume`, then `pause --for 2`: no job starts before the server's PauseUntil
+    (by the journal over the whole pause), then they run without a `resume`, and the supervisor
+    logs the pause's end (consumer_resumed)."""
+    sup = supervisor_factory(nats_server, workers={"count": 1}, args=("--log-format", "json"))
     sup.wait_ready()
     cfg = tmp_path / "cli.toml"
     cfg.write_text(f'[nats]\nservers = ["{nats_server.url}"]\n')
@@ -424,6 +427,21 @@ def test_pause_and_resume_from_the_command_line(nats_server, supervisor_factory,
     assert r.returncode == 0 and "resumed" in r.stdout, r.stderr
     wait_until(lambda: all_done([sup], seqs), what="jobs after the resume")
     wait_until(lambda: sup.status()["paused_until"] is None, what="resumed on /status")
+    before = time.time()
+    r = run_cli("pause", "--config", str(cfg), "--for", "2", "--reason", "a short break", tmp=tmp_path)
+    assert r.returncode == 0 and "(2s): a short break" in r.stdout, r.stdout + r.stderr
+    seqs = publish_now(nats_server.url, count=3)
+    published = time.time()
+    until_text = wait_until(lambda: sup.status()["paused_until"], what="the pause's end on /status (the server's)")
+    until = rfc3339_to_epoch(until_text)
+    assert published < until, "the jobs came after the pause's end: it held nothing back"
+    wait_until(lambda: all_done([sup], seqs), what="jobs after the pause, without a resume")
+    starts = [r.t for r in sup.jobs.started() if r.t > before]
+    assert len(starts) == 3 and min(starts) >= until, f"a job started {until - min(starts):.2f} s before the pause's end"
+    paused = [i for i, e in enumerate(sup.events()) if e["event"] == "consumer_paused" and e["until"] == until_text]
+    assert paused, "the pause was not logged (consumer_paused with the server's PauseUntil)"
+    wait_until(lambda: [e for e in sup.events()[paused[0]:] if e["event"] == "consumer_resumed"],
+               what="the pause's end logged")
     r = run_cli("pause", "--config", str(cfg), "--for", "-1", tmp=tmp_path)
     assert r.returncode == 2 and "--for" in r.stderr
 
