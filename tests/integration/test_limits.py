@@ -18,6 +18,7 @@ import nats
 import pytest
 from harness import publish_now, run_cli, wait_until
 from nats.js.errors import KeyNotFoundError
+from test_observability import metric_families, value
 
 from bench.costs.limits import most_in_window
 from supervisor.nats.limits import held_keys
@@ -136,7 +137,8 @@ def test_a_slot_is_taken_for_a_job_only_when_a_handler_is_free_to_start_it(nats_
     the other slot and starts while A's first job runs. Before: each job A held waiting had a
     take under way, so A took both slots, one for a job queued behind its own handler, and B's
     worker, idle, waited for A's first job to end. (Apart consumers, so that which worker a
-    message goes to is not at stake here: only the slots.)"""
+    message goes to is not at stake here: only the slots.) Live /metrics limit_* say the same:
+    2 in use and 2 waiting at A, 2 taken by H; at the end 2 taken by A, 1 by B, none waiting."""
     gate = tmp_path / "gate"
     two = {"db": {"concurrency": 2, "subjects": ["jobs.db.>", "jobs.hold"]}}
     h, a, b = (supervisor_factory(nats_server, workers={"count": count}, limits=two,
@@ -147,7 +149,10 @@ def test_a_slot_is_taken_for_a_job_only_when_a_handler_is_free_to_start_it(nats_
     publish_to(nats_server.url, "jobs.hold", [f"until:{gate}"] * 2)
     wait_until(lambda: len(h.jobs.started()) == 2, what="H holding both slots")
     first = publish_to(nats_server.url, "jobs.db.a", ["db:1.0"] * 2)
-    wait_until(lambda: a.status()["limits"]["db"]["waiting"] == 2, what="A's two jobs waiting for the limit")
+    wait_until(lambda: (db := a.status()["limits"]["db"])["waiting"] == 2 and db["in_use"] == 2
+               and h.status()["limits"]["db"]["in_use"] == 2, what="A's two jobs waiting for the limit, both slots in use")
+    live = {s: limit_metrics(s) for s in (a, h)}
+    assert [(m["in_use"], m["waiting"], m["taken"]) for m in live.values()] == [(2, 2, 0), (2, 0, 2)], live
     gate.touch()
     wait_until(lambda: a.jobs.started() and h.status()["limits"]["db"]["held_here"] == 0,
                what="H's slots given back, A's first job started")
@@ -159,6 +164,18 @@ def test_a_slot_is_taken_for_a_job_only_when_a_handler_is_free_to_start_it(nats_
     assert second_start < first_done, ("a slot was held for a job no handler could start: the second limited "
                                        f"job started {second_start - first_done:.2f} s after the first was done")
     assert most_at_once(records(a, b, h)) <= 2 and {r.delivery for r in recs} == {1}
+    after = {s: limit_metrics(s) for s in (a, b)}
+    assert [(m["taken"], m["waiting"]) for m in after.values()] == [(2, 0), (1, 0)], after
+    assert after[a]["wait_seconds"] > 0, after
+
+
+def limit_metrics(sup, name: str = "db") -> dict[str, float]:
+    """A supervisor's live /metrics limit_* samples of limit `name` (docs/CONTRACT.md)."""
+    code, text = sup.get("/metrics")
+    assert code == 200, text
+    fams = metric_families(text)
+    return {k: value(fams, f"jetstream_supervisor_limit_{k}", limit=name) for k in ("in_use", "waiting", "taken",
+                                                                                   "wait_seconds")}
 
 
 def test_jobs_needing_no_limit_flow_past_several_jobs_waiting_on_an_idle_handler(nats_server, supervisor_factory,
