@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import signal
 
+import psutil
 import pytest
 import tomli_w
-from harness import publish_now, run_cli, wait_until
+from harness import publish, publish_now, run_cli, wait_until
 from test_observability import metric_families
+from test_worker_edges import gone
 
 from supervisor.errors import EXIT_HALTED, EXIT_USAGE
 
@@ -186,6 +188,26 @@ def test_start_pool_runs_that_pool_alone(nats_server, supervisor_factory):
     assert list(status["pools"]) == ["reports"] and status["workers"]["target"] == 1
     done(sup, publish_now(nats_server.url, count=2, data="0", subject=REPORTS))
     assert sup.stop() == 0
+
+
+def test_two_pools_on_the_embedded_server(supervisor_factory):
+    """No nats.servers: `start` runs the embedded nats-server for both pools, `supervisor publish`
+    stores jobs for each, each pool's jobs run on its own workers, and the stop is clean (exit 0,
+    no worker or server left)."""
+    sup = supervisor_factory(None, pools=TWO_POOLS)
+    status = ready(sup, {"email": 2, "reports": 1})
+    assert status["nats"]["embedded"] is True
+    url = status["nats"]["servers"][0]
+    publish(url, count=6, data="0.01", extra=("--subject", EMAIL))
+    publish(url, count=3, data="0.01", extra=("--subject", REPORTS))
+    wait_until(lambda: len(sup.jobs.done()) >= 9, what="9 jobs done")
+    owner = pools_of(sup.status())
+    ran = sorted((r.seq, owner.get(r.pid), r.data.startswith("v2:")) for r in sup.jobs.done())
+    assert ran == [*((s, "email", False) for s in range(1, 7)), *((s, "reports", True) for s in range(7, 10))]
+    family = psutil.Process(sup.proc.pid).children(recursive=True)
+    assert len(family) == 4 and sum("nats-server" in " ".join(p.cmdline()) for p in family) == 1
+    assert sup.stop() == 0
+    wait_until(lambda: gone(family), timeout=10, what="no worker or nats-server left")
 
 
 def test_overlapping_pools_and_unknown_pools_are_config_errors(tmp_path):
