@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from typing import Any
 
 import nats
 import psutil
+import strays
 import tomli_w
 from natsauth import free_port, nats_server_binary
 
@@ -70,12 +72,22 @@ def popen_at_a_terminal(args: list[str], **kwargs: Any) -> subprocess.Popen:
 # ---------------------------------------------------------------- nats-server
 
 class NatsServer:
+    """A nats-server of one test. With `auth` (the default) it takes clients with a user and
+    password of its own only, and `url` carries them: a process of another test (a stray
+    worker, an orphan, a test's client) that keeps reconnecting to a port this server has since
+    taken over cannot bind to its stream and consumer, which every test names JOBS and
+    `workers` (F17). The user names the server (strays.py reads it back from the auth errors
+    the server logs). Without `auth`: a config file of the test's own (`-c`) that sets its own
+    authorization, or nodes of a cluster (natscluster.py: a discovered node's URL carries no
+    credentials)."""
+
     def __init__(self, store_dir: Path, port: int | None = None, monitor_port: int | None = None,
-                 extra_args: tuple[str, ...] = ()):
+                 extra_args: tuple[str, ...] = (), auth: bool = True):
         self.store_dir = store_dir
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
         self.extra_args = extra_args
+        self.user, self.password = (strays.server_user(), secrets.token_hex(8)) if auth else ("", "")
         self.proc: subprocess.Popen | None = None
         self.log_path = store_dir.parent / f"{store_dir.name}-nats-server.log"
         # Ports we picked may be taken (by any socket, an outgoing connection's included) before
@@ -84,15 +96,23 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        """The client URL, with the server's credentials (nats-py and the supervisor take them
+        from it; the supervisor's logs and /status show it without them)."""
+        return self.url_at(self.port)
+
+    def url_at(self, port: int) -> str:
+        """The client URL with another port: a relay's in front of this server (stallproxy.py)."""
+        userinfo = f"{self.user}:{self.password}@" if self.user else ""
+        return f"nats://{userinfo}127.0.0.1:{port}"
 
     def start(self) -> NatsServer:
+        auth = ("--user", self.user, "--pass", self.password) if self.user else ()
         for attempt in range(1, 4):
             logged = self.log_path.stat().st_size if self.log_path.exists() else 0
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
                     [nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1", "-p", str(self.port),
-                     "-m", str(self.monitor_port), *self.extra_args], stdout=subprocess.DEVNULL, stderr=log)
+                     "-m", str(self.monitor_port), *auth, *self.extra_args], stdout=subprocess.DEVNULL, stderr=log)
             try:
                 wait_until(self._serving, 30, f"nats-server on {self.port}")
                 break
@@ -102,6 +122,8 @@ class NatsServer:
                     raise AssertionError(f"nats-server on {self.port} did not start: {said[-1500:]!r}") from None
                 self.port, self.monitor_port = free_port(), free_port()
         self.repick = False
+        if self.user:
+            strays.started(self)
         return self
 
     def _serving(self) -> bool:
@@ -121,6 +143,8 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.user:
+            strays.stopped(self)
 
     def monitor(self, path: str) -> dict:
         """One of the server's monitoring endpoints (`jsz?consumers=true`, `connz?subs=1`), parsed."""
