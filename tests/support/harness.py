@@ -261,6 +261,7 @@ class SupervisorProc:
         self.args = args
         self.env = child_env(JOBS_LOG=str(self.jobs.path), **(env or {}))
         self.proc: subprocess.Popen | None = None
+        self.started: list[subprocess.Popen] = []     # every start's process (a restart's too): cleanup()
         self._log = None
         self.wrapper: tuple[str, ...] = ()      # a command the supervisor runs under (strace -f ...)
         self._http: str | None = None
@@ -275,6 +276,7 @@ class SupervisorProc:
         self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-m", "supervisor", "start", "--config",
                                       str(self.config_path), *self.args], stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.env, cwd=self.tmp, start_new_session=True)
+        self.started.append(self.proc)
         return self
 
     # -- observing
@@ -393,19 +395,10 @@ class SupervisorProc:
         return self.wait(timeout)
 
     def cleanup(self) -> None:
-        """Never leave a process behind, whatever the test did."""
-        if self.proc is None:
-            return
-        try:
-            group = [p for p in psutil.process_iter() if _in_group(p, self.proc.pid)]
-        except psutil.Error:
-            group = []
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        for p in group:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
+        """Never leave a process behind, whatever the test did: the process group of every
+        start (a restarted supervisor's earlier workers and orphans too)."""
+        for proc in self.started:
+            kill_group(proc)
         if self._log:
             self._log.close()
 
@@ -454,6 +447,19 @@ def _in_group(p: psutil.Process, pgid: int) -> bool:
         return os.getpgid(p.pid) == pgid
     except OSError:
         return False
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a process started in a session of its own and whatever is left in its group (its
+    workers stay there when it dies). Its pid names the group only while it is ours: the kernel
+    gives a pid out again once no process has it as pid or group (pid_max is 32768 here, and a
+    suite run goes round it), so after the process was reaped a live process with its pid is
+    another test's, and nothing of ours is left in its group."""
+    if proc.returncode is None or not psutil.pid_exists(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)     # at once: a worker forked meanwhile is in the group too
+    if proc.returncode is None:
+        proc.wait()
 
 
 def run_cli(*args: str, tmp: Path | None = None, env: dict | None = None, timeout: float = DEADLINE,
