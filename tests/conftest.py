@@ -102,7 +102,9 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item):
+def pytest_runtest_call(item):
+    """What runs before the test's body: a fixture of a wider scope (a database server kept for
+    the module) starts its processes and threads in the setup of the first test that uses it."""
     item._strays_before = strays.Before()
 
 
