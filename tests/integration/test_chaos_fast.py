@@ -303,7 +303,7 @@ def test_the_proxy_names_each_delivery_a_stalled_link_kept_from_its_worker(nats_
     from chaos.proxy import Proxy
 
     async def scenario() -> list[Late]:
-        proxy = await Proxy("127.0.0.1", nats_server.port).start()
+        proxy = await Proxy(nats_server).start()
         admin = await nats.connect(nats_server.url)
         worker = await nats.connect(proxy.url, name="w", max_reconnect_attempts=0, allow_reconnect=False)
         try:

@@ -289,7 +289,7 @@ def test_no_pull_request_is_kept_for_after_a_reconnect(nats_server, supervisor_f
     runs at its first delivery."""
     from cutproxy import CutProxy
 
-    proxy = CutProxy(nats_server.port).start()
+    proxy = CutProxy(nats_server).start()
     try:
         sup = supervisor_factory(nats_server, args=JSON_LOGS, nats={"servers": [proxy.url]},
                                  consumer={"ack_wait": 60.0}, workers={"count": 1, "concurrency": 1, "batch": 1,
