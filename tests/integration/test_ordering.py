@@ -15,6 +15,9 @@ import random
 import signal
 import threading
 import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
 
 import nats
 import psutil
@@ -265,6 +268,112 @@ def test_order_beside_recycling_a_drain_a_long_retry_and_the_guard(nats_server, 
     kr_after = [r.start for r in runs if r.seq in seqs[-5:]]
     assert min(kr_after) > retried[1][1]
     assert len({r.pid for r in runs}) > 6, "workers were not recycled"
+
+
+# ---------------------------------------------------------------- through scaling, a reload and recycling
+
+class KeyedFeed:
+    """Keyed jobs published as the workers take them: whenever the stream stores fewer than
+    `low`, `low` more (`keyed_jobs`). The load then lasts as long as what the test does beside
+    it takes, on a quiet box or a loaded one, with no sleep guessing how long that is."""
+
+    def __init__(self, server, rng: random.Random, keys: int, longest: float, low: int = 96, most: int = 5000):
+        self.server, self.rng, self.keys, self.longest, self.low, self.most = server, rng, keys, longest, low, most
+        self.key_of: dict[int, str] = {}
+        self.stored_at: dict[str, int] = {}       # what the stream stored when each step was seen done
+
+    def top_up(self) -> None:
+        if self.server.stream_msgs() < self.low:
+            assert len(self.key_of) < self.most, f"{len(self.key_of)} jobs published and the test's steps not done"
+            jobs = keyed_jobs(self.rng, self.low, self.keys, self.longest)
+            self.key_of.update(zip(publish_keyed(self.server.url, jobs), (subject for subject, _ in jobs)))
+
+    def wait(self, predicate: Callable[[], Any], what: str) -> Any:
+        """wait_until(predicate), topping the stream up meanwhile; then note what it stored."""
+        def topped_up() -> Any:
+            self.top_up()
+            return predicate()
+        value = wait_until(topped_up, what=what)
+        self.stored_at[what] = self.server.stream_msgs()
+        return value
+
+
+def test_keys_keep_their_order_through_scaling_a_reload_and_recycling(nats_server, supervisor_factory):
+    """An ordered load over 12 keys (jobs of 0-30 ms, topped up as they are taken) on 2 workers of
+    2 handlers, recycled every 50-60 jobs (max_jobs); meanwhile `supervisor scale 4` (its new
+    workers seen running jobs), POST /scale?workers=2 (the two retired, gone), a recycle seen,
+    then a SIGHUP that sets workers.concurrency = 1 and max_jobs = 0 (both read at fork: every
+    worker is replaced, the replacement first). Each step is seen done while jobs are still
+    stored. From the journal: per key no job started before the previous one of its key ended,
+    every job ran once and is done, and the reload's workers ran one job at a time (they took
+    the new config), beside the old ones."""
+    workers = {"count": 2, "concurrency": 2, "max_jobs": 50, "max_jobs_jitter": 10, "handler": HANDLER}
+    sup = supervisor_factory(nats_server, workers=workers, ordering=ORDERED, args=("--log-format", "json"))
+    sup.wait_ready()
+    feed = KeyedFeed(nats_server, random.Random(34), keys=12, longest=0.03)
+    feed.wait(lambda: len(done(sup)) >= 60, what="the load flowing")
+
+    def first_in_slots(*slots: int) -> dict[int, int]:
+        """slot -> the first worker ready in it."""
+        first: dict[int, int] = {}
+        for e in sup.events("worker_ready"):
+            if e["slot"] in slots:
+                first.setdefault(e["slot"], e["worker_pid"])
+        return first
+
+    def ran_jobs(pids) -> bool:
+        started = {r.pid for r in sup.jobs.started()}
+        return bool(pids) and all(pid in started for pid in pids)
+
+    r = run_cli("scale", "4", "--url", sup.http)
+    assert r.returncode == 0, r.stdout + r.stderr
+    feed.wait(lambda: len(added := first_in_slots(2, 3)) == 2 and ran_jobs(added.values()),
+              what="scaled up to 4, the new workers running jobs")
+    request = urllib.request.Request(f"http://{sup.http}/scale?workers=2", method="POST")
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        assert answer.status == 202
+    feed.wait(lambda: len(retired := sup.events("worker_retiring", reason="scaled down")) == 2
+              and not {e["worker_pid"] for e in retired} & sup.worker_pids(), what="scaled down to 2")
+    feed.wait(lambda: any("max_jobs" in e["reason"] for e in sup.events("worker_recycling")),
+              what="a worker recycled (max_jobs)")
+    sup.config_path.write_text(tomli_w.dumps({**sup.config, "workers": {**workers, "concurrency": 1,
+                                                                        "max_jobs": 0}}))
+    sup.signal(signal.SIGHUP)
+    reloaded = feed.wait(lambda: sup.events("reload_applied", key="workers.concurrency"), what="the reload")[0]["ts"]
+
+    def forked_after_the_reload() -> list[dict]:
+        asked = time.time()
+        workers = sup.status()["workers"]["list"]
+        return workers if len(workers) == 2 and all(w["state"] == "ready" and w["uptime_s"] < asked - reloaded
+                                                    for w in workers) else []
+    reborn = {w["pid"] for w in feed.wait(forked_after_the_reload, what="every worker replaced by the reload")}
+    seqs, key_of = set(feed.key_of), feed.key_of
+    wait_until(lambda: seqs <= done(sup), timeout=120, what="every job done")
+
+    runs = runs_of(sup)
+    print(f"{len(seqs)} jobs on {len({r.pid for r in runs})} workers; stored when each step was seen done: "
+          f"{feed.stored_at}; recycled {len(sup.events('worker_recycling'))} times")
+    assert_in_order(runs, key_of)
+    assert sorted(r.seq for r in runs) == sorted(seqs), "a job ran twice, or never: no fault here explains it"
+    assert all(r.end is not None for r in runs), "a run never ended"
+    assert all(stored > 0 for stored in feed.stored_at.values()), f"a step was done after the load: {feed.stored_at}"
+    scaling = [(e["from"], e["to"], e["source"]) for e in sup.events("scaling")]
+    assert [(a, b) for a, b, _ in scaling] == [(2, 4), (4, 2)], scaling
+    # The steps were taken under the load: the workers scaled up ran jobs (waited for above), so
+    # did the ones scaled down, and the reload's workers (forked after it) ran one job at a time,
+    # beside the old ones.
+    runs_by: dict[int, list[Run]] = {}
+    for r in runs:
+        runs_by.setdefault(r.pid, []).append(r)
+    retired = {e["worker_pid"] for e in sup.events("worker_retiring", reason="scaled down")}
+    assert any(pid in runs_by for pid in retired), "the workers scaled down had run no job"
+    assert all(runs_by.get(pid) for pid in reborn), "a worker forked after the reload ran no job"
+    for pid in reborn:
+        mine = sorted(runs_by[pid], key=lambda r: r.start)
+        assert all(b.start >= a.end for a, b in zip(mine, mine[1:])), f"worker {pid} ran 2 jobs at once after the reload"
+    old_last = max(r.end for r in runs if r.pid not in reborn)     # no recycling after the reload: older
+    assert min(r.start for pid in reborn for r in runs_by[pid]) < old_last, \
+        "the reload's workers started after the old ones had stopped: they never served side by side"
 
 
 # ---------------------------------------------------------------- beside a pool that is not ordered
