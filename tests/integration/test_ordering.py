@@ -206,6 +206,33 @@ def test_a_long_job_of_one_key_holds_up_no_other_key(nats_server, supervisor_fac
     wait_until(lambda: long_job in done(sup), what="kA's job done")
 
 
+def test_a_held_key_whose_jobs_fill_max_ack_pending_holds_back_every_other_key(nats_server, supervisor_factory,
+                                                                                tmp_path):
+    """The limit README "Ordered per key" states: a key held back holds back no other key only
+    while its waiting jobs stay below consumer.max_ack_pending. kA's first job runs until the
+    test says, max_ack_pending = 6: kA's next jobs are delivered and parked until the consumer
+    has 6 out, and kB's job, stored behind them, is not delivered (nothing can be acked: every
+    job out waits for kA's first) until kA's first ends. Then all run, in order."""
+    gate = tmp_path / "gate"
+    sup = supervisor_factory(nats_server, workers={"count": 2, "handler": HANDLER}, ordering=ORDERED,
+                             consumer={"max_ack_pending": 6})
+    sup.wait_ready(2)
+    jobs = [("jobs.kA", f"until:{gate}"), *(("jobs.kA", "0") for _ in range(8)), ("jobs.kB", "0")]
+    seqs = publish_keyed(nats_server.url, jobs)
+    try:
+        wait_until(lambda: nats_server.consumer()["num_ack_pending"] == 6 and sup.status()["ordering"]["parked"] == 5,
+                   what="the consumer full: kA's first running, 5 of its jobs parked")
+        consumer = nats_server.consumer()
+        assert consumer["num_pending"] == 4 and seqs[-1] not in {r.seq for r in sup.jobs.started()}, consumer
+    finally:
+        gate.touch()
+    wait_until(lambda: set(seqs) <= done(sup), what="every job done once kA's first ended")
+    runs = runs_of(sup)
+    assert_in_order(runs, {s: subject for s, (subject, _) in zip(seqs, jobs)})
+    [held], [kb] = ([r for r in runs if r.seq == seq] for seq in (seqs[0], seqs[-1]))
+    assert held.end is not None and kb.start > held.end, "kB's job did not wait for kA's first"
+
+
 def test_a_retiring_worker_gives_back_at_once_what_waits_for_its_keys_turn(nats_server, supervisor_factory, tmp_path):
     """F16 (seed 702): a retiring worker (recycled: max_jobs, max_rss_mb, a reload; here its
     SIGUSR1) let a job parked for its key's turn wait within graceful_timeout, and start when the
