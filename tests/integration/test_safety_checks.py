@@ -75,7 +75,7 @@ def test_a_death_while_the_parent_is_away_is_listed_in_transit_unchecked(nats_se
     from test_reliability import catch_in_flight
 
     ack_wait = 60.0
-    proxy = Refuse(nats_server.port).start()
+    proxy = Refuse(nats_server).start()
     try:
         sup = supervisor_factory(nats_server, workers={"count": 1}, consumer={"ack_wait": ack_wait},
                                  restart={"backoff_initial": 0.05}, nats={"servers": [proxy.url]})
