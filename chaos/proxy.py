@@ -344,9 +344,8 @@ class Proxy:
         who = Client(next(self.numbers))
         self.clients[who.conn] = who
         conn = Conn((c_reader, c_writer), (s_reader, s_writer), who)
-        peer = c_writer.get_extra_info("peername")
-        if peer:                               # looked up beside the forwarding, in a thread
-            self.owners[who.conn] = asyncio.ensure_future(self.identify(who, peer[1]))
+        peer = c_writer.get_extra_info("peername")     # looked up in a thread (queue_to_client waits)
+        self.owners[who.conn] = asyncio.ensure_future(self.identify(who, peer[1] if peer else 0))
         conn.flowing.set()
         self.conns.add(conn)
         conn.tasks = [asyncio.ensure_future(self.client_to_server(conn)),
@@ -357,7 +356,7 @@ class Proxy:
         """The pid of the client's process, while its connection is still open (a few tries: the
         kernel lists the socket at once, the process may be mid-fork)."""
         loop = asyncio.get_running_loop()
-        for _ in range(3):
+        for _ in range(3 if peer_port else 0):
             who.pid, who.ppid = await loop.run_in_executor(None, socket_owner, peer_port, self.port)
             if who.pid:
                 return
@@ -428,9 +427,14 @@ class Proxy:
 
     async def queue_to_client(self, conn: Conn) -> None:
         """Write on what the server sent, in order, whenever the connection flows; close both sides
-        after the server's end (when it flows: a stalled client must not see the close either)."""
+        after the server's end (when it flows: a stalled client must not see the close either).
+        Nothing goes on before the client's pid is known: a client waits for the server's INFO
+        before it sends CONNECT, so its socket is still open then (a rule's cut at CONNECT closes
+        it at once)."""
         _, writer = conn.client
         tail = b""
+        with contextlib.suppress(Exception):
+            await self.owners[conn.who.conn]
         try:
             while True:
                 while not conn.down:
