@@ -37,8 +37,10 @@ the journal, not trusted). Per job (stream sequence):
   graceful_timeout that ran out; from its death, if the server handed the delivery to a process
   already dead), on its connection (a cut, stall or reset the proxy saw hit it: an orphan of the
   slot a worker-cut's name also matched is hit too), on the supervisor that had forked it (its
-  SIGKILL, its link cut or stalled, a SIGHUP, a scale, a pause), and the server's own (a kill,
-  a stall); the lag counts from the hand-out (from when the proxy wrote it on). The wait is
+  SIGKILL, its link cut or stalled; a SIGHUP, a scale, a pause while the holder lived: a routine
+  operation acts on the living workers, and a dead one's jobs are then the death's, seed 52),
+  and the server's own (a kill, a stall); the lag counts from the hand-out (from when the proxy
+  wrote it on). The wait is
   outside only if that set is not empty and every fault in it is outside; a holder nothing
   touched leaves it the supervisor's (a worker that was written a job and never ran it). A
   fault elsewhere, in control or not, no longer decides it (seed 705: a SIGSTOP of another
@@ -555,16 +557,18 @@ def holders_of(handed: dict[tuple[int, int], list[Handout]], seq: int, before: l
 def on_holders(ev: Evidence, holders: list[Handout], end: float) -> list[Fault]:
     """The faults that acted on a holder from its hand-out to `end`: on its process (a kill, a
     stop, a graceful_timeout that ran out), on its connection (a cut, stall or reset the proxy
-    saw hit it), on the supervisor that had forked it (its SIGKILL, its link, a SIGHUP, a scale,
-    a pause), or on every connection (the server's). A holder already dead when the proxy read
-    the delivery (the server handed it to a connection whose process had just died) counts
-    from its death."""
+    saw hit it), on the supervisor that had forked it (its SIGKILL, its link to the end; a
+    SIGHUP, a scale, a pause while the holder lived), or on every connection (the server's). A
+    holder already dead when the proxy read the delivery (the server handed it to a connection
+    whose process had just died) counts from its death."""
     out: list[Fault] = []
     for h in holders:
         life = ev.lives.get(h.pid)
         parent = life.parent if life is not None and life.parent else (h.ppid if h.ppid > 1 else None)
-        lo = min(h.came, life.died) if life is not None and life.died is not None else h.came
-        out += [f for f in ev.faults if f.holds(h, parent, lo - SLACK, end + SLACK) and all(f is not g for g in out)]
+        died = life.died if life is not None else None
+        lo = h.came if died is None else min(h.came, died)
+        out += [f for f in ev.faults if f.holds(h, parent, lo - SLACK, end + SLACK, None if died is None else died + SLACK)
+                and all(f is not g for g in out)]
     return sorted(out, key=lambda f: f.t0)
 
 

@@ -70,13 +70,24 @@ class Fault:
         """Did this fault act on `pid` at some moment in [lo, hi]?"""
         return (self.pids is None or pid in self.pids) and self.t0 <= hi and self.t1 >= lo
 
-    def holds(self, holder: Handout, parent: int | None, lo: float, hi: float) -> bool:
+    @property
+    def routine(self) -> bool:
+        """A routine operation on a supervisor (SIGHUP, scale, pause: chaos/randomized.py op)."""
+        return self.kind.startswith("op: ")
+
+    def holds(self, holder: Handout, parent: int | None, lo: float, hi: float, died: float | None = None) -> bool:
         """Did this fault act, at some moment in [lo, hi], on the process or the connection that
-        was handed a delivery, or on the supervisor that process belonged to (`parent`)?"""
+        was handed a delivery, or on the supervisor that process belonged to (`parent`)? A
+        routine operation acts on the supervisor's living workers (a reload, a scale, a pause):
+        only while the holder lived (until `died`); its SIGKILL or its link also stop what it
+        does for a dead worker's jobs, to the end."""
         if self.t0 > hi or self.t1 < lo:
             return False
-        return (self.pids is None or holder.pid in self.pids or holder.conn in self.conns
-                or (parent is not None and self.parent == parent))
+        if self.pids is None or holder.pid in self.pids or holder.conn in self.conns:
+            return True
+        if parent is None or self.parent != parent:
+            return False
+        return not self.routine or died is None or self.t0 <= died
 
     def name(self, origin: float) -> str:
         who = " (every worker)" if self.pids is None else "".join(f" (pid {p})" for p in sorted(self.pids))

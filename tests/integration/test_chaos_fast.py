@@ -310,7 +310,8 @@ def test_checker_charges_a_never_started_wait_only_to_what_touched_its_holder():
     (in control) fell in the AckWait window. Without the holder every fault in the window is a
     culprit and the wait is charged; with it only what touched pid 1, its connection or its
     supervisor counts: a routine SIGHUP or scale of another supervisor no longer charges, one of
-    its own still does, and so does a kill of the holder that is in control."""
+    its own while the holder lived still does (after its death, not), its own link cut does, and
+    so does a kill of the holder that is in control."""
     in_transit = Fault("worker SIGKILL", T0 + 5.0, T0 + 5.1, frozenset({1}), unstarted_in_control=False)
     elsewhere = [Fault("worker SIGSTOP 5.8s", T0 + 10.0, T0 + 15.8, frozenset({5})),
                  Fault("op: SIGHUP (workers.batch=4)", T0 + 12.0, T0 + 12.0, frozenset(), parent=200),
@@ -320,9 +321,17 @@ def test_checker_charges_a_never_started_wait_only_to_what_touched_its_holder():
     assert (report.counts["ackwait"], report.counts["ackwait_outside"]) == (0, 1)
     (text,) = [f.text for f in report.findings if f.verdict == "ackwait_outside"]
     assert "handed to pid 1 (connection #3 'chaos-a worker 0') +1.00s" in text and "SIGSTOP" not in text, text
-    own_hup = Fault("op: SIGHUP (workers.batch=4)", T0 + 12.0, T0 + 12.0, frozenset(), parent=100)
+    own_hup = Fault("op: SIGHUP (workers.batch=4)", T0 + 4.0, T0 + 4.0, frozenset(), parent=100)
     assert handed([in_transit, own_hup])["ackwait"] == 1
     assert handed([Fault("worker SIGKILL", T0 + 5.0, T0 + 5.1, frozenset({1}))])["ackwait"] == 1
+    own_cut = Fault("network: the parent's connection cut 2s", T0 + 12.0, T0 + 14.0, frozenset(), parent=100)
+    assert handed([in_transit, own_cut])["ackwait"] == 1
+    # Seed 52: a routine SIGHUP of its supervisor 10 s after the holder's death, which a peer on
+    # the consumer leaves to AckWait: it acts on the living workers, not on the dead one's jobs.
+    dead = {**LIVES, 1: Life(1, T0, T0 + 5.1, parent=100)}
+    later_hup = Fault("op: SIGHUP (workers.max_jobs=35)", T0 + 15.0, T0 + 15.0, frozenset(), parent=100)
+    assert check(evidence(BACK, [in_transit, later_hup], lives=dead, handouts=[HOLDER])).counts["ackwait"] == 0
+    assert check(evidence(BACK, [in_transit, own_hup], lives=dead, handouts=[HOLDER])).counts["ackwait"] == 1
 
 
 def test_checker_excuses_a_never_started_wait_by_an_outside_fault_on_its_holder_alone():
