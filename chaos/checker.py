@@ -590,7 +590,8 @@ def holder_context(ev: Evidence, holders: list[Handout], culprits: list[Fault]) 
     parts = []
     for h in holders:
         life = ev.lives.get(h.pid)
-        exited = f", pid {h.pid} exited +{life.died - ev.origin:.2f}s" if life and life.died is not None else ""
+        exited = (f", pid {h.pid} gone from its supervisor's workers +{life.died - ev.origin:.2f}s (an exit, or "
+                  "its parent's death)" if life and life.died is not None else "")
         parts.append(h.held(ev.origin) + exited)
     touched = "; ".join(f.name(ev.origin) for f in culprits[:4]) or "no fault touched it"
     return f"{'; '.join(parts)}; touched by: {touched}"

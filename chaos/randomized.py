@@ -483,12 +483,14 @@ def peer_rule(act: Act) -> dict[str, Any]:
 
 
 def worker_stop(act: Act, p: dict) -> None:
-    """SIGSTOP, then SIGCONT after the drawn time; longer than heartbeat_timeout, the parent kills it."""
+    """SIGSTOP, then SIGCONT after the drawn time; longer than heartbeat_timeout, the parent kills it
+    (with a peer on the consumer what was on the wire to it then waits for AckWait, as at any
+    death: peer_rule; a shorter stop reads it when it goes on)."""
     sup = act.sup(p)
     pid = act.victim(sup, p["pick"])
     if pid is None:
         return
-    f = act.run.fault(f"worker SIGSTOP {p['seconds']:g}s", time.monotonic(), pids={pid})
+    f = act.run.fault(f"worker SIGSTOP {p['seconds']:g}s", time.monotonic(), pids={pid}, **peer_rule(act))
     with_pid(pid, signal.SIGSTOP)
     time.sleep(p["seconds"])
     with_pid(pid, signal.SIGCONT)

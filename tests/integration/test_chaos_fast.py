@@ -363,7 +363,8 @@ def test_checker_charges_a_never_started_wait_whose_holder_nothing_touched():
     assert "handed to pid 1" in text and "no fault touched it" in text, text
     recycled = {**LIVES, 1: Life(1, T0, T0 + 6.0, parent=100)}
     report = check(evidence(BACK, [], lives=recycled, handouts=[HOLDER]))
-    assert [f.text for f in report.findings if f.verdict == "ackwait" and "pid 1 exited +6.00s" in f.text]
+    assert [f.text for f in report.findings if f.verdict == "ackwait" and "pid 1 gone from its supervisor's workers +6.00s"
+            in f.text]
 
 
 def test_checker_judges_a_holder_dead_before_the_hand_out_by_its_death():
