@@ -66,7 +66,11 @@ the journal, not trusted). Per job (stream sequence):
   delivery ran out while the link held it. That names the job, the delivery and the fault, so it
   holds whatever else happened in the window (seed 600: SIGHUPs and a scale, routine, fell inside
   the window of a never-started delivery and charged it, although the proxy had held it in a
-  worker's stalled link all along).
+  worker's stalled link all along). Likewise a first delivery that never started, handed to a
+  worker whose death's in-transit check had not run when its supervisor was SIGKILLed (the
+  rig's read of /status `crosscheck.in_transit_unchecked` just before the kill: that pid, the
+  seq inside the window the check would have searched; `unchecked_at_kill`, given the pid the
+  proxy wrote the delivery to): nothing could NAK it, and the successor cannot know it.
 - unacked: still in the work-queue stream at the end (an ack that never landed).
 - ticks_extra: firings of the drawn `[schedules.tick]` beyond one per period over the time it
   could exist (from the first supervisor's start to its removal when the load ends): a schedule
@@ -164,6 +168,10 @@ class Evidence:
     # `crosscheck.left_to_ack_wait` entries (each: stream_seq, delivery, pid, waits) of the
     # supervisors SIGKILLed on the way, from their last /status (the living's: `statuses`).
     left_to_ack_wait: list[dict] = field(default_factory=list)
+    # Dead workers whose in-transit check had not run when their supervisor was SIGKILLed: /status
+    # `crosscheck.in_transit_unchecked` read by the rig just before the kill (each: pid, died (the
+    # rig's clock), after_seq and up_to_seq (the window of first deliveries; None: unknown), why).
+    in_transit_unchecked: list[dict] = field(default_factory=list)
     pools: dict[str, str] = field(default_factory=dict)    # with pools: "main"/"side" -> consumer
     # Every work-queue delivery the chaos proxy carried: who was handed it, when, written on when
     # (empty: the run had no proxy).
@@ -411,7 +419,9 @@ class Checker:
         held = held_in_link(self.ev, seq, run)
         started = bool(before) and not holders
         outside = held or (culprits and all(not f.controls(started=started) for f in culprits))
-        named = "" if outside else named_at_death(self.named, seq, before, run)
+        holder = holders[-1].pid if holders else 0          # the last hand-out: the delivery's own
+        named = "" if outside else named_at_death(self.named, seq, before, run, holder=holder,
+                                                  unchecked=self.ev.in_transit_unchecked)
         verdict = "ackwait_outside" if outside or named else "ackwait"
         c[verdict] += 1
         context = holder_context(self.ev, holders, culprits) if holders else wait_context(self.ev, run.start, culprits)
@@ -597,15 +607,39 @@ def holder_context(ev: Evidence, holders: list[Handout], culprits: list[Fault]) 
     return f"{'; '.join(parts)}; touched by: {touched}"
 
 
-def named_at_death(names: dict, seq: int, before: list[RunOfJob], run: RunOfJob) -> str:
+def named_at_death(names: dict, seq: int, before: list[RunOfJob], run: RunOfJob, holder: int = 0,
+                   unchecked: list[dict] | None = None) -> str:
     """Why a supervisor's ledger said, at a worker's death, that this redelivery would wait for
     AckWait (F10), or "": the previous run's own delivery and pid must be the ones it named, and
     this run the very next delivery; when the delivery before this one never started (NAKed
-    unstarted by a drain), its number alone (no run to take a pid from)."""
+    unstarted by a drain), its number alone (no run to take a pid from). A delivery that never
+    started and was handed to worker `holder` (the proxy saw it written to that pid; 0: not
+    known) may also be named by the supervisor's last /status before its SIGKILL, as in transit
+    to a dead worker whose in-transit check had not run (`unchecked_at_kill`)."""
     named = names.get((seq, run.delivery - 1), {})
     if before and before[-1].delivery == run.delivery - 1:
         return named.get(before[-1].pid, "")
-    return next(iter(named.values()), "")
+    return next(iter(named.values()), "") or unchecked_at_kill(unchecked or [], seq, run.delivery - 1, holder)
+
+
+def unchecked_at_kill(unchecked: list[dict], seq: int, delivery: int, holder: int) -> str:
+    """Why `delivery` of job `seq`, handed to worker `holder` and never started, waited for
+    AckWait, or "": its supervisor was SIGKILLed while `holder`'s death had its in-transit check
+    still to run (`Evidence.in_transit_unchecked`, the supervisor's last /status), so nothing
+    could NAK it and nothing names it since. Only a first delivery, and only inside the window
+    that check would have searched as far as the supervisor knew it (stream seq above
+    `after_seq`, at most `up_to_seq`; an unknown bound does not narrow it): a redelivery on a
+    dead worker's wire is another check's (its seq is below any such window)."""
+    if delivery != 1 or not holder:
+        return ""
+    for u in unchecked:
+        lo, hi = u.get("after_seq"), u.get("up_to_seq")
+        if int(u["pid"]) != holder or (lo is not None and seq <= lo) or (hi is not None and seq > hi):
+            continue
+        window = f"seq {'?' if lo is None else lo + 1}..{'?' if hi is None else hi}"
+        return (f"delivery {delivery} was in transit to pid {holder} at its death, whose in-transit check "
+                f"({window}) had not run when its supervisor was SIGKILLed ({u.get('why', '')})")
+    return ""
 
 
 def first_copy(seq: int, keys: dict[int, str], copies: set[int]) -> int:

@@ -345,22 +345,12 @@ class Proxy:
         self.clients[who.conn] = who
         conn = Conn((c_reader, c_writer), (s_reader, s_writer), who)
         peer = c_writer.get_extra_info("peername")     # looked up in a thread (queue_to_client waits)
-        self.owners[who.conn] = asyncio.ensure_future(self.identify(who, peer[1] if peer else 0))
+        self.owners[who.conn] = asyncio.ensure_future(identify(who, peer[1] if peer else 0, self.port))
         conn.flowing.set()
         self.conns.add(conn)
         conn.tasks = [asyncio.ensure_future(self.client_to_server(conn)),
                       asyncio.ensure_future(self.server_to_queue(conn)),
                       asyncio.ensure_future(self.queue_to_client(conn))]
-
-    async def identify(self, who: Client, peer_port: int) -> None:
-        """The pid of the client's process, while its connection is still open (a few tries: the
-        kernel lists the socket at once, the process may be mid-fork)."""
-        loop = asyncio.get_running_loop()
-        for _ in range(3 if peer_port else 0):
-            who.pid, who.ppid = await loop.run_in_executor(None, socket_owner, peer_port, self.port)
-            if who.pid:
-                return
-            await asyncio.sleep(0.01)
 
     async def client_to_server(self, conn: Conn) -> None:
         """The first line a NATS client sends is CONNECT: learn the name, apply the rules."""
@@ -479,6 +469,17 @@ class Proxy:
                 at = seen.find(needle, at + 1)
         keep = max(map(len, needles)) - 1
         return seen[len(seen) - keep:] if keep else b""
+
+
+async def identify(who: Client, peer_port: int, port: int) -> None:
+    """The pid of the client's process, while its connection is still open (a few tries: the
+    kernel lists the socket at once, the process may be mid-fork)."""
+    loop = asyncio.get_running_loop()
+    for _ in range(3 if peer_port else 0):
+        who.pid, who.ppid = await loop.run_in_executor(None, socket_owner, peer_port, port)
+        if who.pid:
+            return
+        await asyncio.sleep(0.01)
 
 
 def unwritten(conn: Conn) -> list[tuple[float, bytes, list[Sent]]]:

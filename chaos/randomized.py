@@ -53,7 +53,7 @@ from workers.protocol.limitkeys import LEASE_TTL, RENEW_EVERY, rate_window
 from .checker import VERDICTS
 from .core import Result, run_with
 from .facts import Fault
-from .rig import SIDE, SIDE_SUBJECT, SUBJECT, ChaosNats, Run
+from .rig import SIDE, SIDE_SUBJECT, SUBJECT, ChaosNats, Run, named_before_kill
 
 Cfg = dict[str, Any]             # "section.key" (a supervisor key) or "chaos.knob" -> value
 
@@ -566,12 +566,7 @@ def parent_kill(act: Act, p: dict) -> None:
     if not act.live(sup):
         return
     pids = sup.worker_pids()
-    # What its ledger left to AckWait so far, with why (checker.py); and the NAKs it holds back
-    # while disconnected, which die with it: both wait for AckWait (or a peer's release) now.
-    before = sup.try_status()
-    cc = before["crosscheck"] if before else {}
-    act.run.left_to_ack_wait += cc.get("left_to_ack_wait", []) + [
-        {**o, "waits": f"{o['waits']} when the supervisor was SIGKILLed"} for o in cc.get("naks_in_doubt", [])]
+    named_before_kill(act.run, sup)     # what the kill leaves to AckWait, as its /status names it (checker.py)
     f = act.run.fault("parent SIGKILL, then a new supervisor", time.monotonic(), pids=pids, parent=sup.proc.pid,
                       **peer_rule(act))
     sup.proc.kill()

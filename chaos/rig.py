@@ -79,6 +79,23 @@ def handouts(run: Run) -> list[Handout]:
     return out
 
 
+def named_before_kill(run: Run, sup: SupervisorProc) -> None:
+    """What a supervisor about to be SIGKILLed names as left to AckWait by the kill (its /status
+    now): jobs its ledger left to AckWait, NAKs it holds back or has not confirmed (they die with
+    it), and dead workers whose in-transit check has not run (what was on their wire waits for
+    AckWait now, and no one else can name it: `died` on the rig's clock, the supervisor's host's)."""
+    status = sup.try_status()
+    read_at = time.monotonic()
+    cc = status["crosscheck"] if status else {}
+    run.left_to_ack_wait += cc.get("left_to_ack_wait", []) + [
+        {**o, "waits": f"{o['waits']} when the supervisor was SIGKILLed"} for o in cc.get("naks_in_doubt", [])]
+    run.in_transit_unchecked += [{**u, "died": read_at - u["age_s"]} for u in cc.get("in_transit_unchecked", [])]
+    for u in cc.get("in_transit_unchecked", []):
+        run.notes.append(f"{run.at(read_at)}: before its SIGKILL the supervisor named the in-transit check of "
+                          f"worker pid {u['pid']} (died {run.at(read_at - u['age_s'])}) as not run: seq "
+                          f"{u['after_seq']}<..<={u['up_to_seq']}, {u['credits']} credit(s), waiting for: {u['why']}")
+
+
 def copies_for_later(journal: list[Rec], published: dict[int, Stored]) -> dict[int, Stored]:
     """[retry]'s copies for later (retry.republish_after: a long delay re-publishes the job as a
     new message, its key kept): a sequence the publisher did not store that runs a key an
@@ -360,6 +377,7 @@ class Run:
         self.status: dict | None = None
         self.notes: list[str] = []                   # what the run saw that the verdicts do not say
         self.left_to_ack_wait: list[dict] = []       # what SIGKILLed supervisors' ledgers had named (checker.py)
+        self.in_transit_unchecked: list[dict] = []   # their deaths whose in-transit check had not run (named_before_kill)
 
     def pick(self, quick: Any, full: Any) -> Any:
         return quick if self.quick else full
@@ -456,11 +474,9 @@ class Run:
 
     # ------------------------------------------------------------ faults
 
-    def fault(self, kind: str, t0: float, t1: float | None = None, pids: set[int] | None = None,
-              in_control: bool = True, note: str = "", unstarted_in_control: bool | None = None,
-              parent: int | None = None) -> Fault:
-        f = Fault(kind, t0, t0 if t1 is None else t1, None if pids is None else frozenset(pids), in_control, note,
-                  unstarted_in_control, parent=parent)
+    def fault(self, kind: str, t0: float, t1: float | None = None, pids: set[int] | None = None, **more: Any) -> Fault:
+        """Log a fault (`more`: Fault's in_control, note, unstarted_in_control, parent)."""
+        f = Fault(kind, t0, t0 if t1 is None else t1, None if pids is None else frozenset(pids), **more)
         self.faults.append(f)
         return f
 
@@ -547,10 +563,10 @@ class Run:
         stored.update(copies := copies_for_later(self.tail.poll(), self.publisher.stored))  # no firing of a delayed job
         ev = Evidence(ticks_extra=ticks, stored=stored, journal=self.tail.poll(), faults=self.faults, ack_wait=self.ack_wait,
                       origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead,
-                      status=self.status, statuses=[s for s in statuses if s],
-                      sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), drains=self.drains,
+                      status=self.status, statuses=[s for s in statuses if s], copies=set(copies), drains=self.drains,
+                      sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), handouts=handouts(self),
                       healthz_s=max(self.healthz) if self.healthz else None, pools=dict(self.pools),
-                      left_to_ack_wait=self.left_to_ack_wait, copies=set(copies), handouts=handouts(self))
+                      left_to_ack_wait=self.left_to_ack_wait, in_transit_unchecked=self.in_transit_unchecked)
         return check(ev)
 
     def ledger_status(self, sup: SupervisorProc) -> dict | None:

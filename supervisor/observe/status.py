@@ -216,4 +216,8 @@ def health(snap: Snapshot) -> tuple[bool, str]:
 
 def title(snap: Snapshot) -> str:
     """What `ps` shows after `supervisor: parent [STREAM/CONSUMER]`."""
-    return f"{snap.pool.ready}/{snap.pool.target} ready" + (f", {snap.state}" if snap.state != "running" else "")
+    return title_of(snap.pool.ready, snap.pool.target, snap.state)
+
+
+def title_of(ready: int, target: int, state: str) -> str:
+    return f"{ready}/{target} ready" + (f", {state}" if state != "running" else "")

@@ -62,6 +62,14 @@ def take(arbiter: Arbiter, fleet: Fleet | None, nc: Any, embedded: bool,
         schedules=dict(schedules or {}), ordering=lead.ordering, pools=pools)
 
 
+def headcount(arbiter: Arbiter) -> tuple[int, int]:
+    """(ready, target) of every pool together, as take()'s merged pool counts them, without reading
+    a slot table: the process title asks twice a second, and a full snapshot reads every entry of
+    every worker's table (most of the parent's CPU at 8 busy workers)."""
+    pools = [crew.pool for crew in (*arbiter.crews.values(), *arbiter.departing)]
+    return sum(p.ready_count() for p in pools), sum(p.target for p in pools)
+
+
 def ordering_view(crew: Crew, now: float) -> OrderingView | None:
     """[ordering] in one pool: the parked jobs of its living workers, grouped by key, longest
     waiting first; its counters; its monitor's count of the jobs per key under its filter."""
@@ -89,7 +97,8 @@ def pool_snapshot(crew: Crew, now: float) -> PoolSnapshot:
         name=crew.name, cfg=cfg, pool=pool_view(crew, now),
         consumer=consumer_view(monitor, cfg.stream.name, cfg.consumer.name),
         lag=monitor.analyzer.report(now) if monitor else None, autoscale=crew.autoscale.status(now),
-        crosscheck={**ledger.crosscheck(now), "naks_in_doubt": crew.deaths.naks_in_doubt(now)},
+        crosscheck={**ledger.crosscheck(now), "naks_in_doubt": crew.deaths.naks_in_doubt(now),
+                    "in_transit_unchecked": crew.in_transit.unchecked(now)},
         ledger=dict(ledger.counts),
         outstanding=tuple({**o, **tag} for o in ledger.outstanding(now)),
         peers={"alone": bool(crew.peers.alone(now)), "heard": sorted(crew.peers.heard),

@@ -123,8 +123,7 @@ class Stats:
         now, latest = time.monotonic(), None
         for w in self.living():
             beat = w.table.heartbeat()
-            if w.status is None and liveness.beat_fresh(now, beat) and any(
-                    e.state == slots.RUNNING and (not job_timeout or now - e.t_started < job_timeout)
-                    for e in w.table.snapshot()):
+            if w.status is None and liveness.beat_fresh(now, beat) and w.table.running_since(
+                    now - job_timeout if job_timeout else 0.0):
                 latest = beat if latest is None else max(latest, beat)
         return latest

@@ -31,7 +31,7 @@ from supervisor.nats import provision, schedules
 from supervisor.nats.embedded import EmbeddedServer
 from supervisor.observe.http import STOPPING, HttpServer
 from supervisor.observe.snapshot import Snapshot
-from supervisor.observe.status import title
+from supervisor.observe.status import title_of
 from supervisor.parent import snapshots
 from supervisor.parent.arbiter import Arbiter
 from supervisor.parent.crew import Code, Crew
@@ -450,11 +450,15 @@ class Supervisor:
         TITLE_INTERVAL; the arbiter is not disturbed)."""
         shown = ""
         while True:
-            state = title(self.snapshot())
+            state = self.title()
             if state != shown:
                 self.set_title(state)
                 shown = state
             await asyncio.sleep(TITLE_INTERVAL)
+
+    def title(self) -> str:
+        arbiter = self.parts()[0]
+        return title_of(*snapshots.headcount(arbiter), arbiter.state)
 
     # ------------------------------------------------------------ what the HTTP endpoint may ask (http.Commands)
 

@@ -14,6 +14,7 @@ import psutil
 from harness import publish_now, wait_until
 
 from supervisor.core.liveness import RENAK_AFTER
+from supervisor.parent.safety.in_transit import NOT_CONNECTED
 
 JSON_LOGS = ("--log-format", "json")
 
@@ -56,6 +57,48 @@ def test_a_nak_held_back_past_its_ack_wait_is_not_sent(nats_server, supervisor_f
         wait_until(lambda: seq in sup.jobs.done_seqs(), what="J done")
         wait_until(lambda: nats_server.stream_msgs() == 0, what="J acked")
         assert [r.delivery for r in sup.jobs.started() if r.seq == seq] == [1, 2]
+        assert sup.stop() == 0
+    finally:
+        proxy.stop()
+
+
+def test_a_death_while_the_parent_is_away_is_listed_in_transit_unchecked(nats_server, supervisor_factory):
+    """Worker W, SIGSTOPped with its pull request live, is sent job J (on its wire, in no table);
+    the parent's link is refused; W is SIGKILLed. The in-transit check needs NATS: it waits, and
+    a supervisor killed now would leave J to AckWait with nothing naming it (seed 700). So
+    /status `crosscheck.in_transit_unchecked` names W's death, the window of first deliveries
+    its wire may have held (J in it) and why the check waits. The link back, the check runs: J
+    is NAKed (back long before AckWait) and the entry is gone.
+    Without the field: red (KeyError); with the window's lower bound taken from the newest
+    reading before the death instead of W's last proof: red (`after_seq` is J)."""
+    from linkfaults import Refuse
+    from test_reliability import catch_in_flight
+
+    ack_wait = 60.0
+    proxy = Refuse(nats_server.port).start()
+    try:
+        sup = supervisor_factory(nats_server, workers={"count": 1}, consumer={"ack_wait": ack_wait},
+                                 restart={"backoff_initial": 0.05}, nats={"servers": [proxy.url]})
+        sup.wait_ready(1)
+        wait_until(lambda: sup.status()["peers"]["alone"], timeout=30, what="the supervisor sure it is alone")
+        victim = psutil.Process(sup.workers()[0].pid)
+        seq = catch_in_flight(sup, nats_server, victim)
+        # The parent's own reading shows J delivered before W dies: only W's last proof may bound
+        # the window from below (J is above it), never the newest reading before the death.
+        wait_until(lambda: (sup.status()["consumer"]["delivered_stream_seq"] or 0) >= seq,
+                   what="a ConsumerInfo of the parent's covering J's delivery")
+        proxy.refuse("jetstream-supervisor")
+        wait_until(lambda: not sup.status()["nats"]["connected"], what="the parent disconnected")
+        victim.kill()
+        [row] = wait_until(lambda: sup.status()["crosscheck"]["in_transit_unchecked"], what="the death listed")
+        assert (row["pid"], row["slot"], row["consumer"], row["why"]) == (victim.pid, 0, "workers", NOT_CONNECTED), row
+        assert row["credits"] >= 1 and row["after_seq"] is not None and row["after_seq"] < seq, row
+        assert row["up_to_seq"] is None, row        # no ConsumerInfo since the death: the parent is away
+        assert seq not in {r.seq for r in sup.jobs.started()}
+        proxy.allow()
+        wait_until(lambda: seq in sup.jobs.done_seqs(), timeout=ack_wait / 2, what="J found, NAKed and done")
+        cc = sup.status()["crosscheck"]
+        assert cc["in_transit_naked"] == 1 and cc["in_transit_unchecked"] == [], cc
         assert sup.stop() == 0
     finally:
         proxy.stop()

@@ -106,6 +106,26 @@ def test_entry_lifecycle(table, clock):
     assert table.header(HIGH_WATER) == 1           # high water never goes down
 
 
+def test_running_since_answers_as_a_snapshot_would(table, clock):
+    """The parent's "is a job running, started lately?" (stats.progress_beat) reads two words an
+    entry instead of a snapshot: the same answer for held, running, settled and freed entries."""
+    clock.now = 1.0
+    held = table.hold(1, 1, 1, b"r.1")
+    assert not table.running_since(0.0)
+    clock.now = 5.0
+    table.start(held)
+    assert table.running_since(0.0) and table.running_since(5.0) and not table.running_since(5.5)
+    clock.now = 9.0
+    later = table.hold(2, 2, 1, b"r.2")
+    table.start(later)
+    assert table.running_since(8.0)
+    table.mark(later, ACKED)
+    assert not table.running_since(8.0) and table.running_since(4.0)
+    table.release(later)
+    table.release(held)
+    assert not table.running_since(0.0)
+
+
 def test_free_list_is_lifo(table):
     assert [table.hold(s, s, 1, b"r") for s in (1, 2, 3)] == [0, 1, 2]
     table.release(1)

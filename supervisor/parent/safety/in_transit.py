@@ -106,6 +106,8 @@ class Loss:
     credits: int
     who: str
     read_before: float          # the dead worker's last proof: it read everything sent before this
+    pid: int = 0
+    slot: int = -1
 
 
 @dataclass
@@ -182,6 +184,10 @@ class WorkerNaks:
 
 @dataclass
 class InTransit:
+    """The in-transit check of one pool (the module's docstring). Long because the round's gates,
+    the scan for first deliveries and the redeliveries' proof read one state (the losses, the
+    ConsumerInfo readings, the failures, the sequences workers named), and act on it with no
+    await between the last look and the NAKs: split, each part would need the others' state."""
     cfg: Config
     nc: Any
     ledger: Any
@@ -193,7 +199,8 @@ class InTransit:
     stats: dict = field(default_factory=lambda: {"runs": 0, "naked": 0, "skipped": 0, "last_skipped": "",
                                                  "redeliveries_naked": 0, "waiting": ""})
     is_replicated: bool = False             # the last ConsumerInfo listed replicas
-    waiting: str = ""                       # why the round waits (a passing obstacle)
+    waiting: str = ""                       # why the round waits (a passing obstacle), said once ...
+    blocked: str = ""                       # ... and what held it at its last tick ("": it went on)
     failed_at: float = 0.0                  # when NATS last failed the round ...
     last_failure: str = ""                  # ... and how, and how many times this round
     failures: int = 0
@@ -201,11 +208,12 @@ class InTransit:
 
     # ------------------------------------------------------------ inputs
 
-    def death(self, t: float, credits: int, who: str, read_before: float, held: set[int] | None = None) -> None:
+    def death(self, t: float, credits: int, who: str, read_before: float, held: set[int] | None = None,
+              pid: int = 0, slot: int = -1) -> None:
         """`held`: the sequences in the dead worker's table."""
         self.worker_naks.died(who, credits, held or set())
         if credits > 0:
-            self.losses.append(Loss(t, credits, who, read_before))
+            self.losses.append(Loss(t, credits, who, read_before, pid, slot))
 
     def worker_nak(self, seq: int, delivery: int, at: float, delay: float, held_at: float, now: float,
                    by: str = "") -> None:
@@ -259,6 +267,7 @@ class InTransit:
         self.expire(now)
         if not self.losses:
             return
+        self.blocked = ""
         why = self.unsafe_here(alone)
         if why and why not in PASSING:
             self.done("skipped", why)       # not provably safe here: AckWait it is
@@ -296,6 +305,7 @@ class InTransit:
 
     def wait(self, why: str) -> None:
         """A passing obstacle: the round goes on at a later tick. Said once per reason."""
+        self.blocked = why
         if why != self.waiting:
             self.waiting = why
             self.stats["waiting"] = why
@@ -478,5 +488,36 @@ class InTransit:
         self.losses = [loss for loss in self.losses if loss not in ended]
         self.info, self.info_at = None, None
         if not self.losses:
-            self.waiting = self.stats["waiting"] = ""
+            self.waiting = self.stats["waiting"] = self.blocked = ""
             self.failed_at, self.last_failure, self.failures = 0.0, "", 0
+
+    # ------------------------------------------------------------ the view
+
+    def unchecked(self, now: float) -> list[dict]:
+        """/status `crosscheck.in_transit_unchecked`: each dead worker whose in-transit round has
+        not ended, with what may have been on its wire as far as the readings bound it (first
+        deliveries: stream seq above `after_seq`, at most `up_to_seq`; None: no such reading
+        yet), at most `credits` of them, and what the round waits for. An entry leaves when the
+        round ends: what it found is NAKed (`in_transit_checks.runs`), or it gives up
+        (`in_transit_checks.skipped`; the log's `in_transit_skipped` says why, and those
+        deliveries come back after AckWait, explained as in transit). A supervisor killed
+        meanwhile takes the round with it: its last /status is what names those deliveries."""
+        return [self.unchecked_row(loss, now) for loss in self.losses]
+
+    def unchecked_row(self, loss: Loss, now: float) -> dict:
+        low = self.floor([loss])
+        after = [r.delivered for r in self.readings if r.asked >= loss.t]   # a reading after the death bounds it
+        return {"pid": loss.pid, "slot": loss.slot, "consumer": self.cfg.consumer.name,
+                "age_s": round(now - loss.t, 3), "credits": loss.credits,
+                "after_seq": low.delivered if low else None, "up_to_seq": min(after, default=None),
+                "why": self.pending_why(loss)}
+
+    def pending_why(self, loss: Loss) -> str:
+        """What the round waits for, as of its last tick (or the death's, before the next tick)."""
+        if self.blocked:
+            return self.blocked
+        if not self.nc.is_connected:
+            return NOT_CONNECTED
+        if self.info_at is None or loss.t >= self.info_at.asked:
+            return "a ConsumerInfo read after the death"
+        return "every live worker to show what it holds (a PING it sent after that reading, answered)"
