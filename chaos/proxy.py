@@ -40,7 +40,6 @@ Runs on an asyncio loop (the chaos runner's background loop); every method is a 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
@@ -287,8 +286,7 @@ class Proxy:
         for n in numbers:
             fut = self.owners.get(n)
             if fut is not None:
-                with contextlib.suppress(Exception):
-                    await fut
+                await asyncio.wait([fut])          # never raises its error, never cancels it
 
     def hit(self, pattern: str, conns: list[Conn]) -> None:
         now = time.monotonic()
@@ -423,8 +421,9 @@ class Proxy:
         it at once)."""
         _, writer = conn.client
         tail = b""
-        with contextlib.suppress(Exception):
-            await self.owners[conn.who.conn]
+        # asyncio.wait: a drop cancels this task, and must not cancel the lookup with it (an
+        # awaited task is cancelled with its awaiter; handouts() would raise CancelledError).
+        await asyncio.wait([self.owners[conn.who.conn]])
         try:
             while True:
                 while not conn.down:

@@ -497,6 +497,36 @@ def test_the_proxy_knows_which_process_was_handed_each_delivery(nats_server):
     assert {(c.name, c.pid) for c in clients} == {("us", os.getpid()), ("w", pid)}
 
 
+def test_a_connection_gone_during_its_pid_lookup_leaves_the_proxy_readable(nats_server, monkeypatch):
+    """A client that closes while the proxy still looks for its pid (seed 604: the run's end broke
+    on CancelledError): the drop cancels the connection's writer, which waits for the lookup, and
+    must not cancel the lookup with it, or every later read of the records raises."""
+    import asyncio
+
+    import chaos.proxy as px
+
+    def slow(port: int, peer_port: int) -> tuple[int, int]:
+        time.sleep(0.1)                                    # the client is gone meanwhile
+        return 0, 0
+    monkeypatch.setattr(px, "socket_owner", slow)
+
+    async def scenario() -> list:
+        proxy = await px.Proxy("127.0.0.1", nats_server.port).start()
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            await asyncio.sleep(0.05)                      # the writer is waiting for the lookup now
+            writer.close()
+            for _ in range(200):
+                if proxy.accepted and not proxy.conns:
+                    break
+                await asyncio.sleep(0.01)
+            return [await proxy.connections(), await proxy.handouts(), await proxy.struck(".*", 0.0)]
+        finally:
+            await proxy.close()
+    clients, handouts, struck = asyncio.run(scenario())
+    assert [(c.name, c.pid) for c in clients] == [(None, 0)] and handouts == [] and struck == []
+
+
 def test_checker_takes_a_handler_retry_as_the_reason_for_the_next_delivery():
     retried = [("S", 1, 1, 1, 0.1), ("R", 1, 1, 1, 0.2), ("S", 1, 1, 2, 1.2), ("D", 1, 1, 2, 1.3)]
     c = check(evidence(retried)).counts
