@@ -50,8 +50,12 @@ import struct
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .facts import Handout
+
+if TYPE_CHECKING:
+    from harness import NatsServer
 
 log = logging.getLogger("chaos.proxy")
 CHUNK = 65536
@@ -175,8 +179,9 @@ class Conn:
 
 
 class Proxy:
-    def __init__(self, upstream_host: str, upstream_port: int):
-        self.upstream = (upstream_host, upstream_port)
+    def __init__(self, nats: NatsServer):
+        self.nats = nats
+        self.upstream = ("127.0.0.1", nats.port)
         self.conns: set[Conn] = set()
         self.rules: dict[str, str] = {}       # pattern -> "cut" | "stall"
         self.taps: dict[str, tuple[tuple[bytes, ...], tuple[bytes, ...]]] = {}   # pattern -> needles noted (tap)
@@ -194,7 +199,8 @@ class Proxy:
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        """The server's URL (its credentials: harness.NatsServer) with the proxy's port."""
+        return self.nats.url_at(self.port)
 
     async def start(self) -> Proxy:
         self.server = await asyncio.start_server(self.accept, "127.0.0.1", 0)

@@ -406,7 +406,7 @@ class Run:
                                             connect_timeout=2))
 
     def start_proxy(self, server: ChaosNats) -> Proxy:
-        self.proxy = self.bg.call(Proxy("127.0.0.1", server.port).start())
+        self.proxy = self.bg.call(Proxy(server).start())
         return self.proxy
 
     def start_supervisor(self, servers: list[str], env: dict[str, str] | None = None, ready: bool = True,

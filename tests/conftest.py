@@ -10,6 +10,7 @@ import pytest
 for _dir in ("support", "handlers"):       # the suite's helpers and the handlers its workers run
     sys.path.insert(0, str(Path(__file__).parent / _dir))
 
+import strays  # noqa: E402
 from harness import NatsServer, SupervisorProc, base_config  # noqa: E402
 
 # Every process the suite starts carries this variable (children inherit the environment), so at
@@ -37,6 +38,7 @@ LONG_FIRST = tuple(f"tests/integration/{name}.py" for name in (
     "test_promises_contract", "test_tracing", "test_limits_cluster", "test_status_cli_demo", "test_core",
     "test_fleet_release", "test_promises_delivery", "test_soak", "test_cluster_acks", "test_ux",
     "test_middleware")) + ("tests/unit/test_structure.py",)      # mypy and ruff: 10 s, last in collection
+STRAYS_FILE = "strays.jsonl"      # tests/support/strays.py's record, in the session's shared temp dir
 # Fixtures one test builds for the whole session while every other test that uses them waits on a
 # lock (test_bench_smoke's `smoke`: 80 s and more). Its first user starts first (its file leads
 # LONG_FIRST); the others go last, when it is long built, instead of holding workers idle on the lock.
@@ -89,6 +91,35 @@ def pytest_runtest_protocol(item, nextitem):
             out.write(f"{worker} {began:.3f} {time.time():.3f} {item.nodeid}\n")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Once the test's fixtures are torn down: what it left running (tests/support/strays.py)."""
+    before = getattr(item, "_strays_before", None)
+    tmp = (item.funcargs or {}).get("tmp_path")
+    yield
+    if before is not None:
+        strays.outlived(item.nodeid, tmp, before)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    """What runs before the test's body: a fixture of a wider scope (a database server kept for
+    the module) starts its processes and threads in the setup of the first test that uses it."""
+    item._strays_before = strays.Before()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Strays the session saw (F17): connections a test's server refused because they carried
+    another test's credentials, and processes and threads a test left running."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    lines = strays.summary(config._tmp_path_factory.getbasetemp() / STRAYS_FILE)
+    if lines:
+        terminalreporter.write_sep("=", f"strays ({len(lines)})")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_temp_and_state(tmp_path_factory):
     """Every process the suite starts gets a temp dir and a state home of the session's own (no
@@ -111,6 +142,8 @@ def private_temp_and_state(tmp_path_factory):
     shared = basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp
     os.environ["PYTHONPYCACHEPREFIX"] = str(shared / "pycache")
     os.environ[SESSION_MARK] = mark
+    # One record for every xdist worker, kept set past the session's end: the last test's teardown records too.
+    os.environ[strays.RECORD] = str(shared / STRAYS_FILE)
     (root / "tmp").mkdir()
     try:
         yield root

@@ -284,7 +284,8 @@ NAMED: dict[str, type] = {"schedules": ScheduleConfig, "limits": LimitConfig, "p
 # Keys that were in a plan or a release and are no more: setting one is exit 2 saying why.
 RETIRED: dict[str, str] = {
     "ordering.partitions": "jobs are ordered per key by the stream itself: there are no partitions to hash keys "
-                           "into, and keys never wait for each other (README: Ordered per key); remove it",
+                           "into, so no key waits behind another hashed into its partition (README: Ordered per key); "
+                           "remove it",
 }
 
 

@@ -29,7 +29,7 @@ def beat_after(sup, t: float) -> bool:
 
 def test_an_ack_no_fence_confirmed_stays_in_the_table_and_is_naked_at_death(nats_server, supervisor_factory, tmp_path):
     gate = tmp_path / "finish"
-    proxy = CutProxy(nats_server.port).start()
+    proxy = CutProxy(nats_server).start()
     try:
         sup = supervisor_factory(nats_server, workers={"count": 1}, consumer={"ack_wait": ACK_WAIT},
                                  nats={"servers": [proxy.url]}, args=JSON_LOGS)

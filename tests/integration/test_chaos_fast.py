@@ -404,7 +404,7 @@ def test_the_proxy_names_each_delivery_a_stalled_link_kept_from_its_worker(nats_
     from chaos.proxy import Proxy
 
     async def scenario() -> list[Handout]:
-        proxy = await Proxy("127.0.0.1", nats_server.port).start()
+        proxy = await Proxy(nats_server).start()
         admin = await nats.connect(nats_server.url)
         worker = await nats.connect(proxy.url, name="w", max_reconnect_attempts=0, allow_reconnect=False)
         try:
@@ -467,7 +467,7 @@ def test_the_proxy_knows_which_process_was_handed_each_delivery(nats_server):
     from chaos.proxy import Proxy
 
     async def scenario() -> tuple[int, list[Handout], list, list]:
-        proxy = await Proxy("127.0.0.1", nats_server.port).start()
+        proxy = await Proxy(nats_server).start()
         admin = await nats.connect(nats_server.url)
         ours = await nats.connect(proxy.url, name="us")
         child = subprocess.Popen([sys.executable, "-c", CLIENT, proxy.url], stdin=subprocess.PIPE,
@@ -511,7 +511,7 @@ def test_a_connection_gone_during_its_pid_lookup_leaves_the_proxy_readable(nats_
     monkeypatch.setattr(px, "socket_owner", slow)
 
     async def scenario() -> list:
-        proxy = await px.Proxy("127.0.0.1", nats_server.port).start()
+        proxy = await px.Proxy(nats_server).start()
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
             await asyncio.sleep(0.05)                      # the writer is waiting for the lookup now

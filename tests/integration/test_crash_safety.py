@@ -401,7 +401,7 @@ def test_acks_lost_with_a_connection_are_sent_again(nats_server, supervisor_fact
     AckWait, so no job runs twice (without that, each comes back after AckWait and reruns)."""
     from cutproxy import CutProxy
 
-    proxy = CutProxy(nats_server.port).start()
+    proxy = CutProxy(nats_server).start()
     try:
         sup = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": ACK_WAIT},
                                  nats={"servers": [proxy.url]})

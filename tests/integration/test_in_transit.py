@@ -98,7 +98,7 @@ def test_a_supervisor_denied_the_ledger_subject_runs_no_in_transit_check(tmp_pat
     would be its candidates), however long it listens."""
     conf = tmp_path / "denied.conf"
     conf.write_text(DENIED_LEDGER)
-    server = NatsServer(tmp_path / "store", extra_args=("-c", str(conf))).start()
+    server = NatsServer(tmp_path / "store", extra_args=("-c", str(conf)), auth=False).start()   # its own users
     try:
         (tmp_path / "pw").write_text("svc\n")
         sup = supervisor_factory(server, args=JSON, consumer={"ack_wait": ACK_WAIT}, workers={"count": 1},

@@ -17,9 +17,12 @@ from datetime import datetime
 import nats
 import pytest
 from harness import publish_now, run_cli, wait_until
+from nats.js.errors import KeyNotFoundError
+from test_observability import metric_families, value
 
 from bench.costs.limits import most_in_window
-from workers.protocol.limitkeys import LEASE_TTL
+from supervisor.nats.limits import held_keys
+from workers.protocol.limitkeys import LEASE_TTL, Holder, parse_key
 
 DB = {"db": {"concurrency": 3, "subjects": ["jobs.db.>"]}}
 
@@ -60,6 +63,28 @@ def publish_to(url: str, subject: str, datas: list[str]) -> list[int]:
 
 def all_done(sups, seqs) -> bool:
     return set(seqs) <= set().union(*(s.jobs.done_seqs() for s in sups))
+
+
+def slot_holders(servers: str | list[str], name: str = "db", bucket: str = "SUPERVISOR_LIMITS") -> dict[int, Holder]:
+    """Each slot of limit `name` held now -> who holds it, by its value in the limits bucket."""
+    async def run() -> dict[int, Holder]:
+        nc = await nats.connect(servers)
+        try:
+            js, held = nc.jetstream(), {}
+            kv = await js.key_value(bucket)
+            for key in await held_keys(js, bucket):
+                parsed = parse_key(key)
+                if parsed and parsed[:2] == (name, "c"):
+                    try:
+                        holder = Holder.parse((await kv.get(key)).value or b"")
+                    except KeyNotFoundError:
+                        continue                # given back meanwhile
+                    if holder:
+                        held[parsed[2]] = holder
+            return held
+        finally:
+            await nc.close()
+    return asyncio.run(run())
 
 
 # ---------------------------------------------------------------- concurrency across the fleet
@@ -112,7 +137,8 @@ def test_a_slot_is_taken_for_a_job_only_when_a_handler_is_free_to_start_it(nats_
     the other slot and starts while A's first job runs. Before: each job A held waiting had a
     take under way, so A took both slots, one for a job queued behind its own handler, and B's
     worker, idle, waited for A's first job to end. (Apart consumers, so that which worker a
-    message goes to is not at stake here: only the slots.)"""
+    message goes to is not at stake here: only the slots.) Live /metrics limit_* say the same:
+    2 in use and 2 waiting at A, 2 taken by H; at the end 2 taken by A, 1 by B, none waiting."""
     gate = tmp_path / "gate"
     two = {"db": {"concurrency": 2, "subjects": ["jobs.db.>", "jobs.hold"]}}
     h, a, b = (supervisor_factory(nats_server, workers={"count": count}, limits=two,
@@ -123,7 +149,10 @@ def test_a_slot_is_taken_for_a_job_only_when_a_handler_is_free_to_start_it(nats_
     publish_to(nats_server.url, "jobs.hold", [f"until:{gate}"] * 2)
     wait_until(lambda: len(h.jobs.started()) == 2, what="H holding both slots")
     first = publish_to(nats_server.url, "jobs.db.a", ["db:1.0"] * 2)
-    wait_until(lambda: a.status()["limits"]["db"]["waiting"] == 2, what="A's two jobs waiting for the limit")
+    wait_until(lambda: (db := a.status()["limits"]["db"])["waiting"] == 2 and db["in_use"] == 2
+               and h.status()["limits"]["db"]["in_use"] == 2, what="A's two jobs waiting for the limit, both slots in use")
+    live = {s: limit_metrics(s) for s in (a, h)}
+    assert [(m["in_use"], m["waiting"], m["taken"]) for m in live.values()] == [(2, 2, 0), (2, 0, 2)], live
     gate.touch()
     wait_until(lambda: a.jobs.started() and h.status()["limits"]["db"]["held_here"] == 0,
                what="H's slots given back, A's first job started")
@@ -135,6 +164,18 @@ def test_a_slot_is_taken_for_a_job_only_when_a_handler_is_free_to_start_it(nats_
     assert second_start < first_done, ("a slot was held for a job no handler could start: the second limited "
                                        f"job started {second_start - first_done:.2f} s after the first was done")
     assert most_at_once(records(a, b, h)) <= 2 and {r.delivery for r in recs} == {1}
+    after = {s: limit_metrics(s) for s in (a, b)}
+    assert [(m["taken"], m["waiting"]) for m in after.values()] == [(2, 0), (1, 0)], after
+    assert after[a]["wait_seconds"] > 0, after
+
+
+def limit_metrics(sup, name: str = "db") -> dict[str, float]:
+    """A supervisor's live /metrics limit_* samples of limit `name` (docs/CONTRACT.md)."""
+    code, text = sup.get("/metrics")
+    assert code == 200, text
+    fams = metric_families(text)
+    return {k: value(fams, f"jetstream_supervisor_limit_{k}", limit=name) for k in ("in_use", "waiting", "taken",
+                                                                                   "wait_seconds")}
 
 
 def test_jobs_needing_no_limit_flow_past_several_jobs_waiting_on_an_idle_handler(nats_server, supervisor_factory,
@@ -258,6 +299,41 @@ def test_a_worker_killed_holding_a_slot_frees_it_at_once(nats_server, supervisor
     assert s["limits"]["db"]["waiting"] == 0
 
 
+def test_a_host_that_dies_holding_a_slot_frees_it_by_the_ttl_and_loses_nothing(nats_server, supervisor_factory,
+                                                                                   tmp_path):
+    """Two supervisors on one consumer, concurrency = 1. One's job holds the slot (on a gate);
+    that supervisor's whole process group is SIGKILLed, as a host lost: no parent is left to
+    release the slot, so only its TTL frees it. The other's job, waiting for the limit, starts
+    within LEASE_TTL (plus a margin for a loaded box) of the kill; the killed job comes back
+    after AckWait (3 s) and runs there too; nothing is lost, and never two at once."""
+    gate = tmp_path / "gate"
+    one = {"db": {"concurrency": 1, "subjects": ["jobs.db.>"]}}
+    sups = [supervisor_factory(nats_server, workers={"count": 1}, limits=one, consumer={"ack_wait": 3.0})
+            for _ in range(2)]
+    for s in sups:
+        s.wait_ready()
+    [held] = publish_to(nats_server.url, "jobs.db.write", [f"until:{gate}"])
+    [first] = wait_until(lambda: [r for r in records(*sups) if r.event == "start"], what="the gated job started")
+    lost, survivor = sups if first.pid in sups[0].worker_pids() else sups[::-1]
+    [later] = publish_to(nats_server.url, "jobs.db.write", ["0"])
+    wait_until(lambda: survivor.status()["limits"]["db"]["waiting"] == 1, what="the other's job waiting for the slot")
+    holders = slot_holders(nats_server.url)
+    assert {k: (h.parent, h.pid) for k, h in holders.items()} == {0: (lost.proc.pid, first.pid)}, holders
+    assert not survivor.jobs.records(), "a limited job ran on the survivor while the slot was held"
+    os.killpg(lost.proc.pid, signal.SIGKILL)
+    killed_at = time.time()
+    lost.proc.wait()
+    gate.touch()                                     # the job's next run, on the survivor, ends at once
+    wait_until(lambda: all_done([survivor], [held, later]), timeout=LEASE_TTL + 30, what="both jobs done on the survivor")
+    recs = survivor.jobs.records()
+    took = min(r.t for r in recs if r.event == "start") - killed_at
+    assert took < LEASE_TTL + 5, f"the dead host's slot freed {took:.1f} s after the kill, not by its TTL"
+    assert [r.delivery for r in recs if r.seq == held and r.event == "start"] == [2], "the killed job did not run again"
+    assert most_at_once(recs) == 1
+    wait_until(lambda: nats_server.stream_msgs() == 0, what="every job acked")
+    assert survivor.stop() == 0
+
+
 # ---------------------------------------------------------------- rate
 
 def test_rate_bounds_starts_in_every_second(nats_server, supervisor_factory):
@@ -348,7 +424,10 @@ def test_pause_from_a_handler_stops_every_supervisor_and_resumes_by_itself(nats_
 
 
 def test_pause_and_resume_from_the_command_line(nats_server, supervisor_factory, tmp_path):
-    sup = supervisor_factory(nats_server, workers={"count": 1})
+    """`pause` until `resume`, then `pause --for 2`: no job starts before the server's PauseUntil
+    (by the journal over the whole pause), then they run without a `resume`, and the supervisor
+    logs the pause's end (consumer_resumed)."""
+    sup = supervisor_factory(nats_server, workers={"count": 1}, args=("--log-format", "json"))
     sup.wait_ready()
     cfg = tmp_path / "cli.toml"
     cfg.write_text(f'[nats]\nservers = ["{nats_server.url}"]\n')
@@ -365,6 +444,21 @@ def test_pause_and_resume_from_the_command_line(nats_server, supervisor_factory,
     assert r.returncode == 0 and "resumed" in r.stdout, r.stderr
     wait_until(lambda: all_done([sup], seqs), what="jobs after the resume")
     wait_until(lambda: sup.status()["paused_until"] is None, what="resumed on /status")
+    before = time.time()
+    r = run_cli("pause", "--config", str(cfg), "--for", "2", "--reason", "a short break", tmp=tmp_path)
+    assert r.returncode == 0 and "(2s): a short break" in r.stdout, r.stdout + r.stderr
+    seqs = publish_now(nats_server.url, count=3)
+    published = time.time()
+    until_text = wait_until(lambda: sup.status()["paused_until"], what="the pause's end on /status (the server's)")
+    until = rfc3339_to_epoch(until_text)
+    assert published < until, "the jobs came after the pause's end: it held nothing back"
+    wait_until(lambda: all_done([sup], seqs), what="jobs after the pause, without a resume")
+    starts = [r.t for r in sup.jobs.started() if r.t > before]
+    assert len(starts) == 3 and min(starts) >= until, f"a job started {until - min(starts):.2f} s before the pause's end"
+    paused = [i for i, e in enumerate(sup.events()) if e["event"] == "consumer_paused" and e["until"] == until_text]
+    assert paused, "the pause was not logged (consumer_paused with the server's PauseUntil)"
+    wait_until(lambda: [e for e in sup.events()[paused[0]:] if e["event"] == "consumer_resumed"],
+               what="the pause's end logged")
     r = run_cli("pause", "--config", str(cfg), "--for", "-1", tmp=tmp_path)
     assert r.returncode == 2 and "--for" in r.stderr
 
@@ -503,8 +597,7 @@ def test_the_dashboard_shows_limits_in_use_and_a_pause_in_chromium(nats_server, 
         assert page.evaluate("document.getElementById('limits').hidden") is False
         rows = page.evaluate("Array.from(document.querySelectorAll('#limits-table tbody tr'), "
                              "r => Array.from(r.cells, c => c.textContent))")
-        assert rows == [["db", "1 / 1", "none", "2", rows[0][4]], ["api", "no cap", rows[1][2], "0", rows[1][4]]]
-        assert rows[1][2].endswith("/ 5 per 2.0 s") or "/ 5 per" in rows[1][2], rows[1][2]
+        assert rows == [["db", "1 / 1", "none", "2", rows[0][4]], ["api", "no cap", "0 / 5 per 2.0 s", "0", rows[1][4]]]
         assert page.evaluate("document.getElementById('hl-word').textContent") == "Paused"
         assert "db maintenance" in page.evaluate("document.getElementById('hl-reason').textContent")
         page.screenshot(tmp_path / "dashboard-limits.png")

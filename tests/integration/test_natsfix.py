@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from harness import NatsServer
 from nats.aio.client import Client as NatsClient
 
 from supervisor.nats import fix as natsfix
@@ -55,11 +56,11 @@ class Tap:
         await asyncio.gather(pump(reader, up_w, True), pump(up_r, writer, False), return_exceptions=True)
 
 
-async def wire_order(nats_port: int, fenced: bool) -> tuple[int, int]:
-    tap = Tap(nats_port)
+async def wire_order(server: NatsServer, fenced: bool) -> tuple[int, int]:
+    tap = Tap(server.port)
     port = await tap.start()
     nc = Client()
-    await nc.connect(f"nats://127.0.0.1:{port}")
+    await nc.connect(server.url_at(port))
     try:
         tap.sent.clear()
         await nc.publish("fence.probe", b"ack")
@@ -74,12 +75,12 @@ async def wire_order(nats_port: int, fenced: bool) -> tuple[int, int]:
 
 def test_flush_puts_its_ping_ahead_of_queued_publishes(nats_server):
     """The premise that makes fence() necessary: a bare flush() can overtake a publish."""
-    pub, ping = asyncio.run(wire_order(nats_server.port, fenced=False))
+    pub, ping = asyncio.run(wire_order(nats_server, fenced=False))
     assert 0 <= ping < pub, "nats-py flush() no longer overtakes queued publishes: fence() could be a flush()"
 
 
 def test_fence_writes_queued_publishes_before_its_ping(nats_server):
-    pub, ping = asyncio.run(wire_order(nats_server.port, fenced=True))
+    pub, ping = asyncio.run(wire_order(nats_server, fenced=True))
     assert 0 <= pub < ping
 
 
@@ -313,15 +314,15 @@ def stuck_writes(nc) -> int:
     return nc._transport._io_writer.transport.get_write_buffer_size()
 
 
-async def congested(nats_port: int, probe):
+async def congested(server: NatsServer, probe):
     """A client whose relay stops reading what it writes, fed until the kernel's buffers are full
     and its flusher task is stuck in `drain()`, with one more publish queued behind; then
     `probe(nc)`. Returns (probe's outcome, the PINGs the server got from the client once the
     relay reads again)."""
-    tap = Tap(nats_port)
+    tap = Tap(server.port)
     port = await tap.start()
     nc = Client()
-    await nc.connect(f"nats://127.0.0.1:{port}", ping_interval=3600)
+    await nc.connect(server.url_at(port), ping_interval=3600)
     try:
         tap.flowing.clear()
         sent_before = len(tap.sent)
@@ -350,7 +351,7 @@ def test_premise_nats_py_flush_pending_swallows_the_timeout_of_a_wait_for(nats_s
     """R13 (b), the premise: `_flush_pending` catches CancelledError, so Python 3.11's wait_for
     around it returns normally at its deadline instead of raising TimeoutError."""
     outcome, _ = asyncio.run(asyncio.wait_for(congested(
-        nats_server.port, lambda nc: asyncio.wait_for(nc._flush_pending(force_flush=True), 0.3)), 60))
+        nats_server, lambda nc: asyncio.wait_for(nc._flush_pending(force_flush=True), 0.3)), 60))
     assert outcome == "None", outcome
 
 
@@ -358,7 +359,7 @@ def test_a_fence_past_its_deadline_raises_and_writes_no_ping(nats_server):
     """R13 (b), ours: a fence whose queued bytes cannot reach the socket before its deadline
     raises FlushTimeoutError then and sends nothing more. It used to go on and write its PING
     with 1 ms left, ahead of bytes still queued (a PONG within that 1 ms would have "proved" them)."""
-    outcome, late_pings = asyncio.run(asyncio.wait_for(congested(nats_server.port,
+    outcome, late_pings = asyncio.run(asyncio.wait_for(congested(nats_server,
                                                                  lambda nc: nc.fence(timeout=0.5)), 60))
     assert outcome == "FlushTimeoutError", outcome
     assert late_pings == 0, "the fence wrote a PING after its deadline"

@@ -15,9 +15,13 @@ import random
 import signal
 import threading
 import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
 
 import nats
 import psutil
+import pytest
 import tomli_w
 from browser import Browser, chromium_binary
 from harness import dead_letter_headers, run_cli, wait_until
@@ -202,6 +206,33 @@ def test_a_long_job_of_one_key_holds_up_no_other_key(nats_server, supervisor_fac
     wait_until(lambda: long_job in done(sup), what="kA's job done")
 
 
+def test_a_held_key_whose_jobs_fill_max_ack_pending_holds_back_every_other_key(nats_server, supervisor_factory,
+                                                                                tmp_path):
+    """The limit README "Ordered per key" states: a key held back holds back no other key only
+    while its waiting jobs stay below consumer.max_ack_pending. kA's first job runs until the
+    test says, max_ack_pending = 6: kA's next jobs are delivered and parked until the consumer
+    has 6 out, and kB's job, stored behind them, is not delivered (nothing can be acked: every
+    job out waits for kA's first) until kA's first ends. Then all run, in order."""
+    gate = tmp_path / "gate"
+    sup = supervisor_factory(nats_server, workers={"count": 2, "handler": HANDLER}, ordering=ORDERED,
+                             consumer={"max_ack_pending": 6})
+    sup.wait_ready(2)
+    jobs = [("jobs.kA", f"until:{gate}"), *(("jobs.kA", "0") for _ in range(8)), ("jobs.kB", "0")]
+    seqs = publish_keyed(nats_server.url, jobs)
+    try:
+        wait_until(lambda: nats_server.consumer()["num_ack_pending"] == 6 and sup.status()["ordering"]["parked"] == 5,
+                   what="the consumer full: kA's first running, 5 of its jobs parked")
+        consumer = nats_server.consumer()
+        assert consumer["num_pending"] == 4 and seqs[-1] not in {r.seq for r in sup.jobs.started()}, consumer
+    finally:
+        gate.touch()
+    wait_until(lambda: set(seqs) <= done(sup), what="every job done once kA's first ended")
+    runs = runs_of(sup)
+    assert_in_order(runs, {s: subject for s, (subject, _) in zip(seqs, jobs)})
+    [held], [kb] = ([r for r in runs if r.seq == seq] for seq in (seqs[0], seqs[-1]))
+    assert held.end is not None and kb.start > held.end, "kB's job did not wait for kA's first"
+
+
 def test_a_retiring_worker_gives_back_at_once_what_waits_for_its_keys_turn(nats_server, supervisor_factory, tmp_path):
     """F16 (seed 702): a retiring worker (recycled: max_jobs, max_rss_mb, a reload; here its
     SIGUSR1) let a job parked for its key's turn wait within graceful_timeout, and start when the
@@ -265,6 +296,127 @@ def test_order_beside_recycling_a_drain_a_long_retry_and_the_guard(nats_server, 
     kr_after = [r.start for r in runs if r.seq in seqs[-5:]]
     assert min(kr_after) > retried[1][1]
     assert len({r.pid for r in runs}) > 6, "workers were not recycled"
+
+
+# ---------------------------------------------------------------- through scaling, a reload and recycling
+
+class KeyedFeed:
+    """Keyed jobs published as the workers take them: whenever the stream stores fewer than
+    `low`, `low` more (`keyed_jobs`). The load then lasts as long as what the test does beside
+    it takes, on a quiet box or a loaded one, with no sleep guessing how long that is."""
+
+    def __init__(self, server, rng: random.Random, keys: int, longest: float, low: int = 96, most: int = 5000):
+        self.server, self.rng, self.keys, self.longest, self.low, self.most = server, rng, keys, longest, low, most
+        self.key_of: dict[int, str] = {}
+        self.stored_at: dict[str, int] = {}       # what the stream stored when each step was seen done
+
+    def top_up(self) -> None:
+        if self.server.stream_msgs() < self.low:
+            assert len(self.key_of) < self.most, f"{len(self.key_of)} jobs published and the test's steps not done"
+            jobs = keyed_jobs(self.rng, self.low, self.keys, self.longest)
+            self.key_of.update(zip(publish_keyed(self.server.url, jobs), (subject for subject, _ in jobs)))
+
+    def wait(self, predicate: Callable[[], Any], what: str) -> Any:
+        """wait_until(predicate), topping the stream up meanwhile; then note what it stored."""
+        def topped_up() -> Any:
+            self.top_up()
+            return predicate()
+        value = wait_until(topped_up, what=what)
+        self.stored_at[what] = self.server.stream_msgs()
+        return value
+
+
+def test_keys_keep_their_order_through_scaling_a_reload_and_recycling(nats_server, supervisor_factory, tmp_path):
+    """An ordered load over 12 keys (jobs of 0-30 ms, topped up as they are taken) on 2 workers of
+    2 handlers, recycled every 50-60 jobs (max_jobs); meanwhile `supervisor scale 4` (its new
+    workers seen running jobs), POST /scale?workers=2 (the two retired, gone), a recycle seen,
+    then a SIGHUP that sets workers.concurrency = 1 and max_jobs = 0 (both read at fork: every
+    worker is replaced, the replacement first) while an old worker runs kL's first job until the
+    test says: it retires holding it while the new workers run jobs, and kL's next job waits for
+    it. Each step is seen done while jobs are still stored. From the journal: per key no job
+    started before the previous one of its key ended (kL's next after its first), every job ran
+    once and is done, and the reload's workers ran one job at a time (they took the new
+    config)."""
+    gate = tmp_path / "gate"
+    workers = {"count": 2, "concurrency": 2, "max_jobs": 50, "max_jobs_jitter": 10, "handler": HANDLER}
+    sup = supervisor_factory(nats_server, workers=workers, ordering=ORDERED, args=("--log-format", "json"))
+    sup.wait_ready()
+    feed = KeyedFeed(nats_server, random.Random(34), keys=12, longest=0.03)
+    feed.wait(lambda: len(done(sup)) >= 60, what="the load flowing")
+
+    def first_in_slots(*slots: int) -> dict[int, int]:
+        """slot -> the first worker ready in it."""
+        first: dict[int, int] = {}
+        for e in sup.events("worker_ready"):
+            if e["slot"] in slots:
+                first.setdefault(e["slot"], e["worker_pid"])
+        return first
+
+    def ran_jobs(pids) -> bool:
+        started = {r.pid for r in sup.jobs.started()}
+        return bool(pids) and all(pid in started for pid in pids)
+
+    r = run_cli("scale", "4", "--url", sup.http)
+    assert r.returncode == 0, r.stdout + r.stderr
+    feed.wait(lambda: len(added := first_in_slots(2, 3)) == 2 and ran_jobs(added.values()),
+              what="scaled up to 4, the new workers running jobs")
+    request = urllib.request.Request(f"http://{sup.http}/scale?workers=2", method="POST")
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        assert answer.status == 202
+    feed.wait(lambda: len(retired := sup.events("worker_retiring", reason="scaled down")) == 2
+              and not {e["worker_pid"] for e in retired} & sup.worker_pids(), what="scaled down to 2")
+    feed.wait(lambda: any("max_jobs" in e["reason"] for e in sup.events("worker_recycling")),
+              what="a worker recycled (max_jobs)")
+    # kL's first job runs in a worker forked before the reload until the test says: that worker
+    # retires holding it while the new workers run jobs, and kL's next job waits for it.
+    held = publish_keyed(nats_server.url, [("jobs.kL", f"until:{gate}"), ("jobs.kL", "0")])
+    feed.key_of.update(dict.fromkeys(held, "jobs.kL"))
+    holder = feed.wait(lambda: next((r.pid for r in sup.jobs.running() if r.seq == held[0]), None),
+                       what="kL's first job running")
+    sup.config_path.write_text(tomli_w.dumps({**sup.config, "workers": {**workers, "concurrency": 1,
+                                                                        "max_jobs": 0}}))
+    sup.signal(signal.SIGHUP)
+    reloaded = feed.wait(lambda: sup.events("reload_applied", key="workers.concurrency"), what="the reload")[0]["ts"]
+
+    def forked_after_the_reload() -> list[dict]:
+        asked = time.time()
+        serving = [w for w in sup.status()["workers"]["list"] if not w["retiring"]]
+        return serving if len(serving) == 2 and all(w["state"] == "ready" and w["uptime_s"] < asked - reloaded
+                                                    for w in serving) else []
+    reborn = {w["pid"] for w in feed.wait(forked_after_the_reload, what="every worker replaced by the reload")}
+    try:
+        feed.wait(lambda: ran_jobs(reborn), what="the reload's workers running jobs")
+        assert holder in sup.worker_pids() and held[0] not in done(sup), "kL's first job did not wait for the test"
+    finally:
+        gate.touch()
+    seqs, key_of = set(feed.key_of), feed.key_of
+    wait_until(lambda: seqs <= done(sup), timeout=120, what="every job done")
+
+    runs = runs_of(sup)
+    print(f"{len(seqs)} jobs on {len({r.pid for r in runs})} workers; stored when each step was seen done: "
+          f"{feed.stored_at}; recycled {len(sup.events('worker_recycling'))} times")
+    assert_in_order(runs, key_of)
+    assert sorted(r.seq for r in runs) == sorted(seqs), "a job ran twice, or never: no fault here explains it"
+    assert all(r.end is not None for r in runs), "a run never ended"
+    assert all(stored > 0 for stored in feed.stored_at.values()), f"a step was done after the load: {feed.stored_at}"
+    scaling = [(e["from"], e["to"], e["source"]) for e in sup.events("scaling")]
+    assert [(a, b) for a, b, _ in scaling] == [(2, 4), (4, 2)], scaling
+    # The steps were taken under the load: the workers scaled up ran jobs (waited for above), so
+    # did the ones scaled down; the reload's workers (forked after it) ran one job at a time, and
+    # ran jobs while an old one still ran kL's first (waited for above).
+    runs_by: dict[int, list[Run]] = {}
+    for r in runs:
+        runs_by.setdefault(r.pid, []).append(r)
+    retired = {e["worker_pid"] for e in sup.events("worker_retiring", reason="scaled down")}
+    assert any(pid in runs_by for pid in retired), "the workers scaled down had run no job"
+    for pid in reborn:
+        mine = sorted(runs_by[pid], key=lambda r: r.start)
+        assert all(b.start >= a.end for a, b in zip(mine, mine[1:])), f"worker {pid} ran 2 jobs at once after the reload"
+    # kL's next job may run on a new worker, or on an old one that had started its max_jobs-th job
+    # before: such a worker keeps its parked jobs until they run (retired, it would give them back,
+    # each NAK a delivery spent), here after its replacement was ready. Either way after the first.
+    [first] = [r for r in runs if r.seq == held[0]]
+    assert first.pid == holder not in reborn, (first, reborn)
 
 
 # ---------------------------------------------------------------- beside a pool that is not ordered
@@ -370,12 +522,10 @@ def test_ordering_refuses_a_work_queue_that_drops_or_keeps_jobs_by_itself(nats_s
     assert r.returncode == 2 and "denies deletes" in r.stderr and "per subject" not in r.stderr, r.stdout + r.stderr
 
 
-def test_the_status_names_the_key_a_job_waits_for(nats_server, supervisor_factory, tmp_path):
-    """A job of kA runs until the test says; the next jobs of kA wait, parked: /status `ordering`
-    shows them under `blocked` with the running job as the head they wait for, and the key's
-    jobs in the stream under `backlog`; /metrics has the gauges, `supervisor status` a line; the
-    dashboard draws the key in a real Chromium (where one is installed)."""
-    gate = tmp_path / "gate"
+def ka_parked_behind_a_gate(nats_server, supervisor_factory, gate) -> tuple:
+    """A job of kA runs until `gate` exists; kA's next two jobs wait for it, parked, and kB's job
+    is done past them. The supervisor, the sequences, and /status `ordering` once it shows kA
+    blocked with a backlog."""
     sup = supervisor_factory(nats_server, workers={"count": 2}, ordering=ORDERED)
     sup.wait_ready()
     seqs = publish_keyed(nats_server.url, [("jobs.kA", f"until:{gate}"), ("jobs.kA", "0"), ("jobs.kA", "0"),
@@ -385,7 +535,15 @@ def test_the_status_names_the_key_a_job_waits_for(nats_server, supervisor_factor
     def blocked():
         block = sup.status()["ordering"]
         return block if block["blocked"] and block["backlog"]["keys"] else None
-    block = wait_until(blocked, what="kA's jobs shown waiting, with a backlog count")
+    return sup, seqs, wait_until(blocked, what="kA's jobs shown waiting, with a backlog count")
+
+
+def test_the_status_names_the_key_a_job_waits_for(nats_server, supervisor_factory, tmp_path):
+    """A job of kA runs until the test says; the next jobs of kA wait, parked: /status `ordering`
+    shows them under `blocked` with the running job as the head they wait for, and the key's
+    jobs in the stream under `backlog`; /metrics has the gauges, `supervisor status` a line."""
+    gate = tmp_path / "gate"
+    sup, seqs, block = ka_parked_behind_a_gate(nats_server, supervisor_factory, gate)
     assert block["blocked"][0]["key"] == "kA" and block["blocked"][0]["head_seq"] == seqs[0]
     assert block["parked"] == block["blocked"][0]["waiting"] == 2 and block["waiting_keys"] == 1
     assert block["backlog"]["top"][0] == {"key": "kA", "jobs": 3}
@@ -393,20 +551,32 @@ def test_the_status_names_the_key_a_job_waits_for(nats_server, supervisor_factor
     assert "jetstream_supervisor_ordering_parked 2.0" in metrics, metrics
     printed = run_cli("status", "--url", f"http://{sup.http}").stdout
     assert f"2 job(s) parked on 1 key(s); longest: key kA behind seq {seqs[0]}" in printed, printed
-    if chromium_binary() is not None:
-        browser = Browser(chromium_binary())
-        try:
-            page = browser.new_page(1000, 1200)
-            page.goto(f"http://{sup.http}/")
-            page.wait_for("document.querySelector('#ordering-table td') && "
-                          "document.querySelector('#ordering-table td').textContent === 'kA'", what="kA drawn")
-            assert not page.evaluate("document.getElementById('ordering').hidden")
-            assert "kA 3" in page.evaluate("document.getElementById('ordering-backlog').textContent")
-        finally:
-            browser.close()
     gate.touch()
     wait_until(lambda: set(seqs) <= sup.jobs.done_seqs(), what="kA's jobs done")
     assert json.loads(sup.get("/status")[1])["ordering"]["parked"] == 0
+
+
+def test_the_dashboard_draws_the_key_a_job_waits_for_in_chromium(nats_server, supervisor_factory, tmp_path):
+    """The same wait, drawn by the dashboard in a real Chromium: kA in the ordering table, its 3
+    jobs in the backlog line."""
+    binary = chromium_binary()
+    if binary is None:
+        pytest.skip("chromium is not installed (apt-get install chromium; .ci/run installs it when it can): "
+                    "the ordering block was not rendered in a browser")
+    gate = tmp_path / "gate"
+    sup, seqs, _ = ka_parked_behind_a_gate(nats_server, supervisor_factory, gate)
+    browser = Browser(binary)
+    try:
+        page = browser.new_page(1000, 1200)
+        page.goto(f"http://{sup.http}/")
+        page.wait_for("document.querySelector('#ordering-table td') && "
+                      "document.querySelector('#ordering-table td').textContent === 'kA'", what="kA drawn")
+        assert not page.evaluate("document.getElementById('ordering').hidden")
+        assert "kA 3" in page.evaluate("document.getElementById('ordering-backlog').textContent")
+    finally:
+        browser.close()
+        gate.touch()
+    wait_until(lambda: set(seqs) <= sup.jobs.done_seqs(), what="kA's jobs done")
 
 
 # ---------------------------------------------------------------- on a cluster

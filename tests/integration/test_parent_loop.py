@@ -125,7 +125,7 @@ def test_a_link_stalled_during_the_in_transit_scan_does_not_end_the_parent(nats_
     # The first stream read once armed, right before the kill: the scan's. (The search for jobs
     # given up on, monitor.py, reads alike, at start and every minute: were it the one, the scan's
     # read a moment later would wait in the same 8 s stall, on the same link.)
-    proxy = StallOnWrite(nats_server.port, trigger=b"$JS.API.STREAM.MSG.GET.JOBS", stall=8.0).start()
+    proxy = StallOnWrite(nats_server, trigger=b"$JS.API.STREAM.MSG.GET.JOBS", stall=8.0).start()
     try:
         sup = supervisor_factory(nats_server, workers={"count": 1}, consumer={"ack_wait": ACK_WAIT},
                                  restart={"backoff_initial": 0.05}, nats={"servers": [proxy.url]}, args=JSON_LOGS)
@@ -163,7 +163,7 @@ def test_a_long_job_due_a_ping_while_the_parent_is_disconnected_does_not_end_the
     from linkfaults import Refuse
 
     ack_wait = 15.0
-    proxy = Refuse(nats_server.port).start()
+    proxy = Refuse(nats_server).start()
     try:
         sup = supervisor_factory(nats_server, workers={"count": 1, "handler": "parenthooks:record"},
                                  consumer={"ack_wait": ack_wait}, nats={"servers": [proxy.url]}, args=JSON_LOGS)
@@ -202,7 +202,7 @@ def test_a_stop_during_an_outage_sends_the_nak_it_held_back_once_nats_is_back(na
     and exits 0; the next supervisor runs the job at once, not after AckWait."""
     from linkfaults import Refuse
 
-    proxy = Refuse(nats_server.port).start()
+    proxy = Refuse(nats_server).start()
     try:
         a = supervisor_factory(nats_server, workers={"count": 1}, consumer={"ack_wait": ACK_WAIT},
                                restart={"backoff_initial": 30.0, "backoff_max": 60.0},
@@ -244,7 +244,7 @@ def test_a_job_given_up_while_the_parent_was_away_is_still_dead_lettered(nats_se
     import test_crash_safety
     from linkfaults import Refuse
 
-    proxy = Refuse(nats_server.port).start()
+    proxy = Refuse(nats_server).start()
     try:
         sup = supervisor_factory(nats_server, workers={"count": 1},
                                  consumer={"ack_wait": ACK_WAIT, "max_deliver": 2}, nats={"servers": [proxy.url]},

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import signal
 
+import psutil
 import pytest
 import tomli_w
-from harness import publish_now, run_cli, wait_until
+from harness import publish, publish_now, run_cli, wait_until
+from test_observability import metric_families
+from test_worker_edges import gone
 
 from supervisor.errors import EXIT_HALTED, EXIT_USAGE
 
@@ -40,6 +43,22 @@ def done(sup, seqs) -> None:
     wait_until(lambda: set(seqs) <= sup.jobs.done_seqs(), what=f"{len(seqs)} jobs done")
 
 
+def per_pool(sup, *series: tuple[str, dict[str, str]]) -> list[dict[str, float]]:
+    """Live /metrics: for each (name, labels), the value of each sample with those labels by its
+    `pool` label (a sample without one counts under None)."""
+    code, text = sup.get("/metrics")
+    assert code == 200, text
+    fams = metric_families(text)
+    out = []
+    for name, labels in series:
+        family, found = "jetstream_supervisor_" + name, {}
+        for sample in fams[family.removesuffix("_count")].samples:
+            if sample.name in (family, family + "_total") and labels.items() <= sample.labels.items():
+                found[sample.labels.get("pool")] = sample.value
+        out.append(found)
+    return out
+
+
 def test_two_pools_keep_their_jobs_apart_scale_alone_and_reload(nats_server, supervisor_factory, tmp_path):
     sup = supervisor_factory(nats_server, pools=TWO_POOLS)
     status = ready(sup, {"email": 2, "reports": 1})
@@ -53,10 +72,16 @@ def test_two_pools_keep_their_jobs_apart_scale_alone_and_reload(nats_server, sup
     owner = pools_of(sup.status())
     ran = {(r.seq, owner.get(r.pid), r.data.startswith("v2:")) for r in sup.jobs.done()}
     assert ran == {*((s, "email", False) for s in email), *((s, "reports", True) for s in reports)}
+    # /metrics, per pool: what each pool ran and how many workers it has
+    wait_until(lambda: [sup.status()["pools"][p]["jobs"]["ack"] for p in ("email", "reports")] == [20, 10],
+               what="every ack counted")
+    assert per_pool(sup, ("jobs", {"outcome": "ack"}), ("job_duration_seconds_count", {}), ("workers_target", {}),
+                    ("workers", {"state": "ready"})) == [{"email": 20, "reports": 10}] * 2 + [{"email": 2, "reports": 1}] * 2
     # one pool's count changes, the other's does not; without --pool, several pools is an error
     r = run_cli("scale", "3", "--pool", "reports", "--url", sup.http)
     assert r.returncode == 0 and "target 3 workers in pool reports (was 1)" in r.stdout, r.stdout + r.stderr
     ready(sup, {"email": 2, "reports": 3})
+    assert per_pool(sup, ("workers_target", {}), ("workers", {"state": "ready"})) == [{"email": 2, "reports": 3}] * 2
     r = run_cli("scale", "1", "--url", sup.http)
     assert r.returncode == EXIT_USAGE and "several pools run here (email, reports)" in r.stderr, r.stderr
     sup.signal(signal.SIGTTIN)                       # one more in every pool
@@ -163,6 +188,26 @@ def test_start_pool_runs_that_pool_alone(nats_server, supervisor_factory):
     assert list(status["pools"]) == ["reports"] and status["workers"]["target"] == 1
     done(sup, publish_now(nats_server.url, count=2, data="0", subject=REPORTS))
     assert sup.stop() == 0
+
+
+def test_two_pools_on_the_embedded_server(supervisor_factory):
+    """No nats.servers: `start` runs the embedded nats-server for both pools, `supervisor publish`
+    stores jobs for each, each pool's jobs run on its own workers, and the stop is clean (exit 0,
+    no worker or server left)."""
+    sup = supervisor_factory(None, pools=TWO_POOLS)
+    status = ready(sup, {"email": 2, "reports": 1})
+    assert status["nats"]["embedded"] is True
+    url = status["nats"]["servers"][0]
+    publish(url, count=6, data="0.01", extra=("--subject", EMAIL))
+    publish(url, count=3, data="0.01", extra=("--subject", REPORTS))
+    wait_until(lambda: len(sup.jobs.done()) >= 9, what="9 jobs done")
+    owner = pools_of(sup.status())
+    ran = sorted((r.seq, owner.get(r.pid), r.data.startswith("v2:")) for r in sup.jobs.done())
+    assert ran == [*((s, "email", False) for s in range(1, 7)), *((s, "reports", True) for s in range(7, 10))]
+    family = psutil.Process(sup.proc.pid).children(recursive=True)
+    assert len(family) == 4 and sum("nats-server" in " ".join(p.cmdline()) for p in family) == 1
+    assert sup.stop() == 0
+    wait_until(lambda: gone(family), timeout=10, what="no worker or nats-server left")
 
 
 def test_overlapping_pools_and_unknown_pools_are_config_errors(tmp_path):

@@ -150,7 +150,7 @@ def test_a_pool_a_reload_took_out_sends_the_nak_it_held_back_for_its_last_worker
     ack_wait = 60.0
     pools = {"a": {"count": 1, "filter_subject": "jobs.a.>"},
              "b": {"count": 1, "filter_subject": "jobs.b.>", "ack_wait": ack_wait}}
-    proxy = Refuse(nats_server.port).start()
+    proxy = Refuse(nats_server).start()
     try:
         x = supervisor_factory(nats_server, pools=pools, nats={"servers": [proxy.url]}, args=("--log-format", "json"))
         x.wait_ready(2)

@@ -73,7 +73,7 @@ def test_a_client_pausing_after_its_ping_strands_no_pull_reply(nats_server, supe
     the server sends meanwhile to the live pull requests."""
     from stallproxy import StallAfterPing
 
-    proxy = StallAfterPing(nats_server.port, stall=0.3).start()
+    proxy = StallAfterPing(nats_server, stall=0.3).start()
     publisher = pump(nats_server, count=100_000, rate=200)
     try:
         sup = supervisor_factory(nats_server, workers={"count": 4}, consumer={"ack_wait": ACK_WAIT},
@@ -121,7 +121,7 @@ def test_a_job_published_as_an_idle_worker_drains_reaches_it_or_waits_in_the_str
 
     from workers.runtime.shutdown import SHUTDOWN_NAK_DELAY
 
-    proxy = StallAfterPing(nats_server.port, stall=0.3).start()
+    proxy = StallAfterPing(nats_server, stall=0.3).start()
     try:
         sup = supervisor_factory(nats_server, workers={"count": 1}, consumer={"ack_wait": ACK_WAIT},
                                  nats={"servers": [proxy.url]})
@@ -336,7 +336,7 @@ def test_no_in_progress_pings_for_a_worker_whose_connection_went_half_open(nats_
     of the job being kept alive for a worker whose ack can never arrive."""
     from stallproxy import StallAfterPing
 
-    proxy = StallAfterPing(nats_server.port, stall=0).start()
+    proxy = StallAfterPing(nats_server, stall=0).start()
     try:
         sup = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": 4.0},
                                  nats={"servers": [proxy.url]})

@@ -30,7 +30,7 @@ def test_a_nak_held_back_past_its_ack_wait_is_not_sent(nats_server, supervisor_f
 
     ack_wait = 6.0
     gate = tmp_path / "gate"
-    proxy = Refuse(nats_server.port).start()
+    proxy = Refuse(nats_server).start()
     try:
         sup = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": ack_wait},
                                  nats={"servers": [proxy.url]}, args=JSON_LOGS)

@@ -14,7 +14,7 @@ PASSWORD = "s3cr3t-in-the-url-7f2a"
 def password_server(tmp_path):
     conf = tmp_path / "auth.conf"
     conf.write_text(f'authorization {{ user: "bob", password: "{PASSWORD}" }}\n')
-    server = NatsServer(tmp_path / "store", extra_args=("-c", str(conf))).start()
+    server = NatsServer(tmp_path / "store", extra_args=("-c", str(conf)), auth=False).start()   # its own users
     yield server
     server.stop()
 

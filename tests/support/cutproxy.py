@@ -11,8 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import TYPE_CHECKING
 
 from stallproxy import StallAfterPing
+
+if TYPE_CHECKING:
+    from harness import NatsServer
 
 
 class Link:
@@ -38,8 +42,8 @@ class Link:
 class CutProxy(StallAfterPing):
     """stallproxy's relay (thread, loop, start, stop, url) with this fault instead."""
 
-    def __init__(self, upstream_port: int):
-        super().__init__(upstream_port, stall=0.0)
+    def __init__(self, server: NatsServer):
+        super().__init__(server, stall=0.0)
         self.links: list[Link] = []
         self.dropped = b""           # what the cut clients wrote, for the test to inspect
         self.refusing = ""           # clients named *this* are hung up on, reconnects included (refuse)

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from typing import Any
 
 import nats
 import psutil
+import strays
 import tomli_w
 from natsauth import free_port, nats_server_binary
 
@@ -70,12 +72,22 @@ def popen_at_a_terminal(args: list[str], **kwargs: Any) -> subprocess.Popen:
 # ---------------------------------------------------------------- nats-server
 
 class NatsServer:
+    """A nats-server of one test. With `auth` (the default) it takes clients with a user and
+    password of its own only, and `url` carries them: a process of another test (a stray
+    worker, an orphan, a test's client) that keeps reconnecting to a port this server has since
+    taken over cannot bind to its stream and consumer, which every test names JOBS and
+    `workers` (F17). The user names the server (strays.py reads it back from the auth errors
+    the server logs). Without `auth`: a config file of the test's own (`-c`) that sets its own
+    authorization, or nodes of a cluster (natscluster.py: a discovered node's URL carries no
+    credentials)."""
+
     def __init__(self, store_dir: Path, port: int | None = None, monitor_port: int | None = None,
-                 extra_args: tuple[str, ...] = ()):
+                 extra_args: tuple[str, ...] = (), auth: bool = True):
         self.store_dir = store_dir
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
         self.extra_args = extra_args
+        self.user, self.password = (strays.server_user(), secrets.token_hex(8)) if auth else ("", "")
         self.proc: subprocess.Popen | None = None
         self.log_path = store_dir.parent / f"{store_dir.name}-nats-server.log"
         # Ports we picked may be taken (by any socket, an outgoing connection's included) before
@@ -84,15 +96,23 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        """The client URL, with the server's credentials (nats-py and the supervisor take them
+        from it; the supervisor's logs and /status show it without them)."""
+        return self.url_at(self.port)
+
+    def url_at(self, port: int) -> str:
+        """The client URL with another port: a relay's in front of this server (stallproxy.py)."""
+        userinfo = f"{self.user}:{self.password}@" if self.user else ""
+        return f"nats://{userinfo}127.0.0.1:{port}"
 
     def start(self) -> NatsServer:
+        auth = ("--user", self.user, "--pass", self.password) if self.user else ()
         for attempt in range(1, 4):
             logged = self.log_path.stat().st_size if self.log_path.exists() else 0
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
                     [nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1", "-p", str(self.port),
-                     "-m", str(self.monitor_port), *self.extra_args], stdout=subprocess.DEVNULL, stderr=log)
+                     "-m", str(self.monitor_port), *auth, *self.extra_args], stdout=subprocess.DEVNULL, stderr=log)
             try:
                 wait_until(self._serving, 30, f"nats-server on {self.port}")
                 break
@@ -102,6 +122,8 @@ class NatsServer:
                     raise AssertionError(f"nats-server on {self.port} did not start: {said[-1500:]!r}") from None
                 self.port, self.monitor_port = free_port(), free_port()
         self.repick = False
+        if self.user:
+            strays.started(self)
         return self
 
     def _serving(self) -> bool:
@@ -121,6 +143,8 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.user:
+            strays.stopped(self)
 
     def monitor(self, path: str) -> dict:
         """One of the server's monitoring endpoints (`jsz?consumers=true`, `connz?subs=1`), parsed."""
@@ -237,6 +261,7 @@ class SupervisorProc:
         self.args = args
         self.env = child_env(JOBS_LOG=str(self.jobs.path), **(env or {}))
         self.proc: subprocess.Popen | None = None
+        self.started: list[subprocess.Popen] = []     # every start's process (a restart's too): cleanup()
         self._log = None
         self.wrapper: tuple[str, ...] = ()      # a command the supervisor runs under (strace -f ...)
         self._http: str | None = None
@@ -251,6 +276,7 @@ class SupervisorProc:
         self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-m", "supervisor", "start", "--config",
                                       str(self.config_path), *self.args], stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.env, cwd=self.tmp, start_new_session=True)
+        self.started.append(self.proc)
         return self
 
     # -- observing
@@ -369,19 +395,10 @@ class SupervisorProc:
         return self.wait(timeout)
 
     def cleanup(self) -> None:
-        """Never leave a process behind, whatever the test did."""
-        if self.proc is None:
-            return
-        try:
-            group = [p for p in psutil.process_iter() if _in_group(p, self.proc.pid)]
-        except psutil.Error:
-            group = []
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        for p in group:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
+        """Never leave a process behind, whatever the test did: the process group of every
+        start (a restarted supervisor's earlier workers and orphans too)."""
+        for proc in self.started:
+            kill_group(proc)
         if self._log:
             self._log.close()
 
@@ -430,6 +447,19 @@ def _in_group(p: psutil.Process, pgid: int) -> bool:
         return os.getpgid(p.pid) == pgid
     except OSError:
         return False
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a process started in a session of its own and whatever is left in its group (its
+    workers stay there when it dies). Its pid names the group only while it is ours: the kernel
+    gives a pid out again once no process has it as pid or group (pid_max is 32768 here, and a
+    suite run goes round it), so after the process was reaped a live process with its pid is
+    another test's, and nothing of ours is left in its group."""
+    if proc.returncode is None or not psutil.pid_exists(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)     # at once: a worker forked meanwhile is in the group too
+    if proc.returncode is None:
+        proc.wait()
 
 
 def run_cli(*args: str, tmp: Path | None = None, env: dict | None = None, timeout: float = DEADLINE,

@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 from cutproxy import CutProxy, Link
 from stallproxy import StallAfterPing
 
+if TYPE_CHECKING:
+    from harness import NatsServer
+
 
 class StallOnWrite(StallAfterPing):
-    def __init__(self, upstream_port: int, trigger: bytes, stall: float, unless: bytes = b"\0"):
-        super().__init__(upstream_port, stall)
+    def __init__(self, server: NatsServer, trigger: bytes, stall: float, unless: bytes = b"\0"):
+        super().__init__(server, stall)
         self.trigger, self.unless = trigger, unless    # fire on a write holding `trigger` and not `unless`
         self.fired_at: float | None = None
         self.stalled_until: dict[int, float] = {}      # client port -> when its link flows again
@@ -43,8 +47,8 @@ class StallOnWrite(StallAfterPing):
 
 
 class Refuse(CutProxy):
-    def __init__(self, upstream_port: int):
-        super().__init__(upstream_port)
+    def __init__(self, server: NatsServer):
+        super().__init__(server)
         self.refused: str | None = None
         self.turned_away = 0
 

@@ -51,7 +51,9 @@ class ClusterNode(NatsServer):
         self.cluster_port = cluster_port
         self.log_path = root / f"{name}.log"
         self._routes = routes
-        super().__init__(root / name, port=free_port(), monitor_port=free_port())
+        # No credentials (harness.NatsServer): nats-py adds the nodes a server advertises to its
+        # pool without the userinfo of the configured URLs, and would fail over to them unauthorised.
+        super().__init__(root / name, port=free_port(), monitor_port=free_port(), auth=False)
 
     def start(self) -> ClusterNode:
         # Flags are read at every start, so a restart reuses the ports, routes and store dir.

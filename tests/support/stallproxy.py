@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness import NatsServer
 
 
 class StallAfterPing:
-    def __init__(self, upstream_port: int, stall: float):
-        self.upstream_port, self.stall = upstream_port, stall
+    def __init__(self, server: NatsServer, stall: float):
+        self.nats, self.upstream_port, self.stall = server, server.port, stall
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.port = 0
@@ -40,7 +44,8 @@ class StallAfterPing:
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        """The server's URL (its credentials: harness.NatsServer) with this relay's port."""
+        return self.nats.url_at(self.port)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
