@@ -30,22 +30,38 @@ the journal, not trusted). Per job (stream sequence):
   long (30 s) and scenario loads keep queueing short, so only an expiry (or a NAK held up as
   long, in a stalled connection) takes that long; the lag is reported. A wait counts against
   the supervisor unless every fault that could have caused it is outside its control. For a
-  delivery that never started, the faults that could have caused it are those acting when it
-  was handed out: from one AckWait before the redelivery (an expiry brings it back exactly
-  then) to the redelivery. (The first start of a later job, the other evidence, comes late
-  when jobs queue: after a stalled worker link healed, the backlog went to the pull requests
-  the dead connection had carried, and the later jobs started only after the heal.) A fault
-  that is outside its control for started jobs may be inside for unstarted ones, or the other
-  way round (chaos/facts.py Fault.unstarted_in_control). One more wait counts as outside: a job
+  delivery that never started (no run of it in the journal), the chaos proxy names its holder
+  (chaos/proxy.py handouts(): the process and the connection it was written to, and when the
+  server sent it): the faults that could have caused the wait are the ones that touched that
+  holder from its hand-out to the redelivery: on its pid (a SIGKILL, a SIGSTOP, a
+  graceful_timeout that ran out; from its death, if the server handed the delivery to a process
+  already dead), on its connection (a cut, stall or reset the proxy saw hit it: an orphan of the
+  slot a worker-cut's name also matched is hit too), on the supervisor that had forked it (its
+  SIGKILL, its link cut or stalled; a SIGHUP, a scale, a pause while the holder lived: a routine
+  operation acts on the living workers, and a dead one's jobs are then the death's, seed 52),
+  and the server's own (a kill, a stall); the lag counts from the hand-out (from when the proxy
+  wrote it on). The wait is
+  outside only if that set is not empty and every fault in it is outside; a holder nothing
+  touched leaves it the supervisor's (a worker that was written a job and never ran it). A
+  fault elsewhere, in control or not, no longer decides it (seed 705: a SIGSTOP of another
+  supervisor's worker charged a wait the holder's own in-transit death explained). Without a
+  known holder (the delivery never passed the proxy, or its pid was not found) the faults are
+  those acting when it may have been handed out: from one AckWait before the redelivery (an
+  expiry brings it back exactly then) to the redelivery. (The first start of a later job, the
+  other evidence, comes late when jobs queue: after a stalled worker link healed, the backlog
+  went to the pull requests the dead connection had carried, and the later jobs started only
+  after the heal.) A fault that is outside its control for started jobs may be inside for
+  unstarted ones, or the other way round (chaos/facts.py Fault.unstarted_in_control). The
+  verdict's text names the holder and what touched it. One more wait counts as outside: a job
   whose worker died with its NAK sent but not fenced (F10: the parent must not NAK it again, a
   second NAK could land on the next holder), but only when a supervisor's ledger named that
   very job, delivery and worker pid at the death (`/status` `crosscheck.left_to_ack_wait`),
   never by a rule about the faults around it; likewise a dead worker's job whose NAK the parent
   held back while disconnected and took with it when it was SIGKILLed (its last /status
   `crosscheck.naks_in_doubt`, read by the rig just before the kill: seed 700, the parent's link
-  cut or stalled from the worker's death until its own SIGKILL). And one more: a delivery the chaos proxy saw sit in
-  a stalled link (chaos/proxy.py `late()`: read from the server, not written on to the worker)
-  from before until after the job came back, or until its connection closed unread, with an
+  cut or stalled from the worker's death until its own SIGKILL). And one more: a delivery the
+  chaos proxy saw sit in a stalled link (its hand-out: read from the server, not written on to
+  the worker) from before until after the job came back, or until its connection closed unread, with an
   outside fault on a connection acting when the proxy read it: the server's AckWait for that very
   delivery ran out while the link held it. That names the job, the delivery and the fault, so it
   holds whatever else happened in the window (seed 600: SIGHUPs and a scale, routine, fell inside
@@ -87,7 +103,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .facts import Fault, Late, Life, Rec, Stored
+from .facts import Fault, Handout, Life, Rec, Stored
 from .order import Run, reorders
 
 ACKWAIT_FRACTION = 0.5      # a redelivery later than this share of AckWait waited for AckWait
@@ -157,7 +173,9 @@ class Evidence:
     # rig's clock), after_seq and up_to_seq (the window of first deliveries; None: unknown), why).
     in_transit_unchecked: list[dict] = field(default_factory=list)
     pools: dict[str, str] = field(default_factory=dict)    # with pools: "main"/"side" -> consumer
-    late: list[Late] = field(default_factory=list)          # work-queue deliveries a stalled link held (proxy)
+    # Every work-queue delivery the chaos proxy carried: who was handed it, when, written on when
+    # (empty: the run had no proxy).
+    handouts: list[Handout] = field(default_factory=list)
     copies: set[int] = field(default_factory=set)           # seqs of [retry] copies for later (in `stored` too)
 
     def pool_of(self, key: str) -> str:
@@ -207,6 +225,9 @@ class Checker:
         for w in [*ev.left_to_ack_wait, *(w for st in ends for w in st["crosscheck"].get("left_to_ack_wait", []))]:
             self.named[(int(w["stream_seq"]), int(w["delivery"]))][int(w["pid"])] = str(w.get("waits", ""))
         self.pool_note = ""
+        self.handed: dict[tuple[int, int], list[Handout]] = defaultdict(list)   # (seq, delivery) -> hand-outs
+        for h in ev.handouts:
+            self.handed[(h.seq, h.delivery)].append(h)
 
     def _first_starts(self) -> list[tuple[int, float]]:
         """(seq, start) of every first delivery, by seq: the consumer sends first deliveries in
@@ -361,6 +382,7 @@ class Checker:
 
     def redelivery(self, seq: int, before: list[RunOfJob], run: RunOfJob, c: dict) -> None:
         """A job run again (or first seen at delivery > 1): why, and how long after it was free?"""
+        holders = holders_of(self.handed, seq, before, run)
         if before:
             p = before[-1]
             faults = self.touching(p.pid, p.start, run.start)
@@ -377,9 +399,17 @@ class Checker:
             # bound of that moment (a later job's first start: late when jobs queue); a delivery
             # that came back by expiry was handed out one AckWait before it came back.
             culprits = self.overlapping(min(t_ref, run.start - self.ev.ack_wait) - EXPIRY_SLACK, run.start)
+        if holders:
+            # The delivery before this one never started, and the proxy saw whom it was handed to:
+            # it was free from then on (or from when the proxy wrote it on), and what could have
+            # kept it is what touched that holder since.
+            handed = max(h.came if h.out is None else h.out for h in holders)
+            t_ref = max(t_ref, handed) if before else handed
+            culprits = on_holders(self.ev, holders, run.start)
         t_ref = max(t_ref, self.key_free(seq, run.start))       # it waited for its key's turn meanwhile
         lag = run.start - t_ref
         cause = culprits[0].name(self.ev.origin) if culprits else (
+            f"delivery {run.delivery - 1} never started, {holders[0].held(self.ev.origin)}" if holders else
             "an earlier delivery never started" if not before else
             "the handler asked for it (retry)" if before[-1].retried is not None else "no fault")
         self.find("redelivered", seq, f"delivery {run.delivery} by pid {run.pid} {self.at(run.start)}, {max(lag, 0):.2f}s "
@@ -387,14 +417,17 @@ class Checker:
         if lag < ACKWAIT_FRACTION * self.ev.ack_wait:
             return
         held = held_in_link(self.ev, seq, run)
-        outside = held or (culprits and all(not f.controls(started=bool(before)) for f in culprits))
-        named = "" if outside else named_at_death(self.named, seq, before, run, unchecked=self.ev.in_transit_unchecked)
+        started = bool(before) and not holders
+        outside = held or (culprits and all(not f.controls(started=started) for f in culprits))
+        holder = holders[-1].pid if holders else 0          # the last hand-out: the delivery's own
+        named = "" if outside else named_at_death(self.named, seq, before, run, holder=holder,
+                                                  unchecked=self.ev.in_transit_unchecked)
         verdict = "ackwait_outside" if outside or named else "ackwait"
         c[verdict] += 1
-        why = held or self.wait_context(run.start, culprits) + (
-            f"; named at the death by the ledger: {named}" if named else "")
+        context = holder_context(self.ev, holders, culprits) if holders else wait_context(self.ev, run.start, culprits)
+        why = held or context + (f"; named at the death by the ledger: {named}" if named else "")
         self.find(verdict, seq, f"delivery {run.delivery} started {lag:.1f}s after the previous delivery was last "
-                                f"seen{'' if before else ' (it never started)'}; {why}")
+                                f"seen{'' if started else ' (it never started)'}; {why}")
 
     # ------------------------------------------------------------ [ordering]
 
@@ -448,18 +481,6 @@ class Checker:
         if later:
             return min(later)
         return stored.t if stored else self.ev.origin
-
-    def wait_context(self, t: float, culprits: list[Fault]) -> str:
-        """What happened about one AckWait before the redelivery: what the wait started with."""
-        due = t - self.ev.ack_wait
-        deaths = sorted((lf for lf in self.ev.lives.values() if lf.died is not None and abs(lf.died - due) <= 3.0),
-                        key=lambda lf: abs((lf.died or 0.0) - due))
-        def far(f: Fault) -> float:
-            return max(f.t0 - due, due - f.t1, 0.0)
-        faults = sorted((f for f in self.ev.faults if far(f) <= 3.0), key=far) or culprits
-        parts = [f.name(self.ev.origin) for f in faults[:2]]
-        parts += [f"worker pid {lf.pid} exited {self.at(lf.died or 0.0)}" for lf in deaths[:3]]
-        return "about AckWait after: " + "; ".join(parts) if parts else "no fault or worker exit one AckWait before"
 
     # ------------------------------------------------------------ the supervisor's own word
 
@@ -517,7 +538,7 @@ def held_in_link(ev: Evidence, seq: int, run: RunOfJob) -> str:
     it. Only that delivery of that job, by that fault."""
     def at(t: float) -> str:
         return f"+{t - ev.origin:.2f}s"
-    for d in ev.late:
+    for d in ev.handouts:
         if d.seq != seq or d.delivery != run.delivery - 1 or d.came > run.start:
             continue
         if d.out is not None and d.out < run.start - EXPIRY_SLACK:
@@ -529,6 +550,61 @@ def held_in_link(ev: Evidence, seq: int, run: RunOfJob) -> str:
             return (f"delivery {d.delivery} held in the stalled link of {d.name!r} from {at(d.came)}, {out}: "
                     f"{stalls[0].name(ev.origin)}")
     return ""
+
+
+def holders_of(handed: dict[tuple[int, int], list[Handout]], seq: int, before: list[RunOfJob],
+               run: RunOfJob) -> list[Handout]:
+    """Whom the delivery before `run` was handed to, when it never started (no run of it in the
+    journal) and the proxy saw every hand-out of it go to a process it knows; else [] (it
+    started, it never passed the proxy, or a holder's pid was not found)."""
+    prev = run.delivery - 1
+    if prev < 1 or any(r.delivery == prev for r in before):
+        return []
+    found = [h for h in handed.get((seq, prev), []) if h.came <= run.start + SLACK]
+    return found if found and all(h.pid for h in found) else []
+
+
+def on_holders(ev: Evidence, holders: list[Handout], end: float) -> list[Fault]:
+    """The faults that acted on a holder from its hand-out to `end`: on its process (a kill, a
+    stop, a graceful_timeout that ran out), on its connection (a cut, stall or reset the proxy
+    saw hit it), on the supervisor that had forked it (its SIGKILL, its link to the end; a
+    SIGHUP, a scale, a pause while the holder lived), or on every connection (the server's). A
+    holder already dead when the proxy read the delivery (the server handed it to a connection
+    whose process had just died) counts from its death."""
+    out: list[Fault] = []
+    for h in holders:
+        life = ev.lives.get(h.pid)
+        parent = life.parent if life is not None and life.parent else (h.ppid if h.ppid > 1 else None)
+        died = life.died if life is not None else None
+        lo = h.came if died is None else min(h.came, died)
+        out += [f for f in ev.faults if f.holds(h, parent, lo - SLACK, end + SLACK, None if died is None else died + SLACK)
+                and all(f is not g for g in out)]
+    return sorted(out, key=lambda f: f.t0)
+
+
+def wait_context(ev: Evidence, t: float, culprits: list[Fault]) -> str:
+    """What happened about one AckWait before the redelivery: what the wait started with."""
+    due = t - ev.ack_wait
+    deaths = sorted((lf for lf in ev.lives.values() if lf.died is not None and abs(lf.died - due) <= 3.0),
+                    key=lambda lf: abs((lf.died or 0.0) - due))
+    def far(f: Fault) -> float:
+        return max(f.t0 - due, due - f.t1, 0.0)
+    faults = sorted((f for f in ev.faults if far(f) <= 3.0), key=far) or culprits
+    parts = [f.name(ev.origin) for f in faults[:2]]
+    parts += [f"worker pid {lf.pid} exited +{(lf.died or 0.0) - ev.origin:.2f}s" for lf in deaths[:3]]
+    return "about AckWait after: " + "; ".join(parts) if parts else "no fault or worker exit one AckWait before"
+
+
+def holder_context(ev: Evidence, holders: list[Handout], culprits: list[Fault]) -> str:
+    """Who held the delivery that never started, what touched it, and when it exited."""
+    parts = []
+    for h in holders:
+        life = ev.lives.get(h.pid)
+        exited = (f", pid {h.pid} gone from its supervisor's workers +{life.died - ev.origin:.2f}s (an exit, or "
+                  "its parent's death)" if life and life.died is not None else "")
+        parts.append(h.held(ev.origin) + exited)
+    touched = "; ".join(f.name(ev.origin) for f in culprits[:4]) or "no fault touched it"
+    return f"{'; '.join(parts)}; touched by: {touched}"
 
 
 def named_at_death(names: dict, seq: int, before: list[RunOfJob], run: RunOfJob, holder: int = 0,

@@ -5,10 +5,13 @@
 - `Fault`: each fault the runner injected, with its time window and the worker processes it
   touched (None: all of them, e.g. a server restart), and whether it is inside the
   supervisor's control (a job it touches must never wait for AckWait).
-- `Late`: each JetStream delivery the chaos proxy (chaos/proxy.py) carried to its client a second
-  or more after the server sent it, or never: what a stalled link held, by sequence and delivery.
-- `Life`: each worker process's first and last sighting, from the runner's process watcher, and
-  the consumer it works for (several pools: each pool's own).
+- `Handout`: each JetStream delivery the chaos proxy (chaos/proxy.py) carried from the server to
+  a client connection: the connection (its name, the process that holds it), when the server
+  sent it and when it was written on to the client (or never): who was handed a delivery that
+  never started, and what a stalled link held.
+- `Life`: each worker process's first and last sighting, from the runner's process watcher, the
+  supervisor (parent pid) it was forked by, and the consumer it works for (several pools: each
+  pool's own).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class Fault:
     # in_control. False where the README says they wait for AckWait (a worker killed while a
     # peer supervisor shares the consumer: the in-transit check needs a lone supervisor).
     unstarted_in_control: bool | None = None
+    conns: frozenset[int] = frozenset()   # the proxy's connections it hit (Handout.conn): a link fault
+    parent: int | None = None   # the supervisor (its parent's pid) it acted on as a whole
 
     def controls(self, started: bool) -> bool:
         """Is a wait this fault causes the supervisor's to prevent?"""
@@ -65,20 +70,51 @@ class Fault:
         """Did this fault act on `pid` at some moment in [lo, hi]?"""
         return (self.pids is None or pid in self.pids) and self.t0 <= hi and self.t1 >= lo
 
+    @property
+    def routine(self) -> bool:
+        """A routine operation on a supervisor (SIGHUP, scale, pause: chaos/randomized.py op)."""
+        return self.kind.startswith("op: ")
+
+    def holds(self, holder: Handout, parent: int | None, lo: float, hi: float, died: float | None = None) -> bool:
+        """Did this fault act, at some moment in [lo, hi], on the process or the connection that
+        was handed a delivery, or on the supervisor that process belonged to (`parent`)? A
+        routine operation acts on the supervisor's living workers (a reload, a scale, a pause):
+        only while the holder lived (until `died`); its SIGKILL or its link also stop what it
+        does for a dead worker's jobs, to the end."""
+        if self.t0 > hi or self.t1 < lo:
+            return False
+        if self.pids is None or holder.pid in self.pids or holder.conn in self.conns:
+            return True
+        if parent is None or self.parent != parent:
+            return False
+        return not self.routine or died is None or self.t0 <= died
+
     def name(self, origin: float) -> str:
         who = " (every worker)" if self.pids is None else "".join(f" (pid {p})" for p in sorted(self.pids))
+        who += f" (supervisor pid {self.parent})" if self.parent is not None else ""
+        who += f" (connections {', '.join(f'#{c}' for c in sorted(self.conns))})" if self.conns else ""
         return f"{self.kind}{who} at +{self.t0 - origin:.2f}s" + (f": {self.note}" if self.note else "")
 
 
 @dataclass(frozen=True)
-class Late:
-    """A JetStream delivery the proxy carried to a client late, or never (chaos/proxy.py late())."""
+class Handout:
+    """A JetStream delivery the proxy carried from the server to a client (chaos/proxy.py handouts())."""
     name: str               # the client's connection name
     stream: str
     seq: int                # stream sequence
     delivery: int           # the server's delivery count
     came: float             # time.monotonic() the proxy read it from the server
     out: float | None       # when it was written on to the client; None: never (the connection closed)
+    pid: int = 0            # the process holding the client's socket (0: not known)
+    conn: int = 0           # the proxy's number for the connection (0: not known)
+    ppid: int = 0           # that process's parent when it connected
+    consumer: str = ""
+
+    def held(self, origin: float) -> str:
+        """Who was handed it, for a verdict's text."""
+        out = "never written on" if self.out is None else f"written on +{self.out - origin:.2f}s"
+        return (f"handed to pid {self.pid} (connection #{self.conn} {self.name!r}) +{self.came - origin:.2f}s, "
+                f"{out}")
 
 
 @dataclass
@@ -87,6 +123,7 @@ class Life:
     born: float
     died: float | None = None
     consumer: str = ""          # whose worker it is (its process title; "" until it said)
+    parent: int = 0             # the supervisor's pid that had forked it (0: not seen)
 
 
 def read_journal(path: Path) -> list[Rec]:

@@ -23,11 +23,16 @@ on, each time a connection of that name forwards one of those byte strings that 
 request's `MSG.NEXT`, a `PING` to the server; a `PONG` back), and `tapped(pattern)` lists them.
 
 What the server sends is read on through a stall and waits here, not in the kernel, so the proxy
-knows each JetStream delivery a stall kept from its client: `late()` lists every delivery (stream
-sequence and delivery number, from its `$JS.ACK` reply subject) that reached the client LATE
-seconds or more after the server sent it, or never (its connection closed first). That is the
-ground truth the checker needs for a job that never started and came back after AckWait: the
-stall held that very delivery while its AckWait ran out (chaos/checker.py).
+knows each JetStream delivery it carried (stream sequence and delivery number, from its `$JS.ACK`
+reply subject), when the server sent it and when it was written on to its client, or never (its
+connection closed first): `handouts()`, with the connection's name and the process (pid) that
+holds the client's socket, found at accept from the peer's port (/proc/net/tcp gives the socket's
+inode, /proc/PID/fd the processes holding it: `socket_owner`). `late()` lists the ones that reached
+their client LATE seconds or more after the server sent them, or never. That is the ground truth
+the checker needs for a job that never started and came back after AckWait: who was handed that
+very delivery, and whether a stall held it while its AckWait ran out (chaos/checker.py). Each
+cut, stall, reset or hold notes the connections it hit (`struck(pattern, since)`: their numbers
+and pids, the ones a rule closed or stalled at their CONNECT too).
 
 Runs on an asyncio loop (the chaos runner's background loop); every method is a coroutine.
 """
@@ -35,8 +40,10 @@ Runs on an asyncio loop (the chaos runner's background loop); every method is a 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
+import os
 import re
 import socket
 import struct
@@ -45,7 +52,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .facts import Late
+from .facts import Handout
 
 if TYPE_CHECKING:
     from harness import NatsServer
@@ -60,8 +67,29 @@ ACK_REPLY = re.compile(rb"\$JS\.ACK\.[^ \r\n]+(?= )")
 TAIL = 512                  # bytes kept of the last chunk: a reply subject split between two reads
 
 
-def deliveries(tail: bytes, data: bytes) -> list[tuple[str, int, int]]:
-    """(stream, stream seq, delivery) of each delivery whose reply subject `data` completes."""
+@dataclass
+class Sent:
+    """One delivery read from the server for a connection; `out` once written on to the client."""
+    conn: int
+    stream: str
+    consumer: str
+    seq: int
+    delivery: int
+    came: float = 0.0
+    out: float | None = None
+
+
+@dataclass
+class Client:
+    """Who is on the other end of a connection: its CONNECT name and the process holding its socket."""
+    conn: int
+    name: str | None = None
+    pid: int = 0
+    ppid: int = 0
+
+
+def deliveries(tail: bytes, data: bytes) -> list[tuple[str, str, int, int]]:
+    """(stream, consumer, stream seq, delivery) of each delivery whose reply subject `data` completes."""
     out = []
     seen = tail + data
     for m in ACK_REPLY.finditer(seen):
@@ -69,25 +97,71 @@ def deliveries(tail: bytes, data: bytes) -> list[tuple[str, int, int]]:
             continue
         tokens = m.group().split(b".")
         if len(tokens) == 9:
-            stream, delivered, seq = tokens[2], tokens[4], tokens[5]
+            stream, consumer, delivered, seq = tokens[2:6]
         elif len(tokens) >= 11:
-            stream, delivered, seq = tokens[4], tokens[6], tokens[7]
+            stream, consumer, delivered, seq = tokens[4:8]
         else:
             continue
-        out.append((stream.decode(), int(seq), int(delivered)))
+        out.append((stream.decode(), consumer.decode(), int(seq), int(delivered)))
     return out
+
+
+def socket_owner(port: int, peer_port: int) -> tuple[int, int]:
+    """(pid, ppid) of the process holding the loopback TCP socket whose local port is `port` and
+    whose peer's is `peer_port` ((0, 0): none found). A process forked while holding it holds it
+    too until it closes it (a worker forked as its parent connects): the oldest holder is the one
+    that opened it."""
+    inode = socket_inode(port, peer_port)
+    if not inode:
+        return 0, 0
+    holders = []
+    link = f"socket:[{inode}]"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == link for fd in fds):
+                holders.append(proc_stat(int(pid)))
+        except OSError:
+            continue                       # gone meanwhile, or not ours to read
+    if not holders:
+        return 0, 0
+    _, pid, ppid = min(holders)
+    return pid, ppid
+
+
+def socket_inode(port: int, peer_port: int) -> int:
+    want = (f":{port:04X}", f":{peer_port:04X}")
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[1].endswith(want[0]) and cols[2].endswith(want[1]) and cols[9] != "0":
+                return int(cols[9])
+    return 0
+
+
+def proc_stat(pid: int) -> tuple[int, int, int]:
+    """(start time in clock ticks since boot, pid, ppid) from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()     # the command may hold spaces and parentheses
+    return int(fields[19]), pid, int(fields[1])
 
 
 @dataclass(eq=False)
 class Conn:
     client: tuple[asyncio.StreamReader, asyncio.StreamWriter]
     server: tuple[asyncio.StreamReader, asyncio.StreamWriter]
+    who: Client
     name: str | None = None
     flowing: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)
     # What the server sent, not yet written to the client: (when read, bytes, deliveries), oldest
     # first; None once the server closed its side. `more` wakes the writer.
-    down: deque[tuple[float, bytes, list[tuple[str, int, int]]] | None] = field(default_factory=deque)
+    down: deque[tuple[float, bytes, list[Sent]] | None] = field(default_factory=deque)
     more: asyncio.Event = field(default_factory=asyncio.Event)
 
     def close(self, rst: bool = False) -> None:
@@ -114,7 +188,11 @@ class Proxy:
         self.noted: list[tuple[float, str, bytes]] = []     # (when, connection name, needle), closed ones too
         self.holds: dict[str, tuple[bytes, bool]] = {}     # pattern -> (needle, after) of a hold
         self.held: list[tuple[float, str]] = []             # (when, connection name) of each hold
-        self.lates: list[Late] = []                     # deliveries forwarded late or never (late())
+        self.sent: list[Sent] = []                      # every delivery read from the server (handouts())
+        self.clients: dict[int, Client] = {}            # connection number -> who is on its other end
+        self.hits: list[tuple[float, str, int]] = []    # (when, pattern, connection number) a fault hit
+        self.numbers = itertools.count(1)
+        self.owners: dict[int, asyncio.Future] = {}     # connection number -> its pid lookup
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
         self.accepted = 0
@@ -144,6 +222,7 @@ class Proxy:
     async def cut(self, pattern: str) -> int:
         self.rules[pattern] = "cut"
         victims = self.matching(pattern)
+        self.hit(pattern, victims)
         for conn in victims:
             self.drop(conn)
         return len(victims)
@@ -151,12 +230,14 @@ class Proxy:
     async def stall(self, pattern: str) -> int:
         self.rules[pattern] = "stall"
         victims = self.matching(pattern)
+        self.hit(pattern, victims)
         for conn in victims:
             conn.flowing.clear()
         return len(victims)
 
     async def reset(self, pattern: str) -> int:
         victims = self.matching(pattern)
+        self.hit(pattern, victims)
         for conn in victims:
             self.drop(conn, rst=True)
         return len(victims)
@@ -179,10 +260,43 @@ class Proxy:
         oldest first: (time.monotonic() once written on, needle), one per occurrence."""
         return [(t, needle) for t, name, needle in self.noted if re.search(pattern, name)]
 
-    async def late(self) -> list[Late]:
-        """Every JetStream delivery forwarded to its client LATE seconds or more after the server
-        sent it, or never (`out` None), connections closed since included, oldest first."""
-        return sorted(self.lates, key=lambda d: d.came)
+    async def handouts(self) -> list[Handout]:
+        """Every JetStream delivery read from the server, connections closed since included, oldest
+        first, with who it was for (each pid lookup done first)."""
+        await self.identified(set(self.owners))
+        out = []
+        for s in self.sent:
+            c = self.clients[s.conn]
+            out.append(Handout(c.name or "?", s.stream, s.seq, s.delivery, s.came, s.out, c.pid, c.conn, c.ppid,
+                               s.consumer))
+        return sorted(out, key=lambda d: d.came)
+
+    async def connections(self) -> list[Client]:
+        """Every connection accepted so far, with who was on its other end."""
+        await self.identified(set(self.owners))
+        return list(self.clients.values())
+
+    async def late(self) -> list[Handout]:
+        """The deliveries forwarded to their client LATE seconds or more after the server sent
+        them, or never (`out` None)."""
+        return [d for d in await self.handouts() if d.out is None or d.out - d.came >= LATE]
+
+    async def struck(self, pattern: str, since: float) -> list[Client]:
+        """Who was on the connections a cut, stall, reset or hold by `pattern` hit from `since` on
+        (a rule's new connections closed or stalled at their CONNECT too), each once."""
+        numbers = {n for t, p, n in self.hits if p == pattern and t >= since}
+        await self.identified(numbers)
+        return [self.clients[n] for n in sorted(numbers)]
+
+    async def identified(self, numbers: set[int]) -> None:
+        for n in numbers:
+            fut = self.owners.get(n)
+            if fut is not None:
+                await asyncio.wait([fut])          # never raises its error, never cancels it
+
+    def hit(self, pattern: str, conns: list[Conn]) -> None:
+        now = time.monotonic()
+        self.hits += [(now, pattern, c.who.conn) for c in conns]
 
     async def waiting(self, pattern: str) -> int:
         """Deliveries the connections of that name have read from the server and not written on."""
@@ -202,13 +316,19 @@ class Proxy:
             if to_server and when == after and conn.name is not None and re.search(pattern, conn.name) \
                     and needle in data:
                 del self.holds[pattern]
+                self.hit(pattern, [conn])
                 conn.flowing.clear()
                 self.held.append((time.monotonic(), conn.name))
 
     def rule_for(self, name: str | None) -> str | None:
+        rule = self.rule_of(name)
+        return rule[1] if rule else None
+
+    def rule_of(self, name: str | None) -> tuple[str, str] | None:
+        """(pattern, mode) of the first rule a connection of that name falls under."""
         for pattern, mode in self.rules.items():
             if name is not None and re.search(pattern, name):
-                return mode
+                return pattern, mode
         return None
 
     def drop(self, conn: Conn, rst: bool = False) -> None:
@@ -225,7 +345,11 @@ class Proxy:
             c_writer.close()                   # the server is down: so is the proxy, to the client
             return
         self.accepted += 1
-        conn = Conn((c_reader, c_writer), (s_reader, s_writer))
+        who = Client(next(self.numbers))
+        self.clients[who.conn] = who
+        conn = Conn((c_reader, c_writer), (s_reader, s_writer), who)
+        peer = c_writer.get_extra_info("peername")     # looked up in a thread (queue_to_client waits)
+        self.owners[who.conn] = asyncio.ensure_future(identify(who, peer[1] if peer else 0, self.port))
         conn.flowing.set()
         self.conns.add(conn)
         conn.tasks = [asyncio.ensure_future(self.client_to_server(conn)),
@@ -240,8 +364,11 @@ class Proxy:
             first = await reader.readline()
         except (ConnectionError, asyncio.LimitOverrunError, ValueError):
             first = b""
-        conn.name = connect_name(first)
-        mode = self.rule_for(conn.name)
+        conn.name = conn.who.name = connect_name(first)
+        rule = self.rule_of(conn.name)
+        mode = rule[1] if rule else None
+        if rule:
+            self.hit(rule[0], [conn])
         if not first or mode == "cut":
             self.drop(conn)
             return
@@ -281,7 +408,10 @@ class Proxy:
                 data = await reader.read(CHUNK)
                 if not data:
                     break
-                conn.down.append((time.monotonic(), data, deliveries(tail, data)))
+                now = time.monotonic()
+                found = [Sent(conn.who.conn, *d, came=now) for d in deliveries(tail, data)]
+                self.sent += found
+                conn.down.append((now, data, found))
                 conn.more.set()
                 tail = (tail + data)[-TAIL:]
         except (ConnectionError, OSError):
@@ -291,9 +421,15 @@ class Proxy:
 
     async def queue_to_client(self, conn: Conn) -> None:
         """Write on what the server sent, in order, whenever the connection flows; close both sides
-        after the server's end (when it flows: a stalled client must not see the close either)."""
+        after the server's end (when it flows: a stalled client must not see the close either).
+        Nothing goes on before the client's pid is known: a client waits for the server's INFO
+        before it sends CONNECT, so its socket is still open then (a rule's cut at CONNECT closes
+        it at once)."""
         _, writer = conn.client
         tail = b""
+        # asyncio.wait: a drop cancels this task, and must not cancel the lookup with it (an
+        # awaited task is cancelled with its awaiter; handouts() would raise CancelledError).
+        await asyncio.wait([self.owners[conn.who.conn]])
         try:
             while True:
                 while not conn.down:
@@ -303,10 +439,12 @@ class Proxy:
                 item = conn.down[0]            # left in `down` until written: unwritten() sees it
                 if item is None:
                     break
-                came, data, found = item
+                _, data, found = item
                 writer.write(data)             # from here it may reach the client: noted as out
                 conn.down.popleft()
-                self.noted_late(conn, came, found, time.monotonic())
+                now = time.monotonic()
+                for s in found:
+                    s.out = now
                 await writer.drain()
                 tail = self.note(conn, False, tail, data)
         except (ConnectionError, OSError):
@@ -315,14 +453,9 @@ class Proxy:
             if conn in self.conns:
                 self.drop(conn)
 
-    def noted_late(self, conn: Conn, came: float, found: list[tuple[str, int, int]], out: float | None) -> None:
-        if found and (out is None or out - came >= LATE):
-            self.lates += [Late(conn.name or "?", stream, seq, d, came, out) for stream, seq, d in found]
-
     def never_forwarded(self, conn: Conn) -> None:
-        """The connection is closing: what it still had for its client never reached it."""
-        for came, _, found in unwritten(conn):
-            self.noted_late(conn, came, found, None)
+        """The connection is closing: what it still had for its client never reaches it (`out`
+        stays None)."""
         conn.down.clear()
 
     def note(self, conn: Conn, to_server: bool, tail: bytes, data: bytes) -> bytes:
@@ -343,7 +476,18 @@ class Proxy:
         return seen[len(seen) - keep:] if keep else b""
 
 
-def unwritten(conn: Conn) -> list[tuple[float, bytes, list[tuple[str, int, int]]]]:
+async def identify(who: Client, peer_port: int, port: int) -> None:
+    """The pid of the client's process, while its connection is still open (a few tries: the
+    kernel lists the socket at once, the process may be mid-fork)."""
+    loop = asyncio.get_running_loop()
+    for _ in range(3 if peer_port else 0):
+        who.pid, who.ppid = await loop.run_in_executor(None, socket_owner, peer_port, port)
+        if who.pid:
+            return
+        await asyncio.sleep(0.01)
+
+
+def unwritten(conn: Conn) -> list[tuple[float, bytes, list[Sent]]]:
     """What the server sent that has not been written to the client yet, oldest first."""
     return [item for item in conn.down if item is not None]
 

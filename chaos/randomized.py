@@ -16,10 +16,14 @@ The space is two tables, so a new feature adds a row, not a code path:
   says what it needs from the rows before it (`needs`), how it is drawn, and whether a SIGHUP
   may change it later (`hup`).
 - FAULTS: one row per fault; each says what configuration it needs, its weight, how its
-  parameters are drawn, whether it needs the connections to go through chaos/proxy.py, and
-  how it acts. A fault records what it touched (chaos/facts.py Fault) and whether a wait it
+  parameters are drawn, and how it acts. A fault records what it touched (chaos/facts.py
+  Fault: the worker pids, the proxy's connections, the supervisor) and whether a wait it
   causes is the supervisor's to prevent, which is what the one checker (chaos/checker.py)
   judges the run by.
+
+Every connection goes through chaos/proxy.py, link faults or not: it names who was handed each
+delivery (the process and the connection), which is how the checker judges a delivery that
+never started.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from workers.protocol.limitkeys import LEASE_TTL, RENEW_EVERY, rate_window
 
 from .checker import VERDICTS
 from .core import Result, run_with
+from .facts import Fault
 from .rig import SIDE, SIDE_SUBJECT, SUBJECT, ChaosNats, Run, named_before_kill
 
 Cfg = dict[str, Any]             # "section.key" (a supervisor key) or "chaos.knob" -> value
@@ -320,7 +325,6 @@ class FaultKind:
     act: Callable[[Act, dict], None]
     params: Callable[[random.Random, Cfg], dict] = lambda r, c: {}
     needs: Callable[[Cfg], bool] = always
-    proxy: bool = False           # acts on connections: every connection goes through chaos/proxy.py
     # Outside the supervisor's control with these parameters: its ledger cannot explain every
     # redelivery it causes (a dead link's lost ack looks like AckWait too short).
     outside: Callable[[Cfg, dict], bool] = lambda c, p: False
@@ -345,10 +349,6 @@ class Plan:
     load_s: float
     schedule: list[Step] = field(default_factory=list)
     subjects: list[str] = field(default_factory=list)     # [ordering]: job i's subject (its key's)
-
-    @property
-    def proxy(self) -> bool:
-        return any(KINDS[s.fault].proxy for s in self.schedule)
 
     def describe(self) -> str:
         """The draw, for a failure's report (and to read what a seed means)."""
@@ -441,16 +441,26 @@ class Act:
         connections the fault left for dead are closed (until then the server may still hand
         them jobs: what they carried reaches it at the heal)."""
         proxy = self.run.proxy
-        assert proxy is not None, "a link fault without the proxy in the plan"
+        assert proxy is not None, "a link fault without the proxy"
         self.run.bg.call(getattr(proxy, mode)(pattern))
         if mode == "heal":
             with contextlib.suppress(AssertionError):
                 wait_until(lambda: self.run.bg.call(proxy.count(pattern)) <= 1, 5, "stale connections closed")
 
+    def struck(self, f: Fault, pattern: str) -> None:
+        """Note in the fault the connections its pattern hit (the proxy's numbers) and the pids
+        holding them: every process on a connection of that name, an orphan of the slot too."""
+        assert self.run.proxy is not None
+        hit = self.run.bg.call(self.run.proxy.struck(pattern, f.t0 - 0.001))
+        f.conns = frozenset(c.conn for c in hit)
+        if f.pids is not None:
+            f.pids = f.pids | {c.pid for c in hit if c.pid}
 
-def op(act: Act, kind: str) -> None:
-    """A routine operation: logged for context, touches no worker (it must explain nothing)."""
-    act.run.fault(f"op: {kind}", time.monotonic(), pids=set())
+
+def op(act: Act, kind: str, sup: SupervisorProc) -> None:
+    """A routine operation on a supervisor: logged for context, touches no worker (it must explain
+    no run), but it acted on that supervisor (what its workers held unstarted may be its doing)."""
+    act.run.fault(f"op: {kind}", time.monotonic(), pids=set(), parent=sup.proc.pid)
 
 
 def worker_kill(act: Act, p: dict) -> None:
@@ -473,12 +483,14 @@ def peer_rule(act: Act) -> dict[str, Any]:
 
 
 def worker_stop(act: Act, p: dict) -> None:
-    """SIGSTOP, then SIGCONT after the drawn time; longer than heartbeat_timeout, the parent kills it."""
+    """SIGSTOP, then SIGCONT after the drawn time; longer than heartbeat_timeout, the parent kills it
+    (with a peer on the consumer what was on the wire to it then waits for AckWait, as at any
+    death: peer_rule; a shorter stop reads it when it goes on)."""
     sup = act.sup(p)
     pid = act.victim(sup, p["pick"])
     if pid is None:
         return
-    f = act.run.fault(f"worker SIGSTOP {p['seconds']:g}s", time.monotonic(), pids={pid})
+    f = act.run.fault(f"worker SIGSTOP {p['seconds']:g}s", time.monotonic(), pids={pid}, **peer_rule(act))
     with_pid(pid, signal.SIGSTOP)
     time.sleep(p["seconds"])
     with_pid(pid, signal.SIGCONT)
@@ -507,9 +519,11 @@ def parent_link(mode: str) -> Callable[[Act, dict], None]:
         time.sleep(p["seconds"])
         act.link("heal", pattern)
         released = releases(act.plan.config, p)
-        act.run.fault(f"network: the parent's connection {mode} {p['seconds']:g}s", t0, time.monotonic(),
-                      pids=workers | sup.worker_pids() if released else set(), in_control=not released,
-                      note="a peer may declare it lost and release its jobs" if released else "")
+        f = act.run.fault(f"network: the parent's connection {mode} {p['seconds']:g}s", t0, time.monotonic(),
+                          pids=workers | sup.worker_pids() if released else set(), in_control=not released,
+                          note="a peer may declare it lost and release its jobs" if released else "",
+                          parent=sup.proc.pid)
+        act.struck(f, pattern)
     return fault
 
 
@@ -540,6 +554,7 @@ def worker_link(mode: str) -> Callable[[Act, dict], None]:
         touched |= {pid for s, pid in act.slots(sup).items() if s == slot}
         f.pids = frozenset(touched)
         f.t1 = time.monotonic()
+        act.struck(f, pattern)
     return fault
 
 
@@ -552,7 +567,8 @@ def parent_kill(act: Act, p: dict) -> None:
         return
     pids = sup.worker_pids()
     named_before_kill(act.run, sup)     # what the kill leaves to AckWait, as its /status names it (checker.py)
-    f = act.run.fault("parent SIGKILL, then a new supervisor", time.monotonic(), pids=pids, **peer_rule(act))
+    f = act.run.fault("parent SIGKILL, then a new supervisor", time.monotonic(), pids=pids, parent=sup.proc.pid,
+                      **peer_rule(act))
     sup.proc.kill()
     sup.proc.wait()
     act.orphans |= pids
@@ -578,7 +594,7 @@ def hup(act: Act, p: dict) -> None:
     sup.config_path.write_text(tomli_w.dumps(sup.config))
     if p["key"] == "workers.graceful_timeout":
         act.graceful_min = min(act.graceful_min, p["value"])
-    op(act, f"SIGHUP ({p['key']}={p['value']})")
+    op(act, f"SIGHUP ({p['key']}={p['value']})", sup)
     sup.signal(signal.SIGHUP)
 
 
@@ -593,7 +609,7 @@ def scale(act: Act, p: dict) -> None:
     status = sup.try_status()
     if how == "ttou" and (status is None or low(act, status)):
         how = "ttin"
-    op(act, {"ttin": "SIGTTIN", "ttou": "SIGTTOU"}.get(how, f"POST /scale?workers={p['n']}"))
+    op(act, {"ttin": "SIGTTIN", "ttou": "SIGTTOU"}.get(how, f"POST /scale?workers={p['n']}"), sup)
     if how == "post":
         pool = "&pool=a" if act.pools else ""
         req = urllib.request.Request(f"http://{sup.http}/scale?workers={p['n']}{pool}", method="POST")
@@ -616,7 +632,7 @@ def pause(act: Act, p: dict) -> None:
     """`supervisor pause --for S` (the server's consumer pause, fleet-wide): nothing is delivered
     meanwhile; it resumes by itself. Touches no worker: it must explain nothing."""
     sup = act.sup(p)
-    op(act, f"supervisor pause --for {p['seconds']:g}")
+    op(act, f"supervisor pause --for {p['seconds']:g}", sup)
     r = run_cli("pause", "--config", str(sup.config_path), "--for", str(p["seconds"]), "--reason", "chaos",
                 *(("--pool", "a") if act.pools else ()))
     if r.returncode != 0:
@@ -723,16 +739,16 @@ FAULTS: list[FaultKind] = [
               seconds(0.3, 3.0), outside=outside, holds=server),
     FaultKind("server-stall", 1, server_outage("nats-server SIGSTOP {seconds:g}s", "pause", "resume"),
               seconds(0.5, 5.0), outside=outside, holds=server),
-    FaultKind("parent-cut", 1, parent_link("cut"), seconds(1.0, 8.0), proxy=True, outside=releases,
+    FaultKind("parent-cut", 1, parent_link("cut"), seconds(1.0, 8.0), outside=releases,
               holds=parent_link_of),
-    FaultKind("parent-stall", 1, parent_link("stall"), seconds(1.0, 12.0), proxy=True, outside=releases,
+    FaultKind("parent-stall", 1, parent_link("stall"), seconds(1.0, 12.0), outside=releases,
               holds=parent_link_of),
-    FaultKind("worker-cut", 1, worker_link("cut"), pick_and(seconds(0.5, 5.0)), proxy=True, outside=outside,
+    FaultKind("worker-cut", 1, worker_link("cut"), pick_and(seconds(0.5, 5.0)), outside=outside,
               holds=worker_links_of, needs=others_carry_on),
     FaultKind("worker-stall", 1, worker_link("stall"),
               pick_and(lambda r, c: {"seconds": round(weighted(r, [(r.uniform(1.0, 8.0), 3),
                                                                    (1.3 * c["consumer.ack_wait"], 1)]), 2)}),
-              proxy=True, outside=outside, holds=worker_links_of, needs=others_carry_on),
+              outside=outside, holds=worker_links_of, needs=others_carry_on),
     FaultKind("parent-kill", 1, parent_kill, holds=parent),
     FaultKind("hup", 2, hup, hup_params, holds=parent),
     FaultKind("pause", 1, pause, seconds(0.5, 4.0), holds=lambda p: "pause", needs=lambda c: c["chaos.pause"]),
@@ -785,7 +801,7 @@ def execute(run: Run, plan: Plan) -> None:
     """Start what the plan needs, put its load on, play its schedule."""
     server = run.start_server()
     run.connect([server.url])
-    url = run.start_proxy(server).url if plan.proxy else server.url
+    url = run.start_proxy(server).url
     run.ack_wait = plan.config["consumer.ack_wait"]
     if plan.config["chaos.pools"]:
         run.pools = dict(POOL_CONSUMERS)

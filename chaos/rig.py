@@ -40,7 +40,7 @@ from supervisor.parent.safety.peers import SUSPECT_GRACE
 from workers.runtime.deadletter import DLQ_HEADER
 
 from .checker import SIDE_KEY, Evidence, Report, check
-from .facts import Fault, Late, Life, Rec, Stored, order_key
+from .facts import Fault, Handout, Life, Rec, Stored, order_key
 from .proxy import Proxy
 
 STREAM, CONSUMER, SUBJECT, DLQ_STREAM = "JOBS", "workers", "jobs.chaos", "JOBS_DLQ"
@@ -66,11 +66,17 @@ def ledger_settled(sup: SupervisorProc) -> None:
                    "every redelivery judged")
 
 
-def late_deliveries(run: Run) -> list[Late]:
-    """The work queue's deliveries the proxy held in a stalled link (checker.py held_in_link)."""
+def handouts(run: Run) -> list[Handout]:
+    """The work queue's deliveries the proxy carried, with who each was handed to (checker.py);
+    a note says how many, over how many connections, and how many of those the pid was found for."""
     if run.proxy is None:
         return []
-    return [d for d in run.bg.call(run.proxy.late()) if d.stream == STREAM]
+    out = [d for d in run.bg.call(run.proxy.handouts()) if d.stream == STREAM]
+    clients = run.bg.call(run.proxy.connections())
+    unknown = [f"#{c.conn} {c.name!r}" for c in clients if not c.pid]
+    run.notes.append(f"proxy: {len(out)} deliveries of {STREAM} carried over {len(clients)} connections; "
+                     f"pid not found for {len(unknown)}{': ' + ', '.join(unknown[:6]) if unknown else ''}")
+    return out
 
 
 def named_before_kill(run: Run, sup: SupervisorProc) -> None:
@@ -184,8 +190,9 @@ class JournalTail:
 
 
 class Watcher(threading.Thread):
-    """Polls the supervisors' children: when each worker pid appeared and when it was reaped, and
-    whose consumer it works for (its process title: `supervisor: worker 0 [JOBS/workers-a]`)."""
+    """Polls the supervisors' children: when each worker pid appeared and when it was reaped, which
+    supervisor forked it (its parent's pid: an orphan keeps the one it had), and whose consumer it
+    works for (its process title: `supervisor: worker 0 [JOBS/workers-a]`)."""
 
     def __init__(self, sups: list[SupervisorProc]):
         super().__init__(name="chaos-watcher", daemon=True)
@@ -196,12 +203,12 @@ class Watcher(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(0.005):
             now = time.monotonic()
-            seen = set()
+            seen: dict[int, int] = {}
             for sup in list(self.sups):
                 if sup.proc is not None and sup.proc.poll() is None:
-                    seen |= sup.worker_pids()
-            for pid in seen:
-                life = self.lives.setdefault(pid, Life(pid, now))
+                    seen.update(dict.fromkeys(sup.worker_pids(), sup.proc.pid))
+            for pid, parent in seen.items():
+                life = self.lives.setdefault(pid, Life(pid, now, parent=parent))
                 if not life.consumer:
                     life.consumer = consumer_of(pid)
             for life in self.lives.values():
@@ -467,10 +474,9 @@ class Run:
 
     # ------------------------------------------------------------ faults
 
-    def fault(self, kind: str, t0: float, t1: float | None = None, pids: set[int] | None = None,
-              in_control: bool = True, note: str = "", unstarted_in_control: bool | None = None) -> Fault:
-        f = Fault(kind, t0, t0 if t1 is None else t1, None if pids is None else frozenset(pids), in_control, note,
-                  unstarted_in_control)
+    def fault(self, kind: str, t0: float, t1: float | None = None, pids: set[int] | None = None, **more: Any) -> Fault:
+        """Log a fault (`more`: Fault's in_control, note, unstarted_in_control, parent)."""
+        f = Fault(kind, t0, t0 if t1 is None else t1, None if pids is None else frozenset(pids), **more)
         self.faults.append(f)
         return f
 
@@ -558,7 +564,7 @@ class Run:
         ev = Evidence(ticks_extra=ticks, stored=stored, journal=self.tail.poll(), faults=self.faults, ack_wait=self.ack_wait,
                       origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead,
                       status=self.status, statuses=[s for s in statuses if s], copies=set(copies), drains=self.drains,
-                      sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), late=late_deliveries(self),
+                      sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), handouts=handouts(self),
                       healthz_s=max(self.healthz) if self.healthz else None, pools=dict(self.pools),
                       left_to_ack_wait=self.left_to_ack_wait, in_transit_unchecked=self.in_transit_unchecked)
         return check(ev)

@@ -13,13 +13,14 @@ Seeds are random; CHAOS_SEED=N replays one.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 from chaos import scenarios  # noqa: F401  (registers the scenarios)
 from chaos.checker import Evidence, check
 from chaos.core import SCENARIOS, run_scenario
-from chaos.facts import Fault, Late, Life, Rec, Stored
+from chaos.facts import Fault, Handout, Life, Rec, Stored
 from chaos.rig import copies_for_later
 
 SEED = int(os.environ["CHAOS_SEED"]) if "CHAOS_SEED" in os.environ else None
@@ -276,19 +277,119 @@ def test_checker_takes_a_wait_as_the_links_only_for_the_delivery_the_proxy_saw_i
     hup = Fault("op: SIGHUP (workers.max_jobs=6)", T0 + 10.0, T0 + 10.0, frozenset())
     faults = [stall, hup]
 
-    def late(seq: int = 1, delivery: int = 1, came: float = 1.5, out: float | None = None) -> list[Late]:
-        return [Late("chaos-a worker 1", "JOBS", seq, delivery, T0 + came, None if out is None else T0 + out)]
+    def late(seq: int = 1, delivery: int = 1, came: float = 1.5, out: float | None = None) -> list[Handout]:
+        return [Handout("chaos-a worker 1", "JOBS", seq, delivery, T0 + came, None if out is None else T0 + out)]
     assert check(evidence(later + back, faults, stored=2)).counts["ackwait"] == 1        # the failure seen
     for held in (late(), late(out=39.4)):                   # closed unread; written on at the heal
-        report = check(evidence(later + back, faults, stored=2, late=held))
+        report = check(evidence(later + back, faults, stored=2, handouts=held))
         assert (report.counts["ackwait"], report.counts["ackwait_outside"]) == (0, 1), held
         assert any("held in the stalled link of 'chaos-a worker 1'" in f.text and "stall 39s" in f.text
                    for f in report.findings if f.verdict == "ackwait_outside")
     # Another job; another delivery; written on in time for the worker; read before the stall began.
     for other in (late(seq=2), late(delivery=2), late(out=20.0), late(came=0.2)):
-        assert check(evidence(later + back, faults, stored=2, late=other)).counts["ackwait"] == 1, other
+        assert check(evidence(later + back, faults, stored=2, handouts=other)).counts["ackwait"] == 1, other
     inside = Fault("network: the parent's connection stall 39s", T0 + 0.4, T0 + 39.4, frozenset(), in_control=True)
-    assert check(evidence(later + back, [inside, hup], stored=2, late=late())).counts["ackwait"] == 1
+    assert check(evidence(later + back, [inside, hup], stored=2, handouts=late())).counts["ackwait"] == 1
+
+
+# A job whose delivery 1 never started and came back after AckWait (delivery 2, +31.1 s): the
+# proxy saw delivery 1 handed to pid 1 (connection #3 of supervisor pid 100) at +1.0 s. Pid 5 is
+# a worker of another supervisor (pid 200).
+BACK = [("S", 2, 1, 2, 31.1), ("D", 2, 1, 2, 31.2)]
+HOLDER = Handout("chaos-a worker 0", "JOBS", 1, 1, T0 + 1.0, T0 + 1.0, pid=1, conn=3, ppid=100)
+LIVES = {1: Life(1, T0, parent=100), 2: Life(2, T0, parent=100), 5: Life(5, T0, parent=200)}
+
+
+def handed(faults: list[Fault], holder: Handout | None = HOLDER, **kw) -> dict:
+    return check(evidence(BACK, faults, lives=dict(LIVES), handouts=[holder] if holder else [], **kw)).counts
+
+
+def test_checker_charges_a_never_started_wait_only_to_what_touched_its_holder():
+    """Seed 705: delivery 1 was in transit to a worker SIGKILLed while a peer shares the consumer
+    (README: it waits for AckWait: outside), and a 5.8 s SIGSTOP of another supervisor's worker
+    (in control) fell in the AckWait window. Without the holder every fault in the window is a
+    culprit and the wait is charged; with it only what touched pid 1, its connection or its
+    supervisor counts: a routine SIGHUP or scale of another supervisor no longer charges, one of
+    its own while the holder lived still does (after its death, not), its own link cut does, and
+    so does a kill of the holder that is in control."""
+    in_transit = Fault("worker SIGKILL", T0 + 5.0, T0 + 5.1, frozenset({1}), unstarted_in_control=False)
+    elsewhere = [Fault("worker SIGSTOP 5.8s", T0 + 10.0, T0 + 15.8, frozenset({5})),
+                 Fault("op: SIGHUP (workers.batch=4)", T0 + 12.0, T0 + 12.0, frozenset(), parent=200),
+                 Fault("op: POST /scale?workers=3", T0 + 20.0, T0 + 20.0, frozenset(), parent=200)]
+    assert handed([in_transit, *elsewhere], holder=None)["ackwait"] == 1            # the old rule: charged
+    report = check(evidence(BACK, [in_transit, *elsewhere], lives=dict(LIVES), handouts=[HOLDER]))
+    assert (report.counts["ackwait"], report.counts["ackwait_outside"]) == (0, 1)
+    (text,) = [f.text for f in report.findings if f.verdict == "ackwait_outside"]
+    assert "handed to pid 1 (connection #3 'chaos-a worker 0') +1.00s" in text and "SIGSTOP" not in text, text
+    own_hup = Fault("op: SIGHUP (workers.batch=4)", T0 + 4.0, T0 + 4.0, frozenset(), parent=100)
+    assert handed([in_transit, own_hup])["ackwait"] == 1
+    assert handed([Fault("worker SIGKILL", T0 + 5.0, T0 + 5.1, frozenset({1}))])["ackwait"] == 1
+    own_cut = Fault("network: the parent's connection cut 2s", T0 + 12.0, T0 + 14.0, frozenset(), parent=100)
+    assert handed([in_transit, own_cut])["ackwait"] == 1
+    # Seed 52: a routine SIGHUP of its supervisor 10 s after the holder's death, which a peer on
+    # the consumer leaves to AckWait: it acts on the living workers, not on the dead one's jobs.
+    dead = {**LIVES, 1: Life(1, T0, T0 + 5.1, parent=100)}
+    later_hup = Fault("op: SIGHUP (workers.max_jobs=35)", T0 + 15.0, T0 + 15.0, frozenset(), parent=100)
+    assert check(evidence(BACK, [in_transit, later_hup], lives=dead, handouts=[HOLDER])).counts["ackwait"] == 0
+    assert check(evidence(BACK, [in_transit, own_hup], lives=dead, handouts=[HOLDER])).counts["ackwait"] == 1
+
+
+def test_checker_excuses_a_never_started_wait_by_an_outside_fault_on_its_holder_alone():
+    """Seed 604: a worker-cut's pattern also hit an orphan of the same slot; the fault named the
+    target's pid only, but the proxy saw it hit the holder's connection (#3): outside. The
+    server's faults touch every holder. An outside fault that touched another worker excuses
+    nothing (the old rule let it excuse a real defect), nor one on the holder over before it was
+    handed the delivery: the window starts at the hand-out, not one AckWait before the return."""
+    cut = Fault("network: worker 0's connection cut 3.86s", T0 + 4.0, T0 + 7.9, frozenset({9}), in_control=False,
+                conns=frozenset({3}))
+    assert (handed([cut])["ackwait"], handed([cut])["ackwait_outside"]) == (0, 1)
+    server = Fault("nats-server SIGSTOP 2s", T0 + 8.0, T0 + 10.0, None, in_control=False)
+    assert handed([server])["ackwait"] == 0
+    other = Fault("network: worker 1's connection stall 5s", T0 + 4.0, T0 + 9.0, frozenset({5}), in_control=False,
+                  conns=frozenset({4}))
+    assert handed([other], holder=None)["ackwait"] == 0                           # the old rule: excused
+    assert handed([other])["ackwait"] == 1
+    early = Fault("network: worker 0's connection stall 0.5s", T0 + 0.1, T0 + 0.6, frozenset({1}), in_control=False)
+    assert handed([early], holder=None)["ackwait"] == 0                           # the old rule: excused
+    assert handed([early])["ackwait"] == 1
+
+
+def test_checker_charges_a_never_started_wait_whose_holder_nothing_touched():
+    """The proxy wrote delivery 1 to pid 1, which never ran it, and no fault touched pid 1, its
+    connection or its supervisor: the supervisor's defect, whatever else happened in the window,
+    and the verdict names the holder. A holder that exited (a recycle) is named with its exit."""
+    report = check(evidence(BACK, [], lives=dict(LIVES), handouts=[HOLDER]))
+    (text,) = [f.text for f in report.findings if f.verdict == "ackwait"]
+    assert "handed to pid 1" in text and "no fault touched it" in text, text
+    recycled = {**LIVES, 1: Life(1, T0, T0 + 6.0, parent=100)}
+    report = check(evidence(BACK, [], lives=recycled, handouts=[HOLDER]))
+    assert [f.text for f in report.findings if f.verdict == "ackwait" and "pid 1 gone from its supervisor's workers +6.00s"
+            in f.text]
+
+
+def test_checker_judges_a_holder_dead_before_the_hand_out_by_its_death():
+    """The server handed delivery 1 to the pull request of a worker SIGKILLed (with a peer on the
+    consumer: in transit, outside) 0.1 s before the proxy read it: the kill counts, from the
+    death on. And the wait counts from the hand-out: a redelivery 11 s after it is not an
+    AckWait wait (AckWait 30 s), however long after the publish."""
+    dead = {**LIVES, 1: Life(1, T0, T0 + 0.9, parent=100)}
+    kill = Fault("worker SIGKILL", T0 + 0.85, T0 + 0.9, frozenset({1}), unstarted_in_control=False)
+    c = check(evidence(BACK, [kill], lives=dead, handouts=[HOLDER])).counts
+    assert (c["ackwait"], c["ackwait_outside"]) == (0, 1)
+    late = Handout("chaos-a worker 0", "JOBS", 1, 1, T0 + 20.0, T0 + 20.0, pid=1, conn=3, ppid=100)
+    c = check(evidence(BACK, [], lives=dict(LIVES), handouts=[late])).counts
+    assert (c["ackwait"], c["ackwait_outside"], c["redelivered"]) == (0, 0, 1)
+
+
+def test_checker_keeps_the_old_rule_without_a_known_holder():
+    """No hand-out of that delivery through the proxy, or one whose process the proxy could not
+    name: every fault in the window one AckWait before the return is a culprit, as before."""
+    in_transit = Fault("worker SIGKILL", T0 + 5.0, T0 + 5.1, frozenset({1}), unstarted_in_control=False)
+    stop = Fault("worker SIGSTOP 5.8s", T0 + 10.0, T0 + 15.8, frozenset({5}))
+    for holder in (None, Handout("chaos-a worker 0", "JOBS", 1, 1, T0 + 1.0, T0 + 1.0, pid=0, conn=3),
+                   Handout("chaos-a worker 0", "JOBS", 2, 1, T0 + 1.0, T0 + 1.0, pid=1, conn=3)):
+        assert handed([in_transit, stop], holder=holder)["ackwait"] == 1, holder
+        assert handed([in_transit], holder=holder)["ackwait"] == 0, holder
 
 
 def test_the_proxy_names_each_delivery_a_stalled_link_kept_from_its_worker(nats_server):
@@ -302,7 +403,7 @@ def test_the_proxy_names_each_delivery_a_stalled_link_kept_from_its_worker(nats_
 
     from chaos.proxy import Proxy
 
-    async def scenario() -> list[Late]:
+    async def scenario() -> list[Handout]:
         proxy = await Proxy(nats_server).start()
         admin = await nats.connect(nats_server.url)
         worker = await nats.connect(proxy.url, name="w", max_reconnect_attempts=0, allow_reconnect=False)
@@ -338,6 +439,92 @@ def test_the_proxy_names_each_delivery_a_stalled_link_kept_from_its_worker(nats_
 
     (held,) = asyncio.run(scenario())
     assert (held.name, held.stream, held.seq, held.delivery, held.out) == ("w", "T", 2, 1, None)
+
+
+CLIENT = """
+import asyncio, sys, nats
+async def main():
+    nc = await nats.connect(sys.argv[1], name="w", allow_reconnect=False)
+    sub = await nc.jetstream().pull_subscribe("t.>", durable="c", stream="T")
+    (msg,) = await sub.fetch(1, timeout=20)
+    print(msg.metadata.sequence.stream, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)   # held until the test closes stdin
+asyncio.run(main())
+"""
+
+
+def test_the_proxy_knows_which_process_was_handed_each_delivery(nats_server):
+    """chaos/proxy.py records every delivery it carries, with the process holding the client's
+    socket (found from the peer's port through /proc): a worker process of its own here, that
+    fetches one job and holds it unstarted. Its hand-out names that pid, its parent (us), the
+    connection and when it was written on; a cut names whom it hit. Our own connection is ours."""
+    import asyncio
+    import subprocess
+    import sys
+
+    import nats
+
+    from chaos.proxy import Proxy
+
+    async def scenario() -> tuple[int, list[Handout], list, list]:
+        proxy = await Proxy(nats_server).start()
+        admin = await nats.connect(nats_server.url)
+        ours = await nats.connect(proxy.url, name="us")
+        child = subprocess.Popen([sys.executable, "-c", CLIENT, proxy.url], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            js = admin.jetstream()
+            await js.add_stream(name="T", subjects=["t.>"], retention="workqueue")
+            await js.add_consumer("T", durable_name="c", ack_policy="explicit")
+            await js.publish("t.1", b"1")
+            line = await asyncio.get_running_loop().run_in_executor(None, child.stdout.readline)
+            assert line.strip() == "1", line
+            t_cut = time.monotonic()
+            assert await proxy.cut("^w$") == 1
+            return child.pid, await proxy.handouts(), await proxy.struck("^w$", t_cut), list(proxy.clients.values())
+        finally:
+            child.stdin.close()
+            child.wait(10)
+            await ours.close()
+            await admin.close()
+            await proxy.close()
+
+    pid, handouts, struck, clients = asyncio.run(scenario())
+    (h,) = handouts
+    assert (h.name, h.stream, h.consumer, h.seq, h.delivery, h.pid, h.ppid) == ("w", "T", "c", 1, 1, pid, os.getpid())
+    assert h.out is not None and h.out >= h.came and h.conn > 0
+    assert [(c.conn, c.pid) for c in struck] == [(h.conn, pid)]
+    assert {(c.name, c.pid) for c in clients} == {("us", os.getpid()), ("w", pid)}
+
+
+def test_a_connection_gone_during_its_pid_lookup_leaves_the_proxy_readable(nats_server, monkeypatch):
+    """A client that closes while the proxy still looks for its pid (seed 604: the run's end broke
+    on CancelledError): the drop cancels the connection's writer, which waits for the lookup, and
+    must not cancel the lookup with it, or every later read of the records raises."""
+    import asyncio
+
+    import chaos.proxy as px
+
+    def slow(port: int, peer_port: int) -> tuple[int, int]:
+        time.sleep(0.1)                                    # the client is gone meanwhile
+        return 0, 0
+    monkeypatch.setattr(px, "socket_owner", slow)
+
+    async def scenario() -> list:
+        proxy = await px.Proxy(nats_server).start()
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            await asyncio.sleep(0.05)                      # the writer is waiting for the lookup now
+            writer.close()
+            for _ in range(200):
+                if proxy.accepted and not proxy.conns:
+                    break
+                await asyncio.sleep(0.01)
+            return [await proxy.connections(), await proxy.handouts(), await proxy.struck(".*", 0.0)]
+        finally:
+            await proxy.close()
+    clients, handouts, struck = asyncio.run(scenario())
+    assert [(c.name, c.pid) for c in clients] == [(None, 0)] and handouts == [] and struck == []
 
 
 def test_checker_takes_a_handler_retry_as_the_reason_for_the_next_delivery():

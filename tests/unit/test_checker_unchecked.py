@@ -59,3 +59,21 @@ def test_without_a_holder_the_wait_still_counts_against_the_supervisor():
                   in_transit_unchecked=[death()])
     c = check(ev).counts
     assert (c["ackwait"], c["ackwait_outside"]) == (1, 0)
+
+
+def test_with_the_holder_the_proxy_saw_the_wait_is_named():
+    """Seed 604: the proxy wrote delivery 1 to pid 41 (after its death: the server handed it to the
+    dead worker's pull), its supervisor was SIGKILLed before that death's in-transit check ran
+    (both in control): the supervisor's last /status names it, so the wait is named; handed to
+    another pid, it is not."""
+    from chaos.facts import Handout, Life
+    killed = Fault("parent SIGKILL, then a new supervisor", T0 + 6.0, T0 + 8.0, frozenset({41}), parent=7)
+
+    def counts(pid: int) -> dict:
+        ev = Evidence(stored={12: Stored(12, "j12", T0)}, faults=[killed], ack_wait=30.0, origin=T0,
+                      journal=[Rec(e, 50, 12, 2, T0 + t, 0.0, "j12") for e, t in (("S", 30.5), ("D", 30.6))],
+                      in_transit_unchecked=[death()], lives={41: Life(41, T0, T0 + 1.0, parent=7)},
+                      handouts=[Handout("chaos-a worker 0", "JOBS", 12, 1, T0 + 1.05, T0 + 1.05, pid=pid, conn=3)])
+        return check(ev).counts
+    assert (counts(41)["ackwait"], counts(41)["ackwait_outside"]) == (0, 1)
+    assert (counts(42)["ackwait"], counts(42)["ackwait_outside"]) == (1, 0)
