@@ -51,7 +51,10 @@ the journal, not trusted). Per job (stream sequence):
   other evidence, comes late when jobs queue: after a stalled worker link healed, the backlog
   went to the pull requests the dead connection had carried, and the later jobs started only
   after the heal.) A fault that is outside its control for started jobs may be inside for
-  unstarted ones, or the other way round (chaos/facts.py Fault.unstarted_in_control). The
+  unstarted ones, or the other way round (chaos/facts.py Fault.unstarted_in_control). A
+  SIGKILL of the holder's supervisor (in control: its orphans NAK what they hold) counts as
+  outside when an outside cut or stall hit the holder's own link within the orphan's grace
+  (`orphans_cut_off`: its remedy had no way to NATS; seeds 604, 705). The
   verdict's text names the holder and what touched it. One more wait counts as outside: a job
   whose worker died with its NAK sent but not fenced (F10: the parent must not NAK it again, a
   second NAK could land on the next holder), but only when a supervisor's ledger named that
@@ -102,6 +105,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
+
+from workers.runtime.orphan import ORPHAN_GRACE
 
 from .facts import Fault, Handout, Life, Rec, Stored
 from .order import Run, reorders
@@ -418,7 +423,9 @@ class Checker:
             return
         held = held_in_link(self.ev, seq, run)
         started = bool(before) and not holders
-        outside = held or (culprits and all(not f.controls(started=started) for f in culprits))
+        cut_off = orphans_cut_off(culprits, {h.conn for h in holders if h.conn}, before[-1].pid if started else 0)
+        outside = held or (culprits and all(not f.controls(started=started) or any(f is g for g in cut_off)
+                                            for f in culprits))
         holder = holders[-1].pid if holders else 0          # the last hand-out: the delivery's own
         named = "" if outside else named_at_death(self.named, seq, before, run, holder=holder,
                                                   unchecked=self.ev.in_transit_unchecked)
@@ -580,6 +587,21 @@ def on_holders(ev: Evidence, holders: list[Handout], end: float) -> list[Fault]:
         out += [f for f in ev.faults if f.holds(h, parent, lo - SLACK, end + SLACK, None if died is None else died + SLACK)
                 and all(f is not g for g in out)]
     return sorted(out, key=lambda f: f.t0)
+
+
+def orphans_cut_off(culprits: list[Fault], conns: set[int], pid: int) -> list[Fault]:
+    """The SIGKILLs of a holder's supervisor that left it an orphan with no way to NATS: the
+    orphan's only remedy for what it holds (its claim, its NAKs) goes over its own link within
+    ORPHAN_GRACE of the death (workers/runtime/orphan.py), and an outside fault cut or stalled that
+    very link at some moment of that grace: the proxy saw it hit the connection a never-started
+    delivery was handed on (`conns`), or, for a started run, a connection of its worker (`pid`).
+    The kill then counts as what it is, a fault outside the supervisor's control (seeds 604 and
+    705: a worker-cut of 3.86 s beside the parent's SIGKILL). A cut that ended before the death,
+    or began after the grace, excuses nothing."""
+    links = [f for f in culprits if not f.in_control and f.conns
+             and (conns & f.conns or (pid and f.pids is not None and pid in f.pids))]
+    return [f for f in culprits if f.kind.startswith("parent SIGKILL") and any(
+        g.t0 <= f.t0 + ORPHAN_GRACE + SLACK and g.t1 >= f.t0 for g in links)]
 
 
 def wait_context(ev: Evidence, t: float, culprits: list[Fault]) -> str:

@@ -354,6 +354,24 @@ def test_checker_excuses_a_never_started_wait_by_an_outside_fault_on_its_holder_
     assert handed([early])["ackwait"] == 1
 
 
+def test_checker_counts_a_parent_kill_outside_when_a_cut_of_the_orphans_own_link_spans_its_grace():
+    """Seeds 604 and 705: the holder's supervisor SIGKILLed (its orphans must NAK what they hold:
+    in control) while an outside cut held the holder's own connection: the orphan could not reach
+    NATS within its grace (ORPHAN_GRACE), so the kill is outside too. The same kill with the cut
+    over before it, or on another worker's connection, or starting after the grace, stays the
+    supervisor's."""
+    kill = Fault("parent SIGKILL, then a new supervisor", T0 + 5.0, T0 + 5.1, frozenset({1, 2}), parent=100)
+    def cut(t0: float, t1: float, conn: int = 3) -> Fault:
+        return Fault("network: worker 0's connection cut", T0 + t0, T0 + t1, frozenset({1}), in_control=False,
+                     conns=frozenset({conn}))
+    assert (handed([kill])["ackwait"], handed([kill])["ackwait_outside"]) == (1, 0)
+    assert (handed([kill, cut(4.0, 7.9)])["ackwait"], handed([kill, cut(4.0, 7.9)])["ackwait_outside"]) == (0, 1)
+    assert handed([kill, cut(6.5, 8.0)])["ackwait"] == 0                 # cut inside the 2 s grace
+    assert handed([kill, cut(2.0, 4.0)])["ackwait"] == 1                 # over before the death
+    assert handed([kill, cut(7.5, 9.0)])["ackwait"] == 1                 # after the grace
+    assert handed([kill, cut(4.0, 7.9, conn=4)])["ackwait"] == 1         # another connection
+
+
 def test_checker_charges_a_never_started_wait_whose_holder_nothing_touched():
     """The proxy wrote delivery 1 to pid 1, which never ran it, and no fault touched pid 1, its
     connection or its supervisor: the supervisor's defect, whatever else happened in the window,
