@@ -113,6 +113,13 @@ from .order import Run, reorders
 
 ACKWAIT_FRACTION = 0.5      # a redelivery later than this share of AckWait waited for AckWait
 SLACK = 0.05                # seconds: journal lines and fault times come from different processes
+# in_transit_unchecked `why`s that are NATS's doing (supervisor/parent/safety/in_transit.py), and
+# how young a death's unchecked round may be whatever it waited for (a tick or two).
+NATS_OBSTACLES = ("not connected to NATS", "ConsumerInfo failed", "cannot read", "cannot tell yet whether another")
+UNCHECKED_FRESH = 1.0
+# An orphan's claim and its NAKs of what it had not started go out right after its parent's
+# death: a cut of its link must have begun by then to have kept them from NATS.
+ORPHAN_FIRST_WORDS = 0.5
 EXPIRY_SLACK = 0.5          # seconds: an expiry's redelivery reaches a handler this much after AckWait at most
 
 # Verdicts in table order, with what each must be unless a scenario says otherwise (None: reported only).
@@ -541,8 +548,9 @@ def held_in_link(ev: Evidence, seq: int, run: RunOfJob) -> str:
     """How a stalled link held the delivery before `run` while its AckWait ran out, or "": the
     proxy read it from the server before `run` and had not written it on to the worker by the
     time the job came back (EXPIRY_SLACK: the redelivery's way to a handler), or never did (the
-    connection closed with it); and an outside fault on a connection acted when the proxy read
-    it. Only that delivery of that job, by that fault."""
+    connection closed with it); and an outside fault on that delivery's connection (any, for a
+    fault that did not record the connections it hit) acted when the proxy read it. Only that
+    delivery of that job, by that fault."""
     def at(t: float) -> str:
         return f"+{t - ev.origin:.2f}s"
     for d in ev.handouts:
@@ -551,7 +559,7 @@ def held_in_link(ev: Evidence, seq: int, run: RunOfJob) -> str:
         if d.out is not None and d.out < run.start - EXPIRY_SLACK:
             continue                    # the worker could read it before it came back: the wait is not the link's
         stalls = [f for f in ev.faults if "connection" in f.kind and not f.controls(started=False)
-                  and f.t0 - SLACK <= d.came <= f.t1 + SLACK]
+                  and f.t0 - SLACK <= d.came <= f.t1 + SLACK and (not f.conns or d.conn in f.conns)]
         if stalls:
             out = "never written on (its connection closed)" if d.out is None else f"written on {at(d.out)}"
             return (f"delivery {d.delivery} held in the stalled link of {d.name!r} from {at(d.came)}, {out}: "
@@ -593,15 +601,18 @@ def orphans_cut_off(culprits: list[Fault], conns: set[int], pid: int) -> list[Fa
     """The SIGKILLs of a holder's supervisor that left it an orphan with no way to NATS: the
     orphan's only remedy for what it holds (its claim, its NAKs) goes over its own link within
     ORPHAN_GRACE of the death (workers/runtime/orphan.py), and an outside fault cut or stalled that
-    very link at some moment of that grace: the proxy saw it hit the connection a never-started
-    delivery was handed on (`conns`), or, for a started run, a connection of its worker (`pid`).
+    very link while it needed it: the proxy saw it hit the connection a never-started delivery was
+    handed on (`conns`), by the time the orphan's claim and first NAKs go out (ORPHAN_FIRST_WORDS),
+    or, for a started run, a connection of its worker (`pid`) within the grace (its last NAK and
+    its acks' fence come at its end).
     The kill then counts as what it is, a fault outside the supervisor's control (seeds 604 and
     705: a worker-cut of 3.86 s beside the parent's SIGKILL). A cut that ended before the death,
     or began after the grace, excuses nothing."""
     links = [f for f in culprits if not f.in_control and f.conns
              and (conns & f.conns or (pid and f.pids is not None and pid in f.pids))]
+    until = ORPHAN_GRACE if pid else ORPHAN_FIRST_WORDS
     return [f for f in culprits if f.kind.startswith("parent SIGKILL") and any(
-        g.t0 <= f.t0 + ORPHAN_GRACE + SLACK and g.t1 >= f.t0 for g in links)]
+        g.t0 <= f.t0 + until + SLACK and g.t1 >= f.t0 for g in links)]
 
 
 def wait_context(ev: Evidence, t: float, culprits: list[Fault]) -> str:
@@ -651,13 +662,18 @@ def unchecked_at_kill(unchecked: list[dict], seq: int, delivery: int, holder: in
     could NAK it and nothing names it since. Only a first delivery, and only inside the window
     that check would have searched as far as the supervisor knew it (stream seq above
     `after_seq`, at most `up_to_seq`; an unknown bound does not narrow it): a redelivery on a
-    dead worker's wire is another check's (its seq is below any such window)."""
+    dead worker's wire is another check's (its seq is below any such window). And only while
+    what held the check up was NATS (away, a request that failed, peers not heard yet), or the
+    death came moments before the kill (UNCHECKED_FRESH): a round waiting on its own workers for
+    long is the supervisor's to answer for."""
     if delivery != 1 or not holder:
         return ""
     for u in unchecked:
         lo, hi = u.get("after_seq"), u.get("up_to_seq")
         if int(u["pid"]) != holder or (lo is not None and seq <= lo) or (hi is not None and seq > hi):
             continue
+        if not (u.get("why", "").startswith(NATS_OBSTACLES) or u.get("age_s", UNCHECKED_FRESH) < UNCHECKED_FRESH):
+            continue                    # a round the supervisor itself held up is its own to answer for
         window = f"seq {'?' if lo is None else lo + 1}..{'?' if hi is None else hi}"
         return (f"delivery {delivery} was in transit to pid {holder} at its death, whose in-transit check "
                 f"({window}) had not run when its supervisor was SIGKILLed ({u.get('why', '')})")

@@ -290,6 +290,12 @@ def test_checker_takes_a_wait_as_the_links_only_for_the_delivery_the_proxy_saw_i
         assert check(evidence(later + back, faults, stored=2, handouts=other)).counts["ackwait"] == 1, other
     inside = Fault("network: the parent's connection stall 39s", T0 + 0.4, T0 + 39.4, frozenset(), in_control=True)
     assert check(evidence(later + back, [inside, hup], stored=2, handouts=late())).counts["ackwait"] == 1
+    # A stall that recorded the connections it hit holds only what was on them.
+    on_it = [Handout("chaos-a worker 1", "JOBS", 1, 1, T0 + 1.5, None, conn=7)]
+    mine = Fault(stall.kind, stall.t0, stall.t1, stall.pids, in_control=False, conns=frozenset({7}))
+    elsewhere = Fault(stall.kind, stall.t0, stall.t1, frozenset({5}), in_control=False, conns=frozenset({8}))
+    assert check(evidence(later + back, [mine, hup], stored=2, handouts=on_it)).counts["ackwait"] == 0
+    assert check(evidence(later + back, [elsewhere, hup], stored=2, handouts=on_it)).counts["ackwait"] == 1
 
 
 # A job whose delivery 1 never started and came back after AckWait (delivery 2, +31.1 s): the
@@ -357,18 +363,18 @@ def test_checker_excuses_a_never_started_wait_by_an_outside_fault_on_its_holder_
 def test_checker_counts_a_parent_kill_outside_when_a_cut_of_the_orphans_own_link_spans_its_grace():
     """Seeds 604 and 705: the holder's supervisor SIGKILLed (its orphans must NAK what they hold:
     in control) while an outside cut held the holder's own connection: the orphan could not reach
-    NATS within its grace (ORPHAN_GRACE), so the kill is outside too. The same kill with the cut
-    over before it, or on another worker's connection, or starting after the grace, stays the
-    supervisor's."""
+    NATS when its claim and first NAKs went out, right after the death, so the kill is outside too.
+    The same kill with the cut over before it, begun after those words, or on another worker's
+    connection, stays the supervisor's."""
     kill = Fault("parent SIGKILL, then a new supervisor", T0 + 5.0, T0 + 5.1, frozenset({1, 2}), parent=100)
     def cut(t0: float, t1: float, conn: int = 3) -> Fault:
         return Fault("network: worker 0's connection cut", T0 + t0, T0 + t1, frozenset({1}), in_control=False,
                      conns=frozenset({conn}))
     assert (handed([kill])["ackwait"], handed([kill])["ackwait_outside"]) == (1, 0)
     assert (handed([kill, cut(4.0, 7.9)])["ackwait"], handed([kill, cut(4.0, 7.9)])["ackwait_outside"]) == (0, 1)
-    assert handed([kill, cut(6.5, 8.0)])["ackwait"] == 0                 # cut inside the 2 s grace
+    assert handed([kill, cut(5.3, 8.0)])["ackwait"] == 0                 # begun as the orphan's first words went out
+    assert handed([kill, cut(6.5, 8.0)])["ackwait"] == 1                 # after them: its NAK had gone
     assert handed([kill, cut(2.0, 4.0)])["ackwait"] == 1                 # over before the death
-    assert handed([kill, cut(7.5, 9.0)])["ackwait"] == 1                 # after the grace
     assert handed([kill, cut(4.0, 7.9, conn=4)])["ackwait"] == 1         # another connection
 
 

@@ -14,9 +14,9 @@ T0 = 1000.0
 WHY = "not connected to NATS"
 
 
-def death(pid: int = 41, after: int | None = 10, up_to: int | None = 14) -> dict:
-    return {"pid": pid, "slot": 0, "consumer": "workers", "age_s": 6.0, "credits": 2, "died": T0 + 1.0,
-            "after_seq": after, "up_to_seq": up_to, "why": WHY}
+def death(pid: int = 41, after: int | None = 10, up_to: int | None = 14, why: str = WHY, age: float = 6.0) -> dict:
+    return {"pid": pid, "slot": 0, "consumer": "workers", "age_s": age, "credits": 2, "died": T0 + 1.0,
+            "after_seq": after, "up_to_seq": up_to, "why": why}
 
 
 def test_a_first_delivery_to_that_pid_inside_the_window_is_named():
@@ -32,6 +32,16 @@ def test_another_pid_a_seq_outside_the_window_or_a_redelivery_is_not():
     assert unchecked_at_kill([death()], 12, 2, 41) == ""            # a redelivery: not in a first-delivery window
     assert unchecked_at_kill([death()], 12, 1, 0) == ""             # the holder is not known
     assert unchecked_at_kill([], 12, 1, 41) == ""
+
+
+def test_only_a_round_nats_held_up_or_a_death_moments_before_the_kill_is_named():
+    """A round that waited on the supervisor's own workers for seconds is its own to answer for;
+    NATS away, a failed request, peers not heard yet, or a death a tick before the kill are not."""
+    own = "every live worker to show what it holds (a PING it sent after that reading, answered)"
+    assert unchecked_at_kill([death(why=own)], 12, 1, 41) == ""
+    assert unchecked_at_kill([death(why=own, age=0.3)], 12, 1, 41)
+    assert unchecked_at_kill([death(why="ConsumerInfo failed: nats: timeout")], 12, 1, 41)
+    assert unchecked_at_kill([death(why="cannot read seq 12 from the stream: nats: timeout")], 12, 1, 41)
 
 
 def test_an_unknown_bound_does_not_narrow_the_window():
