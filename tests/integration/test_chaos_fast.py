@@ -13,6 +13,7 @@ Seeds are random; CHAOS_SEED=N replays one.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -529,23 +530,29 @@ def test_a_connection_gone_during_its_pid_lookup_leaves_the_proxy_readable(nats_
 
     import chaos.proxy as px
 
+    looking, gone = threading.Event(), threading.Event()
+
     def slow(port: int, peer_port: int) -> tuple[int, int]:
-        time.sleep(0.1)                                    # the client is gone meanwhile
+        looking.set()
+        gone.wait(5)                                       # until the client is gone
         return 0, 0
     monkeypatch.setattr(px, "socket_owner", slow)
 
     async def scenario() -> list:
+        loop = asyncio.get_running_loop()
         proxy = await px.Proxy(nats_server).start()
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-            await asyncio.sleep(0.05)                      # the writer is waiting for the lookup now
-            writer.close()
+            assert await loop.run_in_executor(None, looking.wait, 10), "the proxy never looked the client up"
+            writer.close()                                 # the writer is waiting for the lookup now
             for _ in range(200):
                 if proxy.accepted and not proxy.conns:
                     break
                 await asyncio.sleep(0.01)
+            gone.set()
             return [await proxy.connections(), await proxy.handouts(), await proxy.struck(".*", 0.0)]
         finally:
+            gone.set()
             await proxy.close()
     clients, handouts, struck = asyncio.run(scenario())
     assert [(c.name, c.pid) for c in clients] == [(None, 0)] and handouts == [] and struck == []

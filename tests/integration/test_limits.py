@@ -327,7 +327,9 @@ def test_a_host_that_dies_holding_a_slot_frees_it_by_the_ttl_and_loses_nothing(n
     wait_until(lambda: all_done([survivor], [held, later]), timeout=LEASE_TTL + 30, what="both jobs done on the survivor")
     recs = survivor.jobs.records()
     took = min(r.t for r in recs if r.event == "start") - killed_at
-    assert took < LEASE_TTL + 5, f"the dead host's slot freed {took:.1f} s after the kill, not by its TTL"
+    # Not a speed target: a bound that tells the lease's TTL (10 s) from anything longer (a slot
+    # left for good, an AckWait-scale wait), with room for a loaded box.
+    assert took < LEASE_TTL + 10, f"the dead host's slot freed {took:.1f} s after the kill, not by its TTL"
     assert [r.delivery for r in recs if r.seq == held and r.event == "start"] == [2], "the killed job did not run again"
     assert most_at_once(recs) == 1
     wait_until(lambda: nats_server.stream_msgs() == 0, what="every job acked")
@@ -424,7 +426,7 @@ def test_pause_from_a_handler_stops_every_supervisor_and_resumes_by_itself(nats_
 
 
 def test_pause_and_resume_from_the_command_line(nats_server, supervisor_factory, tmp_path):
-    """`pause` until `resume`, then `pause --for 2`: no job starts before the server's PauseUntil
+    """`pause` until `resume`, then `pause --for 5`: no job starts before the server's PauseUntil
     (by the journal over the whole pause), then they run without a `resume`, and the supervisor
     logs the pause's end (consumer_resumed)."""
     sup = supervisor_factory(nats_server, workers={"count": 1}, args=("--log-format", "json"))
@@ -445,8 +447,10 @@ def test_pause_and_resume_from_the_command_line(nats_server, supervisor_factory,
     wait_until(lambda: all_done([sup], seqs), what="jobs after the resume")
     wait_until(lambda: sup.status()["paused_until"] is None, what="resumed on /status")
     before = time.time()
-    r = run_cli("pause", "--config", str(cfg), "--for", "2", "--reason", "a short break", tmp=tmp_path)
-    assert r.returncode == 0 and "(2s): a short break" in r.stdout, r.stdout + r.stderr
+    # 5 s: the CLI's exit, the publish and /status's next poll of the consumer all fall inside the
+    # pause on a loaded box (with 2 s a slow CLI exit could leave the jobs after its end).
+    r = run_cli("pause", "--config", str(cfg), "--for", "5", "--reason", "a short break", tmp=tmp_path)
+    assert r.returncode == 0 and "(5s): a short break" in r.stdout, r.stdout + r.stderr
     seqs = publish_now(nats_server.url, count=3)
     published = time.time()
     until_text = wait_until(lambda: sup.status()["paused_until"], what="the pause's end on /status (the server's)")

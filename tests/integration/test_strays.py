@@ -19,6 +19,7 @@ def test_a_supervisor_of_another_tests_server_cannot_take_jobs_from_the_server_n
     stray.wait_ready(1)
     old.stop()                                   # its test is over; its supervisor reconnects forever
     new = NatsServer(tmp_path / "new", port=old.port, monitor_port=old.monitor_port).start()
+    assert new.port == old.port, "another process took the old port meanwhile: nothing knocks, the test proves nothing"
     try:
         made = supervisor_factory(new, workers={"count": 1})     # this test's stream and consumer
         made.wait_ready(1)
