@@ -53,8 +53,9 @@ the journal, not trusted). Per job (stream sequence):
   after the heal.) A fault that is outside its control for started jobs may be inside for
   unstarted ones, or the other way round (chaos/facts.py Fault.unstarted_in_control). A
   SIGKILL of the holder's supervisor (in control: its orphans NAK what they hold) counts as
-  outside when an outside cut or stall hit the holder's own link within the orphan's grace
-  (`orphans_cut_off`: its remedy had no way to NATS; seeds 604, 705). The
+  outside when an outside cut or stall of the holder's own link, or of the server, kept the
+  orphan from NATS while it needed it (`orphans_cut_off`: its remedy had no way there; seeds 604,
+  705, 809). The
   verdict's text names the holder and what touched it. One more wait counts as outside: a job
   whose worker died with its NAK sent but not fenced (F10: the parent must not NAK it again, a
   second NAK could land on the next holder), but only when a supervisor's ledger named that
@@ -601,15 +602,16 @@ def orphans_cut_off(culprits: list[Fault], conns: set[int], pid: int) -> list[Fa
     """The SIGKILLs of a holder's supervisor that left it an orphan with no way to NATS: the
     orphan's only remedy for what it holds (its claim, its NAKs) goes over its own link within
     ORPHAN_GRACE of the death (workers/runtime/orphan.py), and an outside fault cut or stalled that
-    very link while it needed it: the proxy saw it hit the connection a never-started delivery was
-    handed on (`conns`), by the time the orphan's claim and first NAKs go out (ORPHAN_FIRST_WORDS),
-    or, for a started run, a connection of its worker (`pid`) within the grace (its last NAK and
-    its acks' fence come at its end).
+    very link, or took the server itself away (a kill, a stall: every connection), while it needed
+    it: the proxy saw it hit the connection a never-started delivery was handed on (`conns`), by
+    the time the orphan's claim and first NAKs go out (ORPHAN_FIRST_WORDS), or, for a started run,
+    a connection of its worker (`pid`) within the grace (its last NAK and its acks' fence come at
+    its end; seed 809: the server SIGKILLed 1.1 s before the parent, back 1.8 s after it).
     The kill then counts as what it is, a fault outside the supervisor's control (seeds 604 and
     705: a worker-cut of 3.86 s beside the parent's SIGKILL). A cut that ended before the death,
     or began after the grace, excuses nothing."""
-    links = [f for f in culprits if not f.in_control and f.conns
-             and (conns & f.conns or (pid and f.pids is not None and pid in f.pids))]
+    links = [f for f in culprits if not f.in_control and (f.pids is None or f.conns and (
+        conns & f.conns or (pid and pid in f.pids)))]
     until = ORPHAN_GRACE if pid else ORPHAN_FIRST_WORDS
     return [f for f in culprits if f.kind.startswith("parent SIGKILL") and any(
         g.t0 <= f.t0 + until + SLACK and g.t1 >= f.t0 for g in links)]

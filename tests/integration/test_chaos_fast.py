@@ -377,6 +377,11 @@ def test_checker_counts_a_parent_kill_outside_when_a_cut_of_the_orphans_own_link
     assert handed([kill, cut(6.5, 8.0)])["ackwait"] == 1                 # after them: its NAK had gone
     assert handed([kill, cut(2.0, 4.0)])["ackwait"] == 1                 # over before the death
     assert handed([kill, cut(4.0, 7.9, conn=4)])["ackwait"] == 1         # another connection
+    # Seed 809: the server itself away (SIGKILLed, back 2.9 s later) when the parent died.
+    down = Fault("nats-server SIGKILL, back 2.89s later", T0 + 3.9, T0 + 6.8, None, in_control=False)
+    assert handed([kill, down])["ackwait"] == 0
+    back = Fault("nats-server SIGKILL, back 0.5s later", T0 + 3.9, T0 + 4.4, None, in_control=False)
+    assert handed([kill, back])["ackwait"] == 1                         # back before the death
 
 
 def test_checker_charges_a_never_started_wait_whose_holder_nothing_touched():
