@@ -153,12 +153,17 @@ def test_worker_deaths_alert_and_crash_metrics_match_the_crosscheck(nats_server,
     sup = supervisor_factory(nats_server, workers={"count": 2, "batch": 1},
                              restart={"backoff_initial": 0.05, "backoff_max": 0.5})
     sup.wait_ready(2)
-    # One at a time, each redone and acked (the stream empty) before the next: a worker dies
-    # holding only the job that kills it, not also the last job's ack still in its batch.
+    # One at a time, each redone and acked before the next: a worker dies holding only the job
+    # that kills it. Acked means the stream empty AND no worker's table holding it: an ACKED entry
+    # stays until its fence proves the server read the ack (/status `settling`), and one still
+    # there at the next death is a job held at that crash too (6 == 5 once, at load 11-16).
+    def settled() -> bool:
+        return nats_server.stream_msgs() == 0 and not any(w["in_flight"] or w["settling"]
+                                                            for w in sup.status()["workers"]["list"])
     for n in range(1, deaths + 1):
         publish(nats_server.url, count=1, data="crash-once")
         wait_until(lambda n=n: sup.status()["crosscheck"]["crashes"] >= n, what=f"worker death {n}")
-        wait_until(lambda: nats_server.stream_msgs() == 0, what=f"crash-once job {n} redone and acked")
+        wait_until(settled, what=f"crash-once job {n} redone, acked and its ack fenced")
     alert = wait_until(lambda: [a for a in sup.status()["alerts"] if a["kind"] == "worker_deaths"],
                        what="the worker_deaths alert")[0]
     assert f"{deaths} worker deaths" in alert["message"] and f"{deaths}x exit code 13" in alert["message"], alert
