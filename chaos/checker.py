@@ -431,9 +431,7 @@ class Checker:
             return
         held = held_in_link(self.ev, seq, run)
         started = bool(before) and not holders
-        cut_off = orphans_cut_off(culprits, {h.conn for h in holders if h.conn}, before[-1].pid if started else 0)
-        outside = held or (culprits and all(not f.controls(started=started) or any(f is g for g in cut_off)
-                                            for f in culprits))
+        outside = held or all_outside(culprits, started, holders, before[-1].pid if started else 0)
         holder = holders[-1].pid if holders else 0          # the last hand-out: the delivery's own
         named = "" if outside else named_at_death(self.named, seq, before, run, holder=holder,
                                                   unchecked=self.ev.in_transit_unchecked)
@@ -596,6 +594,13 @@ def on_holders(ev: Evidence, holders: list[Handout], end: float) -> list[Fault]:
         out += [f for f in ev.faults if f.holds(h, parent, lo - SLACK, end + SLACK, None if died is None else died + SLACK)
                 and all(f is not g for g in out)]
     return sorted(out, key=lambda f: f.t0)
+
+
+def all_outside(culprits: list[Fault], started: bool, holders: list[Handout], pid: int) -> bool:
+    """Could only faults outside the supervisor's control have caused the wait? (At least one
+    did; a parent kill that left its orphans no way to NATS counts as outside: orphans_cut_off.)"""
+    cut_off = orphans_cut_off(culprits, {h.conn for h in holders if h.conn}, pid)
+    return bool(culprits) and all(not f.controls(started=started) or any(f is g for g in cut_off) for f in culprits)
 
 
 def orphans_cut_off(culprits: list[Fault], conns: set[int], pid: int) -> list[Fault]:

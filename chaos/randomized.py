@@ -468,10 +468,21 @@ def worker_kill(act: Act, p: dict) -> None:
     pid = act.victim(sup, p["pick"])
     if pid is None:
         return
+    parent = sup.proc.pid
+    orphan = parent_of(pid, parent) != parent             # already re-parented: its supervisor is gone
     time.sleep(p["delay"])                                # a random moment of the job
     f = act.run.fault("worker SIGKILL", time.monotonic(), pids={pid}, **peer_rule(act))
     signal_and_reap(act, pid, signal.SIGKILL)
     f.t1 = died(act, pid)
+    if orphan or not alive(parent):
+        # Its supervisor was SIGKILLed too (a parent-kill drawn beside it: seed 817): the NAK at a
+        # death is the parent's, and no parent was left to send it (nor, for the successor, to name
+        # what it held after its last heartbeat). What it ran is lost to AckWait whenever the parent
+        # went; what it had not started an orphan NAKs at once, so that is excused only when the
+        # parent died while this kill was under way (not already an orphan at the pick).
+        f.in_control, f.note = False, "its supervisor was SIGKILLed around it: nothing left to NAK what it held"
+        if orphan and f.unstarted_in_control is None:
+            f.unstarted_in_control = True
 
 
 def peer_rule(act: Act) -> dict[str, Any]:
@@ -760,6 +771,13 @@ KINDS = {k.name: k for k in FAULTS}
 
 
 # ================================================================ processes
+
+def parent_of(pid: int, default: int) -> int:
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
+        return default
+
 
 def alive(pid: int) -> bool:
     try:
