@@ -44,7 +44,6 @@ from supervisor.cli.oneshot import default_subject
 from supervisor.cli.render import paint, use_color
 from supervisor.errors import EXIT_BUG, EXIT_OK, ConfigError
 from supervisor.nats.consumer import lag_line
-from supervisor.nats.embedded import free_port
 from workers.protocol.fork import scrub_child_env
 
 HANDLER = "workers.examples:crash_on_marker"
@@ -93,7 +92,8 @@ class Out:
 # The supervisor's structured log events this demo narrates (extra={"event": ...} on its JSON
 # lines: deaths.py worker_died, arbiter.py redelivered, pool.py worker_ready, embedded.py
 # embedded_server). Their fields, not the wording, are the interface.
-EVENTS = {"worker_died": "died", "redelivered": "redelivered", "worker_ready": "ready", "embedded_server": "embedded"}
+EVENTS = {"worker_died": "died", "redelivered": "redelivered", "worker_ready": "ready", "embedded_server": "embedded",
+          "http_listening": "listening"}
 
 
 @dataclass
@@ -159,8 +159,10 @@ class Demo:
         self.crash_index = max(1, args.jobs // 5)          # 30 jobs: job-06
         self.configured = bool(args.config or args.server)
         self.tmp = Path(tempfile.mkdtemp(prefix="supervisor-demo-"))
-        self.http = f"127.0.0.1:{free_port()}"
-        self.base = f"http://{self.http}"
+        # Port 0: the child binds a free port itself and logs which (http_listening); a port
+        # picked here could be taken by anyone before the child binds it (seen at -n 6: exit 2).
+        self.http = "127.0.0.1:0"
+        self.base = ""
         try:
             self.cfg = self.load_config()
         except BaseException:
@@ -371,7 +373,10 @@ class Demo:
 
     def show(self, e: Event) -> None:
         f, o = e.fields, self.out
-        if e.kind == "embedded":
+        if e.kind == "listening":
+            self.base = str(f["url"])
+            self.http = self.base.removeprefix("http://")
+        elif e.kind == "embedded":
             self.server_pid = int(f["server_pid"])
             monitor = f", monitoring {f['monitor']}/jsz" if f.get("monitor") else ""
             o.say(f"  nats-server pid {f['server_pid']} (embedded) on {f['url']}{monitor}")
@@ -413,6 +418,8 @@ class Demo:
     # -- the child
 
     def status(self) -> dict[str, Any] | None:
+        if not self.base:
+            return None                  # its HTTP endpoint has not said where it listens yet
         try:
             code, body = http_call(self.base, "GET", "/status")
             return json.loads(body) if code == 200 else None
