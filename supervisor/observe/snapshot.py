@@ -55,6 +55,7 @@ class WorkerView:
     uptime_s: float
     jobs: tuple[JobView, ...] = ()
     pool: str = ""          # its pool's name, with [pools.*] ("" without: one pool)
+    settling: int = 0       # jobs acked, NAKed or TERMed whose fence has not yet proven the server read it
 
 
 @dataclass(frozen=True)

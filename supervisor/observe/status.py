@@ -81,13 +81,12 @@ def worker_block(w: WorkerView) -> dict[str, Any]:
                  for j in w.jobs if j.state in ("held", "running")]
     c = w.counters
     parked = sum(j.state == "parked" for j in w.jobs)
-    settling = sum(j.state == "acked" for j in w.jobs)     # acked, the ack not yet fenced
     return {"slot": w.slot, "pid": w.pid, "state": w.state, **({"pool": w.pool} if w.pool else {}),
             "jobs_acked": c.ack, "jobs_nacked": c.nak, "jobs_terminated": c.term, "jobs_started": w.started,
             "jobs_duplicate": c.duplicate, "restarts": w.restarts, "rss_bytes": w.rss_bytes,
             "heartbeat_age_s": None if w.heartbeat_age_s is None else round(w.heartbeat_age_s, 3),
             "uptime_s": round(w.uptime_s, 3), "retiring": w.retiring, "in_flight": in_flight, "parked": parked,
-            "settling": settling}
+            "settling": w.settling}
 
 
 def limit_block(v: LimitView) -> dict[str, Any]:

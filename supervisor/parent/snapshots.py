@@ -202,6 +202,7 @@ def pool_view(crew: Crew, now: float) -> PoolView:
 def worker_view(crew: Crew, w: WorkerProcess, now: float) -> WorkerView:
     t = w.table
     beat = t.heartbeat()
+    entries = t.snapshot()
     return WorkerView(
         slot=w.slot, pid=w.pid, state="draining" if w.state == WorkerState.DEAD else str(w.state),
         retiring=w.retiring,
@@ -209,7 +210,8 @@ def worker_view(crew: Crew, w: WorkerProcess, now: float) -> WorkerView:
                           t.header(slots.DUPLICATE_N)),
         started=t.header(slots.STARTED_N), restarts=crew.stats.slot_restarts.get(w.slot, 0), rss_bytes=rss_of(w),
         heartbeat_age_s=now - beat if beat > 0 else None, uptime_s=now - w.started_at,
-        jobs=tuple(job_view(crew, w, e, now) for e in t.snapshot() if e.state in HELD_STATES), pool=crew.label)
+        jobs=tuple(job_view(crew, w, e, now) for e in entries if e.state in HELD_STATES), pool=crew.label,
+        settling=sum(e.state in (slots.ACKED, slots.SETTLED) for e in entries))
 
 
 def job_view(crew: Crew, w: WorkerProcess, e: slots.Entry, now: float) -> JobView:
