@@ -215,10 +215,7 @@ def health(snap: Snapshot) -> tuple[bool, str]:
     return True, "ok"
 
 
-def title(snap: Snapshot) -> str:
-    """What `ps` shows after `supervisor: parent [STREAM/CONSUMER]`."""
-    return title_of(snap.pool.ready, snap.pool.target, snap.state)
-
-
-def title_of(ready: int, target: int, state: str) -> str:
+def title(ready: int, target: int, state: str) -> str:
+    """What `ps` shows after `supervisor: parent [STREAM/CONSUMER]`: every pool's workers ready
+    and wanted (snapshots.headcount, which counts them as /status's merged pool does)."""
     return f"{ready}/{target} ready" + (f", {state}" if state != "running" else "")

@@ -31,7 +31,7 @@ from supervisor.nats import provision, schedules
 from supervisor.nats.embedded import EmbeddedServer
 from supervisor.observe.http import STOPPING, HttpServer
 from supervisor.observe.snapshot import Snapshot
-from supervisor.observe.status import title_of
+from supervisor.observe.status import title
 from supervisor.parent import snapshots
 from supervisor.parent.arbiter import Arbiter
 from supervisor.parent.crew import Code, Crew
@@ -458,7 +458,7 @@ class Supervisor:
 
     def title(self) -> str:
         arbiter = self.parts()[0]
-        return title_of(*snapshots.headcount(arbiter), arbiter.state)
+        return title(*snapshots.headcount(arbiter), arbiter.state)
 
     # ------------------------------------------------------------ what the HTTP endpoint may ask (http.Commands)
 

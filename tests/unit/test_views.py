@@ -134,5 +134,7 @@ def test_fleet_heartbeat_from_a_snapshot():
 
 
 def test_process_title_from_a_snapshot():
-    assert title(snapshot()) == "2/2 ready"
-    assert title(snapshot(state="draining")) == "2/2 ready, draining"
+    def of(snap):
+        return title(snap.pool.ready, snap.pool.target, snap.state)
+    assert of(snapshot()) == "2/2 ready"
+    assert of(snapshot(state="draining")) == "2/2 ready, draining"
