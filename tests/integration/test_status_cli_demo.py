@@ -96,7 +96,9 @@ def test_status_with_no_workers_and_while_draining(nats_server, supervisor_facto
     sup.wait_ready(1)
     gate = tmp_path / "job-may-end"        # the job lasts until the CLI has seen the drain, however slow the box
     publish(nats_server.url, count=1, data=f"until:{gate}")
-    wait_until(lambda: (s := sup.try_status()) and in_flight(s) == 1, what="the long job in flight")
+    # Running, not only held: a job held unstarted at the SIGTERM is NAKed and the worker leaves
+    # at once, the supervisor with it, before any status could show it draining (seen at -n 6).
+    wait_until(lambda: (s := sup.try_status()) and in_flight(s) == 1 and sup.jobs.running(), what="the long job running")
     sup.signal(signal.SIGTERM)
     wait_until(lambda: (s := sup.try_status()) and s["state"] == "draining", what="draining")
     r = run_cli("status", "--url", sup.http)
