@@ -473,10 +473,7 @@ def test_a_nak_unsent_at_a_workers_death_waits_for_ackwait_named_at_the_death(tm
     seen: dict = {}
 
     def nak_held_in_the_link(run: Run) -> None:
-        run.ack_wait = ack_wait
-        server = run.start_server()
-        run.connect([server.url])
-        proxy = run.start_proxy(server)
+        proxy = proxied(run, ack_wait)
         run.bg.call(proxy.tap(PARENT, (b"-NAK",)))
         run.bg.call(proxy.hold(WORKER_0, b"-NAK"))
         run.start_supervisor([proxy.url], workers={"count": 1, "heartbeat_timeout": 60.0})
@@ -510,6 +507,56 @@ def test_a_nak_unsent_at_a_workers_death_waits_for_ackwait_named_at_the_death(tm
     outside = [f.text for f in result.findings if f.verdict == "ackwait_outside"]
     assert outside and "named at the death" in outside[0] and why in outside[0], result.summary()
     assert result.passed, result.summary()
+
+
+def test_a_ping_that_reaches_the_server_after_a_retrys_nak_does_not_stretch_its_delay(tmp_path):
+    """F15's third point and seed 604's started waits: a handler's Retry(0.1) came back after a
+    whole AckWait. The parent's +WPI and the worker's NAK go out on two connections; a +WPI the
+    server reads after a NAK with a delay restarts the AckWait timer that NAK set (nats-server
+    consumer.go: processNak sets the delivery's timestamp to now - AckWait + delay,
+    progressUpdate to now), so the retry waits a whole AckWait. Here the job runs until the test
+    says; its +WPI (due at a third of AckWait) is held in the parent's link by the proxy; then the
+    handler raises Retry(1.0) and, once the server has processed the worker's NAK (its advisory),
+    the parent's link flows again. Red before the handshake (slots.PINGS_BEGUN): the +WPI landed
+    after the NAK and the job ran again an AckWait later. Now the worker waits for the parent's
+    ping round to be proved read, at most the delay (then a plain NAK, which no +WPI can stretch)."""
+    ack_wait, delay = 6.0, 1.0
+    seen: dict = {}
+
+    def retry_while_a_ping_is_in_the_link(run: Run) -> None:
+        proxy = proxied(run, ack_wait)
+        naked: list[float] = []
+
+        async def on_nak(msg) -> None:
+            naked.append(time.monotonic())
+        run.bg.call(run.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.{STREAM}.{CONSUMER}", cb=on_nak))
+        run.bg.call(proxy.hold(PARENT, b"+WPI"))
+        gate = run.dir / "gate"
+        run.start_supervisor([proxy.url], env={"CHAOS_GATE": str(gate)},
+                             workers={"count": 1, "heartbeat_timeout": 60.0})
+        run.load(1, rate=100, what=f"retry{delay}:0.01").result(5)
+        wait_until(lambda: run.bg.call(proxy.holding(PARENT)), ack_wait, "the parent's +WPI held in its link")
+        gate.touch()
+        seen["naked"] = wait_until(lambda: list(naked), 10, "the worker's NAK processed by the server")[0]
+        run.bg.call(proxy.heal(PARENT))
+        seen["back"] = wait_until(lambda: [r for r in read_journal(run.journal) if r.event == "S" and r.delivery == 2],
+                                  ack_wait + 15, "the job run again")[0]
+        seen["raised"] = next(r for r in read_journal(run.journal) if r.event == "R")
+
+    result = run_with("ping-after-a-nak", 0, retry_while_a_ping_is_in_the_link, dict(VERDICTS), tmp_path / "run")
+    assert not result.error, result.summary()
+    took = seen["back"].t - seen["raised"].t
+    assert took < ack_wait / 2, (f"Retry({1.0}) ran again {took:.1f}s after it was raised (AckWait {ack_wait:g}s): "
+                                 f"a +WPI landed after its NAK")
+    assert result.passed, result.summary()
+
+
+def proxied(run: Run, ack_wait: float):
+    """A server with the consumer's AckWait, the runner's client on it, and the proxy in front."""
+    run.ack_wait = ack_wait
+    server = run.start_server()
+    run.connect([server.url])
+    return run.start_proxy(server)
 
 
 def tapped_on(run: Run, pattern: str) -> list[tuple[float, bytes]]:

@@ -34,6 +34,8 @@ log = logging.getLogger("worker")
 
 SETTLE_MIN_INTERVAL = 0.002  # coalesce ack-confirming flushes to at most one per this period
 FENCE_RETRY = 1.0            # seconds after a failed fence before the next try
+PINGS_WAIT = 2.0             # at most this long a NAK with a delay waits for the parent's +WPI round
+PINGS_POLL = 0.005
 # Slot-table counter per outcome; a duplicate is acked without running its handler ([idempotency]).
 # "later": the ack of a job re-published for later (workers/runtime/later.py): an ack on the wire,
 # a retry in the counters.
@@ -74,6 +76,7 @@ class Settler:
         self.close_by = 0.0                        # set by close(): the shutdown's deadline
         self.retry: asyncio.TimerHandle | None = None   # the pending fence retry after a failure
         self.wake_settle = asyncio.Event()
+        self.pings_stuck_until = 0.0               # a wait for the parent's +WPI round timed out: none till then
 
     async def ack(self, i: int, job: Job, outcome: str = "ack") -> None:
         w = self.owner
@@ -96,13 +99,41 @@ class Settler:
         if outcome == "nak" and not await w.before_nak(job, reason, nak_delay(payload), w.table.held_at(i)):
             w.table.release(i)           # an orphan's job the fleet released: its next holder settles it
             return
-        sent, held_at = time.monotonic(), w.table.held_at(i)
-        generation, refused = await self.publish(i, payload)
-        # A NAK that went out says when, with what delay, and since when it was held (events.Settled).
-        self.sent(i, job, outcome, reason, generation, refused,
-                  *((sent, nak_delay(payload), held_at) if outcome == "nak" and not refused else ()))
+        delay = nak_delay(payload) if outcome == "nak" else 0.0
+        try:
+            if delay > 0:                # counted in NAKING from here (clear_of_pings) to the finally
+                payload = await self.clear_of_pings(delay)
+            sent, held_at = time.monotonic(), w.table.held_at(i)
+            generation, refused = await self.publish(i, payload)
+            # A NAK that went out says when, with what delay, and since when it was held (events.Settled).
+            self.sent(i, job, outcome, reason, generation, refused,
+                      *((sent, nak_delay(payload), held_at) if outcome == "nak" and not refused else ()))
+        finally:
+            if delay > 0:
+                w.table.naking(-1)       # after the entry is SETTLED: the parent's next round skips it anyway
         self.wake_settle.set()
         self.on_settled(i, job, outcome)
+
+    async def clear_of_pings(self, delay: float) -> bytes:
+        """The NAK to send for a delay, once no +WPI of the parent can land after it (a +WPI after
+        a NAK with a delay makes the server wait a whole AckWait: slots.PINGS_BEGUN): the round
+        the parent began before it saw this NAK coming is proved read, or the wait took the whole
+        delay (a plain NAK then: the server redelivers it whatever +WPI follows), or PINGS_WAIT
+        ran out (the parent's link is in trouble: the NAK goes with what is left of its delay)."""
+        table = self.owner.table
+        round_ = table.naking(1)
+        start = time.monotonic()
+        if round_ is None or start < self.pings_stuck_until:
+            return nak_payload(delay)
+        until = start + min(delay, PINGS_WAIT)
+        while not table.pings_fenced(round_) and time.monotonic() < until:
+            await asyncio.sleep(PINGS_POLL)
+        now = time.monotonic()
+        if not table.pings_fenced(round_) and now - start < delay:
+            self.pings_stuck_until = now + PINGS_WAIT
+            log.warning("worker %d: the parent's +WPI round was not fenced within %.1fs; a NAK with a delay "
+                        "goes out anyway", self.slot, now - start, extra={"event": "pings_unfenced"})
+        return nak_payload(delay - (now - start))
 
     async def ack_all(self, done: Sequence[tuple[int, Job]]) -> None:
         """Plain acks of many jobs (a handler thread's batch of outcomes): one command for all of
