@@ -16,6 +16,7 @@ parent NAKs them at death, which is a no-op for an ack that did arrive.
 from __future__ import annotations
 
 import mmap
+import threading
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -53,6 +54,9 @@ ENTRY_STATES = {HELD: "held", RUNNING: "running", ACKED: "acked", SETTLED: "sett
 # PINGS_BEGUN and down once its NAK is out and its entry SETTLED. Each writes before it reads the
 # other's word, so either the parent sees the NAK coming (and pings none of that worker's jobs this
 # tick) or the worker sees the round begun (and waits for its fence): workers/runtime/settle.py.
+# That needs each store visible before the load after it, which a CPU may reorder (x86's store
+# buffer): a lock taken and given back between them is a locked instruction, a full fence on x86.
+_FENCE = threading.Lock()
 (PID, STATE, HEARTBEAT, ACKED_N, NAKED_N, TERMED_N, STARTED_N, CREDITS, HIGH_WATER,
  MAX_DURATION, DURATION_SUM, SERVER_SEEN, DUPLICATE_N, SPENT, SPENT_SQ, FLEET_RESIDUAL, SEEN, FLEET_SEEN,
  ORDER_PARKED, ORDER_CHECKS, ORDER_WAITED, PINGS_BEGUN, PINGS_FENCED, NAKING) = range(24)
@@ -178,7 +182,9 @@ class SlotTable:
         q[NAKING] += n
         if n < 0:
             return None
-        begun = q[PINGS_BEGUN]          # read after the write above (the order is the point)
+        with _FENCE:                    # the write above before the read below (the order is the point)
+            pass
+        begun = q[PINGS_BEGUN]
         return begun if q[PINGS_FENCED] < begun else None
 
     def pings_fenced(self, round_: int) -> bool:
@@ -273,7 +279,9 @@ class SlotTable:
         NAK with a delay is on its way (then none of its jobs is pinged this tick). See PINGS_BEGUN."""
         q = self.q
         q[PINGS_BEGUN] += 1
-        return q[PINGS_BEGUN], q[NAKING] > 0   # NAKING read after the write above (the order is the point)
+        with _FENCE:                    # the write above before the read below (the order is the point)
+            pass
+        return q[PINGS_BEGUN], q[NAKING] > 0
 
     def set_pings_fenced(self, round_: int) -> None:
         if round_ > self.q[PINGS_FENCED]:
