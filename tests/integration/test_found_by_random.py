@@ -26,6 +26,7 @@ from chaos.rig import CONSUMER, STREAM, SUBJECT, Run
 from supervisor.parent.safety.in_transit import SLACK
 from supervisor.parent.safety.peers import SUSPECT_GRACE
 from workers.runtime.puller import PULL_EXPIRES
+from workers.runtime.settle import PINGS_WAIT
 from workers.runtime.shutdown import SHUTDOWN_NAK_DELAY
 
 ACK_WAIT = 30.0
@@ -509,18 +510,20 @@ def test_a_nak_unsent_at_a_workers_death_waits_for_ackwait_named_at_the_death(tm
     assert result.passed, result.summary()
 
 
-def test_a_ping_that_reaches_the_server_after_a_retrys_nak_does_not_stretch_its_delay(tmp_path):
-    """F15's third point and seed 604's started waits: a handler's Retry(0.1) came back after a
+@pytest.mark.parametrize(("heal", "delay"), [("after-the-nak", 1.0), ("once-raised", 3.0)])
+def test_a_ping_that_reaches_the_server_after_a_retrys_nak_does_not_stretch_its_delay(tmp_path, heal, delay):
+    """F19 (F15's third point, seed 604's started waits): a handler's Retry(0.1) came back after a
     whole AckWait. The parent's +WPI and the worker's NAK go out on two connections; a +WPI the
     server reads after a NAK with a delay restarts the AckWait timer that NAK set (nats-server
     consumer.go: processNak sets the delivery's timestamp to now - AckWait + delay,
     progressUpdate to now), so the retry waits a whole AckWait. Here the job runs until the test
     says; its +WPI (due at a third of AckWait) is held in the parent's link by the proxy; then the
-    handler raises Retry(1.0) and, once the server has processed the worker's NAK (its advisory),
-    the parent's link flows again. Red before the handshake (slots.PINGS_BEGUN): the +WPI landed
-    after the NAK and the job ran again an AckWait later. Now the worker waits for the parent's
-    ping round to be proved read, at most the delay (then a plain NAK, which no +WPI can stretch)."""
-    ack_wait, delay = 6.0, 1.0
+    handler raises Retry, and the parent's link flows again either once the server has processed
+    the worker's NAK (its advisory: the worker waited the whole delay, under PINGS_WAIT, for the
+    round, then NAKed plain) or as soon as the handler raised (the round's fence comes back and
+    the worker NAKs with the rest of its delay, long before PINGS_WAIT). Red before the handshake
+    (slots.PINGS_BEGUN): the +WPI landed after the NAK and the job ran again an AckWait later."""
+    ack_wait = 12.0
     seen: dict = {}
 
     def retry_while_a_ping_is_in_the_link(run: Run) -> None:
@@ -537,6 +540,10 @@ def test_a_ping_that_reaches_the_server_after_a_retrys_nak_does_not_stretch_its_
         run.load(1, rate=100, what=f"retry{delay}:0.01").result(5)
         wait_until(lambda: run.bg.call(proxy.holding(PARENT)), ack_wait, "the parent's +WPI held in its link")
         gate.touch()
+        if heal == "once-raised":
+            wait_until(lambda: any(r.event == "R" for r in read_journal(run.journal)), 10, "the handler raised",
+                       interval=0.005)
+            run.bg.call(proxy.heal(PARENT))
         seen["naked"] = wait_until(lambda: list(naked), 10, "the worker's NAK processed by the server")[0]
         run.bg.call(proxy.heal(PARENT))
         seen["back"] = wait_until(lambda: [r for r in read_journal(run.journal) if r.event == "S" and r.delivery == 2],
@@ -546,8 +553,11 @@ def test_a_ping_that_reaches_the_server_after_a_retrys_nak_does_not_stretch_its_
     result = run_with("ping-after-a-nak", 0, retry_while_a_ping_is_in_the_link, dict(VERDICTS), tmp_path / "run")
     assert not result.error, result.summary()
     took = seen["back"].t - seen["raised"].t
-    assert took < ack_wait / 2, (f"Retry({1.0}) ran again {took:.1f}s after it was raised (AckWait {ack_wait:g}s): "
+    assert took < ack_wait / 2, (f"Retry({delay:g}) ran again {took:.1f}s after it was raised (AckWait {ack_wait:g}s): "
                                  f"a +WPI landed after its NAK")
+    if heal == "once-raised":      # the fence, not PINGS_WAIT, let the NAK go; and with its delay kept
+        assert seen["naked"] - seen["raised"].t < PINGS_WAIT * 0.75, seen
+        assert took > delay - 0.5, f"ran again {took:.1f}s after Retry({delay:g})"
     assert result.passed, result.summary()
 
 

@@ -99,40 +99,45 @@ class Settler:
         if outcome == "nak" and not await w.before_nak(job, reason, nak_delay(payload), w.table.held_at(i)):
             w.table.release(i)           # an orphan's job the fleet released: its next holder settles it
             return
-        delay = nak_delay(payload) if outcome == "nak" else 0.0
+        naking = outcome == "nak"
         try:
-            if delay > 0:                # counted in NAKING from here (clear_of_pings) to the finally
-                payload = await self.clear_of_pings(delay)
+            if naking:                   # counted in NAKING from here to the finally (slots.PINGS_BEGUN)
+                payload = await self.clear_of_pings(payload)
             sent, held_at = time.monotonic(), w.table.held_at(i)
             generation, refused = await self.publish(i, payload)
             # A NAK that went out says when, with what delay, and since when it was held (events.Settled).
             self.sent(i, job, outcome, reason, generation, refused,
-                      *((sent, nak_delay(payload), held_at) if outcome == "nak" and not refused else ()))
+                      *((sent, nak_delay(payload), held_at) if naking and not refused else ()))
         finally:
-            if delay > 0:
+            if naking:
                 w.table.naking(-1)       # after the entry is SETTLED: the parent's next round skips it anyway
         self.wake_settle.set()
         self.on_settled(i, job, outcome)
 
-    async def clear_of_pings(self, delay: float) -> bytes:
-        """The NAK to send for a delay, once no +WPI of the parent can land after it (a +WPI after
-        a NAK with a delay makes the server wait a whole AckWait: slots.PINGS_BEGUN): the round
-        the parent began before it saw this NAK coming is proved read, or the wait took the whole
-        delay (a plain NAK then: the server redelivers it whatever +WPI follows), or PINGS_WAIT
-        ran out (the parent's link is in trouble: the NAK goes with what is left of its delay)."""
+    async def clear_of_pings(self, payload: bytes) -> bytes:
+        """The NAK to send, once no +WPI of the parent can land after it (a +WPI after a NAK with
+        a delay makes the server wait a whole AckWait: slots.PINGS_BEGUN). Every NAK is counted in
+        NAKING, so that the parent pings none of this worker's jobs meanwhile: a +WPI for this
+        delivery landing after a plain NAK would act on the next delivery, perhaps another
+        worker's NAK with a delay. Only a NAK with a delay waits: until the round the parent
+        began before it saw this NAK coming is proved read, or the whole delay (then a plain NAK,
+        which no +WPI can stretch), or PINGS_WAIT (the parent's link is in trouble: the NAK goes
+        with what is left of its delay, and no NAK waits for PINGS_WAIT after that)."""
         table = self.owner.table
         round_ = table.naking(1)
+        delay = nak_delay(payload)
         start = time.monotonic()
-        if round_ is None or start < self.pings_stuck_until:
-            return nak_payload(delay)
+        if round_ is None or delay <= 0 or start < self.pings_stuck_until:
+            return payload
         until = start + min(delay, PINGS_WAIT)
         while not table.pings_fenced(round_) and time.monotonic() < until:
             await asyncio.sleep(PINGS_POLL)
         now = time.monotonic()
-        if not table.pings_fenced(round_) and now - start < delay:
+        if not table.pings_fenced(round_):
             self.pings_stuck_until = now + PINGS_WAIT
-            log.warning("worker %d: the parent's +WPI round was not fenced within %.1fs; a NAK with a delay "
-                        "goes out anyway", self.slot, now - start, extra={"event": "pings_unfenced"})
+            log.warning("worker %d: the parent's +WPI round was not proved read within %.1fs; NAKs with a delay "
+                        "do not wait for it for %gs", self.slot, now - start, PINGS_WAIT,
+                        extra={"event": "pings_unfenced"})
         return nak_payload(delay - (now - start))
 
     async def ack_all(self, done: Sequence[tuple[int, Job]]) -> None:

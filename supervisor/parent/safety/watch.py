@@ -63,10 +63,11 @@ class Watch:
                 continue
             pings += self.due_pings(w, entries, now)
         self.deaths.keep_pings(held)
-        await self.send_pings(pings, now)
+        await self.send_pings(pings, now, living)
         self.fence_pings()
 
-    async def send_pings(self, pings: list[tuple[WorkerProcess, slots.Entry]], now: float) -> None:
+    async def send_pings(self, pings: list[tuple[WorkerProcess, slots.Entry]], now: float,
+                         living: list[WorkerProcess]) -> None:
         """+WPI only while the parent is connected (R9): nats-py would buffer it during a reconnect
         (and refuse it, raising, once its buffer is full), and a buffered +WPI reaches the server
         only after the reconnect while its timer would count from now. Unsent, the job's timer keeps
@@ -80,17 +81,20 @@ class Watch:
             self.pings_waiting = True
             return
         self.pings_waiting = False
+        # The round begins in every living worker's table, not only those pinged: a +WPI acts on
+        # its job's current delivery, so one decided for worker A's delivery must not land after
+        # worker B's NAK with a delay of the next (A NAKed it, B was handed it).
         rounds: dict[int, tuple[int, bool]] = {}
-        for w, _ in pings:
-            if w.pid not in rounds:
+        for w in living:
+            if w.pidfd >= 0:
                 rounds[w.pid] = w.table.pings_begin()
                 self.unfenced[w.pid] = (w, rounds[w.pid][0])
         sent = 0
         for w, e in pings:
-            # A NAK with a delay on its way (this +WPI could land after it), settled since the
+            # A NAK of this worker on its way (this +WPI could land after it), settled since the
             # snapshot, or reaped (its table closed)? A +WPI landing after a NAK with a delay
             # would stretch the delay to a whole AckWait.
-            if rounds[w.pid][1] or w.pidfd < 0 or w.table.state_of(e.index) not in liveness.UNSETTLED \
+            if rounds.get(w.pid, (0, True))[1] or w.pidfd < 0 or w.table.state_of(e.index) not in liveness.UNSETTLED \
                     or w.table.held_at(e.index) != e.t_held:
                 continue
             try:
@@ -103,7 +107,7 @@ class Watch:
         self.stats.totals.pings += sent
 
     def fence_pings(self) -> None:
-        """Prove, with a flush, that the server read the +WPI rounds sent so far, and tell each
+        """Prove, with a fence, that the server read the +WPI rounds sent so far, and tell each
         worker's table: its NAKs with a delay wait for that. One flush at a time, off the loop's
         path (a stalled link must not hold up reaping); a failed one is tried again next tick."""
         if self.unfenced and self.nc.is_connected and (self.fencing is None or self.fencing.done()):
@@ -112,7 +116,7 @@ class Watch:
 
     async def fence(self, owed: dict[int, tuple[WorkerProcess, int]]) -> None:
         try:
-            await self.nc.flush(timeout=PING_FENCE_TIMEOUT)
+            await self.nc.fence(timeout=PING_FENCE_TIMEOUT)   # flush() alone could overtake queued +WPIs
         except Exception:
             for pid, (w, round_) in owed.items():       # a newer round owed meanwhile covers this one
                 self.unfenced.setdefault(pid, (w, round_))
