@@ -24,7 +24,7 @@ from chaos.checker import VERDICTS
 from chaos.core import run_with
 from chaos.facts import read_journal
 from chaos.rig import CONSUMER, STREAM, SUBJECT, Run
-from supervisor.core.ledger import NAK_READ_NAKED
+from supervisor.core.ledger import NAK_READ_NAKED, NAK_UNSENT
 from supervisor.parent.safety.in_transit import SLACK
 from supervisor.parent.safety.peers import SUSPECT_GRACE
 from workers.runtime.puller import PULL_EXPIRES
@@ -514,7 +514,8 @@ def test_a_nak_unsent_at_a_workers_death_waits_for_ackwait_named_at_the_death(tm
     assert result.passed, result.summary()
 
 
-def test_a_retry_read_by_the_server_before_its_workers_death_comes_back_at_once(tmp_path):
+@pytest.mark.parametrize("order", ["advisory, death", "death, advisory"])
+def test_a_retry_read_by_the_server_before_its_workers_death_comes_back_at_once(tmp_path, order):
     """F18, found by CI at `-n 6` on the test above this module's first (its original flake): a
     handler's Retry, the worker's NAK read by the server, which redelivered the job into that
     worker's own pull request, and the worker killed before the NAK's fence came back, so its
@@ -525,7 +526,9 @@ def test_a_retry_read_by_the_server_before_its_workers_death_comes_back_at_once(
     fence's PING and its next pull request go on, the PONG and the redelivery (delivery 2) wait
     in the proxy. Once the test's own subscription has the advisory and the proxy has delivery 2
     for the worker, it is SIGKILLed: the job must run again (delivery 3) long before AckWait
-    (30 s), by the parent's NAK, once, acked, explained. Red on main: back after AckWait."""
+    (30 s), by the parent's NAK, once, acked, explained. Red on main: back after AckWait.
+    "death, advisory": the parent's own link is stalled from before the job until its ledger has
+    the death (the job named left to AckWait, NAK_UNSENT), so the advisory reaches it after."""
     seen: dict = {}
 
     def nak_read_then_killed(run: Run) -> None:
@@ -543,6 +546,9 @@ def test_a_retry_read_by_the_server_before_its_workers_death_comes_back_at_once(
         run.start_supervisor([proxy.url], workers={"count": 1, "heartbeat_timeout": 60.0}, log={"format": "json"})
         [victim] = run.sup.worker_pids()
         wait_until(lambda: (s := run.sup.try_status()) and s["peers"]["alone"], 30, "the supervisor sure it is alone")
+        if order == "death, advisory":
+            seen["stalled"] = time.monotonic()
+            assert run.bg.call(proxy.stall(PARENT)) == 1, "the parent's link is not through the proxy"
         seq = seen["seq"] = publish_run(run, "f18:retry0:0.01")
         wait_until(lambda: [a for a in advisories if (a["stream_seq"], a["deliveries"]) == (seq, 1)], 10,
                    "the server's advisory: it processed the worker's NAK")
@@ -553,6 +559,11 @@ def test_a_retry_read_by_the_server_before_its_workers_death_comes_back_at_once(
         assert [w["settling"] for w in workers] == [1], f"not F18: its NAK's entry is not held unfenced: {workers}"
         seen["killed"] = time.monotonic()
         run.signal_worker(victim, signal.SIGKILL, "worker SIGKILL, its NAK read, its fence not back")
+        if order == "death, advisory":
+            named = wait_until(lambda: run.sup.status()["crosscheck"]["left_to_ack_wait"], 10, "the death recorded")
+            assert [w["waits"] for w in named] == [NAK_UNSENT], named      # no advisory yet
+            run.bg.call(proxy.heal(PARENT))
+            run.fault("network: the parent's connection stalled", seen["stalled"], time.monotonic(), pids=set())
         seen["back"] = wait_until(lambda: started(run, seq, 3), ACK_WAIT + 15, "the job run again") and time.monotonic()
         wait_until(lambda: any(r.seq == seq and r.event == "D" for r in read_journal(run.journal)), 10, "the job done")
         seen["parent_naks"] = [t for t, _ in run.bg.call(proxy.tapped(PARENT)) if t > seen["killed"]]
