@@ -223,10 +223,12 @@ class Arbiter:
     def ready_count(self) -> int:
         return sum(c.pool.ready_count() for c in self.crews.values())
 
-    def post(self, work: Callable[[], Any]) -> None:
-        """Queue a change of state for the loop to apply (the one-writer rule)."""
+    def post(self, work: Callable[[], Any], wake: bool = True) -> None:
+        """Queue a change of state for the loop to apply (the one-writer rule); `wake`: at once,
+        not at its next tick."""
         self.posted.append(work)
-        self.wakeup.set()
+        if wake:
+            self.wakeup.set()
 
     def apply_posted(self) -> None:
         while self.posted:

@@ -34,7 +34,7 @@ from supervisor.parent.loopsteps import LoopSteps
 from supervisor.parent.pool import Pool
 from supervisor.parent.process import WorkerProcess
 from supervisor.parent.safety.deaths import Deaths
-from supervisor.parent.safety.in_transit import SLACK, InTransit
+from supervisor.parent.safety.in_transit import SLACK, InTransit, settled_once
 from supervisor.parent.safety.peers import SUSPECT_GRACE, Peers
 from supervisor.parent.safety.watch import Watch
 from supervisor.parent.scaler import Scaler
@@ -64,7 +64,7 @@ class Parent(Protocol):
     server_dies_with_parent: bool
     fleet_key: str                        # our fleet heartbeat's key: an orphan claims its jobs there
 
-    def post(self, work: Callable[[], Any]) -> None: ...
+    def post(self, work: Callable[[], Any], wake: bool = True) -> None: ...
 
     def apply_posted(self) -> None: ...
 
@@ -118,9 +118,9 @@ class Crew:
     def living(self) -> list[WorkerProcess]:
         return self.pool.living()
 
-    def post(self, work: Callable[[], Any]) -> None:
+    def post(self, work: Callable[[], Any], wake: bool = True) -> None:
         """Queue work for the loop, to run as this pool's (its log lines name the pool)."""
-        self.parent.post(lambda: self.within(work))
+        self.parent.post(lambda: self.within(work), wake)
 
     def within(self, work: Callable[[], Any]) -> Any:
         with self.context():
@@ -256,11 +256,11 @@ class Crew:
         if not clean and code in CHILD_EXIT_REASONS:
             cause += f": {CHILD_EXIT_REASONS[code]}"
         with step("reap"):
-            if not clean:
-                self.in_transit.death(time.monotonic(), w.table.header(slots.CREDITS), f"worker {w.slot} (pid {w.pid})",
-                                      w.table.server_seen(),
-                                      {e.stream_seq: (e.delivery, e.consumer_seq) for e in w.table.snapshot()},
-                                      w.pid, w.slot)
+            # A clean exit too (no pull credits, no loss): a drained worker whose fence never came
+            # back leaves NAKs only the server's advisory can prove read (F18).
+            self.in_transit.death(time.monotonic(), 0 if clean else w.table.header(slots.CREDITS),
+                                  f"worker {w.slot} (pid {w.pid})", w.table.server_seen(),
+                                  settled_once(w.table.snapshot()), w.pid, w.slot)
             await self.deaths.settle(w, cause, clean)
         with step("reap"):
             self.release_limits(w, clean)

@@ -4,7 +4,8 @@ tests/integration/test_found_by_random.py::test_a_retry_on_its_way_to_a_worker_t
 
 from __future__ import annotations
 
-from supervisor.parent.safety.in_transit import SLACK, Reading, WorkerNak, WorkerNaks
+from supervisor.parent.safety.in_transit import SLACK, Reading, WorkerNak, WorkerNaks, settled_once
+from workers.protocol.slots import HELD, RUNNING, SETTLED, Entry
 
 
 def naks_with(delivery: int = 1, delay: float = 0.5, learnt: float = 10.0) -> WorkerNaks:
@@ -121,6 +122,27 @@ def test_an_advisory_before_the_death_proves_a_nak_its_table_held():
     other.advisory(7, 1, 71, 10.5)                      # a NAK of another delivery numbered alike
     other.sent(7, WorkerNak(1, earliest=10.0, delay=0.0, learnt=11.0))
     assert other.died("w", credits=2, held={7: (1, 70)}) == [] and other.naks[7].unproven
+
+
+def entry(i: int, seq: int, delivery: int, cseq: int, state: int) -> Entry:
+    return Entry(i, state, seq, cseq, delivery, 1.0, 0.0, f"$JS.ACK.JOBS.workers.{delivery}.{seq}.{cseq}.0.0")
+
+
+def test_a_nak_whose_redelivery_the_dead_table_also_held_is_never_proven():
+    """The NAK of delivery 1 (SETTLED, not fenced), its redelivery read into another entry (HELD)
+    and the worker killed before its event reached us: which delivery a settle still in its
+    socket names, the table cannot say. With the advisory of delivery 1 in hand, the NAK must
+    still be dropped, or the check would NAK delivery 2's successor while a live worker runs it
+    (found by a cold review of F18)."""
+    both = settled_once([entry(0, 7, 2, 72, HELD), entry(1, 7, 1, 70, SETTLED), entry(2, 8, 1, 80, SETTLED),
+                         entry(3, 9, 1, 90, RUNNING)])
+    assert both == {7: (0, 0), 8: (1, 80), 9: (0, 0)}
+    naks = naks_with()
+    naks.advisory(7, 1, 70, 10.5)
+    assert naks.died("w", credits=2, held=both) == [] and 7 not in naks.naks
+    alone = naks_with()
+    alone.advisory(7, 1, 70, 10.5)
+    assert alone.died("w", credits=2, held=settled_once([entry(1, 7, 1, 70, SETTLED)])) == [7]
 
 
 def test_an_advisory_after_the_death_proves_a_nak_its_table_held():

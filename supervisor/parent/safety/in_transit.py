@@ -82,6 +82,7 @@ from supervisor.config import Config
 from supervisor.config.schedules import job_subjects
 from supervisor.core.ledger import FOUND_IN_TRANSIT
 from supervisor.core.policy import ack_wait_for, nak_is_safe
+from workers.protocol import slots
 
 log = logging.getLogger("supervisor")
 
@@ -226,6 +227,19 @@ class WorkerNaks:
             if reading is not None and links_fresh_since(reading.answered + SLACK):
                 due.append(seq)
         return due
+
+
+def settled_once(entries: list[slots.Entry]) -> dict[int, tuple[int, int]]:
+    """seq -> (delivery, consumer seq) of a dead (or exited) worker's entries, for WorkerNaks.died.
+    A NAK it published and had not fenced is the one SETTLED entry of its seq. A seq it held twice
+    (the NAK's redelivery read into another entry, its event to us lost with the worker) or in
+    another state gets (0, 0), which matches no NAK: the table shows nothing about which of its
+    deliveries a settle in the socket may name, so no advisory may prove it."""
+    held: dict[int, tuple[int, int]] = {}
+    for e in entries:
+        once = e.stream_seq not in held and e.state == slots.SETTLED
+        held[e.stream_seq] = (e.delivery, e.consumer_seq) if once else (0, 0)
+    return held
 
 
 @dataclass

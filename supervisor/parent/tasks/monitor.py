@@ -48,6 +48,7 @@ ACCEPT_AFTER = 5        # consecutive backward samples from one consumer taken a
 MOVE_SLACK = 2.0        # seconds around the window in which acks lost to a leader move come back
 GIVEN_UP_EVERY = 60.0   # the stream is searched for jobs the consumer gave up on this often (and at a reconnect)
 GIVEN_UP_BATCH = 100    # messages looked at, at most, per search
+NAKED_PENDING = 10_000  # MSG_NAKED advisories waiting for the parent, at most (and as many KiB)
 
 
 def lost_ack_window(before: dict, after: dict, t_before: float, t_after: float,
@@ -114,7 +115,9 @@ async def on_naked(crew: Crew, msg: Any) -> None:
         log.warning("malformed MSG_NAKED advisory: %r", msg.data[:200])
         return
     in_transit = crew.in_transit
-    crew.post(lambda: in_transit.nak_advised(seq, delivery, cseq, t))
+    # At the loop's next tick: one per NAK on the consumer (every supervisor's), so waking the
+    # loop for each would cost a whole pass per retry under a storm of them.
+    crew.post(lambda: in_transit.nak_advised(seq, delivery, cseq, t), wake=False)
 
 
 def deletes_given_up(c: Config) -> bool:
@@ -340,7 +343,10 @@ class Monitor:
         s, c = self.cfg.stream.name, self.cfg.consumer.name
         await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{s}.{c}", cb=self.on_max_deliveries)
         await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{s}.{c}", cb=self.on_terminated)
-        await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.{s}.{c}", cb=partial(on_naked, self.crew))
+        # Bounded: an advisory dropped (a slow consumer) only leaves its job to AckWait, as one
+        # missed during a reconnect does.
+        await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.{s}.{c}", cb=partial(on_naked, self.crew),
+                                pending_msgs_limit=NAKED_PENDING, pending_bytes_limit=NAKED_PENDING * 1024)
 
     async def on_terminated(self, msg: Any) -> None:
         self.advisories["terminated"] += 1
