@@ -120,6 +120,13 @@ async def on_naked(crew: Crew, msg: Any) -> None:
     crew.post(lambda: in_transit.nak_advised(seq, delivery, cseq, t), wake=False)
 
 
+async def subscribe_naked(nc: Any, crew: Crew, subject: str) -> None:
+    """Bounded: an advisory dropped (a slow consumer) only leaves its job to AckWait, as one missed
+    during a reconnect does."""
+    await nc.subscribe(subject, cb=partial(on_naked, crew), pending_msgs_limit=NAKED_PENDING,
+                       pending_bytes_limit=NAKED_PENDING * 1024)
+
+
 def deletes_given_up(c: Config) -> bool:
     """A job the consumer gave up on is deleted from the work queue once its dead-letter copy
     is stored. With [ordering], whatever the copy (none without restart.dead_letter_subject):
@@ -343,10 +350,7 @@ class Monitor:
         s, c = self.cfg.stream.name, self.cfg.consumer.name
         await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{s}.{c}", cb=self.on_max_deliveries)
         await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{s}.{c}", cb=self.on_terminated)
-        # Bounded: an advisory dropped (a slow consumer) only leaves its job to AckWait, as one
-        # missed during a reconnect does.
-        await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.{s}.{c}", cb=partial(on_naked, self.crew),
-                                pending_msgs_limit=NAKED_PENDING, pending_bytes_limit=NAKED_PENDING * 1024)
+        await subscribe_naked(self.nc, self.crew, f"$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.{s}.{c}")
 
     async def on_terminated(self, msg: Any) -> None:
         self.advisories["terminated"] += 1
