@@ -79,6 +79,16 @@ def handouts(run: Run) -> list[Handout]:
     return out
 
 
+def carried_up(run: Run) -> dict:
+    """What the proxy carried from the clients to the server (the work queue's settles and pull
+    requests) and every connection's close, as Evidence's keyword arguments (checker.py)."""
+    if run.proxy is None:
+        return {}
+    return {"settles": [s for s in run.bg.call(run.proxy.settles()) if s.stream == STREAM],
+            "pulls": [p for p in run.bg.call(run.proxy.pulls()) if p.stream == STREAM],
+            "links": run.bg.call(run.proxy.links())}
+
+
 def named_before_kill(run: Run, sup: SupervisorProc) -> None:
     """What a supervisor about to be SIGKILLed names as left to AckWait by the kill (its /status
     now): jobs its ledger left to AckWait, NAKs it holds back or has not confirmed (they die with
@@ -566,7 +576,8 @@ class Run:
                       status=self.status, statuses=[s for s in statuses if s], copies=set(copies), drains=self.drains,
                       sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), handouts=handouts(self),
                       healthz_s=max(self.healthz) if self.healthz else None, pools=dict(self.pools),
-                      left_to_ack_wait=self.left_to_ack_wait, in_transit_unchecked=self.in_transit_unchecked)
+                      left_to_ack_wait=self.left_to_ack_wait, in_transit_unchecked=self.in_transit_unchecked,
+                      **carried_up(self))
         return check(ev)
 
     def ledger_status(self, sup: SupervisorProc) -> dict | None:
