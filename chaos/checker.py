@@ -75,6 +75,14 @@ the journal, not trusted). Per job (stream sequence):
   rig's read of /status `crosscheck.in_transit_unchecked` just before the kill: that pid, the
   seq inside the window the check would have searched; `unchecked_at_kill`, given the pid the
   proxy wrote the delivery to): nothing could NAK it, and the successor cannot know it.
+  Two facts from what the proxy carried to the server (chaos/waits.py): a job whose previous
+  delivery the server had a NAK of before it sent the next one did not wait for AckWait at all
+  (`nak_waited`, reported: it waited for a pull request), unless a +WPI after that NAK, before
+  its delay ran out, set a whole AckWait again ("a +WPI after its NAK": judged as any wait); and
+  a delivery no connection read (the next one's number says the server sent it) never started:
+  it was lost in the closing of a connection with a pull request outstanding about AckWait
+  before the redelivery, and the faults that closed those connections decide (all outside:
+  outside); with no such connection, the window rule above.
 - unacked: still in the work-queue stream at the end (an ack that never landed).
 - ticks_extra: firings of the drawn `[schedules.tick]` beyond one per period over the time it
   could exist (from the first supervisor's start to its removal when the load ends): a schedule
@@ -550,7 +558,7 @@ def late_wait(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, w: L
                                    f"{nak.said(ev.origin)}; {pulled}")
         return
     holders, culprits = w.holders, w.culprits
-    lost = lost_in_closing(ev, consumer, run.start) if w.unseen else []
+    lost = lost_in_closing(ev, consumer, next_sent(ck, seq, run)) if w.unseen else []
     if lost:
         culprits = sorted({id(f): f for _, fs in lost for f in fs}.values(), key=lambda f: f.t0)
     held = held_in_link(ev, seq, run)
@@ -582,8 +590,12 @@ def nak_of(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, consume
     sent = came if came is not None else next((r.start for r in reversed(before) if r.delivery == prev), None)
     if sent is None:
         return None
-    nxt = min((h.came for h in ck.handed.get((seq, run.delivery), []) if h.came <= run.start + SLACK), default=run.start)
-    return naked(ck.ev, seq, consumer, sent, nxt, came, run.start)
+    return naked(ck.ev, seq, consumer, sent, next_sent(ck, seq, run), came, run.start)
+
+
+def next_sent(ck: Checker, seq: int, run: RunOfJob) -> float:
+    """When the server sent `run`'s delivery: the proxy read it then, else by its start."""
+    return min((h.came for h in ck.handed.get((seq, run.delivery), []) if h.came <= run.start + SLACK), default=run.start)
 
 
 def order_runs(runs_by: dict[int, list[RunOfJob]], lives: dict) -> list[Run]:

@@ -23,6 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -84,9 +85,14 @@ def carried_up(run: Run) -> dict:
     requests) and every connection's close, as Evidence's keyword arguments (checker.py)."""
     if run.proxy is None:
         return {}
-    return {"settles": [s for s in run.bg.call(run.proxy.settles()) if s.stream == STREAM],
-            "pulls": [p for p in run.bg.call(run.proxy.pulls()) if p.stream == STREAM],
-            "links": run.bg.call(run.proxy.links())}
+    settles = [s for s in run.bg.call(run.proxy.settles()) if s.stream == STREAM]
+    pulls = [p for p in run.bg.call(run.proxy.pulls()) if p.stream == STREAM]
+    links = run.bg.call(run.proxy.links())
+    kinds = Counter(s.kind for s in settles)
+    run.notes.append(f"proxy: carried to the server {', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}, "
+                     f"{len(pulls)} pull requests; closes: "
+                     f"{', '.join(f'{n} by {h}' for h, n in sorted(Counter(k.how for k in links if k.closed).items()))}")
+    return {"settles": settles, "pulls": pulls, "links": links}
 
 
 def named_before_kill(run: Run, sup: SupervisorProc) -> None:

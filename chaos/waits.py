@@ -99,7 +99,7 @@ def first_pull(ev: Evidence, consumer: str, after: float) -> Pull | None:
 
 def lost_in_closing(ev: Evidence, consumer: str, back: float) -> list[tuple[Link, list[Fault]]]:
     """The connections a delivery the proxy never read can have been lost to, each with the
-    faults that closed it (module doc), for a redelivery that started at `back`."""
+    faults that closed it (module doc), for a redelivery the server sent at `back` (or by then)."""
     mark = back - ev.ack_wait
     out = []
     for link in ev.links:
