@@ -410,8 +410,9 @@ class Checker:
     def redelivery(self, seq: int, before: list[RunOfJob], run: RunOfJob, c: dict) -> None:
         """A job run again (or first seen at delivery > 1): why, and how long after it was free?"""
         holders = holders_of(self.handed, seq, before, run)
-        prev = run.delivery - 1     # never started, and no connection read it (the proxy saw no hand-out)
-        unseen = prev >= 1 and not self.handed.get((seq, prev)) and all(r.delivery != prev for r in before)
+        prev = run.delivery - 1     # never started, and no connection read it (a proxy ran and saw no hand-out)
+        unseen = bool(self.ev.links) and prev >= 1 and not self.handed.get((seq, prev)) and all(
+            r.delivery != prev for r in before)
         if before:
             p = before[-1]
             faults = self.touching(p.pid, p.start, run.start)
