@@ -70,7 +70,9 @@ LATE = 1.0                  # seconds: a delivery forwarded this much after it c
 # The reply subject of a JetStream delivery, whole (the space after it is in the same chunk):
 # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>... (9 tokens), or with a domain and an account
 # hash before the stream (12; 11 from older servers), as nats-py's Msg.Metadata reads it.
-ACK_REPLY = re.compile(rb"\$JS\.ACK\.[^ \r\n]+(?= )")
+# A delivery is a MSG or HMSG line whose reply-to is such a subject: a payload that names one (a
+# fleet heartbeat lists its workers' held jobs' reply subjects; the parent reads it) is not.
+DELIVERY = re.compile(rb"(?:^|\n)H?MSG [^ \r\n]+ [^ \r\n]+ (\$JS\.ACK\.[^ \r\n]+) ")
 TAIL = 512                  # bytes kept of the last chunk: a reply subject split between two reads
 
 
@@ -147,10 +149,10 @@ class Upstream:
 def settle_of(subject: bytes, payload: bytes) -> tuple[str, str, str, int, int, float] | None:
     """(kind, stream, consumer, stream seq, delivery, delay in seconds) of a settle published to
     a delivery's reply subject, or None."""
-    found = deliveries(b"", subject + b" ")
-    if not found or not payload:
+    found = ack_subject(subject)
+    if found is None or not payload:
         return None
-    stream, consumer, seq, delivery = found[0]
+    stream, consumer, seq, delivery = found
     kind, _, arg = payload.partition(b" ")
     delay = 0.0
     if kind == b"-NAK" and arg.strip():
@@ -177,21 +179,30 @@ def pull_of(subject: bytes, payload: bytes) -> tuple[str, str, int, float, bool]
 
 
 def deliveries(tail: bytes, data: bytes) -> list[tuple[str, str, int, int]]:
-    """(stream, consumer, stream seq, delivery) of each delivery whose reply subject `data` completes."""
+    """(stream, consumer, stream seq, delivery) of each delivery whose MSG line `data` completes."""
     out = []
     seen = tail + data
-    for m in ACK_REPLY.finditer(seen):
+    for m in DELIVERY.finditer(seen):
         if m.end() <= len(tail):              # whole in the chunk before: noted with it
             continue
-        tokens = m.group().split(b".")
-        if len(tokens) == 9:
-            stream, consumer, delivered, seq = tokens[2:6]
-        elif len(tokens) >= 11:
-            stream, consumer, delivered, seq = tokens[4:8]
-        else:
-            continue
-        out.append((stream.decode(), consumer.decode(), int(seq), int(delivered)))
+        if (parsed := ack_subject(m.group(1))) is not None:
+            out.append(parsed)
     return out
+
+
+def ack_subject(reply: bytes) -> tuple[str, str, int, int] | None:
+    """(stream, consumer, stream seq, delivery) a `$JS.ACK` reply subject names, or None."""
+    tokens = reply.split(b".")
+    if len(tokens) == 9:
+        stream, consumer, delivered, seq = tokens[2:6]
+    elif len(tokens) >= 11:
+        stream, consumer, delivered, seq = tokens[4:8]
+    else:
+        return None
+    try:
+        return stream.decode(), consumer.decode(), int(seq), int(delivered)
+    except ValueError:
+        return None
 
 
 def socket_owner(port: int, peer_port: int) -> tuple[int, int]:

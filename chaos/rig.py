@@ -81,6 +81,15 @@ def handouts(run: Run) -> list[Handout]:
     return out
 
 
+def kept(ev: Evidence, name: str) -> Evidence:
+    """With CHAOS_KEEP_EVIDENCE=DIR, the run's evidence pickled to DIR/NAME.pickle: judge it again
+    later (checker.check) as the checker changes."""
+    if keep := os.environ.get("CHAOS_KEEP_EVIDENCE"):
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        (Path(keep) / f"{name}.pickle").write_bytes(pickle.dumps(ev))
+    return ev
+
+
 def carried_up(run: Run) -> dict:
     """What the proxy carried from the clients to the server (the work queue's settles and pull
     requests) and every connection's close, as Evidence's keyword arguments (checker.py)."""
@@ -582,13 +591,9 @@ class Run:
                       origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead,
                       status=self.status, statuses=[s for s in statuses if s], copies=set(copies), drains=self.drains,
                       sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), handouts=handouts(self),
-                      healthz_s=max(self.healthz) if self.healthz else None, pools=dict(self.pools),
-                      left_to_ack_wait=self.left_to_ack_wait, in_transit_unchecked=self.in_transit_unchecked,
-                      **carried_up(self))
-        if keep := os.environ.get("CHAOS_KEEP_EVIDENCE"):      # a directory: re-judge the run later (checker.check)
-            Path(keep).mkdir(parents=True, exist_ok=True)
-            (Path(keep) / f"{self.name}.pickle").write_bytes(pickle.dumps(ev))
-        return check(ev)
+                      healthz_s=max(self.healthz) if self.healthz else None, pools=dict(self.pools), **carried_up(self),
+                      left_to_ack_wait=self.left_to_ack_wait, in_transit_unchecked=self.in_transit_unchecked)
+        return check(kept(ev, self.name))
 
     def ledger_status(self, sup: SupervisorProc) -> dict | None:
         """/status once the supervisor has had its grace to explain the last redelivery."""

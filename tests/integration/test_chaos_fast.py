@@ -603,12 +603,14 @@ def test_the_proxy_records_each_settle_pull_request_and_close_a_client_sends_thr
     """chaos/proxy.py reads what clients send as NATS protocol: a job fetched (a pull request),
     marked in progress, NAKed with a 0.5 s delay, fetched again and TERMed: each settle names the
     job, the delivery, the delay, the connection and our pid; each pull request its consumer and
-    batch; a cut names how the connection closed. The reading holds across any chunk boundary."""
+    batch; a cut names how the connection closed. The reading holds across any chunk boundary.
+    A delivery is a MSG line's reply-to only: a fleet heartbeat lists the reply subjects of the
+    jobs a supervisor's workers hold, and seed 849's parent was taken to be handed them."""
     import asyncio
 
     import nats
 
-    from chaos.proxy import Proxy, Upstream
+    from chaos.proxy import Proxy, Upstream, deliveries
 
     async def scenario() -> tuple[list[Settle], list[Pull], list[Link]]:
         proxy = await Proxy(nats_server).start()
@@ -645,6 +647,9 @@ def test_the_proxy_records_each_settle_pull_request_and_close_a_client_sends_thr
     up = Upstream()
     assert [x for i in range(len(wire)) for x in up.feed(wire[i:i + 1])] == [
         (b"$JS.ACK.T.c.2.9.5.0.0", b'-NAK {"delay":1000000}'), (b"$JS.API.CONSUMER.MSG.NEXT.T.c", b'{"batch":4}')]
+    # The other way, a delivery is a MSG line's reply-to, split or not; a payload naming one is none.
+    assert deliveries(b"+OK\r\nHMSG t.1 9 $JS.AC", b"K.T.c.2.9.5.0.0 12 14\r\n") == [("T", "c", 9, 2)]
+    assert deliveries(b"", b"MSG beat 3 40\r\n$JS.ACK.T.c.2.9.5.0.0 held\r\n") == []
 
 
 def test_a_connection_gone_during_its_pid_lookup_leaves_the_proxy_readable(nats_server, monkeypatch):
