@@ -20,7 +20,7 @@
   connection as that connection closed. Nobody knew of it, so nothing sent a +WPI or a NAK and
   it came back exactly by AckWait: sent at the redelivery less AckWait, or a little before (the
   redelivery goes to the next pull request after the expiry; seed 849, twice: the connection
-  closed 0.66 s and 0.63 s before that mark). The candidates are the
+  closed 0.66 s and 0.55 s before the handler's start less AckWait). The candidates are the
   connections that closed from LOST_BEFORE before that mark to EXPIRY_SLACK after it (the
   proxy may read a send a moment late) with a pull request of the job's consumer outstanding:
   unexpired, and asking for more than the proxy carried to it since it was sent. What closed
@@ -50,7 +50,7 @@ class Evidence(Protocol):
 SLACK = 0.05                # seconds: times from different processes (checker.SLACK)
 EXPIRY_SLACK = 0.5          # an expiry's redelivery reaches a handler this much after AckWait at most
 # A lost delivery's connection closed at most this long before the redelivery less AckWait (seed
-# 849: 0.66 s and 0.63 s; with 2 s, a worker retired by a scale-down 1.9 s before, closing as its
+# 849: 0.66 s and 0.55 s; with 2 s, a worker retired by a scale-down 1.8 s before, closing as its
 # last pull request expired, as its drain does, was a candidate too).
 LOST_BEFORE = 1.0
 CLOSE_CAUSE = 0.5           # a fault this long before a close can have caused it (a kill: the socket closes after)
