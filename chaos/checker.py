@@ -78,7 +78,8 @@ the journal, not trusted). Per job (stream sequence):
   Two facts from what the proxy carried to the server (chaos/waits.py): a job whose previous
   delivery the server had a NAK of before it sent the next one did not wait for AckWait at all
   (`nak_waited`, reported: it waited for a pull request), unless a +WPI after that NAK, before
-  its delay ran out, set a whole AckWait again ("a +WPI after its NAK": judged as any wait); and
+  its delay ran out, set a whole AckWait again ("a +WPI after its NAK": judged as any wait), or
+  a server SIGKILL after it may have lost it (outside: the NAK had gone; seed 604); and
   a delivery no connection read (the next one's number says the server sent it) never started:
   it was lost in the closing of a connection with a pull request outstanding about AckWait
   before the redelivery, and the faults that closed those connections decide (all outside:
@@ -548,7 +549,7 @@ def late_wait(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, w: L
     stalled link held it, or every fault that could have kept it is outside, or a ledger named it."""
     ev, consumer = ck.ev, ck.ev.pools.get(ck.pool(seq), "")
     nak = nak_of(ck, seq, before, run, consumer, w.unseen)
-    if nak is not None and nak.wpi is None:
+    if nak is not None and nak.wpi is None and nak.lost_by is None:
         c["nak_waited"] += 1
         due = nak.nak.t + nak.nak.delay
         pull = first_pull(ev, consumer, due)
@@ -562,7 +563,7 @@ def late_wait(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, w: L
     lost = lost_in_closing(ev, consumer, next_sent(ck, seq, run)) if w.unseen else []
     if lost:
         culprits = sorted({id(f): f for _, fs in lost for f in fs}.values(), key=lambda f: f.t0)
-    held = held_in_link(ev, seq, run)
+    held = held_in_link(ev, seq, run) or (nak.said(ev.origin) if nak is not None and nak.lost_by else "")
     started = bool(before) and not holders and not w.unseen
     outside = held or (all(fs for _, fs in lost) and
                        all_outside(culprits, started, holders, before[-1].pid if started else 0))
@@ -574,7 +575,7 @@ def late_wait(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, w: L
     context = (holder_context(ev, holders, culprits) if holders else lost_text(ev, run.delivery - 1, lost) if lost
                else wait_context(ev, run.start, culprits))
     why = held or context + (f"; named at the death by the ledger: {named}" if named else "")
-    why += f"; {nak.said(ev.origin)}" if nak is not None else ""
+    why += f"; {nak.said(ev.origin)}" if nak is not None and nak.wpi is not None else ""
     ck.find(verdict, seq, f"delivery {run.delivery} started {w.lag:.1f}s after the previous delivery was last "
                           f"seen{'' if started else ' (it never started)'}; {why}")
 

@@ -6,15 +6,17 @@
   AckWait runs out for it any more. So a job whose delivery was NAKed before the server sent the
   next one did not wait for an AckWait expiry, whatever kept workers from pulling meanwhile (a
   successor still starting, its link cut, the server away: what the queueing note and the rig's
-  stalled check watch, not the AckWait verdict). Two exceptions keep it an AckWait wait: a +WPI
+  stalled check watch, not the AckWait verdict). Two exceptions leave it an AckWait wait: a +WPI
   the server got after the NAK and before its delay ran out (progressUpdate sets the timestamp
   to now: a whole AckWait again, "a +WPI after its NAK", the race of a parent's +WPI landing
   after a worker's NAK with a delay), and a server SIGKILL after the NAK when the job came back
-  no sooner than an expiry could have brought it (the restarted server may have lost the NAK:
-  its redelivery queue lives in memory). The server applies a settle to the sequence's pending
-  delivery whichever delivery its reply subject names (the parent's in-transit NAKs name
-  delivery 1), so settles are matched by job and time: after the delivery was sent, before the
-  next one was.
+  no sooner than an expiry could have brought it: the restarted server may have lost the NAK
+  (its redelivery queue lives in memory; seed 604: a NAK at +38.69 s, the server SIGKILLed at
+  +39.57 s, the job back at +51.69 s, AckWait after the parent's last +WPI at +36.80 s). That
+  wait is the SIGKILL's, outside the supervisor's control: the NAK had gone. The server applies
+  a settle to the sequence's pending delivery whichever delivery its reply subject names (the
+  parent's in-transit NAKs name delivery 1), so settles are matched by job and time: after the
+  delivery was sent, before the next one was.
 - *A delivery that reached no connection* (`lost_in_closing`): the server counted it (the next
   delivery's number says so) and the proxy never read it: it was sent into a pull request of a
   connection as that connection closed. Nobody knew of it, so nothing sent a +WPI or a NAK and
@@ -61,8 +63,12 @@ class Naked:
     """The NAK the server had of a delivery before it sent the next one, and a +WPI that undid it."""
     nak: Settle
     wpi: Settle | None = None
+    lost_by: Fault | None = None    # a server SIGKILL after it that may have lost it
 
     def said(self, origin: float) -> str:
+        if self.lost_by is not None:
+            return (f"the server had its NAK ({self.nak.said(origin)}) and may have lost it: "
+                    f"{self.lost_by.name(origin)}")
         if self.wpi is None:
             due = self.nak.t + self.nak.delay
             return f"the server had its NAK: {self.nak.said(origin)}, due +{due - origin:.2f}s"
@@ -74,9 +80,9 @@ def naked(ev: Evidence, seq: int, consumer: str, sent: float, next_sent: float, 
           back: float) -> Naked | None:
     """The last NAK of job `seq` the proxy carried to the server after its delivery was sent
     (`sent`: a lower bound) and before the next one was (`next_sent`), with a +WPI that came
-    after it while its delay had not run out; None without one, or when a server SIGKILL after it
-    may have lost it and the job came back (`back`) no sooner than an expiry of the delivery
-    (handed out at `came`; None: not known) could have brought it."""
+    after it while its delay had not run out, or the server SIGKILL after it that may have lost it
+    when the job came back (`back`) no sooner than an expiry of the delivery (handed out at
+    `came`; None: not known) could have brought it; None without one."""
     last: Naked | None = None
     for s in sorted(ev.settles, key=lambda s: s.t):
         if s.seq != seq or (consumer and s.consumer != consumer) or not sent <= s.t <= next_sent:
@@ -86,11 +92,11 @@ def naked(ev: Evidence, seq: int, consumer: str, sent: float, next_sent: float, 
         elif s.kind == "+WPI" and last is not None and last.wpi is None and last.nak.delay > 0 \
                 and s.t < last.nak.t + last.nak.delay:
             last = Naked(last.nak, s)
-    if last is None:
-        return None
-    restarted = any(f.kind.startswith("nats-server SIGKILL") and last.nak.t <= f.t0 <= back for f in ev.faults)
-    if restarted and (came is None or back >= came + ev.ack_wait - EXPIRY_SLACK):
-        return None
+    if last is None or last.wpi is not None:
+        return last
+    kills = [f for f in ev.faults if f.kind.startswith("nats-server SIGKILL") and last.nak.t - SLACK <= f.t0 <= back]
+    if kills and (came is None or back >= came + ev.ack_wait - EXPIRY_SLACK):
+        return Naked(last.nak, lost_by=kills[0])
     return last
 
 
@@ -114,16 +120,24 @@ def lost_in_closing(ev: Evidence, consumer: str, back: float) -> list[tuple[Link
 
 
 def outstanding(ev: Evidence, link: Link, consumer: str) -> bool:
-    """Had the connection a pull request of `consumer` waiting when it closed: unexpired, and
-    asking for more than the proxy carried to it since?"""
+    """Had the connection a pull request of `consumer` waiting when it closed? The server fills
+    a connection's waiting requests oldest first and drops expired ones: replayed here from the
+    requests and deliveries the proxy carried on it (seed 52: a worker asking one job at a time,
+    its three live requests' worth of deliveries filling older ones)."""
     at = link.closed if link.closed is not None else float("inf")
-    alive = [p for p in ev.pulls if p.conn == link.conn and (not consumer or p.consumer == consumer)
-             and p.t <= at + SLACK and p.t + p.life() >= at - SLACK]
-    if not alive:
-        return False
-    since = min(p.t for p in alive)
-    got = sum(1 for h in ev.handouts if h.conn == link.conn and since <= h.came <= at + SLACK)
-    return sum(p.batch for p in alive) > got
+    events = [(p.t, 1, p.t + p.life(), p.batch) for p in ev.pulls
+              if p.conn == link.conn and (not consumer or p.consumer == consumer) and p.t <= at + SLACK]
+    events += [(h.came, 0, 0.0, 0) for h in ev.handouts
+               if h.conn == link.conn and (not consumer or h.consumer == consumer) and h.came <= at + SLACK]
+    waiting: list[list[float]] = []                    # [expiry, messages still asked for], oldest first
+    for t, is_pull, expiry, batch in sorted(events):
+        if is_pull:
+            waiting.append([expiry, batch])
+            continue
+        waiting = [w for w in waiting if w[0] >= t - SLACK and w[1] > 0]
+        if waiting:
+            waiting[0][1] -= 1
+    return any(w[0] >= at - SLACK and w[1] > 0 for w in waiting)
 
 
 def closed_by(ev: Evidence, link: Link) -> list[Fault]:

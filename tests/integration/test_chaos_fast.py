@@ -432,7 +432,8 @@ def test_checker_takes_a_job_whose_nak_the_server_had_as_no_ackwait_wait_unless_
     server had the NAK, so no AckWait ran out (nak_waited, reported). A +WPI after the NAK, while
     its delay had not run out, sets a whole AckWait again: charged, "a +WPI after its NAK". A
     +WPI once the delay ran out, a NAK after the job came back or of another job change
-    nothing; a server SIGKILL after the NAK, the job back no sooner than an expiry, voids it."""
+    nothing. Seed 604: a server SIGKILL after the NAK, the job back no sooner than an expiry,
+    may have lost it: an AckWait wait, outside (the NAK had gone)."""
     kill = Fault("parent SIGKILL, then a new supervisor", T0 + 0.9, T0 + 1.0, frozenset({1}), parent=100)
 
     def judged(*settles: Settle, faults: tuple = (kill,)):
@@ -449,7 +450,9 @@ def test_checker_takes_a_job_whose_nak_the_server_had_as_no_ackwait_wait_unless_
     assert judged(said("-NAK", 31.5)).counts["ackwait"] == 1
     assert judged(said("-NAK", 1.2, seq=2)).counts["ackwait"] == 1
     restart = Fault("nats-server SIGKILL, back 1s later", T0 + 5.0, T0 + 6.0, None, in_control=False)
-    assert judged(said("-NAK", 1.2), faults=(kill, restart)).counts["ackwait"] == 1
+    report = judged(said("-NAK", 1.2), faults=(kill, restart))
+    assert (report.counts["ackwait_outside"], report.counts["nak_waited"]) == (1, 0)
+    assert [f for f in report.findings if "may have lost it: nats-server SIGKILL" in f.text]
 
 
 # Worker 1's connection #3 (pid 1) closed at +0.5 s with a pull request outstanding (+0.3 s,
@@ -488,6 +491,11 @@ def test_checker_judges_a_delivery_no_connection_read_by_the_close_it_was_lost_i
     # expired (nothing explains that close): not a candidate, more than LOST_BEFORE before it.
     retired = (Link(6, "chaos-a worker 2", 2, 100, T0 - 0.5, "client"), Pull("JOBS", "c", T0 - 1.0, 6, 4, 0.5))
     assert lost([cut, kill], links=(CLOSED, retired[0]), pulls=(PULL, retired[1])).counts["ackwait"] == 0
+    # Seed 52: a job per request, each delivery filling the oldest live one: the last still waited.
+    asks = tuple(Pull("JOBS", "c", T0 + t, 3, 1, 0.5) for t in (0.0, 0.1, 0.2, 0.3))
+    got = [Handout("chaos-a worker 1", "JOBS", 7, 1, T0 + t, T0 + t, pid=1, conn=3) for t in (0.25, 0.28, 0.35)]
+    later = Link(3, "chaos-a worker 1", 1, 100, T0 + 0.75, "cut")
+    assert lost([cut, kill], links=(later,), pulls=asks, handouts=got).counts["ackwait"] == 0
     ran = [("S", 2, 1, 1, 0.1), ("S", 5, 1, 3, 31.1), ("D", 5, 1, 3, 31.2)]     # delivery 1 ran; 2 reached nobody
     killed = Fault("worker SIGKILL", T0 + 0.2, T0 + 0.21, frozenset({2}))
     assert lost([killed, cut, kill], journal=ran).counts["ackwait"] == 0
