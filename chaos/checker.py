@@ -227,17 +227,21 @@ class RunOfJob:
 
 
 def runs_by_seq(journal: list[Rec]) -> dict[int, list[RunOfJob]]:
-    """Each job's runs in start order (a run = one delivery in one process)."""
-    runs: dict[int, dict[tuple[int, int], RunOfJob]] = defaultdict(dict)
+    """Each job's runs in start order (a run = one delivery in one process). A process can run the
+    same delivery number twice: a restarted server that lost its consumer state hands the job out
+    again as delivery 1 (seed 855); each S line opens a run of its own, its D or R line ends it."""
+    runs: dict[int, list[RunOfJob]] = defaultdict(list)
+    open_: dict[tuple[int, int, int], RunOfJob] = {}
     for r in sorted(journal, key=lambda r: r.t):
-        slot = runs[r.seq]
         if r.event == "S":
-            slot[(r.pid, r.delivery)] = RunOfJob(r.pid, r.delivery, r.t)
-        elif (r.pid, r.delivery) in slot and r.event == "R":
-            slot[(r.pid, r.delivery)].retried = r.t
-        elif (r.pid, r.delivery) in slot:
-            slot[(r.pid, r.delivery)].done = r.t
-    return {seq: sorted(v.values(), key=lambda x: x.start) for seq, v in runs.items()}
+            open_[(r.seq, r.pid, r.delivery)] = run = RunOfJob(r.pid, r.delivery, r.t)
+            runs[r.seq].append(run)
+        elif (run := open_.pop((r.seq, r.pid, r.delivery), None)) is not None:
+            if r.event == "R":
+                run.retried = r.t
+            else:
+                run.done = r.t
+    return dict(runs)
 
 
 class Checker:

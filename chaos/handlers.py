@@ -16,7 +16,9 @@ acks: a `D` without an ack behind it is exactly the duplicate a crash can cause.
 right before the handler raises on purpose (`fail`, `retry`): the next delivery is the one it
 asked for. CLOCK_MONOTONIC is system-wide, so the runner compares these times with the moments
 it injected faults. `journal` is a sync handler (run in a worker thread), `journal_async` the
-same work as an async one (on the worker's event loop).
+same work as an async one (on the worker's event loop). A test may set $CHAOS_GATE to a path: a
+`retry` action then waits (up to 2 minutes) until that file exists, so the test decides when the
+handler raises.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def begin(job: Job) -> tuple[str, str, float]:
         _journal("R", job, key)
         raise Failed(f"chaos: delivery {job.delivery} fails on purpose")
     if what.startswith("retry"):
+        wait_for_gate()
         _journal("R", job, key)
         raise Retry(float(what[5:]))
     if what == "oom":
@@ -73,6 +76,13 @@ def begin(job: Job) -> tuple[str, str, float]:
     else:
         return key, what, float(what)
     return key, what, 0.0
+
+
+def wait_for_gate() -> None:
+    gate = os.environ.get("CHAOS_GATE")
+    deadline = time.monotonic() + 120
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def journal(job: Job) -> None:

@@ -16,7 +16,10 @@ name (`^jetstream-supervisor$` is the parent alone):
                      in the proxy; heal() delivers it late, reset() throws it away with the
                      connection (`holding(pattern)`: when each hold began). `after=True`: right
                      after forwarding it instead (a pull request reaches the server; what it
-                     sends back waits in the proxy)
+                     sends back waits in the proxy). `one_way=True` (with `after`): only what the
+                     server sends waits from then on, the client's own bytes flow on (a worker's NAK
+                     lands, then its fence's PING and its next pull request; the PONG and the
+                     redelivery wait here)
 
 and can tell a test when something passed: `tap(pattern, to_server, to_client)` notes, from then
 on, each time a connection of that name forwards one of those byte strings that way (a pull
@@ -257,6 +260,7 @@ class Conn:
     who: Client
     name: str | None = None
     flowing: asyncio.Event = field(default_factory=asyncio.Event)
+    down_flowing: asyncio.Event = field(default_factory=lambda: flowing())   # cleared: a one-way hold's
     tasks: list[asyncio.Task] = field(default_factory=list)
     # What the server sent, not yet written to the client: (when read, bytes, deliveries), oldest
     # first; None once the server closed its side. `more` wakes the writer.
@@ -360,7 +364,7 @@ class Proxy(Records):
         self.rules: dict[str, str] = {}       # pattern -> "cut" | "stall"
         self.taps: dict[str, tuple[tuple[bytes, ...], tuple[bytes, ...]]] = {}   # pattern -> needles noted (tap)
         self.noted: list[tuple[float, str, bytes]] = []     # (when, connection name, needle), closed ones too
-        self.holds: dict[str, tuple[bytes, bool]] = {}     # pattern -> (needle, after) of a hold
+        self.holds: dict[str, tuple[bytes, bool, bool]] = {}   # pattern -> (needle, after, one_way) of a hold
         self.held: list[tuple[float, str]] = []             # (when, connection name) of each hold
         self.numbers = itertools.count(1)
         self.server: asyncio.AbstractServer | None = None
@@ -416,6 +420,7 @@ class Proxy(Records):
     async def heal(self, pattern: str) -> None:
         self.rules.pop(pattern, None)
         for conn in self.matching(pattern):
+            conn.down_flowing.set()
             if self.rule_for(conn.name) is None:
                 conn.flowing.set()
 
@@ -439,8 +444,8 @@ class Proxy(Records):
         """Deliveries the connections of that name have read from the server and not written on."""
         return sum(len(item[2]) for c in self.matching(pattern) for item in unwritten(c))
 
-    async def hold(self, pattern: str, needle: bytes, after: bool = False) -> None:
-        self.holds[pattern] = (needle, after)
+    async def hold(self, pattern: str, needle: bytes, after: bool = False, one_way: bool = False) -> None:
+        self.holds[pattern] = (needle, after, one_way and after)
 
     async def holding(self, pattern: str) -> list[float]:
         """When a connection of that name stalled to hold a chunk (hold), oldest first."""
@@ -449,12 +454,12 @@ class Proxy(Records):
     def hold_if(self, conn: Conn, to_server: bool, data: bytes, after: bool) -> None:
         """A hold whose needle `data` carries: stall the connection before forwarding it, or
         right after (`after`, nothing awaited in between: no answer can slip through), once."""
-        for pattern, (needle, when) in list(self.holds.items()):
+        for pattern, (needle, when, one_way) in list(self.holds.items()):
             if to_server and when == after and conn.name is not None and re.search(pattern, conn.name) \
                     and needle in data:
                 del self.holds[pattern]
                 self.hit(pattern, [conn])
-                conn.flowing.clear()
+                (conn.down_flowing if one_way else conn.flowing).clear()
                 self.held.append((time.monotonic(), conn.name))
 
     def rule_for(self, name: str | None) -> str | None:
@@ -581,6 +586,9 @@ class Proxy(Records):
                     conn.more.clear()
                     await conn.more.wait()
                 await conn.flowing.wait()
+                await conn.down_flowing.wait()
+                if not conn.flowing.is_set():
+                    continue                   # stalled meanwhile: look again
                 item = conn.down[0]            # left in `down` until written: unwritten() sees it
                 if item is None:
                     self.closing(conn, "server")
@@ -631,6 +639,12 @@ async def identify(who: Client, peer_port: int, port: int) -> None:
         if who.pid:
             return
         await asyncio.sleep(0.01)
+
+
+def flowing() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event
 
 
 def unwritten(conn: Conn) -> list[tuple[float, bytes, list[Sent]]]:

@@ -50,7 +50,7 @@ from otlp import Receiver
 
 from workers.protocol.limitkeys import LEASE_TTL, RENEW_EVERY, rate_window
 
-from .checker import VERDICTS
+from .checker import VERDICTS, runs_by_seq
 from .core import Result, run_with
 from .facts import Fault
 from .rig import SIDE, SIDE_SUBJECT, SUBJECT, ChaosNats, Run, named_before_kill
@@ -655,14 +655,13 @@ def over_limit(run: Run, limit: int) -> list[str]:
     or when its worker died), outside the faults that cut a worker off from NATS longer than a
     slot's lease (LEASE_TTL - RENEW_EVERY): its slot then expires while its job runs on
     (README: Protecting what is behind the workers)."""
-    lives, recs = run.watcher.lives, run.tail.poll()
-    ends = {(r.pid, r.seq, r.delivery): r.t for r in recs if r.event in "DR"}
+    lives = run.watcher.lives
     edges: list[tuple[float, int]] = []
-    for r in recs:
-        if r.event == "S":
+    for runs in runs_by_seq(run.tail.poll()).values():
+        for r in runs:
             life = lives.get(r.pid)
-            end = ends.get((r.pid, r.seq, r.delivery), life.died if life and life.died else math.inf)
-            edges += [(r.t, 1), (end, -1)]
+            end = r.ended if r.ended is not None else life.died if life and life.died else math.inf
+            edges += [(r.start, 1), (end, -1)]
     excused = [(f.t0, f.t1) for f in run.faults if "connection" in f.kind and "worker" in f.kind
                and f.t1 - f.t0 > LEASE_TTL - RENEW_EVERY]
     out, now = [], 0

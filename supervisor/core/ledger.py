@@ -33,6 +33,14 @@ NAK_UNSENT = "its NAK was unsent when the worker died; a second NAK could land o
 TERM_UNSENT = ("its TERM was unsent when the worker died; not NAKed: the TERM could still land on the next "
                "holder, and a NAK would rerun a job its handler rejected")
 SETTLE_UNSENT = "its NAK or TERM was unsent when the worker died; a NAK could land on the next holder"
+# F18: a NAK not yet fenced at the death that the server had read all the same (its MSG_NAKED
+# advisory came): its redelivery comes at once, unless it went to the dead worker's own pull
+# request; the in-transit check NAKs that one once no live worker can hold it (in_transit.py).
+NAK_READ = ("its NAK, not fenced when the worker died, had been read by the server (its MSG_NAKED advisory): "
+            "back at once, or, if its redelivery was on the dead worker's wire, once the supervisor NAKs that "
+            "(else after AckWait)")
+NAK_READ_NAKED = ("its NAK, not fenced when the worker died, had been read by the server (its MSG_NAKED advisory), "
+                  "and its redelivery, on the wire to a dead worker, was found and NAKed by the supervisor")
 COUNTERS = ("crashes", "crashes_holding_jobs", "jobs_held_at_crash", "held_jobs_naked", "held_jobs_redelivered",
             "held_jobs_acked_after_crash", "unexplained_redeliveries", "explained_redeliveries",
             "in_transit_redeliveries", "in_transit_naked", "quarantined", "lost_peer_redeliveries",
@@ -152,7 +160,7 @@ class CrashLedger:
         self._windows: deque[Window] = deque(maxlen=HISTORY)
         self.cluster_explained: deque[Redelivery] = deque(maxlen=HISTORY)
         self._hold_until = 0.0                                      # see hold_suspects
-        self._settles: OrderedDict[int, tuple[int, str]] = OrderedDict()  # seq -> (delivery, "nak"|"term") a worker sent
+        self._settles: OrderedDict[int, tuple[int, str]] = OrderedDict()  # seq -> (delivery, "nak"|"term"|"nak read")
         self.peer_deaths: deque[Death] = deque(maxlen=HISTORY)       # a peer's workers dead with messages in transit
         self.attributions: list[int | str] = []     # deaths (our id, a peer's key) we explained a redelivery by: for peers
 
@@ -393,9 +401,23 @@ class CrashLedger:
 
     def in_transit_naked(self, seq: int, why: str) -> None:
         """The supervisor found and NAKed a message in transit to a dead worker (reconciliation);
-        `why` starts with FOUND_IN_TRANSIT, so its redelivery counts in in_transit_redeliveries."""
+        `why` starts with FOUND_IN_TRANSIT, so its redelivery counts in in_transit_redeliveries,
+        unless a death held the job: its redelivery is that death's, and says so (F18)."""
         self.counts["in_transit_naked"] += 1
         self.expect(seq, why)
+        for _, job in self._open.get(seq, ()):
+            if job.waits == NAK_READ and job.redelivered_at is None:
+                job.waits = NAK_READ_NAKED
+
+    def nak_read(self, seq: int, delivery: int) -> None:
+        """The server's MSG_NAKED advisory showed it had read a worker's NAK of `seq` at `delivery`
+        that the worker's table still held at its death (F18): said before the death is recorded,
+        or after it, when the advisory came later."""
+        if self._settles.get(seq) == (delivery, "nak"):
+            self._settles[seq] = (delivery, "nak read")
+        for _, job in self._open.get(seq, ()):
+            if job.delivery == delivery and job.waits == NAK_UNSENT and job.redelivered_at is None:
+                job.waits = NAK_READ
 
     def expecting(self, seq: int) -> bool:
         """A redelivery of `seq` is already explained in advance (a NAK we know of)."""
@@ -454,7 +476,7 @@ def unsent(said: tuple[int, str] | None, delivery: int) -> str:
     it sent for the job last (`said`: its delivery and "nak" or "term")."""
     if said is None or said[0] != delivery:
         return SETTLE_UNSENT                # its Settled event never came (a full event pipe)
-    return NAK_UNSENT if said[1] == "nak" else TERM_UNSENT
+    return {"nak": NAK_UNSENT, "nak read": NAK_READ}.get(said[1], TERM_UNSENT)
 
 
 def left_row(death: Death, job: HeldJob, ack_wait: float) -> dict:

@@ -258,7 +258,9 @@ class Crew:
         with step("reap"):
             if not clean:
                 self.in_transit.death(time.monotonic(), w.table.header(slots.CREDITS), f"worker {w.slot} (pid {w.pid})",
-                                      w.table.server_seen(), {e.stream_seq for e in w.table.snapshot()}, w.pid, w.slot)
+                                      w.table.server_seen(),
+                                      {e.stream_seq: (e.delivery, e.consumer_seq) for e in w.table.snapshot()},
+                                      w.pid, w.slot)
             await self.deaths.settle(w, cause, clean)
         with step("reap"):
             self.release_limits(w, clean)

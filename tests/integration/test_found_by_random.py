@@ -8,6 +8,7 @@ reproducer of its finding and fails on the code it was found on.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -23,9 +24,11 @@ from chaos.checker import VERDICTS
 from chaos.core import run_with
 from chaos.facts import read_journal
 from chaos.rig import CONSUMER, STREAM, SUBJECT, Run
+from supervisor.core.ledger import NAK_READ_NAKED, NAK_UNSENT
 from supervisor.parent.safety.in_transit import SLACK
 from supervisor.parent.safety.peers import SUSPECT_GRACE
 from workers.runtime.puller import PULL_EXPIRES
+from workers.runtime.settle import PINGS_WAIT
 from workers.runtime.shutdown import SHUTDOWN_NAK_DELAY
 
 ACK_WAIT = 30.0
@@ -473,10 +476,7 @@ def test_a_nak_unsent_at_a_workers_death_waits_for_ackwait_named_at_the_death(tm
     seen: dict = {}
 
     def nak_held_in_the_link(run: Run) -> None:
-        run.ack_wait = ack_wait
-        server = run.start_server()
-        run.connect([server.url])
-        proxy = run.start_proxy(server)
+        proxy = proxied(run, ack_wait)
         run.bg.call(proxy.tap(PARENT, (b"-NAK",)))
         run.bg.call(proxy.hold(WORKER_0, b"-NAK"))
         run.start_supervisor([proxy.url], workers={"count": 1, "heartbeat_timeout": 60.0})
@@ -510,6 +510,139 @@ def test_a_nak_unsent_at_a_workers_death_waits_for_ackwait_named_at_the_death(tm
     outside = [f.text for f in result.findings if f.verdict == "ackwait_outside"]
     assert outside and "named at the death" in outside[0] and why in outside[0], result.summary()
     assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize(("heal", "delay"), [("after-the-nak", 1.0), ("once-raised", 3.0)])
+def test_a_ping_that_reaches_the_server_after_a_retrys_nak_does_not_stretch_its_delay(tmp_path, heal, delay):
+    """F19 (F15's third point, seed 604's started waits): a handler's Retry(0.1) came back after a
+    whole AckWait. The parent's +WPI and the worker's NAK go out on two connections; a +WPI the
+    server reads after a NAK with a delay restarts the AckWait timer that NAK set (nats-server
+    consumer.go: processNak sets the delivery's timestamp to now - AckWait + delay,
+    progressUpdate to now), so the retry waits a whole AckWait. Here the job runs until the test
+    says; its +WPI (due at a third of AckWait) is held in the parent's link by the proxy; then the
+    handler raises Retry, and the parent's link flows again either once the server has processed
+    the worker's NAK (its advisory: the worker waited the whole delay, under PINGS_WAIT, for the
+    round, then NAKed plain) or as soon as the handler raised (the round's fence comes back and
+    the worker NAKs with the rest of its delay, long before PINGS_WAIT). Red before the handshake
+    (slots.PINGS_BEGUN): the +WPI landed after the NAK and the job ran again an AckWait later."""
+    ack_wait = 12.0
+    seen: dict = {}
+
+    def retry_while_a_ping_is_in_the_link(run: Run) -> None:
+        proxy = proxied(run, ack_wait)
+        naked: list[float] = []
+
+        async def on_nak(msg) -> None:
+            naked.append(time.monotonic())
+        run.bg.call(run.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.{STREAM}.{CONSUMER}", cb=on_nak))
+        run.bg.call(proxy.hold(PARENT, b"+WPI"))
+        gate = run.dir / "gate"
+        run.start_supervisor([proxy.url], env={"CHAOS_GATE": str(gate)},
+                             workers={"count": 1, "heartbeat_timeout": 60.0})
+        run.load(1, rate=100, what=f"retry{delay}:0.01").result(5)
+        wait_until(lambda: run.bg.call(proxy.holding(PARENT)), ack_wait, "the parent's +WPI held in its link")
+        gate.touch()
+        if heal == "once-raised":
+            wait_until(lambda: any(r.event == "R" for r in read_journal(run.journal)), 10, "the handler raised",
+                       interval=0.005)
+            run.bg.call(proxy.heal(PARENT))
+        seen["naked"] = wait_until(lambda: list(naked), 10, "the worker's NAK processed by the server")[0]
+        run.bg.call(proxy.heal(PARENT))
+        seen["back"] = wait_until(lambda: [r for r in read_journal(run.journal) if r.event == "S" and r.delivery == 2],
+                                  ack_wait + 15, "the job run again")[0]
+        seen["raised"] = next(r for r in read_journal(run.journal) if r.event == "R")
+
+    result = run_with("ping-after-a-nak", 0, retry_while_a_ping_is_in_the_link, dict(VERDICTS), tmp_path / "run")
+    assert not result.error, result.summary()
+    took = seen["back"].t - seen["raised"].t
+    assert took < ack_wait / 2, (f"Retry({delay:g}) ran again {took:.1f}s after it was raised (AckWait {ack_wait:g}s): "
+                                 f"a +WPI landed after its NAK")
+    if heal == "once-raised":      # the fence, not PINGS_WAIT, let the NAK go; and with its delay kept
+        assert seen["naked"] - seen["raised"].t < PINGS_WAIT * 0.75, seen
+        assert took > delay - 0.5, f"ran again {took:.1f}s after Retry({delay:g})"
+    assert result.passed, result.summary()
+
+
+def proxied(run: Run, ack_wait: float):
+    """A server with the consumer's AckWait, the runner's client on it, and the proxy in front."""
+    run.ack_wait = ack_wait
+    server = run.start_server()
+    run.connect([server.url])
+    return run.start_proxy(server)
+
+
+@pytest.mark.parametrize("order", ["advisory, death", "death, advisory"])
+def test_a_retry_read_by_the_server_before_its_workers_death_comes_back_at_once(tmp_path, order):
+    """F18, found by CI at `-n 6` on the test above this module's first (its original flake): a
+    handler's Retry, the worker's NAK read by the server, which redelivered the job into that
+    worker's own pull request, and the worker killed before the NAK's fence came back, so its
+    entry was still SETTLED: the parent cannot tell from the table whether the NAK was read, so by
+    F10 the job waited for AckWait. The server's MSG_NAKED advisory (sent from inside processNak)
+    tells it: once it came, the in-transit check NAKs the redelivery on the dead worker's wire.
+    Here the worker's link is held one way right after its NAK reaches the server: the NAK, its
+    fence's PING and its next pull request go on, the PONG and the redelivery (delivery 2) wait
+    in the proxy. Once the test's own subscription has the advisory and the proxy has delivery 2
+    for the worker, it is SIGKILLed: the job must run again (delivery 3) long before AckWait
+    (30 s), by the parent's NAK, once, acked, explained. Red on main: back after AckWait.
+    "death, advisory": the parent's own link is stalled from before the job until its ledger has
+    the death (the job named left to AckWait, NAK_UNSENT), so the advisory reaches it after."""
+    seen: dict = {}
+
+    def nak_read_then_killed(run: Run) -> None:
+        proxy = proxied(run, ACK_WAIT)
+        advisories: list[dict] = []
+
+        async def on_naked(msg) -> None:
+            advisories.append(json.loads(msg.data))
+        run.bg.call(run.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.{STREAM}.{CONSUMER}", cb=on_naked))
+        run.bg.call(proxy.tap(PARENT, (b"-NAK",)))
+        run.bg.call(proxy.hold(WORKER_0, b"-NAK", after=True, one_way=True))
+        run.start_supervisor([proxy.url], workers={"count": 1, "heartbeat_timeout": 60.0}, log={"format": "json"})
+        [victim] = run.sup.worker_pids()
+        wait_until(lambda: (s := run.sup.try_status()) and s["peers"]["alone"], 30, "the supervisor sure it is alone")
+        if order == "death, advisory":
+            seen["stalled"] = time.monotonic()
+            assert run.bg.call(proxy.stall(PARENT)) == 1, "the parent's link is not through the proxy"
+        seq = seen["seq"] = publish_run(run, "f18:retry0:0.01")
+        wait_until(lambda: [a for a in advisories if (a["stream_seq"], a["deliveries"]) == (seq, 1)], 10,
+                   "the server's advisory: it processed the worker's NAK")
+        wait_until(lambda: [h for h in run.bg.call(proxy.handouts()) if (h.seq, h.delivery) == (seq, 2)
+                            and re.search(WORKER_0, h.name) and h.out is None], 10,
+                   "the redelivery sent into the worker's own pull request, held in its link")
+        workers = run.sup.status()["workers"]["list"]
+        assert [w["settling"] for w in workers] == [1], f"not F18: its NAK's entry is not held unfenced: {workers}"
+        seen["killed"] = time.monotonic()
+        run.signal_worker(victim, signal.SIGKILL, "worker SIGKILL, its NAK read, its fence not back")
+        if order == "death, advisory":
+            named = wait_until(lambda: run.sup.status()["crosscheck"]["left_to_ack_wait"], 10, "the death recorded")
+            assert [w["waits"] for w in named] == [NAK_UNSENT], named      # no advisory yet
+            run.bg.call(proxy.heal(PARENT))
+            run.fault("network: the parent's connection stalled", seen["stalled"], time.monotonic(), pids=set())
+        seen["back"] = wait_until(lambda: started(run, seq, 3), ACK_WAIT + 15, "the job run again") and time.monotonic()
+        wait_until(lambda: any(r.seq == seq and r.event == "D" for r in read_journal(run.journal)), 10, "the job done")
+        seen["parent_naks"] = [t for t, _ in run.bg.call(proxy.tapped(PARENT)) if t > seen["killed"]]
+        seen["status"] = wait_until(lambda: (s := run.sup.status())["crosscheck"]["left_to_ack_wait"]
+                                    and s["crosscheck"]["left_to_ack_wait"][0]["came_back_after_s"] is not None and s,
+                                    10, "the ledger saw it back")
+        seen["redelivered"] = run.sup.events("redelivered", seq=seq)
+        seen["naked"] = run.sup.events("in_transit_naked")
+        seen["journal"] = [r for r in read_journal(run.journal) if r.seq == seq]
+
+    result = run_with("nak-read-at-a-death", 0, nak_read_then_killed, dict(VERDICTS), tmp_path / "run")
+    assert not result.error, result.summary()
+    took = seen["back"] - seen["killed"]
+    assert took < ACK_WAIT / 2, f"back {took:.1f}s after the kill (AckWait {ACK_WAIT:g}s): left to AckWait"
+    assert seen["parent_naks"], "the parent sent no NAK after the death"
+    seq = seen["seq"]
+    assert [n["seqs"] for n in seen["naked"]] == [[seq]], seen["naked"]
+    [left] = seen["status"]["crosscheck"]["left_to_ack_wait"]
+    assert (left["stream_seq"], left["delivery"], left["waits"]) == (seq, 1, NAK_READ_NAKED), left
+    assert [(e["delivery"], e["why"].endswith(NAK_READ_NAKED)) for e in seen["redelivered"]] == [(3, True)], \
+        seen["redelivered"]
+    assert [(r.event, r.delivery) for r in seen["journal"]] == [("S", 1), ("R", 1), ("S", 3), ("D", 3)], seen["journal"]
+    cc = seen["status"]["crosscheck"]
+    assert cc["unexplained_redeliveries"] == 0 and cc["in_transit_naked"] == 1, cc
+    assert result.counts["ackwait"] == 0 and result.passed, result.summary()
 
 
 def tapped_on(run: Run, pattern: str) -> list[tuple[float, bytes]]:

@@ -27,7 +27,7 @@ class Link:
 def check() -> InTransit:
     it = InTransit(Config(), Link(), CrashLedger(ack_wait=30.0, poison_after=3))
     it.observed(10.0, 10.01, 100)           # the dead worker read everything up to seq 100 ...
-    it.death(20.0, 2, "worker 1 (pid 42)", 15.0, set(), pid=42, slot=1)   # ... it answered a PING at 15
+    it.death(20.0, 2, "worker 1 (pid 42)", 15.0, {}, pid=42, slot=1)   # ... it answered a PING at 15
     return it
 
 
@@ -55,10 +55,10 @@ def test_a_death_with_credits_is_listed_with_its_window_and_why_until_its_round_
 
 def test_no_entry_without_credits_and_no_bounds_without_readings():
     it = InTransit(Config(), Link(), CrashLedger(ack_wait=30.0, poison_after=3))
-    it.death(20.0, 0, "worker 0 (pid 7)", 15.0, set(), pid=7, slot=0)
+    it.death(20.0, 0, "worker 0 (pid 7)", 15.0, {}, pid=7, slot=0)
     assert it.unchecked(21.0) == []         # nothing was asked for: nothing can be on its wire
     it.nc.is_connected = True
-    it.death(20.0, 1, "worker 0 (pid 8)", 15.0, set(), pid=8, slot=0)
+    it.death(20.0, 1, "worker 0 (pid 8)", 15.0, {}, pid=8, slot=0)
     [row] = it.unchecked(21.0)
     assert (row["pid"], row["after_seq"], row["up_to_seq"]) == (8, None, None)
     assert row["why"] == "a ConsumerInfo read after the death"

@@ -553,3 +553,26 @@ def test_layout_is_native_int64_and_double():
         assert t.q.itemsize == t.d.itemsize == 8
     finally:
         t.close()
+
+
+def test_a_nak_with_a_delay_and_a_ping_round_see_each_other_whichever_writes_first(table):
+    """slots.PINGS_BEGUN: each side writes its word before it reads the other's, so a +WPI round
+    and a NAK with a delay never both go ahead unaware of each other."""
+    # The parent's round first: the worker's NAK sees it and waits for its fence.
+    round_, naks_coming = table.pings_begin()
+    assert (round_, naks_coming) == (1, False)
+    assert table.naking(1) == 1 and not table.pings_fenced(1)
+    table.set_pings_fenced(1)
+    assert table.pings_fenced(1)
+    table.naking(-1)
+    # The NAK first: nothing unfenced to wait for, and the parent's next round sees it coming.
+    assert table.naking(1) is None
+    assert table.pings_begin() == (2, True)
+    table.naking(-1)
+    assert table.pings_begin() == (3, False)
+    # A round fenced later never moves the fence back; an unfenced newer round is waited for.
+    table.set_pings_fenced(3)
+    table.set_pings_fenced(2)
+    assert table.pings_fenced(3)
+    table.pings_begin()
+    assert table.naking(1) == 4

@@ -16,6 +16,7 @@ parent NAKs them at death, which is a no-op for an ack that did arrive.
 from __future__ import annotations
 
 import mmap
+import threading
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -45,10 +46,21 @@ ENTRY_STATES = {HELD: "held", RUNNING: "running", ACKED: "acked", SETTLED: "sett
 # ORDER_PARKED: jobs parked now until they are the first of their key in the stream ([ordering]:
 # workers/runtime/ordering.py); ORDER_CHECKS: the stream asked, ever; ORDER_WAITED: seconds parked
 # jobs waited, summed when they leave parking (a double).
+# PINGS_BEGUN, PINGS_FENCED (the parent's), NAKING (the worker's): a +WPI that reaches the server
+# after a NAK with a delay turns the delay into a whole AckWait (nats-server's progressUpdate
+# restarts the timer the NAK set), and the two go out on different connections. The parent bumps
+# PINGS_BEGUN before it reads which entries to ping, and sets PINGS_FENCED to that count once a
+# flush proved the server read those pings; the worker counts NAKING up before it reads
+# PINGS_BEGUN and down once its NAK is out and its entry SETTLED. Each writes before it reads the
+# other's word, so either the parent sees the NAK coming (and pings none of that worker's jobs this
+# tick) or the worker sees the round begun (and waits for its fence): workers/runtime/settle.py.
+# That needs each store visible before the load after it, which a CPU may reorder (x86's store
+# buffer): a lock taken and given back between them is a locked instruction, a full fence on x86.
+_FENCE = threading.Lock()
 (PID, STATE, HEARTBEAT, ACKED_N, NAKED_N, TERMED_N, STARTED_N, CREDITS, HIGH_WATER,
  MAX_DURATION, DURATION_SUM, SERVER_SEEN, DUPLICATE_N, SPENT, SPENT_SQ, FLEET_RESIDUAL, SEEN, FLEET_SEEN,
- ORDER_PARKED, ORDER_CHECKS, ORDER_WAITED) = range(21)
-BUCKETS_AT = 21
+ ORDER_PARKED, ORDER_CHECKS, ORDER_WAITED, PINGS_BEGUN, PINGS_FENCED, NAKING) = range(24)
+BUCKETS_AT = 24
 HEADER_WORDS = BUCKETS_AT + len(DURATION_BUCKETS) + 1
 
 # Per-limit words, after the entries (one block per [limits.NAME], in the config's order):
@@ -163,6 +175,21 @@ class SlotTable:
         self.mark(i, FREE)
         self._free.append(i)
 
+    def naking(self, n: int) -> int | None:
+        """A NAK with a delay begins (n=1: the number of the parent's ping round to wait for, or
+        None when none is on its way) or is out (n=-1). See PINGS_BEGUN."""
+        q = self.q
+        q[NAKING] += n
+        if n < 0:
+            return None
+        with _FENCE:                    # the write above before the read below (the order is the point)
+            pass
+        begun = q[PINGS_BEGUN]
+        return begun if q[PINGS_FENCED] < begun else None
+
+    def pings_fenced(self, round_: int) -> bool:
+        return self.q[PINGS_FENCED] >= round_
+
     def count(self, which: int, n: int = 1) -> None:
         self.q[which] += n
 
@@ -246,6 +273,19 @@ class SlotTable:
     def spread(self) -> tuple[float, float, float]:
         """The worker's recent job times: (sum, sum of squares, count), as it last shared them."""
         return self.d[SPENT], self.d[SPENT_SQ], self.d[SEEN]
+
+    def pings_begin(self) -> tuple[int, bool]:
+        """A +WPI round for this worker begins: its number (to fence, sent or not) and whether a
+        NAK with a delay is on its way (then none of its jobs is pinged this tick). See PINGS_BEGUN."""
+        q = self.q
+        q[PINGS_BEGUN] += 1
+        with _FENCE:                    # the write above before the read below (the order is the point)
+            pass
+        return q[PINGS_BEGUN], q[NAKING] > 0
+
+    def set_pings_fenced(self, round_: int) -> None:
+        if round_ > self.q[PINGS_FENCED]:
+            self.q[PINGS_FENCED] = round_
 
     def set_fleet_spread(self, seconds: float, seen: float) -> None:
         self.d[FLEET_RESIDUAL], self.d[FLEET_SEEN] = seconds, seen

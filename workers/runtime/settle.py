@@ -34,6 +34,8 @@ log = logging.getLogger("worker")
 
 SETTLE_MIN_INTERVAL = 0.002  # coalesce ack-confirming flushes to at most one per this period
 FENCE_RETRY = 1.0            # seconds after a failed fence before the next try
+PINGS_WAIT = 2.0             # at most this long a NAK with a delay waits for the parent's +WPI round
+PINGS_POLL = 0.005
 # Slot-table counter per outcome; a duplicate is acked without running its handler ([idempotency]).
 # "later": the ack of a job re-published for later (workers/runtime/later.py): an ack on the wire,
 # a retry in the counters.
@@ -74,6 +76,7 @@ class Settler:
         self.close_by = 0.0                        # set by close(): the shutdown's deadline
         self.retry: asyncio.TimerHandle | None = None   # the pending fence retry after a failure
         self.wake_settle = asyncio.Event()
+        self.pings_stuck_until = 0.0               # a wait for the parent's +WPI round timed out: none till then
 
     async def ack(self, i: int, job: Job, outcome: str = "ack") -> None:
         w = self.owner
@@ -96,13 +99,46 @@ class Settler:
         if outcome == "nak" and not await w.before_nak(job, reason, nak_delay(payload), w.table.held_at(i)):
             w.table.release(i)           # an orphan's job the fleet released: its next holder settles it
             return
-        sent, held_at = time.monotonic(), w.table.held_at(i)
-        generation, refused = await self.publish(i, payload)
-        # A NAK that went out says when, with what delay, and since when it was held (events.Settled).
-        self.sent(i, job, outcome, reason, generation, refused,
-                  *((sent, nak_delay(payload), held_at) if outcome == "nak" and not refused else ()))
+        naking = outcome == "nak"
+        try:
+            if naking:                   # counted in NAKING from here to the finally (slots.PINGS_BEGUN)
+                payload = await self.clear_of_pings(payload)
+            sent, held_at = time.monotonic(), w.table.held_at(i)
+            generation, refused = await self.publish(i, payload)
+            # A NAK that went out says when, with what delay, and since when it was held (events.Settled).
+            self.sent(i, job, outcome, reason, generation, refused,
+                      *((sent, nak_delay(payload), held_at) if naking and not refused else ()))
+        finally:
+            if naking:
+                w.table.naking(-1)       # after the entry is SETTLED: the parent's next round skips it anyway
         self.wake_settle.set()
         self.on_settled(i, job, outcome)
+
+    async def clear_of_pings(self, payload: bytes) -> bytes:
+        """The NAK to send, once no +WPI of the parent can land after it (a +WPI after a NAK with
+        a delay makes the server wait a whole AckWait: slots.PINGS_BEGUN). Every NAK is counted in
+        NAKING, so that the parent pings none of this worker's jobs meanwhile: a +WPI for this
+        delivery landing after a plain NAK would act on the next delivery, perhaps another
+        worker's NAK with a delay. Only a NAK with a delay waits: until the round the parent
+        began before it saw this NAK coming is proved read, or the whole delay (then a plain NAK,
+        which no +WPI can stretch), or PINGS_WAIT (the parent's link is in trouble: the NAK goes
+        with what is left of its delay, and no NAK waits for PINGS_WAIT after that)."""
+        table = self.owner.table
+        round_ = table.naking(1)
+        delay = nak_delay(payload)
+        start = time.monotonic()
+        if round_ is None or delay <= 0 or start < self.pings_stuck_until:
+            return payload
+        until = start + min(delay, PINGS_WAIT)
+        while not table.pings_fenced(round_) and time.monotonic() < until:
+            await asyncio.sleep(PINGS_POLL)
+        now = time.monotonic()
+        if not table.pings_fenced(round_):
+            self.pings_stuck_until = now + PINGS_WAIT
+            log.warning("worker %d: the parent's +WPI round was not proved read within %.1fs; NAKs with a delay "
+                        "do not wait for it for %gs", self.slot, now - start, PINGS_WAIT,
+                        extra={"event": "pings_unfenced"})
+        return nak_payload(delay - (now - start))
 
     async def ack_all(self, done: Sequence[tuple[int, Job]]) -> None:
         """Plain acks of many jobs (a handler thread's batch of outcomes): one command for all of

@@ -42,7 +42,8 @@ it back from that NAK, so the scan above never sees it. `WorkerNaks` keeps each 
 until a worker names a later delivery of the job, and NAKs it again only with its own proof:
  - a worker with pull credits died after the NAK (the redelivery may be on its wire);
  - the server had read the NAK: a table read after the parent learnt of it found the job in no
-   table (a worker frees the entry only once a fence proved the server read the NAK);
+   table (a worker frees the entry only once a fence proved the server read the NAK), or the
+   server's MSG_NAKED advisory for it came (sent from inside processNak: monitor.py on_naked);
  - its redelivery has left the server's queue: a ConsumerInfo asked SLACK plus the NAK's delay
    after that shows a pull request waiting (the server hands redeliveries to waiting requests
    before anything else, max_ack_pending or not), and every live worker's PING sent SLACK
@@ -57,7 +58,13 @@ supervisor's start (F9). One on this host says when it sent the NAK, with what d
 when it held the delivery, on the host's monotonic clock, so the NAK is kept as a worker's is.
 Our tables cannot show the server read it (the orphan's are not ours): its goodbye does, when
 it says every NAK it sent was fenced (it comes after them, and the orphan holds nothing after
-it: a peer gone); the rest of the proof is the same.
+it: a peer gone), or the advisory does; the rest of the proof is the same.
+A NAK whose worker died before its fence came back, its entry still in the dead table (F18), may
+still be unread in the dead socket: NAKed first by us, its redelivery could go to a live worker
+and the late NAK send that live delivery away (a duplicate). No table read can show it read (the
+dead table is no longer read), so `WorkerNaks.died` keeps it only for the advisory of that very
+delivery (stream seq, delivery, consumer seq), in whichever order advisory, worker event and
+death come; without it the job waits for AckWait, named at the death (F10, ledger NAK_UNSENT).
 """
 
 from __future__ import annotations
@@ -120,6 +127,15 @@ class WorkerNak:
     read_by: float | None = None    # the server had surely read the NAK by then
     dead: str = ""              # a worker with credits that died after the NAK: the redelivery may be on its wire
     by: str = ""                # an orphan's origin (F9): read by the server once its fenced goodbye came
+    # Its worker died before the NAK's fence came back, the entry still in its table (F18): only
+    # the server's MSG_NAKED advisory for that very delivery (`cseq`) shows the NAK was read.
+    in_table: bool = False
+    cseq: int = 0
+
+    @property
+    def unproven(self) -> bool:
+        """Held at its worker's death with no advisory (yet): left to AckWait, as the death says (F10)."""
+        return self.in_table and self.read_by is None
 
 
 @dataclass
@@ -127,6 +143,7 @@ class WorkerNaks:
     """The workers' NAKs whose redelivery no worker has named yet (see the module's docstring)."""
     naks: dict[int, WorkerNak] = field(default_factory=dict)
     latest: dict[int, int] = field(default_factory=dict)    # seq -> the highest delivery a worker named
+    advised: dict[int, tuple[int, int, float]] = field(default_factory=dict)  # seq -> MSG_NAKED's (delivery, cseq, when)
 
     def named(self, seq: int, delivery: int) -> None:
         if delivery > self.latest.get(seq, 0):
@@ -147,20 +164,49 @@ class WorkerNaks:
         self.naks[seq] = nak
         while len(self.naks) > NAMED_LIMIT:
             del self.naks[next(iter(self.naks))]
+        if (a := self.advised.get(seq)) is not None and a[0] == nak.delivery:
+            nak.read_by = a[2]                  # the server's advisory came before the worker's event
 
-    def died(self, who: str, credits: int, held: set[int]) -> None:
-        """A worker died: a NAK its table still held may still be in its socket (unprovable, the
-        death explains the job); every other NAK's redelivery may be on its wire, if it asked."""
-        for seq in held & self.naks.keys():
-            del self.naks[seq]
+    def advisory(self, seq: int, delivery: int, cseq: int, t: float) -> bool:
+        """The server's MSG_NAKED advisory: by `t` it had processed a NAK of `seq` at `delivery`
+        (consumer sequence `cseq`). True when it proves a NAK its dead worker's table held (F18)."""
+        self.advised.pop(seq, None)
+        self.advised[seq] = (delivery, cseq, t)
+        while len(self.advised) > NAMED_LIMIT:
+            del self.advised[next(iter(self.advised))]
+        n = self.naks.get(seq)
+        if n is None or n.read_by is not None or n.delivery != delivery or (n.in_table and n.cseq != cseq):
+            return False
+        n.read_by = t
+        return n.in_table
+
+    def died(self, who: str, credits: int, held: dict[int, tuple[int, int]]) -> list[int]:
+        """A worker died; `held`: seq -> (delivery, consumer seq) of each entry its table still held.
+        A NAK so held may still be in its socket: only the server's advisory for that delivery
+        can show it was read (F18), so it is kept for that and dropped if its delivery is not
+        the one held (the death explains the job, F10). Every NAK's redelivery may be on the
+        dead worker's wire, if it asked. Returns the held NAKs the advisory has proven read."""
+        proven = []
+        for seq in held.keys() & self.naks.keys():
+            n, (delivery, cseq) = self.naks[seq], held[seq]
+            if n.delivery != delivery:
+                del self.naks[seq]
+                continue
+            a = self.advised.get(seq)
+            n.in_table, n.cseq = True, cseq
+            n.read_by = a[2] if a is not None and a[:2] == (delivery, cseq) else None   # its table's word is gone
+            if n.read_by is not None:
+                proven.append(seq)
         if credits > 0:
             for n in self.naks.values():
                 n.dead = n.dead or who
+        return proven
 
     def read_in(self, held: set[int], before: float, after: float) -> None:
-        """Tables read between `before` and `after` found these NAKs' jobs in none: the server had read them."""
+        """Tables read between `before` and `after` found these NAKs' jobs in none: the server had
+        read them (not a dead worker's: its table is no longer read)."""
         for seq, n in self.naks.items():
-            if n.read_by is None and not n.by and n.learnt < before and seq not in held:
+            if n.read_by is None and not n.by and not n.in_table and n.learnt < before and seq not in held:
                 n.read_by = after
 
     def orphan_gone(self, origin: str, now: float) -> None:
@@ -208,10 +254,11 @@ class InTransit:
 
     # ------------------------------------------------------------ inputs
 
-    def death(self, t: float, credits: int, who: str, read_before: float, held: set[int] | None = None,
-              pid: int = 0, slot: int = -1) -> None:
-        """`held`: the sequences in the dead worker's table."""
-        self.worker_naks.died(who, credits, held or set())
+    def death(self, t: float, credits: int, who: str, read_before: float,
+              held: dict[int, tuple[int, int]] | None = None, pid: int = 0, slot: int = -1) -> None:
+        """`held`: seq -> (delivery, consumer seq) of each entry in the dead worker's table."""
+        for seq in self.worker_naks.died(who, credits, held or {}):
+            self.ledger.nak_read(seq, self.worker_naks.naks[seq].delivery)     # before the death is recorded
         if credits > 0:
             self.losses.append(Loss(t, credits, who, read_before, pid, slot))
 
@@ -223,6 +270,11 @@ class InTransit:
             c = self.cfg.consumer
             earliest = min(at + delay, held_at + ack_wait_for(c.ack_wait, c.backoff, delivery))
             self.worker_naks.sent(seq, WorkerNak(delivery, earliest, delay, now, by=by))
+
+    def nak_advised(self, seq: int, delivery: int, cseq: int, t: float) -> None:
+        """The server's MSG_NAKED advisory (the monitor's subscription), received at `t`."""
+        if self.worker_naks.advisory(seq, delivery, cseq, t):
+            self.ledger.nak_read(seq, delivery)     # after the death: its waits change
 
     def naks_read(self, origin: str, now: float) -> None:
         """An orphan said goodbye, every NAK it sent read by the server (peers.py)."""
@@ -400,8 +452,9 @@ class InTransit:
         for seq, n in [(seq, n) for seq, n in naks.naks.items() if n.dead]:
             if not nak_is_safe(time.monotonic(), n.earliest, ack_wait):
                 del naks.naks[seq]
-                self.skip_redelivery(seq, n)
-        if not any(n.dead for n in naks.naks.values()):
+                if not n.unproven:              # an unproven one was named at its death (F10)
+                    self.skip_redelivery(seq, n)
+        if not any(n.dead and not n.unproven for n in naks.naks.values()):
             return
         due = naks.provable(self.waiting_since, links_fresh_since)       # the proof first, then the last look
         before = time.monotonic()
@@ -448,7 +501,7 @@ class InTransit:
             except Exception as exc:    # NATS away mid-step: the NAKs wait in nats-py's buffer; never end the parent
                 log.warning("fencing in-transit NAKs failed: %s", str(exc) or type(exc).__name__)
             log.warning("NAKed %d message(s) that were on their way to %s when it died: seq %s", len(lost), who,
-                        ", ".join(map(str, lost)))
+                        ", ".join(map(str, lost)), extra={"event": "in_transit_naked", "seqs": lost, "to": who})
         self.stats["naked"] += len(lost)
 
     async def stored_in(self, first: int, last: int) -> list[int] | str:

@@ -9,6 +9,7 @@ AckWait, before they do.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import signal
@@ -28,6 +29,8 @@ from workers.protocol.exits import Kill
 
 log = logging.getLogger("supervisor")
 
+PING_FENCE_TIMEOUT = 1.0    # seconds a flush may take to prove a ping round reached the server
+
 
 class Watch:
     def __init__(self, cfg: Config, nc: Any, ledger: CrashLedger, deaths: Deaths, stats: Stats,
@@ -35,6 +38,10 @@ class Watch:
         self.cfg, self.nc, self.ledger, self.deaths, self.stats, self.alert = cfg, nc, ledger, deaths, stats, alert
         self.stale_links: set[int] = set()                  # pids whose NATS connection looks dead
         self.pings_waiting = False                          # +WPI due while the parent is disconnected (said once)
+        # +WPI rounds sent and not yet proved read by the server (a flush), by worker: their
+        # NAKs with a delay wait for that proof (slots.PINGS_BEGUN).
+        self.unfenced: dict[int, tuple[WorkerProcess, int]] = {}
+        self.fencing: asyncio.Task | None = None
 
     def forget(self, pid: int) -> None:
         self.stale_links.discard(pid)
@@ -56,9 +63,11 @@ class Watch:
                 continue
             pings += self.due_pings(w, entries, now)
         self.deaths.keep_pings(held)
-        await self.send_pings(pings, now)
+        await self.send_pings(pings, now, living)
+        self.fence_pings()
 
-    async def send_pings(self, pings: list[tuple[WorkerProcess, slots.Entry]], now: float) -> None:
+    async def send_pings(self, pings: list[tuple[WorkerProcess, slots.Entry]], now: float,
+                         living: list[WorkerProcess]) -> None:
         """+WPI only while the parent is connected (R9): nats-py would buffer it during a reconnect
         (and refuse it, raising, once its buffer is full), and a buffered +WPI reaches the server
         only after the reconnect while its timer would count from now. Unsent, the job's timer keeps
@@ -72,11 +81,20 @@ class Watch:
             self.pings_waiting = True
             return
         self.pings_waiting = False
+        # The round begins in every living worker's table, not only those pinged: a +WPI acts on
+        # its job's current delivery, so one decided for worker A's delivery must not land after
+        # worker B's NAK with a delay of the next (A NAKed it, B was handed it).
+        rounds: dict[int, tuple[int, bool]] = {}
+        for w in living:
+            if w.pidfd >= 0:
+                rounds[w.pid] = w.table.pings_begin()
+                self.unfenced[w.pid] = (w, rounds[w.pid][0])
         sent = 0
         for w, e in pings:
-            # Settled since the snapshot (or reaped: its table closed)? A +WPI landing after a NAK
-            # with a delay would stretch the delay to a whole AckWait.
-            if w.pidfd < 0 or w.table.state_of(e.index) not in liveness.UNSETTLED \
+            # A NAK of this worker on its way (this +WPI could land after it), settled since the
+            # snapshot, or reaped (its table closed)? A +WPI landing after a NAK with a delay
+            # would stretch the delay to a whole AckWait.
+            if rounds.get(w.pid, (0, True))[1] or w.pidfd < 0 or w.table.state_of(e.index) not in liveness.UNSETTLED \
                     or w.table.held_at(e.index) != e.t_held:
                 continue
             try:
@@ -87,6 +105,25 @@ class Watch:
             self.deaths.pinged_now(w.pid, e.stream_seq, now)
             sent += 1
         self.stats.totals.pings += sent
+
+    def fence_pings(self) -> None:
+        """Prove, with a fence, that the server read the +WPI rounds sent so far, and tell each
+        worker's table: its NAKs with a delay wait for that. One flush at a time, off the loop's
+        path (a stalled link must not hold up reaping); a failed one is tried again next tick."""
+        if self.unfenced and self.nc.is_connected and (self.fencing is None or self.fencing.done()):
+            owed, self.unfenced = self.unfenced, {}
+            self.fencing = asyncio.get_running_loop().create_task(self.fence(owed))
+
+    async def fence(self, owed: dict[int, tuple[WorkerProcess, int]]) -> None:
+        try:
+            await self.nc.fence(timeout=PING_FENCE_TIMEOUT)   # flush() alone could overtake queued +WPIs
+        except Exception:
+            for pid, (w, round_) in owed.items():       # a newer round owed meanwhile covers this one
+                self.unfenced.setdefault(pid, (w, round_))
+            return
+        for w, round_ in owed.values():
+            if w.pidfd >= 0:
+                w.table.set_pings_fenced(round_)
 
     def kill(self, w: WorkerProcess, kill: Kill) -> None:
         log.warning("killing worker %d (pid %d): %s", w.slot, w.pid, kill.text,

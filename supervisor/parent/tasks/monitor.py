@@ -5,6 +5,7 @@ the crash ledger's ack floor. A failed poll (server down, consumer deleted) clea
 crashes nothing: the numbers age (`poll_age_s`) until the lag state turns `unknown`.
 Advisories: MAX_DELIVERIES means the server gave up on a job; it is still in the stream, so it is
 copied to the dead-letter subject and nothing vanishes silently. MSG_TERMINATED is counted.
+MSG_NAKED proves the server read a NAK (the in-transit check's F18 case, safety/in_transit.py).
 
 One monitor per pool (its consumer; parent/crew.py). In a fleet (supervisor/parent/tasks/fleet.py)
 only the consumer's elected poller asks the server about it; the others take its samples and
@@ -101,6 +102,21 @@ class SampleGuard:
         return ""
 
 
+async def on_naked(crew: Crew, msg: Any) -> None:
+    """MSG_NAKED: the server processed a NAK (consumer.go processNak sends it from inside), proof
+    that it read that NAK, for a worker dead before the NAK's fence came back (F18, in_transit.py).
+    Core NATS: one missed (a reconnect) leaves that job to AckWait, as without it."""
+    t = time.monotonic()
+    try:
+        advisory = json.loads(msg.data)
+        seq, delivery, cseq = int(advisory["stream_seq"]), int(advisory["deliveries"]), int(advisory["consumer_seq"])
+    except (ValueError, KeyError, TypeError):
+        log.warning("malformed MSG_NAKED advisory: %r", msg.data[:200])
+        return
+    in_transit = crew.in_transit
+    crew.post(lambda: in_transit.nak_advised(seq, delivery, cseq, t))
+
+
 def deletes_given_up(c: Config) -> bool:
     """A job the consumer gave up on is deleted from the work queue once its dead-letter copy
     is stored. With [ordering], whatever the copy (none without restart.dead_letter_subject):
@@ -120,8 +136,7 @@ class LimitsReading:
 class Monitor:
     def __init__(self, cfg: Config, nc: Any, crew: Crew, on_polled: Callable[[], None] | None = None,
                  limits: LimitsReading | None = None, reads_limits: Callable[[], bool] = lambda: True):
-        self.cfg = cfg                      # the pool's effective config
-        self.nc = nc
+        self.cfg, self.nc = cfg, nc         # the pool's effective config, the parent's connection
         self.crew = crew                    # the pool it watches: its ledger, counters, in-transit check
         self.on_polled = on_polled          # after each poll (parent/supervisor.py: systemd's STATUS=)
         self.analyzer = LagAnalyzer(cfg.monitor.lag_window, cfg.consumer.ack_wait, cfg.monitor.interval)
@@ -325,6 +340,7 @@ class Monitor:
         s, c = self.cfg.stream.name, self.cfg.consumer.name
         await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{s}.{c}", cb=self.on_max_deliveries)
         await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{s}.{c}", cb=self.on_terminated)
+        await self.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.{s}.{c}", cb=partial(on_naked, self.crew))
 
     async def on_terminated(self, msg: Any) -> None:
         self.advisories["terminated"] += 1

@@ -1,0 +1,45 @@
+"""The checker's runs of a job (chaos/checker.py `runs_by_seq`) and the limit check that reads them
+(chaos/randomized.py `over_limit`): a process that runs the same delivery number twice (a restarted
+server that lost its consumer state hands the job out again as delivery 1: seed 855) has two runs,
+each ended by its own D or R line. Synthetic journal, no server."""
+
+from __future__ import annotations
+
+import types
+
+from chaos.checker import runs_by_seq
+from chaos.facts import Rec
+from chaos.randomized import over_limit
+
+T0 = 1000.0
+
+
+def rec(event: str, seq: int, t: float, pid: int = 41, delivery: int = 1) -> Rec:
+    return Rec(event, pid, seq, delivery, T0 + t, T0 + t, f"j{seq}")
+
+
+# Seed 855's form: seq 63 ran at delivery 1, the server was SIGKILLed, and after its restart the
+# same worker was handed seq 63 at delivery 1 again, right after jobs 56 and 57 (one at a time).
+JOURNAL = [rec("S", 63, 0.0), rec("D", 63, 0.06),
+           rec("S", 56, 5.8, delivery=2), rec("D", 56, 5.84, delivery=2),
+           rec("S", 63, 5.9), rec("D", 63, 5.96)]
+
+
+def test_the_same_delivery_run_twice_in_one_process_is_two_runs():
+    [first, second] = runs_by_seq(JOURNAL)[63]
+    assert (first.start, first.done) == (T0, T0 + 0.06)
+    assert (second.start, second.done) == (T0 + 5.9, T0 + 5.96)
+
+
+def test_a_retry_ends_its_run_and_an_unended_run_stays_open():
+    runs = runs_by_seq([rec("S", 7, 0.0), rec("R", 7, 0.01), rec("S", 7, 1.0, delivery=2)])[7]
+    assert [(r.delivery, r.retried, r.done) for r in runs] == [(1, T0 + 0.01, None), (2, None, None)]
+
+
+def test_one_job_at_a_time_is_not_over_a_limit_of_one():
+    run = types.SimpleNamespace(watcher=types.SimpleNamespace(lives={}), tail=types.SimpleNamespace(poll=lambda: JOURNAL),
+                                faults=[], at=lambda t: f"+{t - T0:.2f}s")
+    assert over_limit(run, 1) == []
+    overlapping = [*JOURNAL, rec("S", 99, 5.82, pid=42), rec("D", 99, 5.83, pid=42)]
+    run.tail = types.SimpleNamespace(poll=lambda: overlapping)
+    assert over_limit(run, 1) == ["+5.82s: 2 jobs ran at once (limit 1)"]
