@@ -75,6 +75,15 @@ the journal, not trusted). Per job (stream sequence):
   rig's read of /status `crosscheck.in_transit_unchecked` just before the kill: that pid, the
   seq inside the window the check would have searched; `unchecked_at_kill`, given the pid the
   proxy wrote the delivery to): nothing could NAK it, and the successor cannot know it.
+  Two facts from what the proxy carried to the server (chaos/waits.py): a job whose previous
+  delivery the server had a NAK of before it sent the next one did not wait for AckWait at all
+  (`nak_waited`, reported: it waited for a pull request), unless a +WPI after that NAK, before
+  its delay ran out, set a whole AckWait again ("a +WPI after its NAK": judged as any wait), or
+  a server SIGKILL after it may have lost it (outside: the NAK had gone; seed 604); and
+  a delivery no connection read (the next one's number says the server sent it) never started:
+  it was lost in the closing of a connection with a pull request outstanding about AckWait
+  before the redelivery, and the faults that closed those connections decide (all outside:
+  outside); with no such connection, the window rule above.
 - unacked: still in the work-queue stream at the end (an ack that never landed).
 - ticks_extra: firings of the drawn `[schedules.tick]` beyond one per period over the time it
   could exist (from the first supervisor's start to its removal when the load ends): a schedule
@@ -109,8 +118,9 @@ from typing import Any
 
 from workers.runtime.orphan import ORPHAN_GRACE
 
-from .facts import Fault, Handout, Life, Rec, Stored
+from .facts import Fault, Handout, Life, Link, Pull, Rec, Settle, Stored
 from .order import Run, reorders
+from .waits import Naked, first_pull, lost_in_closing, lost_text, naked
 
 ACKWAIT_FRACTION = 0.5      # a redelivery later than this share of AckWait waited for AckWait
 SLACK = 0.05                # seconds: journal lines and fault times come from different processes
@@ -129,7 +139,7 @@ VERDICTS = {
     "dup_unexplained": 0, "redelivered": None, "bounced": None, "unexplained": 0,
     "ackwait": 0, "ackwait_outside": None, "unacked": 0, "sup_unexplained": 0, "sup_open": 0,
     "sup_died": 0, "exit": 0, "healthz_s": None, "ticks_extra": 0, "reordered": None, "reorder_unexplained": 0,
-    "wrong_pool": 0, "copies": None, "copied": None, "copy_dup": None,
+    "wrong_pool": 0, "copies": None, "copied": None, "copy_dup": None, "nak_waited": None,
 }
 SIDE_KEY = "b"              # with pools: the key prefix of pool b's jobs (chaos/randomized.py)
 
@@ -190,6 +200,11 @@ class Evidence:
     # (empty: the run had no proxy).
     handouts: list[Handout] = field(default_factory=list)
     copies: set[int] = field(default_factory=set)           # seqs of [retry] copies for later (in `stored` too)
+    # What the proxy carried from the clients to the server: the work queue's settles and pull
+    # requests, and every connection with its close (chaos/waits.py reads them).
+    settles: list[Settle] = field(default_factory=list)
+    pulls: list[Pull] = field(default_factory=list)
+    links: list[Link] = field(default_factory=list)
 
     def pool_of(self, key: str) -> str:
         """The pool a job belongs to ("" without pools)."""
@@ -400,6 +415,9 @@ class Checker:
     def redelivery(self, seq: int, before: list[RunOfJob], run: RunOfJob, c: dict) -> None:
         """A job run again (or first seen at delivery > 1): why, and how long after it was free?"""
         holders = holders_of(self.handed, seq, before, run)
+        prev = run.delivery - 1     # never started, and no connection read it (a proxy ran and saw no hand-out)
+        unseen = bool(self.ev.links) and prev >= 1 and not self.handed.get((seq, prev)) and all(
+            r.delivery != prev for r in before)
         if before:
             p = before[-1]
             faults = self.touching(p.pid, p.start, run.start)
@@ -409,7 +427,8 @@ class Checker:
                 self.find("unexplained", seq, f"delivery {run.delivery} {self.at(run.start)} after pid {p.pid} "
                                               f"started delivery {p.delivery} {self.at(p.start)} and never finished "
                                               "it; no fault touched that pid")
-            culprits = faults
+            # A delivery after it that no connection read never started: not judged by p's worker.
+            culprits = self.overlapping(run.start - self.ev.ack_wait - EXPIRY_SLACK, run.start) if unseen else faults
         else:
             t_ref = self.sent_by(seq)
             # What touched it is what acted when it was handed out. `sent_by` is only an upper
@@ -431,20 +450,8 @@ class Checker:
             "the handler asked for it (retry)" if before[-1].retried is not None else "no fault")
         self.find("redelivered", seq, f"delivery {run.delivery} by pid {run.pid} {self.at(run.start)}, {max(lag, 0):.2f}s "
                                       f"after the previous delivery was last seen; {cause}")
-        if lag < ACKWAIT_FRACTION * self.ev.ack_wait:
-            return
-        held = held_in_link(self.ev, seq, run)
-        started = bool(before) and not holders
-        outside = held or all_outside(culprits, started, holders, before[-1].pid if started else 0)
-        holder = holders[-1].pid if holders else 0          # the last hand-out: the delivery's own
-        named = "" if outside else named_at_death(self.named, seq, before, run, holder=holder,
-                                                  unchecked=self.ev.in_transit_unchecked)
-        verdict = "ackwait_outside" if outside or named else "ackwait"
-        c[verdict] += 1
-        context = holder_context(self.ev, holders, culprits) if holders else wait_context(self.ev, run.start, culprits)
-        why = held or context + (f"; named at the death by the ledger: {named}" if named else "")
-        self.find(verdict, seq, f"delivery {run.delivery} started {lag:.1f}s after the previous delivery was last "
-                                f"seen{'' if started else ' (it never started)'}; {why}")
+        if lag >= ACKWAIT_FRACTION * self.ev.ack_wait:
+            late_wait(self, seq, before, run, Late(holders, culprits, lag, unseen), c)
 
     # ------------------------------------------------------------ [ordering]
 
@@ -529,6 +536,72 @@ class Checker:
         if worst >= ACKWAIT_FRACTION * self.ev.ack_wait:
             return [f"jobs waited up to {worst:.1f}s in the queue: AckWait waits may be overcounted"]
         return []
+
+
+@dataclass
+class Late:
+    """A redelivery that came AckWait/2 or more after its previous delivery was last seen."""
+    holders: list[Handout]      # whom the proxy saw handed the delivery before it, if it never started
+    culprits: list[Fault]       # what could have kept it (checker.redelivery)
+    lag: float
+    unseen: bool                # that delivery never started, and no connection read it
+
+
+def late_wait(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, w: Late, c: dict) -> None:
+    """Was it an AckWait wait, and whose? Not one if the server had the previous delivery's NAK
+    (chaos/waits.py naked: `nak_waited`, reported); else outside the supervisor's control if a
+    stalled link held it, or every fault that could have kept it is outside, or a ledger named it."""
+    ev, consumer = ck.ev, ck.ev.pools.get(ck.pool(seq), "")
+    nak = nak_of(ck, seq, before, run, consumer, w.unseen)
+    if nak is not None and nak.wpi is None and nak.lost_by is None:
+        c["nak_waited"] += 1
+        due = nak.nak.t + nak.nak.delay
+        pull = first_pull(ev, consumer, due)
+        pulled = (f"the first pull request of its consumer after that +{pull.t - ev.origin:.2f}s (connection "
+                  f"#{pull.conn})" if pull else "no pull request of its consumer after that")
+        ck.find("nak_waited", seq, f"delivery {run.delivery} started {w.lag:.1f}s after the previous delivery was last "
+                                   f"seen, {run.start - due:.1f}s after its NAK was due: not an AckWait wait, "
+                                   f"{nak.said(ev.origin)}; {pulled}")
+        return
+    holders, culprits = w.holders, w.culprits
+    lost = lost_in_closing(ev, consumer, next_sent(ck, seq, run)) if w.unseen else []
+    if lost:
+        culprits = sorted({id(f): f for _, fs in lost for f in fs}.values(), key=lambda f: f.t0)
+    held = held_in_link(ev, seq, run) or (nak.said(ev.origin) if nak is not None and nak.lost_by else "")
+    started = bool(before) and not holders and not w.unseen
+    outside = held or (all(fs for _, fs in lost) and
+                       all_outside(culprits, started, holders, before[-1].pid if started else 0))
+    holder = holders[-1].pid if holders else lost[0][0].pid if len(lost) == 1 else 0   # the delivery's own
+    named = "" if outside else named_at_death(ck.named, seq, before, run, holder=holder,
+                                              unchecked=ev.in_transit_unchecked)
+    verdict = "ackwait_outside" if outside or named else "ackwait"
+    c[verdict] += 1
+    context = (holder_context(ev, holders, culprits) if holders else lost_text(ev, run.delivery - 1, lost) if lost
+               else wait_context(ev, run.start, culprits))
+    why = held or context + (f"; named at the death by the ledger: {named}" if named else "")
+    why += f"; {nak.said(ev.origin)}" if nak is not None and nak.wpi is not None else ""
+    ck.find(verdict, seq, f"delivery {run.delivery} started {w.lag:.1f}s after the previous delivery was last "
+                          f"seen{'' if started else ' (it never started)'}; {why}")
+
+
+def nak_of(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, consumer: str, unseen: bool) -> Naked | None:
+    """The NAK the server had of the delivery before `run` (chaos/waits.py naked), looked for from
+    when that delivery was sent (its hand-out; else its run's start, after it was sent) until the
+    next one was (its hand-out, else `run`'s start). A delivery no connection read: when it was
+    sent is not known, so a NAK cannot be told from one of the delivery before it."""
+    prev = run.delivery - 1
+    if unseen or prev < 1:
+        return None
+    came = min((h.came for h in ck.handed.get((seq, prev), [])), default=None)
+    sent = came if came is not None else next((r.start for r in reversed(before) if r.delivery == prev), None)
+    if sent is None:
+        return None
+    return naked(ck.ev, seq, consumer, sent, next_sent(ck, seq, run), came, run.start)
+
+
+def next_sent(ck: Checker, seq: int, run: RunOfJob) -> float:
+    """When the server sent `run`'s delivery: the proxy read it then, else by its start."""
+    return min((h.came for h in ck.handed.get((seq, run.delivery), []) if h.came <= run.start + SLACK), default=run.start)
 
 
 def order_runs(runs_by: dict[int, list[RunOfJob]], lives: dict) -> list[Run]:

@@ -9,6 +9,11 @@
   a client connection: the connection (its name, the process that holds it), when the server
   sent it and when it was written on to the client (or never): who was handed a delivery that
   never started, and what a stalled link held.
+- `Settle`, `Pull`, `Link`: what the proxy carried the other way, from a client to the server:
+  each settle of a delivery on its `$JS.ACK` reply subject (+ACK, -NAK and its delay, +WPI,
+  +TERM), each pull request (`$JS.API.CONSUMER.MSG.NEXT`), and each connection with when and
+  how it closed: whether the server was told to redeliver a job, and to whom it can have handed
+  a delivery the proxy never read (a connection closing with a pull request outstanding).
 - `Life`: each worker process's first and last sighting, from the runner's process watcher, the
   supervisor (parent pid) it was forked by, and the consumer it works for (several pools: each
   pool's own).
@@ -115,6 +120,56 @@ class Handout:
         out = "never written on" if self.out is None else f"written on +{self.out - origin:.2f}s"
         return (f"handed to pid {self.pid} (connection #{self.conn} {self.name!r}) +{self.came - origin:.2f}s, "
                 f"{out}")
+
+
+@dataclass(frozen=True)
+class Settle:
+    """A settle of a JetStream delivery the proxy carried from a client to the server (chaos/proxy.py
+    settles()): the delivery named by its reply subject, parsed as a hand-out's is (the parent's
+    in-transit NAKs name delivery 1 whatever it was: the server applies a settle to the stream
+    sequence's pending delivery, whichever)."""
+    kind: str               # "+ACK" | "-NAK" | "+WPI" | "+TERM" (the payload's first word)
+    stream: str
+    consumer: str
+    seq: int
+    delivery: int
+    t: float                # time.monotonic() it was written on to the server
+    conn: int = 0
+    pid: int = 0            # the process holding the client's socket (0: not known)
+    name: str = ""
+    delay: float = 0.0      # a -NAK's delay, seconds (0: none)
+
+    def said(self, origin: float) -> str:
+        delay = f" (delay {self.delay:g}s)" if self.delay else ""
+        return (f"{self.kind}{delay} by pid {self.pid} (connection #{self.conn} {self.name!r}) "
+                f"+{self.t - origin:.2f}s")
+
+
+@dataclass(frozen=True)
+class Pull:
+    """A pull request the proxy carried from a client to the server (chaos/proxy.py pulls())."""
+    stream: str
+    consumer: str
+    t: float                # when written on to the server
+    conn: int
+    batch: int = 1
+    expires: float = 0.0    # seconds; 0: none (lives until filled, or answered at once if no_wait)
+    no_wait: bool = False
+
+    def life(self) -> float:
+        """How long the server keeps it waiting at most (seconds)."""
+        return self.expires if self.expires else (0.0 if self.no_wait else float("inf"))
+
+
+@dataclass(frozen=True)
+class Link:
+    """A connection through the proxy: who was on it, and when and how it closed (chaos/proxy.py links())."""
+    conn: int
+    name: str
+    pid: int = 0
+    ppid: int = 0
+    closed: float | None = None
+    how: str = ""           # "cut" (a rule) | "reset" | "client" (EOF, or an error) | "server" | "proxy" (its end)
 
 
 @dataclass

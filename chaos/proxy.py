@@ -37,6 +37,13 @@ very delivery, and whether a stall held it while its AckWait ran out (chaos/chec
 cut, stall, reset or hold notes the connections it hit (`struck(pattern, since)`: their numbers
 and pids, the ones a rule closed or stalled at their CONNECT too).
 
+The other way it reads what each client sends as NATS protocol (`Upstream`): every settle of a
+delivery it carries to the server on a `$JS.ACK` reply subject (+ACK, -NAK with its delay, +WPI,
++TERM: `settles()`), every pull request (`$JS.API.CONSUMER.MSG.NEXT`, its batch and expiry:
+`pulls()`), and each connection's close, when and by whom (a rule's cut, a reset, the client,
+the server: `links()`). The checker reads from them whether the server was told to redeliver a
+job before it came back, and which connections can have taken a delivery the proxy never read.
+
 Runs on an asyncio loop (the chaos runner's background loop); every method is a coroutine.
 """
 
@@ -55,7 +62,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .facts import Handout
+from .facts import Handout, Link, Pull, Settle
 
 if TYPE_CHECKING:
     from harness import NatsServer
@@ -66,7 +73,9 @@ LATE = 1.0                  # seconds: a delivery forwarded this much after it c
 # The reply subject of a JetStream delivery, whole (the space after it is in the same chunk):
 # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>... (9 tokens), or with a domain and an account
 # hash before the stream (12; 11 from older servers), as nats-py's Msg.Metadata reads it.
-ACK_REPLY = re.compile(rb"\$JS\.ACK\.[^ \r\n]+(?= )")
+# A delivery is a MSG or HMSG line whose reply-to is such a subject: a payload that names one (a
+# fleet heartbeat lists its workers' held jobs' reply subjects; the parent reads it) is not.
+DELIVERY = re.compile(rb"(?:^|\n)H?MSG [^ \r\n]+ [^ \r\n]+ (\$JS\.ACK\.[^ \r\n]+) ")
 TAIL = 512                  # bytes kept of the last chunk: a reply subject split between two reads
 
 
@@ -84,29 +93,119 @@ class Sent:
 
 @dataclass
 class Client:
-    """Who is on the other end of a connection: its CONNECT name and the process holding its socket."""
+    """Who is on the other end of a connection: its CONNECT name and the process holding its
+    socket; when the connection closed, and how (Link.how)."""
     conn: int
     name: str | None = None
     pid: int = 0
     ppid: int = 0
+    closed: float | None = None
+    how: str = ""
+
+
+JS_ACK = b"$JS.ACK."
+MSG_NEXT = b"$JS.API.CONSUMER.MSG.NEXT."
+
+
+class Upstream:
+    """What a client sends, read as NATS protocol across chunk boundaries: (subject, payload) of
+    each PUB or HPUB to a `$JS.ACK.` or `$JS.API.CONSUMER.MSG.NEXT.` subject (an HPUB's payload
+    without its headers); other payloads are skipped by their length, never kept."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.body: tuple[bytes, int, int] | None = None    # (subject, header bytes, total bytes) to read
+        self.skip = 0                                     # bytes of an uninteresting payload (+CRLF) to pass
+
+    def feed(self, data: bytes) -> list[tuple[bytes, bytes]]:
+        out = []
+        if self.skip:
+            n = min(self.skip, len(data))
+            self.skip -= n
+            data = data[n:]
+        buf = self.buf + data
+        while buf:
+            if self.body is not None:
+                subject, hdr, total = self.body
+                if len(buf) < total + 2:
+                    break
+                out.append((subject, buf[hdr:total]))
+                buf, self.body = buf[total + 2:], None
+                continue
+            end = buf.find(b"\r\n")
+            if end < 0:
+                break
+            line, buf = buf[:end].split(), buf[end + 2:]
+            op = line[0].upper() if line else b""
+            if op not in (b"PUB", b"HPUB") or len(line) < 3:
+                continue
+            hdr, total = (int(line[-2]), int(line[-1])) if op == b"HPUB" else (0, int(line[-1]))
+            if line[1].startswith((JS_ACK, MSG_NEXT)):
+                self.body = (line[1], hdr, total)
+            else:
+                n = min(total + 2, len(buf))
+                self.skip, buf = total + 2 - n, buf[n:]
+        self.buf = buf
+        return out
+
+
+def settle_of(subject: bytes, payload: bytes) -> tuple[str, str, str, int, int, float] | None:
+    """(kind, stream, consumer, stream seq, delivery, delay in seconds) of a settle published to
+    a delivery's reply subject, or None."""
+    found = ack_subject(subject)
+    if found is None or not payload:
+        return None
+    stream, consumer, seq, delivery = found
+    kind, _, arg = payload.partition(b" ")
+    delay = 0.0
+    if kind == b"-NAK" and arg.strip():
+        try:
+            delay = json.loads(arg).get("delay", 0) / 1e9
+        except (ValueError, AttributeError, TypeError):
+            delay = 0.0                       # a Go duration string: not sent by anything here
+    return kind.decode(errors="replace"), stream, consumer, seq, delivery, delay
+
+
+def pull_of(subject: bytes, payload: bytes) -> tuple[str, str, int, float, bool] | None:
+    """(stream, consumer, batch, expires in seconds, no_wait) of a pull request, or None."""
+    tokens = subject.decode(errors="replace").split(".")
+    if len(tokens) < 7:
+        return None
+    try:
+        req = json.loads(payload) if payload.strip() else {}
+    except ValueError:
+        req = {}
+    if not isinstance(req, dict):
+        req = {}
+    return (tokens[5], tokens[6], int(req.get("batch", 1)), int(req.get("expires", 0)) / 1e9,
+            bool(req.get("no_wait", False)))
 
 
 def deliveries(tail: bytes, data: bytes) -> list[tuple[str, str, int, int]]:
-    """(stream, consumer, stream seq, delivery) of each delivery whose reply subject `data` completes."""
+    """(stream, consumer, stream seq, delivery) of each delivery whose MSG line `data` completes."""
     out = []
     seen = tail + data
-    for m in ACK_REPLY.finditer(seen):
+    for m in DELIVERY.finditer(seen):
         if m.end() <= len(tail):              # whole in the chunk before: noted with it
             continue
-        tokens = m.group().split(b".")
-        if len(tokens) == 9:
-            stream, consumer, delivered, seq = tokens[2:6]
-        elif len(tokens) >= 11:
-            stream, consumer, delivered, seq = tokens[4:8]
-        else:
-            continue
-        out.append((stream.decode(), consumer.decode(), int(seq), int(delivered)))
+        if (parsed := ack_subject(m.group(1))) is not None:
+            out.append(parsed)
     return out
+
+
+def ack_subject(reply: bytes) -> tuple[str, str, int, int] | None:
+    """(stream, consumer, stream seq, delivery) a `$JS.ACK` reply subject names, or None."""
+    tokens = reply.split(b".")
+    if len(tokens) == 9:
+        stream, consumer, delivered, seq = tokens[2:6]
+    elif len(tokens) >= 11:
+        stream, consumer, delivered, seq = tokens[4:8]
+    else:
+        return None
+    try:
+        return stream.decode(), consumer.decode(), int(seq), int(delivered)
+    except ValueError:
+        return None
 
 
 def socket_owner(port: int, peer_port: int) -> tuple[int, int]:
@@ -167,6 +266,7 @@ class Conn:
     # first; None once the server closed its side. `more` wakes the writer.
     down: deque[tuple[float, bytes, list[Sent]] | None] = field(default_factory=deque)
     more: asyncio.Event = field(default_factory=asyncio.Event)
+    upstream: Upstream = field(default_factory=Upstream)    # what the client sends, read as protocol
 
     def close(self, rst: bool = False) -> None:
         for _, writer in (self.client, self.server):
@@ -182,88 +282,17 @@ class Conn:
             task.cancel()
 
 
-class Proxy:
-    def __init__(self, nats: NatsServer):
-        self.nats = nats
-        self.upstream = ("127.0.0.1", nats.port)
-        self.conns: set[Conn] = set()
-        self.rules: dict[str, str] = {}       # pattern -> "cut" | "stall"
-        self.taps: dict[str, tuple[tuple[bytes, ...], tuple[bytes, ...]]] = {}   # pattern -> needles noted (tap)
-        self.noted: list[tuple[float, str, bytes]] = []     # (when, connection name, needle), closed ones too
-        self.holds: dict[str, tuple[bytes, bool, bool]] = {}   # pattern -> (needle, after, one_way) of a hold
-        self.held: list[tuple[float, str]] = []             # (when, connection name) of each hold
+class Records:
+    """What the proxy knows of its connections, and the records it keeps of what they carried."""
+
+    def __init__(self) -> None:
         self.sent: list[Sent] = []                      # every delivery read from the server (handouts())
         self.clients: dict[int, Client] = {}            # connection number -> who is on its other end
         self.hits: list[tuple[float, str, int]] = []    # (when, pattern, connection number) a fault hit
-        self.numbers = itertools.count(1)
+        # Carried from clients to the server: (when, connection, what settle_of / pull_of read)
+        self.settled: list[tuple[float, int, tuple[str, str, str, int, int, float]]] = []
+        self.pulled: list[tuple[float, int, tuple[str, str, int, float, bool]]] = []
         self.owners: dict[int, asyncio.Future] = {}     # connection number -> its pid lookup
-        self.server: asyncio.AbstractServer | None = None
-        self.port = 0
-        self.accepted = 0
-
-    @property
-    def url(self) -> str:
-        """The server's URL (its credentials: harness.NatsServer) with the proxy's port."""
-        return self.nats.url_at(self.port)
-
-    async def start(self) -> Proxy:
-        self.server = await asyncio.start_server(self.accept, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    async def close(self) -> None:
-        if self.server:
-            self.server.close()
-        for conn in list(self.conns):
-            conn.close()
-        self.conns.clear()
-
-    # ------------------------------------------------------------ faults
-
-    def matching(self, pattern: str) -> list[Conn]:
-        return [c for c in self.conns if c.name is not None and re.search(pattern, c.name)]
-
-    async def cut(self, pattern: str) -> int:
-        self.rules[pattern] = "cut"
-        victims = self.matching(pattern)
-        self.hit(pattern, victims)
-        for conn in victims:
-            self.drop(conn)
-        return len(victims)
-
-    async def stall(self, pattern: str) -> int:
-        self.rules[pattern] = "stall"
-        victims = self.matching(pattern)
-        self.hit(pattern, victims)
-        for conn in victims:
-            conn.flowing.clear()
-        return len(victims)
-
-    async def reset(self, pattern: str) -> int:
-        victims = self.matching(pattern)
-        self.hit(pattern, victims)
-        for conn in victims:
-            self.drop(conn, rst=True)
-        return len(victims)
-
-    async def heal(self, pattern: str) -> None:
-        self.rules.pop(pattern, None)
-        for conn in self.matching(pattern):
-            conn.down_flowing.set()
-            if self.rule_for(conn.name) is None:
-                conn.flowing.set()
-
-    async def count(self, pattern: str) -> int:
-        """Connections of that name still open (a heal lets stale ones read their EOF and close)."""
-        return len(self.matching(pattern))
-
-    async def tap(self, pattern: str, to_server: tuple[bytes, ...], to_client: tuple[bytes, ...] = ()) -> None:
-        self.taps[pattern] = (to_server, to_client)
-
-    async def tapped(self, pattern: str) -> list[tuple[float, bytes]]:
-        """What the connections of that name (closed ones too) forwarded of their tap's needles,
-        oldest first: (time.monotonic() once written on, needle), one per occurrence."""
-        return [(t, needle) for t, name, needle in self.noted if re.search(pattern, name)]
 
     async def handouts(self) -> list[Handout]:
         """Every JetStream delivery read from the server, connections closed since included, oldest
@@ -275,6 +304,22 @@ class Proxy:
             out.append(Handout(c.name or "?", s.stream, s.seq, s.delivery, s.came, s.out, c.pid, c.conn, c.ppid,
                                s.consumer))
         return sorted(out, key=lambda d: d.came)
+
+    async def settles(self) -> list[Settle]:
+        """Every settle of a delivery carried to the server, oldest first, with who sent it."""
+        await self.identified(set(self.owners))
+        return [Settle(kind, stream, consumer, seq, delivery, t, n, self.clients[n].pid, self.clients[n].name or "?",
+                       delay) for t, n, (kind, stream, consumer, seq, delivery, delay) in self.settled]
+
+    async def pulls(self) -> list[Pull]:
+        """Every pull request carried to the server, oldest first."""
+        return [Pull(stream, consumer, t, n, batch, expires, no_wait)
+                for t, n, (stream, consumer, batch, expires, no_wait) in self.pulled]
+
+    async def links(self) -> list[Link]:
+        """Every connection accepted so far: who was on it, when and how it closed (None: open)."""
+        await self.identified(set(self.owners))
+        return [Link(c.conn, c.name or "?", c.pid, c.ppid, c.closed, c.how) for c in self.clients.values()]
 
     async def connections(self) -> list[Client]:
         """Every connection accepted so far, with who was on its other end."""
@@ -298,6 +343,98 @@ class Proxy:
             fut = self.owners.get(n)
             if fut is not None:
                 await asyncio.wait([fut])          # never raises its error, never cancels it
+
+    def carried(self, conn: Conn, data: bytes) -> None:
+        """Note each settle and pull request `data` completes, written on to the server just now."""
+        now, n = time.monotonic(), conn.who.conn
+        for subject, payload in conn.upstream.feed(data):
+            if subject.startswith(JS_ACK):
+                if (settle := settle_of(subject, payload)) is not None:
+                    self.settled.append((now, n, settle))
+            elif (pull := pull_of(subject, payload)) is not None:
+                self.pulled.append((now, n, pull))
+
+
+class Proxy(Records):
+    def __init__(self, nats: NatsServer):
+        super().__init__()
+        self.nats = nats
+        self.upstream = ("127.0.0.1", nats.port)
+        self.conns: set[Conn] = set()
+        self.rules: dict[str, str] = {}       # pattern -> "cut" | "stall"
+        self.taps: dict[str, tuple[tuple[bytes, ...], tuple[bytes, ...]]] = {}   # pattern -> needles noted (tap)
+        self.noted: list[tuple[float, str, bytes]] = []     # (when, connection name, needle), closed ones too
+        self.holds: dict[str, tuple[bytes, bool, bool]] = {}   # pattern -> (needle, after, one_way) of a hold
+        self.held: list[tuple[float, str]] = []             # (when, connection name) of each hold
+        self.numbers = itertools.count(1)
+        self.server: asyncio.AbstractServer | None = None
+        self.port = 0
+        self.accepted = 0
+
+    @property
+    def url(self) -> str:
+        """The server's URL (its credentials: harness.NatsServer) with the proxy's port."""
+        return self.nats.url_at(self.port)
+
+    async def start(self) -> Proxy:
+        self.server = await asyncio.start_server(self.accept, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def close(self) -> None:
+        if self.server:
+            self.server.close()
+        for conn in list(self.conns):
+            self.closing(conn, "proxy")
+            conn.close()
+        self.conns.clear()
+
+    # ------------------------------------------------------------ faults
+
+    def matching(self, pattern: str) -> list[Conn]:
+        return [c for c in self.conns if c.name is not None and re.search(pattern, c.name)]
+
+    async def cut(self, pattern: str) -> int:
+        self.rules[pattern] = "cut"
+        victims = self.matching(pattern)
+        self.hit(pattern, victims)
+        for conn in victims:
+            self.drop(conn, how="cut")
+        return len(victims)
+
+    async def stall(self, pattern: str) -> int:
+        self.rules[pattern] = "stall"
+        victims = self.matching(pattern)
+        self.hit(pattern, victims)
+        for conn in victims:
+            conn.flowing.clear()
+        return len(victims)
+
+    async def reset(self, pattern: str) -> int:
+        victims = self.matching(pattern)
+        self.hit(pattern, victims)
+        for conn in victims:
+            self.drop(conn, rst=True, how="reset")
+        return len(victims)
+
+    async def heal(self, pattern: str) -> None:
+        self.rules.pop(pattern, None)
+        for conn in self.matching(pattern):
+            conn.down_flowing.set()
+            if self.rule_for(conn.name) is None:
+                conn.flowing.set()
+
+    async def count(self, pattern: str) -> int:
+        """Connections of that name still open (a heal lets stale ones read their EOF and close)."""
+        return len(self.matching(pattern))
+
+    async def tap(self, pattern: str, to_server: tuple[bytes, ...], to_client: tuple[bytes, ...] = ()) -> None:
+        self.taps[pattern] = (to_server, to_client)
+
+    async def tapped(self, pattern: str) -> list[tuple[float, bytes]]:
+        """What the connections of that name (closed ones too) forwarded of their tap's needles,
+        oldest first: (time.monotonic() once written on, needle), one per occurrence."""
+        return [(t, needle) for t, name, needle in self.noted if re.search(pattern, name)]
 
     def hit(self, pattern: str, conns: list[Conn]) -> None:
         now = time.monotonic()
@@ -336,10 +473,17 @@ class Proxy:
                 return pattern, mode
         return None
 
-    def drop(self, conn: Conn, rst: bool = False) -> None:
+    def drop(self, conn: Conn, rst: bool = False, how: str = "client") -> None:
+        self.closing(conn, how)
         self.conns.discard(conn)
         self.never_forwarded(conn)          # now, not when the cancelled writer gets to run
         conn.close(rst)
+
+    @staticmethod
+    def closing(conn: Conn, how: str) -> None:
+        """Note when and how the connection closed (the first word stands)."""
+        if conn.who.closed is None:
+            conn.who.closed, conn.who.how = time.monotonic(), how
 
     # ------------------------------------------------------------ forwarding
 
@@ -375,7 +519,7 @@ class Proxy:
         if rule:
             self.hit(rule[0], [conn])
         if not first or mode == "cut":
-            self.drop(conn)
+            self.drop(conn, how="cut" if first else "client")
             return
         if mode == "stall":
             conn.flowing.clear()
@@ -394,6 +538,7 @@ class Proxy:
                 await conn.flowing.wait()      # a stall holds what was read; the kernel buffers the rest
                 writer.write(data)
                 self.hold_if(conn, reader is conn.client[0], data, after=True)
+                self.carried(conn, data)
                 await writer.drain()
                 tail = self.note(conn, reader is conn.client[0], tail, data)
         except (ConnectionError, OSError):
@@ -446,6 +591,7 @@ class Proxy:
                     continue                   # stalled meanwhile: look again
                 item = conn.down[0]            # left in `down` until written: unwritten() sees it
                 if item is None:
+                    self.closing(conn, "server")
                     break
                 _, data, found = item
                 writer.write(data)             # from here it may reach the client: noted as out

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import datetime
 import os
+import pickle
 import random
 import re
 import shutil
@@ -23,6 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -77,6 +79,30 @@ def handouts(run: Run) -> list[Handout]:
     run.notes.append(f"proxy: {len(out)} deliveries of {STREAM} carried over {len(clients)} connections; "
                      f"pid not found for {len(unknown)}{': ' + ', '.join(unknown[:6]) if unknown else ''}")
     return out
+
+
+def kept(ev: Evidence, name: str) -> Evidence:
+    """With CHAOS_KEEP_EVIDENCE=DIR, the run's evidence pickled to DIR/NAME.pickle: judge it again
+    later (checker.check) as the checker changes."""
+    if keep := os.environ.get("CHAOS_KEEP_EVIDENCE"):
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        (Path(keep) / f"{name}.pickle").write_bytes(pickle.dumps(ev))
+    return ev
+
+
+def carried_up(run: Run) -> dict:
+    """What the proxy carried from the clients to the server (the work queue's settles and pull
+    requests) and every connection's close, as Evidence's keyword arguments (checker.py)."""
+    if run.proxy is None:
+        return {}
+    settles = [s for s in run.bg.call(run.proxy.settles()) if s.stream == STREAM]
+    pulls = [p for p in run.bg.call(run.proxy.pulls()) if p.stream == STREAM]
+    links = run.bg.call(run.proxy.links())
+    kinds = Counter(s.kind for s in settles)
+    run.notes.append(f"proxy: carried to the server {', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}, "
+                     f"{len(pulls)} pull requests; closes: "
+                     f"{', '.join(f'{n} by {h}' for h, n in sorted(Counter(k.how for k in links if k.closed).items()))}")
+    return {"settles": settles, "pulls": pulls, "links": links}
 
 
 def named_before_kill(run: Run, sup: SupervisorProc) -> None:
@@ -565,9 +591,9 @@ class Run:
                       origin=self.origin, lives=dict(self.watcher.lives), unacked=unacked, dead_lettered=dead,
                       status=self.status, statuses=[s for s in statuses if s], copies=set(copies), drains=self.drains,
                       sup_died=self.sup_died, bad_exits=sum(c != 0 for c in self.exit_codes), handouts=handouts(self),
-                      healthz_s=max(self.healthz) if self.healthz else None, pools=dict(self.pools),
+                      healthz_s=max(self.healthz) if self.healthz else None, pools=dict(self.pools), **carried_up(self),
                       left_to_ack_wait=self.left_to_ack_wait, in_transit_unchecked=self.in_transit_unchecked)
-        return check(ev)
+        return check(kept(ev, self.name))
 
     def ledger_status(self, sup: SupervisorProc) -> dict | None:
         """/status once the supervisor has had its grace to explain the last redelivery."""

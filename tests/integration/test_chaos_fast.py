@@ -21,7 +21,7 @@ import pytest
 from chaos import scenarios  # noqa: F401  (registers the scenarios)
 from chaos.checker import Evidence, check
 from chaos.core import SCENARIOS, run_scenario
-from chaos.facts import Fault, Handout, Life, Rec, Stored
+from chaos.facts import Fault, Handout, Life, Link, Pull, Rec, Settle, Stored
 from chaos.rig import copies_for_later
 
 SEED = int(os.environ["CHAOS_SEED"]) if "CHAOS_SEED" in os.environ else None
@@ -422,6 +422,86 @@ def test_checker_keeps_the_old_rule_without_a_known_holder():
         assert handed([in_transit], holder=holder)["ackwait"] == 0, holder
 
 
+def said(kind: str, t: float, delay: float = 0.0, pid: int = 1, seq: int = 1) -> Settle:
+    return Settle(kind, "JOBS", "", seq, 1, T0 + t, conn=3, pid=pid, name="chaos-a worker 0", delay=delay)
+
+
+def test_checker_takes_a_job_whose_nak_the_server_had_as_no_ackwait_wait_unless_a_wpi_undid_it():
+    """Seed 836: delivery 1 was handed to pid 1 just after its parent's SIGKILL (in control), the
+    orphan NAKed it (delay 1 s) and no worker pulled until the successor's link came back: the
+    server had the NAK, so no AckWait ran out (nak_waited, reported). A +WPI after the NAK, while
+    its delay had not run out, sets a whole AckWait again: charged, "a +WPI after its NAK". A
+    +WPI once the delay ran out, a NAK after the job came back or of another job change
+    nothing. Seed 604: a server SIGKILL after the NAK, the job back no sooner than an expiry,
+    may have lost it: an AckWait wait, outside (the NAK had gone)."""
+    kill = Fault("parent SIGKILL, then a new supervisor", T0 + 0.9, T0 + 1.0, frozenset({1}), parent=100)
+
+    def judged(*settles: Settle, faults: tuple = (kill,)):
+        return check(evidence(BACK, list(faults), lives=dict(LIVES), handouts=[HOLDER], settles=list(settles)))
+    assert handed([kill])["ackwait"] == 1
+    report = judged(said("-NAK", 1.2, delay=1.0))
+    assert (report.counts["ackwait"], report.counts["ackwait_outside"], report.counts["nak_waited"]) == (0, 0, 1)
+    (text,) = [f.text for f in report.findings if f.verdict == "nak_waited"]
+    assert "the server had its NAK: -NAK (delay 1s) by pid 1 (connection #3 'chaos-a worker 0') +1.20s" in text, text
+    report = judged(said("-NAK", 1.2, delay=1.0), said("+WPI", 1.5, pid=100))
+    assert (report.counts["ackwait"], report.counts["nak_waited"]) == (1, 0)
+    assert [f for f in report.findings if f.verdict == "ackwait" and "a +WPI after its NAK" in f.text]
+    assert judged(said("-NAK", 1.2, delay=1.0), said("+WPI", 2.5, pid=100)).counts["nak_waited"] == 1
+    assert judged(said("-NAK", 31.5)).counts["ackwait"] == 1
+    assert judged(said("-NAK", 1.2, seq=2)).counts["ackwait"] == 1
+    restart = Fault("nats-server SIGKILL, back 1s later", T0 + 5.0, T0 + 6.0, None, in_control=False)
+    report = judged(said("-NAK", 1.2), faults=(kill, restart))
+    assert (report.counts["ackwait_outside"], report.counts["nak_waited"]) == (1, 0)
+    assert [f for f in report.findings if "may have lost it: nats-server SIGKILL" in f.text]
+
+
+# Worker 1's connection #3 (pid 1) closed at +0.5 s with a pull request outstanding (+0.3 s,
+# batch 4, 0.5 s): delivery 1 of the job, which BACK brings back at +31.1 s (AckWait 30 s), was
+# sent by +1.1 s and the proxy never read it.
+CLOSED = Link(3, "chaos-a worker 1", pid=1, ppid=100, closed=T0 + 0.5, how="cut")
+PULL = Pull("JOBS", "c", T0 + 0.3, 3, batch=4, expires=0.5)
+
+
+def test_checker_judges_a_delivery_no_connection_read_by_the_close_it_was_lost_in():
+    """Seed 849: the server sent delivery 1 into a pull request of worker 1's connection as a
+    worker-cut (outside) closed it, and the parent was SIGKILLed (in control) 0.5 s later: with no
+    hand-out, the window rule charged the kill. The candidates are the connections closing, a
+    pull request outstanding, at the redelivery less AckWait: all closed by outside faults, the
+    wait is outside. One closed by its worker's SIGKILL (in control) is charged; a pull request
+    expired or filled before the close, or no candidate, leaves the window rule; a close more than
+    a second before the mark is none. Seed 655: the
+    same after a delivery that ran, judged as never started, not by the earlier run's worker."""
+    cut = Fault("network: worker 1's connection cut 2s", T0 + 0.5, T0 + 2.5, frozenset({1}), in_control=False,
+                conns=frozenset({3}))
+    kill = Fault("parent SIGKILL, then a new supervisor", T0 + 1.0, T0 + 1.1, frozenset({1, 2}), parent=100)
+
+    def lost(faults: list[Fault], links: tuple = (CLOSED,), pulls: tuple = (PULL,), journal: list = BACK, **kw):
+        return check(evidence(journal, faults, lives=dict(LIVES), links=list(links), pulls=list(pulls), **kw))
+    report = lost([cut, kill])
+    assert (report.counts["ackwait"], report.counts["ackwait_outside"]) == (0, 1)
+    (text,) = [f.text for f in report.findings if f.verdict == "ackwait_outside"]
+    assert "delivery 1 reached no connection" in text and "#3 'chaos-a worker 1' (pid 1) closed +0.50s by cut" in text
+    died = Fault("worker SIGKILL", T0 + 0.45, T0 + 0.46, frozenset({1}))
+    assert lost([died, kill], links=[Link(3, "chaos-a worker 1", 1, 100, T0 + 0.5, "client")]).counts["ackwait"] == 1
+    filled = [Handout("chaos-a worker 1", "JOBS", 7, 1, T0 + 0.4, T0 + 0.4, pid=1, conn=3)]
+    for pulls, kw in (((), {}), ((Pull("JOBS", "c", T0 - 0.5, 3, 4, 0.5),), {}), ((Pull("JOBS", "c", T0 + 0.3, 3),),
+                                                                                  {"handouts": filled})):
+        assert lost([cut, kill], pulls=pulls, **kw).counts["ackwait"] == 1, pulls
+    # Seed 849 again: a worker retired 1.6 s before the mark, closing as its last pull request
+    # expired (nothing explains that close): not a candidate, more than LOST_BEFORE before it.
+    retired = (Link(6, "chaos-a worker 2", 2, 100, T0 - 0.5, "client"), Pull("JOBS", "c", T0 - 1.0, 6, 4, 0.5))
+    assert lost([cut, kill], links=(CLOSED, retired[0]), pulls=(PULL, retired[1])).counts["ackwait"] == 0
+    # Seed 52: a job per request, each delivery filling the oldest live one: the last still waited.
+    asks = tuple(Pull("JOBS", "c", T0 + t, 3, 1, 0.5) for t in (0.0, 0.1, 0.2, 0.3))
+    got = [Handout("chaos-a worker 1", "JOBS", 7, 1, T0 + t, T0 + t, pid=1, conn=3) for t in (0.25, 0.28, 0.35)]
+    later = Link(3, "chaos-a worker 1", 1, 100, T0 + 0.75, "cut")
+    assert lost([cut, kill], links=(later,), pulls=asks, handouts=got).counts["ackwait"] == 0
+    ran = [("S", 2, 1, 1, 0.1), ("S", 5, 1, 3, 31.1), ("D", 5, 1, 3, 31.2)]     # delivery 1 ran; 2 reached nobody
+    killed = Fault("worker SIGKILL", T0 + 0.2, T0 + 0.21, frozenset({2}))
+    assert lost([killed, cut, kill], journal=ran).counts["ackwait"] == 0
+    assert lost([killed, cut, kill], journal=ran, pulls=()).counts["ackwait"] == 1
+
+
 def test_the_proxy_names_each_delivery_a_stalled_link_kept_from_its_worker(nats_server):
     """chaos/proxy.py reads on through a stall: a delivery the server sent into a stalled link is
     known by its stream sequence and delivery number, with when it came and whether it was ever
@@ -525,6 +605,59 @@ def test_the_proxy_knows_which_process_was_handed_each_delivery(nats_server):
     assert h.out is not None and h.out >= h.came and h.conn > 0
     assert [(c.conn, c.pid) for c in struck] == [(h.conn, pid)]
     assert {(c.name, c.pid) for c in clients} == {("us", os.getpid()), ("w", pid)}
+
+
+def test_the_proxy_records_each_settle_pull_request_and_close_a_client_sends_through_it(nats_server):
+    """chaos/proxy.py reads what clients send as NATS protocol: a job fetched (a pull request),
+    marked in progress, NAKed with a 0.5 s delay, fetched again and TERMed: each settle names the
+    job, the delivery, the delay, the connection and our pid; each pull request its consumer and
+    batch; a cut names how the connection closed. The reading holds across any chunk boundary.
+    A delivery is a MSG line's reply-to only: a fleet heartbeat lists the reply subjects of the
+    jobs a supervisor's workers hold, and seed 849's parent was taken to be handed them."""
+    import asyncio
+
+    import nats
+
+    from chaos.proxy import Proxy, Upstream, deliveries
+
+    async def scenario() -> tuple[list[Settle], list[Pull], list[Link]]:
+        proxy = await Proxy(nats_server).start()
+        admin = await nats.connect(nats_server.url)
+        worker = await nats.connect(proxy.url, name="w", allow_reconnect=False)
+        try:
+            js = admin.jetstream()
+            await js.add_stream(name="T", subjects=["t.>"], retention="workqueue")
+            sub = await worker.jetstream().pull_subscribe("t.>", durable="c", stream="T")
+            await js.publish("t.1", b"1")
+            (msg,) = await sub.fetch(1, timeout=10)
+            await msg.in_progress()
+            await msg.nak(delay=0.5)
+            (again,) = await sub.fetch(1, timeout=10)
+            await again.term()
+            await worker.flush()                     # every settle written on to the server
+            await proxy.cut("^w$")
+            return await proxy.settles(), await proxy.pulls(), await proxy.links()
+        finally:
+            await worker.close()
+            await admin.close()
+            await proxy.close()
+
+    settles, pulls, links = asyncio.run(scenario())
+    assert [(s.kind, s.stream, s.consumer, s.seq, s.delivery, s.delay) for s in settles] == [
+        ("+WPI", "T", "c", 1, 1, 0.0), ("-NAK", "T", "c", 1, 1, 0.5), ("+TERM", "T", "c", 1, 2, 0.0)]
+    assert {(s.conn, s.pid, s.name) for s in settles} == {(links[0].conn, os.getpid(), "w")}
+    assert len(pulls) >= 2 and {(p.stream, p.consumer, p.batch, p.conn) for p in pulls} == {("T", "c", 1, links[0].conn)}
+    assert all(0 < p.expires <= 10 for p in pulls)
+    assert [(k.name, k.how, k.closed is not None) for k in links] == [("w", "cut", True)]
+    wire = (b'HPUB _INBOX.x 12 14\r\nNATS/1.0\r\n\r\nhi\r\n'
+            b'PUB $JS.ACK.T.c.2.9.5.0.0 _INBOX.r 22\r\n-NAK {"delay":1000000}\r\nPING\r\n'
+            b'PUB $JS.API.CONSUMER.MSG.NEXT.T.c _INBOX.y 11\r\n{"batch":4}\r\n')
+    up = Upstream()
+    assert [x for i in range(len(wire)) for x in up.feed(wire[i:i + 1])] == [
+        (b"$JS.ACK.T.c.2.9.5.0.0", b'-NAK {"delay":1000000}'), (b"$JS.API.CONSUMER.MSG.NEXT.T.c", b'{"batch":4}')]
+    # The other way, a delivery is a MSG line's reply-to, split or not; a payload naming one is none.
+    assert deliveries(b"+OK\r\nHMSG t.1 9 $JS.AC", b"K.T.c.2.9.5.0.0 12 14\r\n") == [("T", "c", 9, 2)]
+    assert deliveries(b"", b"MSG beat 3 40\r\n$JS.ACK.T.c.2.9.5.0.0 held\r\n") == []
 
 
 def test_a_connection_gone_during_its_pid_lookup_leaves_the_proxy_readable(nats_server, monkeypatch):
