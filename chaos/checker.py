@@ -116,6 +116,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from supervisor.core.ledger import NAK_READ, NAK_READ_NAKED
 from workers.runtime.orphan import ORPHAN_GRACE
 
 from .facts import Fault, Handout, Life, Link, Pull, Rec, Settle, Stored
@@ -128,6 +129,9 @@ SLACK = 0.05                # seconds: journal lines and fault times come from d
 # how young a death's unchecked round may be whatever it waited for (a tick or two).
 NATS_OBSTACLES = ("not connected to NATS", "ConsumerInfo failed", "cannot read", "cannot tell yet whether another")
 UNCHECKED_FRESH = 1.0
+# Names the ledger gives a dead worker's job whose NAK the server had read (F18): it was to come back
+# at once, so they excuse no AckWait wait (the rules for a never-started delivery judge it).
+READ_AT_DEATH = (NAK_READ, NAK_READ_NAKED)
 # An orphan's claim and its NAKs of what it had not started go out right after its parent's
 # death: a cut of its link must have begun by then to have kept them from NATS.
 ORPHAN_FIRST_WORDS = 0.5
@@ -255,7 +259,8 @@ class Checker:
         self.named: dict[tuple[int, int], dict[int, str]] = defaultdict(dict)   # (seq, delivery) -> {pid: why}
         ends = ev.statuses or ([ev.status] if ev.status is not None else [])
         for w in [*ev.left_to_ack_wait, *(w for st in ends for w in st["crosscheck"].get("left_to_ack_wait", []))]:
-            self.named[(int(w["stream_seq"]), int(w["delivery"]))][int(w["pid"])] = str(w.get("waits", ""))
+            if w.get("waits") not in READ_AT_DEATH:     # read by the server: no reason to wait for AckWait
+                self.named[(int(w["stream_seq"]), int(w["delivery"]))][int(w["pid"])] = str(w.get("waits", ""))
         self.pool_note = ""
         self.handed: dict[tuple[int, int], list[Handout]] = defaultdict(list)   # (seq, delivery) -> hand-outs
         for h in ev.handouts:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import types
 
-from chaos.checker import runs_by_seq
-from chaos.facts import Rec
+from chaos.checker import Checker, Evidence, runs_by_seq
+from chaos.facts import Rec, Stored
 from chaos.randomized import over_limit
+from supervisor.core.ledger import NAK_READ, NAK_READ_NAKED, NAK_UNSENT
 
 T0 = 1000.0
 
@@ -43,3 +44,13 @@ def test_one_job_at_a_time_is_not_over_a_limit_of_one():
     overlapping = [*JOURNAL, rec("S", 99, 5.82, pid=42), rec("D", 99, 5.83, pid=42)]
     run.tail = types.SimpleNamespace(poll=lambda: overlapping)
     assert over_limit(run, 1) == ["+5.82s: 2 jobs ran at once (limit 1)"]
+
+
+def test_a_job_whose_nak_the_server_had_read_at_the_death_is_not_named_as_waiting():
+    """F18: a dead worker's job named NAK_READ (or NAK_READ_NAKED) was to come back at once, so its
+    name excuses no AckWait wait; F10's NAK_UNSENT still does."""
+    left = [{"stream_seq": s, "delivery": 1, "pid": 41, "waits": why}
+            for s, why in ((1, NAK_READ), (2, NAK_READ_NAKED), (3, NAK_UNSENT))]
+    ev = Evidence(stored={s: Stored(s, f"j{s}", T0) for s in (1, 2, 3)}, journal=[], faults=[], ack_wait=30.0,
+                  origin=T0, left_to_ack_wait=left)
+    assert dict(Checker(ev).named) == {(3, 1): {41: NAK_UNSENT}}
