@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from harness import child_env, publish_now, wait_until
+from harness import alive, child_env, publish_now, wait_until
 from natsauth import first_pick_taken
 
 from bench.handlers import HOLD
@@ -104,12 +104,7 @@ def cmdlines(family: list[psutil.Process]) -> str:
 
 
 def living(family: list[psutil.Process]) -> list[psutil.Process]:
-    alive = []
-    for p in family:
-        with contextlib.suppress(psutil.Error):
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(p)
-    return alive
+    return [p for p in family if alive(p)]
 
 
 def all_gone(family: list[psutil.Process], timeout: float) -> None:

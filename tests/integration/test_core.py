@@ -10,7 +10,7 @@ import sys
 import time
 
 import psutil
-from harness import NatsServer, backlog_of, child_env, popen_at_a_terminal, publish, run_cli, wait_until
+from harness import NatsServer, alive, backlog_of, child_env, popen_at_a_terminal, publish, run_cli, wait_until
 
 ACK_WAIT = 60.0      # far longer than any wait below: a job back within seconds was NAKed, not expired
 
@@ -93,7 +93,7 @@ def test_sigterm_drains_in_flight_jobs(tmp_path, supervisor_factory):
 
     done = sup.jobs.done()
     assert len(done) == 6 and len({r.seq for r in done}) == 6 and all(r.delivery == 1 for r in done)
-    wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family),
+    wait_until(lambda: not any(alive(p) for p in family),
                timeout=10, what="no child process left")
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(store) in " ".join(p.info["cmdline"] or [])]
 

@@ -11,7 +11,7 @@ import time
 
 import nats
 import psutil
-from harness import publish, wait_until
+from harness import alive, publish, wait_until
 
 from supervisor.parent.safety.peers import SUSPECT_GRACE
 
@@ -222,7 +222,7 @@ def test_parent_sigkill_leaves_no_process(tmp_path, supervisor_factory):
     assert len(family) == 4                        # 3 workers + the embedded nats-server
     sup.signal(signal.SIGKILL)
     sup.wait()
-    wait_until(lambda: not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
+    wait_until(lambda: not [p for p in family if alive(p)],
                timeout=30, what="every worker and the nats-server gone")
 
 

@@ -16,7 +16,7 @@ import urllib.request
 import nats
 import psutil
 import tomli_w
-from harness import NatsServer, publish, wait_until
+from harness import NatsServer, alive, publish, wait_until
 from natsauth import free_port, nats_server_binary
 
 JSON_LOGS = ("--log-format", "json")
@@ -408,7 +408,7 @@ def test_sigquit_stops_at_once_and_naks_what_was_held(nats_server, supervisor_fa
     sup.signal(signal.SIGQUIT)
     assert sup.wait(15) == 0
     assert time.monotonic() - started < 10, "SIGQUIT must not wait for the jobs"
-    assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in family if alive(p)]
     # NAKed, not left to the 300 s AckWait: the next supervisor gets them at once.
     again = supervisor_factory(nats_server, workers={"count": 2}, consumer={"ack_wait": 300.0})
     redone = wait_until(lambda: len(again.jobs.started()) == 2 and again.jobs.started(), timeout=60,

@@ -15,7 +15,7 @@ import nats
 import psutil
 import pytest
 import tomli_w
-from harness import backlog_of, publish_now, wait_until
+from harness import alive, backlog_of, publish_now, wait_until
 
 from supervisor.core.liveness import DRAIN_MARGIN
 from workers.protocol.events import Settled, Unsent, decode
@@ -97,7 +97,7 @@ def test_a_sighup_lowering_graceful_timeout_does_not_cut_a_draining_workers_grac
     wait_until(draining, what="the old worker retiring (its replacement ready)")
     cut_at = time.monotonic() + 1.0 + DRAIN_MARGIN + 1.0      # past the deadline a live read of the new value gives
     wait_until(lambda: time.monotonic() > cut_at or not old.is_running(), timeout=30, what="the new value's deadline")
-    assert old.is_running() and old.status() != psutil.STATUS_ZOMBIE, \
+    assert alive(old), \
         f"the parent cut the old worker's grace: {sup.events('worker_died')}"
     gate.touch()
     sup.wait_event("worker_exited", worker_pid=old.pid)
@@ -116,14 +116,6 @@ def rewrite_config(sup, **sections):
 
 def gone(procs: list[psutil.Process]) -> bool:
     return not [p for p in procs if alive(p)]
-
-
-def alive(p: psutil.Process) -> bool:
-    """Running and not a zombie (one that ends between the two looks is gone, not an error)."""
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def in_flight(sup, state: str) -> list[dict]:

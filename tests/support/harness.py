@@ -403,6 +403,14 @@ class SupervisorProc:
             self._log.close()
 
 
+def alive(p: psutil.Process) -> bool:
+    """Running and not a zombie (one that ends between the two looks is gone, not an error)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def children_of(pid: int) -> list[psutil.Process]:
     """A process's direct children, from the kernel's list of each of its threads' children:
     psutil's children() reads every process on the box (12 ms with ~100 of them, and tests poll
