@@ -129,6 +129,7 @@ SLACK = 0.05                # seconds: journal lines and fault times come from d
 # how young a death's unchecked round may be whatever it waited for (a tick or two).
 NATS_OBSTACLES = ("not connected to NATS", "ConsumerInfo failed", "cannot read", "cannot tell yet whether another")
 UNCHECKED_FRESH = 1.0
+OP_MOOT = 1.0              # seconds: an operation its supervisor's SIGKILL followed this soon is judged with the kill
 # Names the ledger gives a dead worker's job whose NAK the server had read (F18): it was to come back
 # at once, so they excuse no AckWait wait (the rules for a never-started delivery judge it).
 READ_AT_DEATH = (NAK_READ, NAK_READ_NAKED)
@@ -682,7 +683,18 @@ def all_outside(culprits: list[Fault], started: bool, holders: list[Handout], pi
     """Could only faults outside the supervisor's control have caused the wait? (At least one
     did; a parent kill that left its orphans no way to NATS counts as outside: orphans_cut_off.)"""
     cut_off = orphans_cut_off(culprits, {h.conn for h in holders if h.conn}, pid)
+    cut_off += moot_ops(culprits, cut_off)
     return bool(culprits) and all(not f.controls(started=started) or any(f is g for g in cut_off) for f in culprits)
+
+
+def moot_ops(culprits: list[Fault], cut_off: list[Fault]) -> list[Fault]:
+    """Routine operations (SIGHUP, scale, pause) on a supervisor SIGKILLed within OP_MOOT after
+    them, that kill among those that left its orphans no way to NATS: whatever the operation
+    began (a retirement, a drain's NAKs) was the orphans' to finish over the same link the
+    outside fault cut (seed 817: a SIGTTOU, the parent's SIGKILL and a 4.6 s server stall within
+    10 ms of one another)."""
+    return [f for f in culprits if f.routine and any(
+        g.parent == f.parent and f.t0 - SLACK <= g.t0 <= f.t0 + OP_MOOT for g in cut_off)]
 
 
 def orphans_cut_off(culprits: list[Fault], conns: set[int], pid: int) -> list[Fault]:

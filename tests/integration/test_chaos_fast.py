@@ -382,6 +382,14 @@ def test_checker_counts_a_parent_kill_outside_when_a_cut_of_the_orphans_own_link
     assert handed([kill, down])["ackwait"] == 0
     back = Fault("nats-server SIGKILL, back 0.5s later", T0 + 3.9, T0 + 4.4, None, in_control=False)
     assert handed([kill, back])["ackwait"] == 1                         # back before the death
+    # Seed 817: a SIGTTOU of that supervisor 10 ms before its SIGKILL, the server stalled 10 ms
+    # after: whatever the operation began was the orphan's to finish, over the stalled server.
+    stall = Fault("nats-server SIGSTOP 4.63s", T0 + 5.01, T0 + 9.64, None, in_control=False)
+    ttou = Fault("op: SIGTTOU", T0 + 4.99, T0 + 4.99, frozenset(), parent=100)
+    assert handed([kill, stall, ttou])["ackwait"] == 0
+    assert handed([kill, ttou])["ackwait"] == 1                         # no outside fault: the supervisor's
+    early = Fault("op: SIGTTOU", T0 + 3.5, T0 + 3.5, frozenset(), parent=100)
+    assert handed([kill, stall, early])["ackwait"] == 1                 # 1.5 s before the kill: its own doing
 
 
 def test_checker_charges_a_never_started_wait_whose_holder_nothing_touched():
