@@ -576,7 +576,7 @@ def late_wait(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, w: L
     held = held_in_link(ev, seq, run) or (nak.said(ev.origin) if nak is not None and nak.lost_by else "")
     started = bool(before) and not holders and not w.unseen
     outside = held or (all(fs for _, fs in lost) and
-                       all_outside(culprits, started, holders, before[-1].pid if started else 0))
+                       all_outside(culprits, started, holders, before[-1].pid if started else 0, ev.lives))
     holder = holders[-1].pid if holders else lost[0][0].pid if len(lost) == 1 else 0   # the delivery's own
     named = "" if outside else named_at_death(ck.named, seq, before, run, holder=holder,
                                               unchecked=ev.in_transit_unchecked)
@@ -679,12 +679,47 @@ def on_holders(ev: Evidence, holders: list[Handout], end: float) -> list[Fault]:
     return sorted(out, key=lambda f: f.t0)
 
 
-def all_outside(culprits: list[Fault], started: bool, holders: list[Handout], pid: int) -> bool:
+def all_outside(culprits: list[Fault], started: bool, holders: list[Handout], pid: int,
+                lives: dict[int, Life] | None = None) -> bool:
     """Could only faults outside the supervisor's control have caused the wait? (At least one
-    did; a parent kill that left its orphans no way to NATS counts as outside: orphans_cut_off.)"""
+    did; a parent kill that left its orphans no way to NATS counts as outside: orphans_cut_off;
+    so does one whose orphan an outside kill took, and what a stop never ended let nobody do:
+    superseded.)"""
+    pids = {pid} if pid else {h.pid for h in holders if h.pid}
     cut_off = orphans_cut_off(culprits, {h.conn for h in holders if h.conn}, pid)
+    cut_off += superseded(culprits, pids, started, lives or {})
     cut_off += moot_ops(culprits, cut_off)
     return bool(culprits) and all(not f.controls(started=started) or any(f is g for g in cut_off) for f in culprits)
+
+
+def superseded(culprits: list[Fault], pids: set[int], started: bool, lives: dict[int, Life]) -> list[Fault]:
+    """In-control faults on the holder that a later fault made moot (seeds 817 and 930):
+      - its supervisor's SIGKILL, when an outside SIGKILL took the orphan within ORPHAN_GRACE (the
+        orphan's remedy, finishing and NAKing what it held, is what that kill prevented);
+      - a SIGSTOP of the holder that an outside SIGKILL of it ended: the stopped worker would
+        have gone on;
+      - a routine operation on its supervisor while it was stopped by a SIGSTOP that lasted to
+        its death: a stopped process acts on nothing, and it never resumed (930: a SIGTTOU while
+        the holder, stopped 4.4 s, waited for the heartbeat check's kill)."""
+    kills = [g for g in culprits if not g.controls(started=started) and g.kind.startswith("worker SIGKILL")
+             and g.pids is not None]
+    def killed_outside(p: int, lo: float, hi: float) -> bool:
+        return any(p in (g.pids or ()) and lo - SLACK <= g.t0 <= hi + SLACK for g in kills)
+    out = []
+    for p in pids:
+        life = lives.get(p)
+        died = life.died if life is not None else None
+        stops = [f for f in culprits if "SIGSTOP" in f.kind and f.pids is not None and p in f.pids]
+        for f in culprits:
+            if f.kind.startswith("parent SIGKILL") and f.pids is not None and p in f.pids \
+                    and killed_outside(p, f.t0, f.t0 + ORPHAN_GRACE):
+                out.append(f)
+            elif any(f is s for s in stops) and killed_outside(p, f.t0, f.t1):
+                out.append(f)
+            elif f.routine and life is not None and f.parent == life.parent and died is not None and any(
+                    s.t0 - SLACK <= f.t0 <= died and s.t1 + SLACK >= died for s in stops):
+                out.append(f)
+    return out
 
 
 def moot_ops(culprits: list[Fault], cut_off: list[Fault]) -> list[Fault]:

@@ -308,7 +308,8 @@ LIVES = {1: Life(1, T0, parent=100), 2: Life(2, T0, parent=100), 5: Life(5, T0, 
 
 
 def handed(faults: list[Fault], holder: Handout | None = HOLDER, **kw) -> dict:
-    return check(evidence(BACK, faults, lives=dict(LIVES), handouts=[holder] if holder else [], **kw)).counts
+    kw.setdefault("lives", dict(LIVES))
+    return check(evidence(BACK, faults, handouts=[holder] if holder else [], **kw)).counts
 
 
 def test_checker_charges_a_never_started_wait_only_to_what_touched_its_holder():
@@ -390,6 +391,44 @@ def test_checker_counts_a_parent_kill_outside_when_a_cut_of_the_orphans_own_link
     assert handed([kill, ttou])["ackwait"] == 1                         # no outside fault: the supervisor's
     early = Fault("op: SIGTTOU", T0 + 3.5, T0 + 3.5, frozenset(), parent=100)
     assert handed([kill, stall, early])["ackwait"] == 1                 # 1.5 s before the kill: its own doing
+
+
+def test_checker_judges_a_fault_a_later_outside_fault_made_moot_with_that_fault():
+    """Seed 817 (stop 35): delivery 2 started in worker 1; within 30 ms the rig SIGSTOPped it, its
+    supervisor took a SIGTTOU and was SIGKILLed, and the rig SIGKILLed the orphan (outside: its
+    supervisor was SIGKILLed around it). The stop, the operation and the parent's kill are in
+    control, but the outside kill ended the stop and took the orphan whose remedy the parent's
+    kill left: the wait is outside. Each of them alone, or the kill of another worker, charges."""
+    late = [("S", 1, 1, 2, 6.60), ("S", 3, 1, 3, 36.6), ("D", 3, 1, 3, 36.7)]
+    lives = {1: Life(1, T0, died=T0 + 6.64, parent=100)}
+    stop = Fault("worker SIGSTOP 0.57s", T0 + 6.61, T0 + 7.18, frozenset({1}))
+    ttou = Fault("op: SIGTTOU", T0 + 6.62, T0 + 6.62, frozenset(), parent=100)
+    parent = Fault("parent SIGKILL, then a new supervisor", T0 + 6.63, T0 + 6.63, frozenset({1}), parent=100)
+    orphan = Fault("worker SIGKILL", T0 + 6.64, T0 + 6.64, frozenset({1}), in_control=False)
+    def charged(faults: list[Fault]) -> int:
+        return check(evidence(late, faults, lives=dict(lives))).counts["ackwait"]
+    assert charged([stop, ttou, parent, orphan]) == 0
+    assert charged([stop, ttou, parent]) == 1                   # nothing outside: the supervisor's
+    assert charged([stop, orphan]) == 0 and charged([parent, orphan]) == 0
+    other = Fault("worker SIGKILL", T0 + 6.64, T0 + 6.64, frozenset({2}), in_control=False)
+    assert charged([stop, parent, other]) == 1                  # another worker killed
+    late_kill = Fault("worker SIGKILL", T0 + 9.0, T0 + 9.0, frozenset({1}), in_control=False)
+    assert charged([stop, late_kill]) == 1                      # after the stop ended: it had gone on
+
+
+def test_checker_takes_no_operation_as_acting_on_a_holder_stopped_until_its_death():
+    """Seed 930: delivery 1 handed to pid 1, SIGSTOPped 4.4 s (outside for what it had not
+    started: a peer shares the consumer) and killed by its supervisor's heartbeat check while
+    stopped; a SIGTTOU of that supervisor came during the stop. A stopped process acts on nothing
+    and this one never resumed: the operation did not keep the job. It still charges when the
+    holder resumed before its death."""
+    stop = Fault("worker SIGSTOP 4.37s", T0 + 0.9, T0 + 5.27, frozenset({1}), unstarted_in_control=False)
+    ttou = Fault("op: SIGTTOU", T0 + 4.1, T0 + 4.1, frozenset(), parent=100)
+    def charged(died: float) -> int:
+        lives = {**LIVES, 1: Life(1, T0, died=T0 + died, parent=100)}
+        return handed([stop, ttou], lives=lives)["ackwait"]
+    assert charged(4.8) == 0
+    assert charged(6.0) == 1                                    # resumed at +5.27, alive till +6.0
 
 
 def test_checker_charges_a_never_started_wait_whose_holder_nothing_touched():
