@@ -121,7 +121,7 @@ from workers.runtime.orphan import ORPHAN_GRACE
 
 from .facts import Fault, Handout, Life, Link, Pull, Rec, Settle, Stored
 from .order import Run, reorders
-from .waits import Naked, first_pull, lost_in_closing, lost_text, naked
+from .waits import Naked, first_pull, lost_in_closing, lost_text, nak_lost_in_close, naked
 
 ACKWAIT_FRACTION = 0.5      # a redelivery later than this share of AckWait waited for AckWait
 SLACK = 0.05                # seconds: journal lines and fault times come from different processes
@@ -129,7 +129,7 @@ SLACK = 0.05                # seconds: journal lines and fault times come from d
 # how young a death's unchecked round may be whatever it waited for (a tick or two).
 NATS_OBSTACLES = ("not connected to NATS", "ConsumerInfo failed", "cannot read", "cannot tell yet whether another")
 UNCHECKED_FRESH = 1.0
-OP_MOOT = 1.0              # seconds: an operation its supervisor's SIGKILL followed this soon is judged with the kill
+OP_MOOT = 0.2              # seconds: an operation its supervisor's SIGKILL followed this soon is judged with the kill
 # Names the ledger gives a dead worker's job whose NAK the server had read (F18): it was to come back
 # at once, so they excuse no AckWait wait (the rules for a never-started delivery judge it).
 READ_AT_DEATH = (NAK_READ, NAK_READ_NAKED)
@@ -236,12 +236,14 @@ def runs_by_seq(journal: list[Rec]) -> dict[int, list[RunOfJob]]:
     same delivery number twice: a restarted server that lost its consumer state hands the job out
     again as delivery 1 (seed 855); each S line opens a run of its own, its D or R line ends it."""
     runs: dict[int, list[RunOfJob]] = defaultdict(list)
-    open_: dict[tuple[int, int, int], RunOfJob] = {}
+    open_: dict[tuple[int, int, int], list[RunOfJob]] = defaultdict(list)   # oldest first: two may overlap
     for r in sorted(journal, key=lambda r: r.t):
         if r.event == "S":
-            open_[(r.seq, r.pid, r.delivery)] = run = RunOfJob(r.pid, r.delivery, r.t)
+            run = RunOfJob(r.pid, r.delivery, r.t)
+            open_[(r.seq, r.pid, r.delivery)].append(run)
             runs[r.seq].append(run)
-        elif (run := open_.pop((r.seq, r.pid, r.delivery), None)) is not None:
+        elif (opened := open_.get((r.seq, r.pid, r.delivery))):
+            run = opened.pop(0)
             if r.event == "R":
                 run.retried = r.t
             else:
@@ -501,6 +503,10 @@ class Checker:
             return float("-inf")
         ends = [r.ended for s, runs in self.runs.items() if s < seq and self.order_of(s) == key
                 for r in runs if r.ended is not None and r.ended <= t]
+        # An earlier job whose ack was lost stayed stored, and held the key, until a later ack
+        # (of a rerun, or of a redelivery acked unrun by the guard) the proxy carried: seed 817.
+        ends += [x.t for x in self.ev.settles if x.seq < seq and x.kind in ("+ACK", "+TERM") and x.t <= t
+                 and self.order_of(x.seq) == key]
         return max(ends, default=float("-inf"))
 
     def sent_by(self, seq: int) -> float:
@@ -559,7 +565,12 @@ def late_wait(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, w: L
     stalled link held it, or every fault that could have kept it is outside, or a ledger named it."""
     ev, consumer = ck.ev, ck.ev.pools.get(ck.pool(seq), "")
     nak = nak_of(ck, seq, before, run, consumer, w.unseen)
-    if nak is not None and nak.wpi is None and nak.lost_by is None:
+    # The wait is the NAK's only if the NAK itself came soon and the job ran soon after the
+    # server sent it again: a NAK the supervisor sent late, or a delivery held long after it came,
+    # is judged as any wait (a cold review: a death's NAK 20 s late would have passed).
+    late_nak = nak is not None and (nak.nak.t - (run.start - w.lag)) + (run.start - next_sent(ck, seq, run)) \
+        >= ACKWAIT_FRACTION * ev.ack_wait
+    if nak is not None and nak.wpi is None and nak.lost_by is None and not late_nak:
         c["nak_waited"] += 1
         due = nak.nak.t + nak.nak.delay
         pull = first_pull(ev, consumer, due)
@@ -573,7 +584,10 @@ def late_wait(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, w: L
     lost = lost_in_closing(ev, consumer, next_sent(ck, seq, run)) if w.unseen else []
     if lost:
         culprits = sorted({id(f): f for _, fs in lost for f in fs}.values(), key=lambda f: f.t0)
-    held = held_in_link(ev, seq, run) or (nak.said(ev.origin) if nak is not None and nak.lost_by else "")
+    held = held_in_link(ev, seq, run) or (nak.said(ev.origin) if nak is not None and nak.lost_by else "") or (
+        nak_lost_in_close(ev, seq, before[-1].pid, before[-1].retried, {h.conn for h in ck.handed.get(
+            (seq, before[-1].delivery), [])}, next_sent(ck, seq, run))
+        if before and before[-1].retried is not None and before[-1].delivery == run.delivery - 1 else "")
     started = bool(before) and not holders and not w.unseen
     outside = held or (all(fs for _, fs in lost) and
                        all_outside(culprits, started, holders, before[-1].pid if started else 0, ev.lives))
@@ -694,8 +708,9 @@ def all_outside(culprits: list[Fault], started: bool, holders: list[Handout], pi
 
 def superseded(culprits: list[Fault], pids: set[int], started: bool, lives: dict[int, Life]) -> list[Fault]:
     """In-control faults on the holder that a later fault made moot (seeds 817 and 930):
-      - its supervisor's SIGKILL, when an outside SIGKILL took the orphan within ORPHAN_GRACE (the
-        orphan's remedy, finishing and NAKing what it held, is what that kill prevented);
+      - its supervisor's SIGKILL, when an outside SIGKILL took the orphan within ORPHAN_GRACE (for
+        a job it ran; by its first words for one it had not started: those it NAKs at once): the
+        orphan's remedy is what that kill prevented;
       - a SIGSTOP of the holder that an outside SIGKILL of it ended: the stopped worker would
         have gone on;
       - a routine operation on its supervisor while it was stopped by a SIGSTOP that lasted to
@@ -712,7 +727,7 @@ def superseded(culprits: list[Fault], pids: set[int], started: bool, lives: dict
         stops = [f for f in culprits if "SIGSTOP" in f.kind and f.pids is not None and p in f.pids]
         for f in culprits:
             if f.kind.startswith("parent SIGKILL") and f.pids is not None and p in f.pids \
-                    and killed_outside(p, f.t0, f.t0 + ORPHAN_GRACE):
+                    and killed_outside(p, f.t0, f.t0 + (ORPHAN_GRACE if started else ORPHAN_FIRST_WORDS)):
                 out.append(f)
             elif any(f is s for s in stops) and killed_outside(p, f.t0, f.t1):
                 out.append(f)
@@ -724,12 +739,14 @@ def superseded(culprits: list[Fault], pids: set[int], started: bool, lives: dict
 
 def moot_ops(culprits: list[Fault], cut_off: list[Fault]) -> list[Fault]:
     """Routine operations (SIGHUP, scale, pause) on a supervisor SIGKILLed within OP_MOOT after
-    them, that kill among those that left its orphans no way to NATS: whatever the operation
+    them (less than a retirement's NAKs take on a working box), that kill among those that left
+    its orphans no way to NATS: whatever the operation
     began (a retirement, a drain's NAKs) was the orphans' to finish over the same link the
     outside fault cut (seed 817: a SIGTTOU, the parent's SIGKILL and a 4.6 s server stall within
     10 ms of one another)."""
     return [f for f in culprits if f.routine and any(
-        g.parent == f.parent and f.t0 - SLACK <= g.t0 <= f.t0 + OP_MOOT for g in cut_off)]
+        g.kind.startswith("parent SIGKILL") and g.parent == f.parent and f.t0 - SLACK <= g.t0 <= f.t0 + OP_MOOT
+        for g in cut_off)]
 
 
 def orphans_cut_off(culprits: list[Fault], conns: set[int], pid: int) -> list[Fault]:

@@ -90,7 +90,7 @@ def naked(ev: Evidence, seq: int, consumer: str, sent: float, next_sent: float, 
         if s.kind == "-NAK":
             last = Naked(s)
         elif s.kind == "+WPI" and last is not None and last.wpi is None and last.nak.delay > 0 \
-                and s.t < last.nak.t + last.nak.delay:
+                and s.t < last.nak.t + last.nak.delay + EXPIRY_SLACK:   # to the redelivery queue a little late
             last = Naked(last.nak, s)
     if last is None or last.wpi is not None:
         return last
@@ -161,3 +161,26 @@ def lost_text(ev: Evidence, delivery: int, lost: list[tuple[Link, list[Fault]]])
                 f"{link.how or '?'} with a pull request outstanding, closed by: {by}")
     return (f"delivery {delivery} reached no connection (the proxy never read it): sent into a closing one, "
             + " | ".join(one(link, faults) for link, faults in lost))
+
+
+def nak_lost_in_close(ev: Evidence, seq: int, pid: int, raised: float, conns: set[int], until: float) -> str:
+    """How a retry's NAK died with its connection, or "": the handler raised (its R line, at
+    `raised`: the worker NAKs at once) and the proxy carried no NAK of the job to the server by
+    `until` (the next delivery), while the connection the delivery came on (`conns`) had been
+    closed, before the raise, by faults all outside the supervisor's control (a server kill: seed
+    962, the worker SIGSTOPped across it, resumed and wrote its NAK into the socket the server had
+    closed; nats-py does not send a NAK again on the new connection, which the README says waits
+    for AckWait)."""
+    if any(s.seq == seq and s.kind == "-NAK" and raised - SLACK <= s.t <= until for s in ev.settles):
+        return ""
+    for link in ev.links:
+        if link.conn in conns and link.pid == pid and link.closed is not None and link.closed <= raised + SLACK:
+            # What closed the link itself (the server's faults, or a rule on that connection), not
+            # what else acted on its process then (the SIGSTOP that kept it from noticing).
+            faults = [f for f in closed_by(ev, link) if f.pids is None or link.conn in f.conns]
+            if faults and all(not f.in_control for f in faults):
+                return (f"its retry's NAK (the handler raised +{raised - ev.origin:.2f}s) never reached the server: "
+                        f"its connection #{link.conn} had been closed +{link.closed - ev.origin:.2f}s by "
+                        + "; ".join(f.name(ev.origin) for f in faults[:2]))
+    return ""
+

@@ -389,8 +389,8 @@ def test_checker_counts_a_parent_kill_outside_when_a_cut_of_the_orphans_own_link
     ttou = Fault("op: SIGTTOU", T0 + 4.99, T0 + 4.99, frozenset(), parent=100)
     assert handed([kill, stall, ttou])["ackwait"] == 0
     assert handed([kill, ttou])["ackwait"] == 1                         # no outside fault: the supervisor's
-    early = Fault("op: SIGTTOU", T0 + 3.5, T0 + 3.5, frozenset(), parent=100)
-    assert handed([kill, stall, early])["ackwait"] == 1                 # 1.5 s before the kill: its own doing
+    early = Fault("op: SIGTTOU", T0 + 4.5, T0 + 4.5, frozenset(), parent=100)
+    assert handed([kill, stall, early])["ackwait"] == 1                 # 0.5 s before the kill: its own doing
 
 
 def test_checker_judges_a_fault_a_later_outside_fault_made_moot_with_that_fault():
@@ -414,6 +414,17 @@ def test_checker_judges_a_fault_a_later_outside_fault_made_moot_with_that_fault(
     assert charged([stop, parent, other]) == 1                  # another worker killed
     late_kill = Fault("worker SIGKILL", T0 + 9.0, T0 + 9.0, frozenset({1}), in_control=False)
     assert charged([stop, late_kill]) == 1                      # after the stop ended: it had gone on
+
+
+def test_checker_judges_an_unstarted_jobs_orphan_killed_after_its_first_words_by_its_parents_kill():
+    """An orphan NAKs what it has not started at once: killed (outside) within its first words,
+    that kill made its parent's moot; killed 1.9 s later, the NAKs should have gone: charged."""
+    parent = Fault("parent SIGKILL, then a new supervisor", T0 + 2.0, T0 + 2.0, frozenset({1}), parent=100)
+    def orphan_killed(after: float) -> int:
+        kill = Fault("worker SIGKILL", T0 + 2.0 + after, T0 + 2.0 + after, frozenset({1}), in_control=False)
+        return handed([parent, kill])["ackwait"]
+    assert orphan_killed(0.1) == 0
+    assert orphan_killed(1.9) == 1
 
 
 def test_checker_takes_no_operation_as_acting_on_a_holder_stopped_until_its_death():
@@ -493,13 +504,52 @@ def test_checker_takes_a_job_whose_nak_the_server_had_as_no_ackwait_wait_unless_
     report = judged(said("-NAK", 1.2, delay=1.0), said("+WPI", 1.5, pid=100))
     assert (report.counts["ackwait"], report.counts["nak_waited"]) == (1, 0)
     assert [f for f in report.findings if f.verdict == "ackwait" and "a +WPI after its NAK" in f.text]
-    assert judged(said("-NAK", 1.2, delay=1.0), said("+WPI", 2.5, pid=100)).counts["nak_waited"] == 1
+    assert judged(said("-NAK", 1.2, delay=1.0), said("+WPI", 3.0, pid=100)).counts["nak_waited"] == 1
     assert judged(said("-NAK", 31.5)).counts["ackwait"] == 1
+    # A NAK the supervisor sent late (half an AckWait after the hand-out) is no excuse: judged.
+    assert judged(said("-NAK", 16.5)).counts["ackwait"] == 1 and judged(said("-NAK", 15.5)).counts["nak_waited"] == 1
     assert judged(said("-NAK", 1.2, seq=2)).counts["ackwait"] == 1
     restart = Fault("nats-server SIGKILL, back 1s later", T0 + 5.0, T0 + 6.0, None, in_control=False)
     report = judged(said("-NAK", 1.2), faults=(kill, restart))
     assert (report.counts["ackwait_outside"], report.counts["nak_waited"]) == (1, 0)
     assert [f for f in report.findings if "may have lost it: nats-server SIGKILL" in f.text]
+
+
+def test_checker_holds_an_ordered_key_until_its_earlier_jobs_lost_ack_is_made_good():
+    """Seed 817 (stop 35): seq 1 of key k ran and its ack was lost; its redelivery was acked unrun
+    (the idempotency guard: no journal line) at +31.0 s. Seq 2 of k, NAKed by its first holder,
+    was parked by its next until then: the key was busy, the job did not wait for AckWait."""
+    lives = {1: Life(1, T0, parent=100), 2: Life(2, T0, parent=100), 3: Life(3, T0, parent=100)}
+    def judged(*settles: Settle) -> dict:
+        ev = Evidence(stored={1: Stored(1, "j1", T0, order="k"), 2: Stored(2, "j2", T0 + 0.5, order="k")},
+                      journal=[Rec(e, pid, seq, d, T0 + t, 0.0, f"j{seq}") for e, pid, seq, d, t in
+                               [("S", 3, 1, 1, 1.0), ("D", 3, 1, 1, 1.1), ("S", 2, 2, 2, 31.1), ("D", 2, 2, 2, 31.2)]],
+                      faults=[], ack_wait=30.0, origin=T0, lives=lives,
+                      handouts=[Handout("chaos-a worker 0", "JOBS", 2, 1, T0 + 2.0, T0 + 2.0, pid=1, conn=3, ppid=100),
+                                Handout("chaos-a worker 1", "JOBS", 2, 2, T0 + 3.0, T0 + 3.0, pid=2, conn=4, ppid=100)],
+                      settles=list(settles))
+        return check(ev).counts
+    nak = said("-NAK", 2.05, seq=2)
+    assert judged(nak, said("+ACK", 31.0, pid=3, seq=1))["ackwait"] == 0
+    assert judged(nak)["ackwait"] == 1                           # no later ack of seq 1: k was free from +1.1 s
+
+
+def test_checker_takes_a_retrys_nak_lost_with_a_connection_the_server_closed_as_outside():
+    """Seed 962: the handler raised at +5.0 s, its worker stopped (in control) across a server
+    SIGKILL (outside) that closed its connection at +2.0 s; resumed, it wrote its NAK into that
+    dead socket (no NAK reached the server), and the job came back after AckWait. Charged when
+    the connection was not closed, or closed by a fault in the supervisor's control."""
+    late = [("S", 1, 1, 1, 1.0), ("R", 1, 1, 1, 5.0), ("S", 2, 1, 2, 31.0), ("D", 2, 1, 2, 31.1)]
+    stop = Fault("worker SIGSTOP 3.5s", T0 + 1.5, T0 + 5.0, frozenset({1}))
+    down = Fault("nats-server SIGKILL, back 2s later", T0 + 2.0, T0 + 4.0, None, in_control=False)
+    hand = Handout("chaos-a worker 0", "JOBS", 1, 1, T0 + 0.9, T0 + 0.9, pid=1, conn=3, ppid=100)
+    def judged(faults: list[Fault], links: list[Link]) -> dict:
+        return check(evidence(late, faults, lives=dict(LIVES), handouts=[hand], links=links)).counts
+    closed = Link(3, "chaos-a worker 0", pid=1, ppid=100, closed=T0 + 2.0, how="server")
+    assert (judged([stop, down], [closed])["ackwait"], judged([stop, down], [closed])["ackwait_outside"]) == (0, 1)
+    assert judged([stop, down], [])["ackwait"] == 1
+    cut = Fault("network: worker 0's connection cut", T0 + 2.0, T0 + 2.5, frozenset({1}), conns=frozenset({3}))
+    assert judged([stop, cut], [Link(3, "chaos-a worker 0", pid=1, ppid=100, closed=T0 + 2.0, how="cut")])["ackwait"] == 1
 
 
 # Worker 1's connection #3 (pid 1) closed at +0.5 s with a pull request outstanding (+0.3 s,

@@ -32,6 +32,13 @@ def test_the_same_delivery_run_twice_in_one_process_is_two_runs():
     assert (second.start, second.done) == (T0 + 5.9, T0 + 5.96)
 
 
+def test_two_overlapping_runs_of_one_delivery_in_one_process_end_oldest_first():
+    """855's form with concurrency 2: the restarted server hands the job out again while its first
+    run still runs; each D ends one run (the oldest: which one finished first is not known)."""
+    runs = runs_by_seq([rec("S", 5, 1.0), rec("S", 5, 2.0), rec("D", 5, 3.0), rec("D", 5, 4.0)])[5]
+    assert [(r.start, r.done) for r in runs] == [(T0 + 1.0, T0 + 3.0), (T0 + 2.0, T0 + 4.0)]
+
+
 def test_a_retry_ends_its_run_and_an_unended_run_stays_open():
     runs = runs_by_seq([rec("S", 7, 0.0), rec("R", 7, 0.01), rec("S", 7, 1.0, delivery=2)])[7]
     assert [(r.delivery, r.retried, r.done) for r in runs] == [(1, T0 + 0.01, None), (2, None, None)]
