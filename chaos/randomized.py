@@ -265,7 +265,8 @@ def republished(jobs: list[str], rate: float, c: Cfg, rng: random.Random) -> lis
 
 def delayed(jobs: list[str], c: Cfg, rng: random.Random) -> list[str]:
     """A share of the jobs published as delayed jobs (`~SECONDS~ACTIONS`: a message schedule each,
-    due SECONDS after it is stored); never a key published again (its first copy may be late)."""
+    due SECONDS after it is stored); never a `jN=` (its first copy may be late). A delayed job's
+    own key may be published again, on its own subject, before it fires (seed 940)."""
     if not c["chaos.delayed"]:
         return jobs
     return [f"~{c['chaos.delay']}~{j}" if "=" not in j and rng.random() < c["chaos.delayed"] else j for j in jobs]

@@ -349,11 +349,14 @@ class Publisher:
     def fired(self, journal: list[Rec], notes: list[str], origin: float) -> dict[int, Stored]:
         """The jobs the server stored for schedules, by their seq in the journal: each delayed job
         (stored when due; one never seen run is its schedule's seq, so the checker finds it lost or
-        still in the stream) and each tick of [schedules.tick] (stored by its first start)."""
+        still in the stream) and each tick of [schedules.tick] (stored by its first start). A
+        sequence the publisher stored itself is no firing: a delayed job's key published again
+        (`jN=`, on its own subject and so its own [ordering] key: seed 940) keeps its own record."""
         seen: dict[str, set[int]] = {}
         first: dict[int, float] = {}
         for r in journal:
-            seen.setdefault(r.key, set()).add(r.seq)
+            if r.seq not in self.stored:
+                seen.setdefault(r.key, set()).add(r.seq)
             first[r.seq] = min(first.get(r.seq, r.t), r.t)
         out = {}
         for key, s in self.delayed.items():

@@ -22,7 +22,7 @@ from chaos import scenarios  # noqa: F401  (registers the scenarios)
 from chaos.checker import Evidence, check
 from chaos.core import SCENARIOS, run_scenario
 from chaos.facts import Fault, Handout, Life, Link, Pull, Rec, Settle, Stored
-from chaos.rig import copies_for_later
+from chaos.rig import Publisher, copies_for_later
 
 SEED = int(os.environ["CHAOS_SEED"]) if "CHAOS_SEED" in os.environ else None
 
@@ -868,6 +868,24 @@ def test_checker_takes_a_killed_run_as_ended_at_its_death_or_its_rerun():
     server = Fault("nats-server SIGKILL, back 1s later", T0 + 0.25, T0 + 1.25, None, in_control=False)
     c = check(ordered(again, [server])).counts
     assert (c["reordered"], c["reorder_unexplained"]) == (1, 0)
+
+
+def test_a_delayed_jobs_key_published_again_is_no_firing_of_it():
+    """Seed 940: j1 published delayed on key k (its schedule is seq 3, due at +3), then its key
+    published again on key q (seq 5, `j1=`, its own subject) while j4 of k ran; the firing came
+    as seq 8. Seq 5 keeps its publish's record (key q): no reorder beside j4. Only the firing is
+    the delayed job's, and one never seen run is its schedule's seq."""
+    pub = Publisher(None)  # type: ignore[arg-type]        # fired() reads only what was published
+    pub.delayed = {"j1": Stored(3, "j1", T0 + 3.0, "k")}
+    pub.stored = {4: Stored(4, "j4", T0 + 0.9, "k"), 5: Stored(5, "j1", T0 + 1.0, "q")}
+    rows = [("S", 1, 4, 1, 1.0, "j4"), ("S", 1, 5, 1, 1.05, "j1"), ("D", 1, 5, 1, 1.1, "j1"),
+            ("D", 1, 4, 1, 1.2, "j4"), ("S", 1, 8, 1, 3.1, "j1"), ("D", 1, 8, 1, 3.2, "j1")]
+    journal = [Rec(e, pid, seq, d, T0 + t, 0.0, key) for e, pid, seq, d, t, key in rows]
+    fired = pub.fired(journal, [], T0)
+    assert fired == {8: Stored(8, "j1", T0 + 3.0, "k")}
+    ev = Evidence(stored={**pub.stored, **fired}, journal=journal, faults=[], ack_wait=30.0, origin=T0)
+    assert check(ev).counts["reorder_unexplained"] == 0
+    assert pub.fired(journal[:4], [], T0) == {3: Stored(3, "j1", T0 + 3.0, "k")}   # the firing never ran
 
 
 def test_checker_judges_a_key_within_its_pool():
