@@ -568,8 +568,8 @@ def late_wait(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, w: L
     # The wait is the NAK's only if the NAK itself came soon and the job ran soon after the
     # server sent it again: a NAK the supervisor sent late, or a delivery held long after it came,
     # is judged as any wait (a cold review: a death's NAK 20 s late would have passed).
-    late_nak = nak is not None and (nak.nak.t - (run.start - w.lag)) + (run.start - next_sent(ck, seq, run)) \
-        >= ACKWAIT_FRACTION * ev.ack_wait
+    late_nak = nak is not None and (nak.nak.t - (run.start - w.lag) - server_away(ev, run.start - w.lag, nak.nak.t)) \
+        + (run.start - next_sent(ck, seq, run)) >= ACKWAIT_FRACTION * ev.ack_wait
     if nak is not None and nak.wpi is None and nak.lost_by is None and not late_nak:
         c["nak_waited"] += 1
         due = nak.nak.t + nak.nak.delay
@@ -600,8 +600,23 @@ def late_wait(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, w: L
                else wait_context(ev, run.start, culprits))
     why = held or context + (f"; named at the death by the ledger: {named}" if named else "")
     why += f"; {nak.said(ev.origin)}" if nak is not None and nak.wpi is not None else ""
+    why += f"; {nak.said(ev.origin)}, judged as any wait: it came late" if late_nak and nak and nak.wpi is None else ""
     ck.find(verdict, seq, f"delivery {run.delivery} started {w.lag:.1f}s after the previous delivery was last "
                           f"seen{'' if started else ' (it never started)'}; {why}")
+
+
+def server_away(ev: Evidence, lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] the server was stopped or down by an outside fault: no NAK could reach
+    it then (seed 985: an orphan's NAKs 9.7 s after the hand-out, 4.2 s of it a server stall and
+    kill), so that time does not make a NAK late."""
+    spans = sorted((max(lo, f.t0), min(hi, f.t1)) for f in ev.faults if f.kind.startswith("nats-server")
+                   and f.pids is None and not f.in_control and f.t0 < hi and f.t1 > lo)
+    away, end = 0.0, lo
+    for a, b in spans:
+        a = max(a, end)
+        if b > a:
+            away, end = away + b - a, b
+    return away
 
 
 def nak_of(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, consumer: str, unseen: bool) -> Naked | None:

@@ -508,6 +508,9 @@ def test_checker_takes_a_job_whose_nak_the_server_had_as_no_ackwait_wait_unless_
     assert judged(said("-NAK", 31.5)).counts["ackwait"] == 1
     # A NAK the supervisor sent late (half an AckWait after the hand-out) is no excuse: judged.
     assert judged(said("-NAK", 16.5)).counts["ackwait"] == 1 and judged(said("-NAK", 15.5)).counts["nak_waited"] == 1
+    # ... unless the server was away meanwhile (seed 985: no NAK can reach a stopped server).
+    away = Fault("nats-server SIGSTOP 2s", T0 + 3.0, T0 + 5.0, None, in_control=False)
+    assert judged(said("-NAK", 16.5), faults=(kill, away)).counts["nak_waited"] == 1
     assert judged(said("-NAK", 1.2, seq=2)).counts["ackwait"] == 1
     restart = Fault("nats-server SIGKILL, back 1s later", T0 + 5.0, T0 + 6.0, None, in_control=False)
     report = judged(said("-NAK", 1.2), faults=(kill, restart))
