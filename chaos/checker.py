@@ -129,6 +129,8 @@ SLACK = 0.05                # seconds: journal lines and fault times come from d
 # how young a death's unchecked round may be whatever it waited for (a tick or two).
 NATS_OBSTACLES = ("not connected to NATS", "ConsumerInfo failed", "cannot read", "cannot tell yet whether another")
 UNCHECKED_FRESH = 1.0
+GIVE_UP = 5.0              # seconds the in-transit check waits for every live worker's proof (in_transit.py)
+ROUND_TICK = 1.0           # ... and a tick of the parent's loop to say so
 OP_MOOT = 0.2              # seconds: an operation its supervisor's SIGKILL followed this soon is judged with the kill
 # Names the ledger gives a dead worker's job whose NAK the server had read (F18): it was to come back
 # at once, so they excuse no AckWait wait (the rules for a never-started delivery judge it).
@@ -590,7 +592,8 @@ def late_wait(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, w: L
         if before and before[-1].retried is not None and before[-1].delivery == run.delivery - 1 else "")
     started = bool(before) and not holders and not w.unseen
     outside = held or (all(fs for _, fs in lost) and
-                       all_outside(culprits, started, holders, before[-1].pid if started else 0, ev.lives))
+                       all_outside(culprits, started, holders, before[-1].pid if started else 0, ev.lives,
+                                   ev.faults))
     holder = holders[-1].pid if holders else lost[0][0].pid if len(lost) == 1 else 0   # the delivery's own
     named = "" if outside else named_at_death(ck.named, seq, before, run, holder=holder,
                                               unchecked=ev.in_transit_unchecked)
@@ -709,7 +712,7 @@ def on_holders(ev: Evidence, holders: list[Handout], end: float) -> list[Fault]:
 
 
 def all_outside(culprits: list[Fault], started: bool, holders: list[Handout], pid: int,
-                lives: dict[int, Life] | None = None) -> bool:
+                lives: dict[int, Life] | None = None, faults: list[Fault] | None = None) -> bool:
     """Could only faults outside the supervisor's control have caused the wait? (At least one
     did; a parent kill that left its orphans no way to NATS counts as outside: orphans_cut_off;
     so does one whose orphan an outside kill took, and what a stop never ended let nobody do:
@@ -717,8 +720,36 @@ def all_outside(culprits: list[Fault], started: bool, holders: list[Handout], pi
     pids = {pid} if pid else {h.pid for h in holders if h.pid}
     cut_off = orphans_cut_off(culprits, {h.conn for h in holders if h.conn}, pid)
     cut_off += superseded(culprits, pids, started, lives or {})
+    if not started:
+        cut_off += round_blocked(culprits, pids, lives or {}, faults or [])
     cut_off += moot_ops(culprits, cut_off)
     return bool(culprits) and all(not f.controls(started=started) or any(f is g for g in cut_off) for f in culprits)
+
+
+def round_blocked(culprits: list[Fault], pids: set[int], lives: dict[int, Life], faults: list[Fault]) -> list[Fault]:
+    """The in-control faults on a holder that died with a delivery on its wire (its kill, its
+    stop), when an outside fault on another live worker's link of the same supervisor came within
+    the in-transit check's GIVE_UP after the death: the check NAKs only once every live worker
+    proved what it holds, and that one could not (README: "Otherwise the job waits for AckWait",
+    `in_transit_skipped`; seed 982: a 39 s stall of worker 0's link 3 s after worker 1's death)."""
+    out = []
+    for p in pids:
+        life = lives.get(p)
+        if life is None or life.died is None:
+            continue
+        def sibling_alive(q: int) -> bool:          # a worker the check waits on: alive during it
+            other = lives.get(q)
+            return q != p and other is not None and other.parent == life.parent \
+                and other.born <= life.died + GIVE_UP and (other.died is None or other.died > life.died)
+        if any(not f.in_control and "connection" in f.kind and "worker" in f.kind and f.pids
+               and all(sibling_alive(q) for q in f.pids) and f.t0 <= life.died + GIVE_UP and f.t1 >= life.died
+               for f in faults):
+            out += [f for f in culprits if f.in_control and f.pids is not None and p in f.pids
+                    and f.t0 <= life.died + SLACK]
+            # ... and its supervisor's link faults after the check had given up: they met no NAK.
+            out += [f for f in culprits if f.in_control and f.parent == life.parent and "connection" in f.kind
+                    and f.t0 > life.died + GIVE_UP + ROUND_TICK]
+    return out
 
 
 def superseded(culprits: list[Fault], pids: set[int], started: bool, lives: dict[int, Life]) -> list[Fault]:

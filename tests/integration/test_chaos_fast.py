@@ -442,6 +442,25 @@ def test_checker_takes_no_operation_as_acting_on_a_holder_stopped_until_its_deat
     assert charged(6.0) == 1                                    # resumed at +5.27, alive till +6.0
 
 
+def test_checker_takes_a_wait_whose_in_transit_check_another_workers_outside_link_fault_blocked_as_outside():
+    """Seed 982: delivery 1 on the wire to pid 1 when it was SIGKILLed (in control: a lone
+    supervisor's in-transit check NAKs such deliveries), but the check needs every live worker's
+    proof, and 3 s later a 39 s stall of a sibling's link (outside) kept one from giving it: the
+    check gave up (in_transit_skipped), the job came back after AckWait. Outside; charged when
+    the stall hit another supervisor's worker, or began after the check would have given up;
+    and the supervisor's own link cut after that met no NAK."""
+    lives = {**LIVES, 1: Life(1, T0, died=T0 + 2.0, parent=100)}
+    kill = Fault("worker SIGKILL", T0 + 2.0, T0 + 2.0, frozenset({1}))
+    def stall(pid: int, t0: float) -> Fault:
+        return Fault("network: worker 0's connection stall 39s", T0 + t0, T0 + t0 + 39, frozenset({pid}), in_control=False)
+    cut = Fault("network: the parent's connection cut 4s", T0 + 14.0, T0 + 18.0, frozenset({100}), parent=100)
+    assert handed([kill], lives=lives)["ackwait"] == 1
+    assert handed([kill, stall(2, 5.0)], lives=lives)["ackwait"] == 0
+    assert handed([kill, stall(2, 5.0), cut], lives=lives)["ackwait"] == 0
+    assert handed([kill, stall(5, 5.0)], lives=lives)["ackwait"] == 1          # another supervisor's worker
+    assert handed([kill, stall(2, 8.0)], lives=lives)["ackwait"] == 1          # after GIVE_UP
+
+
 def test_checker_charges_a_never_started_wait_whose_holder_nothing_touched():
     """The proxy wrote delivery 1 to pid 1, which never ran it, and no fault touched pid 1, its
     connection or its supervisor: the supervisor's defect, whatever else happened in the window,
