@@ -274,7 +274,11 @@ class Crew:
                 # Reconnecting, not closed: a connection closed for good (credentials revoked) is
                 # no outage to wait out, and its crash loop must still halt.
                 nats_down = code == EXIT_CONNECT_FAILED and bool(self.nc and self.nc.is_reconnecting)
-                self.pool.plan_restart(w, cause, finished, bool(self.stopping), nats_down)
+                # Nor is a worker that could not reach NATS while others of its pool serve: its own
+                # link failed, not the handler or the config (F21: ten such boots halted a pool
+                # whose other workers were serving).
+                link = code == EXIT_CONNECT_FAILED and not nats_down and self.pool.ready_count() > 0
+                self.pool.plan_restart(w, cause, finished, bool(self.stopping), nats_down, counts=not link)
 
     def release_limits(self, w: WorkerProcess, clean: bool) -> None:
         """A dead worker's limit slots go back now, not after their TTL: any death but a clean

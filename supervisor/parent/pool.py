@@ -203,14 +203,15 @@ class Pool:
             del self.replacing[w.slot]
 
     def plan_restart(self, w: WorkerProcess, cause: str, jobs_finished: int, stopping: bool,
-                     nats_down: bool = False) -> None:
-        """A worker died (not a clean exit): its slot restarts after the policy's delay."""
+                     nats_down: bool = False, counts: bool = True) -> None:
+        """A worker died (not a clean exit): its slot restarts after the policy's delay. `counts`:
+        towards the boot halt, if it never got ready."""
         self.stats.totals.worker_deaths += 1
         if stopping:
             return
         now = time.monotonic()
         ready_for = now - w.ready_at if w.ready_at is not None else None
-        delay = self.restarts.died(now, w.slot, cause, ready_for, jobs_finished, nats_down)
+        delay = self.restarts.died(now, w.slot, cause, ready_for, jobs_finished, nats_down or not counts)
         if w.retiring or w.slot >= self.target:
             return
         self.restart_at[w.slot] = now + delay

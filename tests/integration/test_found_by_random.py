@@ -645,6 +645,43 @@ def test_a_retry_read_by_the_server_before_its_workers_death_comes_back_at_once(
     assert result.counts["ackwait"] == 0 and result.passed, result.summary()
 
 
+def test_a_slot_whose_link_cannot_reach_nats_does_not_halt_a_pool_that_serves(tmp_path):
+    """F21, found by `python -m chaos --random --seed 997 --minutes 1`: the rig stalled worker 0's
+    connections (new ones too) for 39 s; each new worker 0 failed to connect (exit 4) and after
+    restart.boot_failures_to_halt of them in a row the supervisor halted, stopping the workers
+    that served. A worker that cannot reach NATS while others of its pool serve has a link
+    problem, not a crash loop: it backs off and tries again, and does not count toward the halt.
+    Here boot_failures_to_halt is 3: worker 0's link is stalled, worker 0 SIGKILLed, and its
+    replacements fail at least 4 times while worker 1 serves; the supervisor runs on, and once
+    the link heals a worker 0 gets ready."""
+    seen: dict = {}
+
+    def one_slot_cut_off(run: Run) -> None:
+        proxy = proxied(run, 30.0)
+        run.start_supervisor([proxy.url], workers={"count": 2, "heartbeat_timeout": 60.0},
+                             restart={"boot_failures_to_halt": 3, "backoff_initial": 0.01, "backoff_max": 0.05})
+        pid0 = next(w["pid"] for w in run.sup.status()["workers"]["list"] if w["slot"] == 0)
+        assert run.bg.call(proxy.stall(WORKER_0)) == 1, "worker 0's link is not through the proxy"
+        os.kill(pid0, signal.SIGKILL)
+        wait_until(lambda: "halting" in (log := run.sup.log())
+                   or len(re.findall(r"worker 0 \(pid \d+\) died: exit code 4", log)) >= 4, 90,
+                   "worker 0's replacements failing to reach NATS")
+        assert "halting" not in run.sup.log(), "the supervisor halted while worker 1 served"
+        status = run.sup.status()
+        seen["ready"] = [w["slot"] for w in status["workers"]["list"] if w["state"] == "ready"]
+        seen["alive"] = run.sup.proc.poll() is None
+        run.bg.call(proxy.heal(WORKER_0))
+        seen["back"] = wait_until(lambda: [w for w in run.sup.status()["workers"]["list"]
+                                           if w["slot"] == 0 and w["state"] == "ready"], 60, "a worker 0 ready")
+        seen["log"] = run.sup.log()
+
+    result = run_with("slot-cut-off", 0, one_slot_cut_off, dict(VERDICTS), tmp_path / "run")
+    assert not result.error, result.summary()
+    assert seen["alive"] and seen["ready"] == [1], seen["ready"]
+    assert "halting" not in seen["log"]
+    assert result.passed, result.summary()
+
+
 def tapped_on(run: Run, pattern: str) -> list[tuple[float, bytes]]:
     return run.bg.call(run.proxy.tapped(pattern))
 
