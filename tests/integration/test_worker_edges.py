@@ -134,6 +134,10 @@ def test_orphans_give_back_what_they_did_not_start_and_finish_what_runs(nats_ser
     sup = supervisor_factory(nats_server, args=JSON_LOGS, consumer={"ack_wait": ack_wait},
                              workers={"count": 2, "batch": 8, "graceful_timeout": 30.0,
                                       "handler": f"testhandlers:{handler}"})
+    # Both workers ready first: one killed while still starting holds nothing and leaves without
+    # the orphan's word (seen in CI at -n 6: worker 1 took every job while worker 0 connected).
+    wait_until(lambda: (s := sup.try_status()) and sum(w["state"] == "ready" for w in s["workers"]["list"]) == 2,
+               what="both workers ready")
     # One worker may have taken every long job (a backlog lets it hold several requests' worth).
     wait_until(lambda: [r for r in sup.jobs.running() if r.seq in seqs]
                and [e for e in in_flight(sup, "held") if e["stream_seq"] in seqs], what="jobs running and jobs held")
