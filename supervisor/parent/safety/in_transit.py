@@ -148,10 +148,7 @@ class WorkerNaks:
 
     def named(self, seq: int, delivery: int) -> None:
         if delivery > self.latest.get(seq, 0):
-            self.latest.pop(seq, None)
-            self.latest[seq] = delivery
-            while len(self.latest) > NAMED_LIMIT:
-                del self.latest[next(iter(self.latest))]
+            newest(self.latest, seq, delivery)
         n = self.naks.get(seq)
         if n is not None and delivery > n.delivery:
             del self.naks[seq]                  # its redelivery reached a worker that said so
@@ -161,20 +158,14 @@ class WorkerNaks:
             return                              # a later delivery was named first (R4b's order)
         if (known := self.naks.get(seq)) is not None and known.delivery == nak.delivery:
             return                              # said again (an orphan's goodbye): what we know of it stays
-        self.naks.pop(seq, None)
-        self.naks[seq] = nak
-        while len(self.naks) > NAMED_LIMIT:
-            del self.naks[next(iter(self.naks))]
+        newest(self.naks, seq, nak)
         if (a := self.advised.get(seq)) is not None and a[0] == nak.delivery:
             nak.read_by = a[2]                  # the server's advisory came before the worker's event
 
     def advisory(self, seq: int, delivery: int, cseq: int, t: float) -> bool:
         """The server's MSG_NAKED advisory: by `t` it had processed a NAK of `seq` at `delivery`
         (consumer sequence `cseq`). True when it proves a NAK its dead worker's table held (F18)."""
-        self.advised.pop(seq, None)
-        self.advised[seq] = (delivery, cseq, t)
-        while len(self.advised) > NAMED_LIMIT:
-            del self.advised[next(iter(self.advised))]
+        newest(self.advised, seq, (delivery, cseq, t))
         n = self.naks.get(seq)
         if n is None or n.read_by is not None or n.delivery != delivery or (n.in_table and n.cseq != cseq):
             return False
@@ -227,6 +218,14 @@ class WorkerNaks:
             if reading is not None and links_fresh_since(reading.answered + SLACK):
                 due.append(seq)
         return due
+
+
+def newest(d: dict, key: Any, value: Any) -> None:
+    """Set `key` as the newest entry of `d`, keeping the NAMED_LIMIT newest (insertion order)."""
+    d.pop(key, None)
+    d[key] = value
+    while len(d) > NAMED_LIMIT:
+        del d[next(iter(d))]
 
 
 def settled_once(entries: list[slots.Entry]) -> dict[int, tuple[int, int]]:
@@ -310,10 +309,7 @@ class InTransit:
     def named_by_worker(self, seq: int, now: float, delivery: int = 0) -> None:
         """A live worker received, settled or could not settle `seq`: its delivery may be a live one."""
         self.worker_naks.named(seq, delivery)
-        self.named.pop(seq, None)
-        self.named[seq] = now
-        while len(self.named) > NAMED_LIMIT:
-            del self.named[next(iter(self.named))]
+        newest(self.named, seq, now)
 
     # ------------------------------------------------------------ the round
 
