@@ -168,14 +168,15 @@ class CrashLedger:
 
     def record_death(self, t: float, slot: int, pid: int, cause: str, held: Sequence[tuple],
                      in_transit: int = 0, job_to_blame: bool = True, blame: int | None = None,
-                     in_transit_since: float | None = None) -> Death:
+                     in_transit_since: float | None = None, crash: bool = True) -> Death:
         """`held`: (stream seq, delivery, entry state, NAKed by the parent[, its AckWait timer's start]) per
         entry; a settled one not NAKed gets why it waits for AckWait (F10). `job_to_blame`: False when the
-        supervisor ended the worker (SIGQUIT, a drain past its deadline). `blame`: the job a cause names."""
+        supervisor ended the worker (SIGQUIT, a drain past its deadline). `blame`: the job a cause names.
+        `crash`: False for a clean exit that left messages in transit (a pull request given up, F20)."""
         death = Death(next(self._ids), t, slot, pid, cause, [HeldJob(*h) for h in held], in_transit,
                       in_transit_since=in_transit_since or None)
         self.deaths.append(death)
-        self.counts["crashes"] += 1
+        self.counts["crashes"] += crash
         if death.held:
             self.counts["crashes_holding_jobs"] += 1
         for job in death.held:

@@ -256,9 +256,10 @@ class Crew:
         if not clean and code in CHILD_EXIT_REASONS:
             cause += f": {CHILD_EXIT_REASONS[code]}"
         with step("reap"):
-            # A clean exit too (no pull credits, no loss): a drained worker whose fence never came
-            # back leaves NAKs only the server's advisory can prove read (F18).
-            self.in_transit.death(time.monotonic(), 0 if clean else w.table.header(slots.CREDITS),
+            # A clean exit too: a drained worker whose fence never came back leaves NAKs only the
+            # server's advisory can prove read (F18), and one whose deadline came before its last
+            # pull request ended left that request's credits in its table (F20: a loss like a death's).
+            self.in_transit.death(time.monotonic(), w.table.header(slots.CREDITS),
                                   f"worker {w.slot} (pid {w.pid})", w.table.server_seen(),
                                   settled_once(w.table.snapshot()), w.pid, w.slot)
             await self.deaths.settle(w, cause, clean)

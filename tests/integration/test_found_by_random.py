@@ -271,7 +271,8 @@ def test_what_a_request_read_before_a_stall_sends_after_it_is_on_the_worker_cred
     assert result.passed, result.summary()
 
 
-def test_a_worker_stopping_while_its_link_stalls_listens_until_its_request_is_over(tmp_path):
+@pytest.mark.parametrize("grace", [10.0, 1.0], ids=["within-grace", "grace-ends-in-the-stall"])
+def test_a_worker_stopping_while_its_link_stalls_listens_until_its_request_is_over(tmp_path, grace):
     """Found while fixing F7's second form, by reading the stopping path: a worker told to stop
     (a drain, a scale-down, a recycle) waits for its last pull request to end before it drops
     its subscription, but it took the end from the clock (PULL_EXPIRES + PULL_MARGIN after the
@@ -281,14 +282,25 @@ def test_a_worker_stopping_while_its_link_stalls_listens_until_its_request_is_ov
     stall for nobody. It exited cleanly, so no in-transit check ran: they came back after
     AckWait, explained by nothing. Now the worker keeps listening until its credits are
     accounted for (the jobs come and are NAKed as a stopping worker NAKs what it holds),
-    within graceful_timeout."""
+    within graceful_timeout.
+
+    F20, found by `python -m chaos --random --seed 966` (a scale-down with graceful_timeout 1 s
+    during a 7 s stall of the worker's link): when graceful_timeout runs out first, the worker
+    gives its live request up and exits cleanly, with what the server filled into it still on
+    the stalled link. Its table keeps the credits it gave up, so the parent runs the in-transit
+    check as after a death and NAKs those jobs at once; and the worker's exit is bounded by its
+    deadline, not by nats-py's drain and flush timeouts (10 s each on a stalled link), so the
+    check still has a ConsumerInfo from before the worker's last answer. Red before: the two
+    jobs came back after AckWait, the worker 20 s in closing its connection."""
     def stopping_through_a_stall(run: Run) -> None:
         server = run.start_server()
         run.connect([server.url])
         proxy = run.start_proxy(server)
         run.bg.call(proxy.tap(WORKER_0, (NEXT, PING), (PONG,)))
-        run.start_supervisor([proxy.url], workers={"count": 1, "concurrency": 2, "batch": 2, "heartbeat_timeout": 60.0})
+        run.start_supervisor([proxy.url], workers={"count": 1, "concurrency": 2, "batch": 2, "heartbeat_timeout": 60.0,
+                                                   "graceful_timeout": grace})
         [victim] = run.sup.worker_pids()
+        alone_and_polled(run, time.monotonic())
         t_req = wait_until(lambda: last_request_read(run), 30, "the worker's request read, with time left to live")
         t0 = time.monotonic()
         assert run.bg.call(proxy.stall(WORKER_0)) == 1, "worker 0's link is not through the proxy"
@@ -297,11 +309,17 @@ def test_a_worker_stopping_while_its_link_stalls_listens_until_its_request_is_ov
         wait_until(lambda: run.bg.call(run.queue_state()) == (2, 0, 2), STOP, "R1 filled into the stalled link")
         stop = run.fault("worker SIGTERM during its link's stall", time.monotonic(), pids={victim})
         os.kill(victim, signal.SIGTERM)
+        if grace < STOP:                 # the stall outlasts the worker: it exits inside it
+            wait_until(lambda: exited(victim), grace + 10, "worker 0 exited within its grace and a bounded close")
         time.sleep(max(0.0, t0 + STOP - time.monotonic()))   # the stall's length
         run.bg.call(proxy.heal(WORKER_0))
-        run.fault(f"link-stall of {STOP:g}s", t0, time.monotonic(), pids=set(), in_control=False)
+        run.fault(f"link-stall of {time.monotonic() - t0:.1f}s", t0, time.monotonic(), pids=set(), in_control=False)
         wait_until(lambda: not run.watcher.alive(victim), 30, "worker 0 exited")
         stop.t1 = time.monotonic()
+        if grace < STOP:
+            status = wait_until(lambda: (s := run.sup.status())["peers"]["in_transit_checks"]["runs"] and s, 10,
+                                "the in-transit check run for the credits the worker gave up")
+            assert status["peers"]["in_transit_checks"]["naked"] == 2, status["peers"]
 
     result = run_with("stopping-through-a-stall", 0, stopping_through_a_stall, dict(VERDICTS), tmp_path / "run")
     assert not result.error, result.summary()

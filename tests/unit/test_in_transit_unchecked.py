@@ -72,3 +72,18 @@ def test_an_expired_round_leaves_the_list():
     assert it.unchecked(21.0)
     tick(it, 10.0 + 30.0)                   # the lower reading's AckWait is (nearly) over
     assert it.unchecked(40.0) == [] and it.stats["skipped"] == 1
+
+
+def test_readings_stay_as_long_as_an_ack_wait_however_often_the_monitor_polls():
+    """F20: a worker that exits long after its last answer from NATS (its link stalled first)
+    still has a lower bound, however many polls came since; a reading older than the shortest
+    AckWait bounds no safe NAK, and is dropped."""
+    it = InTransit(Config(), Link(), CrashLedger(ack_wait=30.0, poison_after=3))
+    it.observed(10.0, 10.01, 100)           # the worker's last proof comes SLACK after this one
+    for k in range(1, 400):                 # polls every 0.05 s for 20 s: 64 readings were 3 s of them
+        it.observed(10.0 + 0.05 * k, 10.01 + 0.05 * k, 100 + k)
+    it.death(30.0, 2, "worker 1 (pid 42)", 10.5, {}, pid=42, slot=1)
+    assert it.unchecked(30.1)[0]["after_seq"] == 104      # the newest reading answered SLACK before 10.5
+    it.observed(45.0, 45.01, 600)           # AckWait (30 s) past 10.01 and beyond: those go
+    assert it.readings[0].answered >= 45.01 - 30.0
+    assert it.unchecked(45.1)[0]["after_seq"] is None

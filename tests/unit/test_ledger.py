@@ -56,6 +56,17 @@ def test_death_holding_nothing_counts_as_a_crash_only():
     assert c["crashes"] == 1 and c["crashes_holding_jobs"] == 0 and c["jobs_held_at_crash"] == 0
 
 
+def test_a_clean_exit_that_gave_up_a_live_request_explains_what_was_on_its_wire_and_is_no_crash():
+    """F20: a drain whose deadline came before its last pull request ended: no crash, but a
+    first delivery back after AckWait is explained as in transit to it, within its credits."""
+    led = make()
+    led.record_death(5.0, slot=1, pid=100, cause="exited 0, its last pull request given up", held=[],
+                     in_transit=1, job_to_blame=False, in_transit_since=4.0, crash=False)
+    assert counts(led)["crashes"] == 0
+    assert led.redelivered(4.0 + 30.0, 7, 2).startswith("in transit to worker 1 (pid 100)")
+    assert led.redelivered(4.0 + 30.1, 8, 2) == ""           # one credit: one explained
+
+
 def test_death_counts_held_and_naked_jobs():
     led = make()
     led.record_death(1.0, 0, 10, "exit 1", [(1, 1, "running", True), (2, 1, "held", True), (3, 1, "acked", False)])

@@ -36,7 +36,7 @@ def test_a_job_queued_while_the_drain_naks_is_naked_at_once():
             pass
         host.settler = SimpleNamespace(settle=settle)
         host.sub = SimpleNamespace(unsubscribe=unsubscribe)
-        host.pulls = SimpleNamespace(credits=0, forget=lambda: None)
+        host.pulls = SimpleNamespace(credits=0, forget=lambda left_live=False: None)
         host.threads = SimpleNamespace(take_unstarted=list)
         host.parked, host.take_parked, host.release_limits = (lambda: 0), list, (lambda job: None)
         host.queue.append((None, 0, Job(data=b"", subject="jobs.a", headers={}, stream_seq=1)))
@@ -59,7 +59,7 @@ def test_a_drain_naks_what_its_credits_bring_at_once_and_leaves_when_they_are_ac
         credits_at_unsub: list[int] = []
         host = SimpleNamespace(mode=STOPPING, grace=60.0, running=0, runners=[], chain=SimpleNamespace(outer=()),
                                table=slots.SlotTable(4, 64), changed=asyncio.Event(), queue=deque())
-        host.pulls = SimpleNamespace(credits=2, forget=lambda: None)
+        host.pulls = SimpleNamespace(credits=2, forget=lambda left_live=False: None)
 
         def last_credit_ends() -> None:
             host.pulls.credits = 0
@@ -85,3 +85,36 @@ def test_a_drain_naks_what_its_credits_bring_at_once_and_leaves_when_they_are_ac
         await asyncio.wait_for(Shutdown(host, 0).wind_down(), 10)
         return naked, credits_at_unsub
     assert asyncio.run(run()) == ([1, 2], [0])
+
+
+def test_a_request_still_live_at_the_deadline_leaves_its_credits_in_the_table(caplog):
+    """F20: graceful_timeout runs out with a pull request live (its 408, or what the server
+    filled into it, held up by a stall). The worker stops listening then, so what the request
+    brings is read by nobody: the credits given up stay in the table (the parent's in-transit
+    check at the exit reads them) and the log says so. A drain whose credits ended gives them
+    up as before. Red with forget() zeroing the table at the deadline."""
+    async def run(credits: int) -> tuple[int, list[int]]:
+        from workers.runtime.puller import Puller
+        table = slots.SlotTable(4, 64)
+        host = SimpleNamespace(mode=STOPPING, grace=0.05, running=0, runners=[], chain=SimpleNamespace(outer=()),
+                               table=table, changed=asyncio.Event(), queue=deque())
+        host.pulls = Puller.__new__(Puller)          # its credits and forget() alone
+        host.pulls.owner, host.pulls.credits = host, credits
+        table.set_credits(credits)
+        unsubscribed: list[int] = []
+
+        async def unsubscribe() -> None:
+            unsubscribed.append(table.header(slots.CREDITS))
+        host.settler = SimpleNamespace()
+        host.sub = SimpleNamespace(unsubscribe=unsubscribe)
+        host.threads = SimpleNamespace(take_unstarted=list)
+        host.parked, host.take_parked, host.release_limits = (lambda: 0), list, (lambda job: None)
+        await asyncio.wait_for(Shutdown(host, 0).wind_down(), 10)
+        return host.pulls.credits, unsubscribed
+    with caplog.at_level("WARNING", logger="worker"):
+        assert asyncio.run(run(2)) == (0, [2])
+    assert [r.credits for r in caplog.records if getattr(r, "event", "") == "pull_request_given_up"] == [2]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="worker"):
+        assert asyncio.run(run(0)) == (0, [0])
+    assert not [r for r in caplog.records if getattr(r, "event", "") == "pull_request_given_up"]

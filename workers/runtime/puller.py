@@ -163,10 +163,14 @@ class Puller:
         if self.read_by is None and self.credits > 0 and ping_sent >= self.last_sent:
             self.read_by = now
 
-    def forget(self) -> None:
-        """No request of ours is live any more (a new connection, or the worker is done pulling)."""
+    def forget(self, left_live: bool = False) -> None:
+        """No request of ours is live any more (a new connection, or the worker is done pulling).
+        `left_live`: the worker gives up requests that may still be filled (its wind-down's
+        deadline came first, F20): their credits stay in the table, for the parent to take the
+        exit as a loss of what may be on the wire (supervisor/parent/crew.py reap_one)."""
         self.credits = 0
-        self.owner.table.set_credits(0)
+        if not left_live:
+            self.owner.table.set_credits(0)
         self.owner.changed.set()         # a stopping worker waits for it (shutdown.py)
 
     def requests_end(self) -> float:

@@ -96,11 +96,25 @@ class Shutdown:
                 await asyncio.wait_for(w.changed.wait(), max(0.001, deadline - now))
             except TimeoutError:
                 pass
-        w.pulls.forget()
+        self.give_up_requests()
         try:
             await w.sub.unsubscribe()
         except Exception as exc:         # closed: nothing more can reach us anyway
             log.debug("worker %d: unsubscribe: %s", self.slot, exc)
+
+    def give_up_requests(self) -> None:
+        """Stop listening for our pull requests. One still live when the deadline came (its
+        end or 408 held up by a stall of the link or the server, F20) may be filled after we
+        stop listening, and what the server sent then is read by nobody: its credits stay in
+        the table, so the parent runs the in-transit check at our exit as after a death."""
+        w = self.owner
+        live = w.pulls.credits
+        if live > 0:
+            log.warning("worker %d: graceful_timeout (%gs) ran out with a pull request for %d message(s) still "
+                        "live; giving it up (what it brings is NAKed by the supervisor's in-transit check)",
+                        self.slot, w.grace, live, extra={"event": "pull_request_given_up", "slot": self.slot,
+                                                         "credits": live})
+        w.pulls.forget(left_live=live > 0)
 
     def hurry(self, until: float) -> None:
         """The supervisor is gone: a wind-down under way ends by `until` (running jobs, then the

@@ -57,6 +57,7 @@ log = logging.getLogger("worker")
 
 LIVENESS_EVERY = 0.25       # a worker proves its NATS connection with a PING/PONG this often ...
 LIVENESS_TIMEOUT = 2.0      # ... and gives up waiting for the PONG after this
+CLOSE_AFTER = 1.0           # past the wind-down's deadline, the close waits for NATS this long at most
 LOOKAHEAD = 4               # [ordering]: jobs parked ahead per handler, beyond those it runs (pulls.py)
 
 
@@ -303,10 +304,21 @@ class Worker:
         self.changed.set()
 
     async def close_connection(self) -> None:
+        """Hand NATS what we published last (an orphan's goodbye) and close, by the wind-down's
+        deadline (CLOSE_AFTER past it at most). Not nats-py's drain(): on a stalled link it waits
+        drain_timeout for the subscriptions, then flush's own timeout (20 s past graceful_timeout
+        in all), while the parent's in-transit check for a request the deadline gave up needs
+        our exit soon (F20: its lower bound ages). Every ack was fenced before (or given up at
+        the deadline, NAKed by the parent at our exit); what close() still writes is best effort."""
+        left = max(0.0, self.shutdown.deadline - time.monotonic()) + CLOSE_AFTER
         try:
-            await self.nc.drain()
+            await self.nc.flush(timeout=left)
         except Exception as exc:
-            log.warning("worker %d: closing the connection: %s", self.spec.slot, exc)
+            log.warning("worker %d: closing the connection: %s", self.spec.slot, str(exc) or type(exc).__name__)
+        try:
+            await asyncio.wait_for(self.nc.close(), CLOSE_AFTER)   # its socket's last writes, on a stalled link too
+        except Exception as exc:
+            log.debug("worker %d: close: %s", self.spec.slot, str(exc) or type(exc).__name__)
 
     # -- receiving (the requests themselves: workers/runtime/puller.py)
 

@@ -115,6 +115,13 @@ class Deaths:
                                              blame=w.kill.blame if w.kill else None, in_transit_since=w.table.server_seen())
             left = [job for job in death.held if job.waits]
             self.peers.death(death)       # what was on its wire may come back to a peer's worker after AckWait
+        elif w.table.header(slots.CREDITS):
+            # No crash: a drain whose deadline came before its last pull request ended (F20). What
+            # may be on its wire is explained as at a death, here and at the peers.
+            self.peers.death(self.ledger.record_death(
+                now, w.slot, w.pid, f"{cause}, its last pull request given up at graceful_timeout", [],
+                in_transit=w.table.header(slots.CREDITS), job_to_blame=False,
+                in_transit_since=w.table.server_seen(), crash=False))
             if self.suspects is not None:     # on the board before the NAKs bring the suspects back
                 self.suspects.show(self.ledger.on_probation())
             if self.crashes is not None:      # likewise: their next spans name this death

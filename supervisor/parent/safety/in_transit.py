@@ -89,7 +89,7 @@ log = logging.getLogger("supervisor")
 SLACK = 0.25            # after a ConsumerInfo, before a worker's PING counts as proof
 GIVE_UP = 5.0           # workers that cannot prove it within this long: leave it to AckWait
 MAX_SCAN = 2000         # stored messages of the pool looked at, at most, per reconciliation
-SAMPLES = 64            # ConsumerInfo readings kept for the lower bound
+SAMPLES = 4096          # ConsumerInfo readings kept for the lower bound, at most (keep: as old as an AckWait)
 NAMED_LIMIT = 10_000    # sequences recently named by a worker's event, remembered
 NOT_CONNECTED = "not connected to NATS"
 CANNOT_READ = "cannot read seq "
@@ -298,7 +298,17 @@ class InTransit:
         """A ConsumerInfo reading (the monitor's polls, ours): lower bounds for later deaths. A
         paused consumer (workers.Pause, `supervisor pause`) keeps pull requests waiting and hands
         nothing out, so its waiting requests prove no delivery (waiting_since): counted as none."""
-        self.readings.append(Reading(asked, answered, delivered_stream_seq, 0 if paused else waiting, consumer_seq))
+        self.keep(Reading(asked, answered, delivered_stream_seq, 0 if paused else waiting, consumer_seq))
+
+    def keep(self, reading: Reading) -> None:
+        """A reading for the lower bound of later deaths, kept while it can bound a safe NAK: as
+        long as the shortest AckWait (nak_is_safe), not a count. A worker dies, or exits with a
+        request its deadline gave up (F20), long after its last proof when a stall of its link
+        came first, and 64 readings were 6 s of a busy monitor's polls: no lower bound was left."""
+        self.readings.append(reading)
+        oldest = reading.answered - self.min_ack_wait()
+        while self.readings[0].answered < oldest:
+            self.readings.popleft()
 
     def waiting_since(self, t: float) -> Reading | None:
         """The first reading asked after `t` with a pull request waiting: a job NAKed before `t`
@@ -409,7 +419,7 @@ class InTransit:
             return
         self.info_at = Reading(asked, time.monotonic(), self.info.delivered.stream_seq, self.info.num_waiting or 0,
                                self.info.delivered.consumer_seq)
-        self.readings.append(self.info_at)
+        self.keep(self.info_at)
         cluster = getattr(self.info, "cluster", None)
         self.is_replicated = bool(cluster and getattr(cluster, "replicas", None))
 
