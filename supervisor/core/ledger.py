@@ -99,6 +99,7 @@ class Death:
     delivered_bound: int | None = None
     # A peer supervisor's worker (F13): "<its origin>#<its death id>"; "" for a worker of ours.
     key: str = ""
+    crash: bool = True          # False: a clean exit that gave up a live pull request (F20)
 
     def where(self) -> str:
         """Whose worker: "" for ours, " (on <origin>)" for a peer's."""
@@ -108,7 +109,7 @@ class Death:
         """`held` lists the seqs; `held_jobs` says per job when it came back and when it was
         acked, in seconds after this death (None: not yet, or not seen by this supervisor)."""
         return {"id": self.id, "slot": self.slot, "pid": self.pid, "cause": self.cause, "age_s": round(now - self.t, 3),
-                "held": [h.seq for h in self.held], "in_transit": self.in_transit,
+                "held": [h.seq for h in self.held], "in_transit": self.in_transit, "crash": self.crash,
                 "held_jobs": [h.fate(self.t) for h in self.held]}
 
 
@@ -174,7 +175,7 @@ class CrashLedger:
         supervisor ended the worker (SIGQUIT, a drain past its deadline). `blame`: the job a cause names.
         `crash`: False for a clean exit that left messages in transit (a pull request given up, F20)."""
         death = Death(next(self._ids), t, slot, pid, cause, [HeldJob(*h) for h in held], in_transit,
-                      in_transit_since=in_transit_since or None)
+                      in_transit_since=in_transit_since or None, crash=crash)
         self.deaths.append(death)
         self.counts["crashes"] += crash
         if death.held:

@@ -98,6 +98,6 @@ class History:
                     "ack_floor": p.ack_floor, "delivered": p.delivered, "redelivered": p.redelivered, "lag": p.lag}
                    for p in self.points(now) if p.seq > after]
         crashes = [{**when(d.t), "slot": d.slot, "pid": d.pid, "cause": d.cause, "held": [h.seq for h in d.held]}
-                   for d in deaths if now - self.window <= d.t <= now]
+                   for d in deaths if now - self.window <= d.t <= now and d.crash]
         return {"now": round(wall, 3), "interval_s": self.interval, "window_s": self.window,
                 "capacity": self.capacity, "last_seq": self.last_seq, "samples": samples, "crashes": crashes}

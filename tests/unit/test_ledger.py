@@ -63,6 +63,7 @@ def test_a_clean_exit_that_gave_up_a_live_request_explains_what_was_on_its_wire_
     led.record_death(5.0, slot=1, pid=100, cause="exited 0, its last pull request given up", held=[],
                      in_transit=1, job_to_blame=False, in_transit_since=4.0, crash=False)
     assert counts(led)["crashes"] == 0
+    assert [d["crash"] for d in led.crosscheck(6.0)["recent_deaths"]] == [False]
     assert led.redelivered(4.0 + 30.0, 7, 2).startswith("in transit to worker 1 (pid 100)")
     assert led.redelivered(4.0 + 30.1, 8, 2) == ""           # one credit: one explained
 
@@ -720,3 +721,12 @@ def test_a_found_in_transit_redelivery_counts_as_an_in_transit_redelivery():
     c = led.crosscheck(FAR)
     assert c["held_jobs_redelivered"] + c["in_transit_redeliveries"] == 3, c
     assert c["in_transit_naked"] == 2 and c["unexplained_redeliveries"] == 0
+
+
+def test_history_draws_crashes_not_a_clean_exit_that_gave_up_a_request():
+    from supervisor.observe.history import History
+    led = make()
+    led.record_death(5.0, slot=1, pid=100, cause="SIGKILL", held=[])
+    led.record_death(6.0, slot=2, pid=101, cause="exited 0, its last pull request given up", held=[],
+                     in_transit=1, job_to_blame=False, crash=False)
+    assert [c["pid"] for c in History(60.0, 1.0).as_dict(10.0, 1000.0, led.deaths)["crashes"]] == [100]

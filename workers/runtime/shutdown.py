@@ -111,7 +111,8 @@ class Shutdown:
         live = w.pulls.credits
         if live > 0:
             log.warning("worker %d: graceful_timeout (%gs) ran out with a pull request for %d message(s) still "
-                        "live; giving it up (what it brings is NAKed by the supervisor's in-transit check)",
+                        "live; giving it up (what it brings is the supervisor's in-transit check's to NAK, "
+                        "or comes back after AckWait)",
                         self.slot, w.grace, live, extra={"event": "pull_request_given_up", "slot": self.slot,
                                                          "credits": live})
         w.pulls.forget(left_live=live > 0)

@@ -115,18 +115,13 @@ class Deaths:
                                              blame=w.kill.blame if w.kill else None, in_transit_since=w.table.server_seen())
             left = [job for job in death.held if job.waits]
             self.peers.death(death)       # what was on its wire may come back to a peer's worker after AckWait
-        elif w.table.header(slots.CREDITS):
-            # No crash: a drain whose deadline came before its last pull request ended (F20). What
-            # may be on its wire is explained as at a death, here and at the peers.
-            self.peers.death(self.ledger.record_death(
-                now, w.slot, w.pid, f"{cause}, its last pull request given up at graceful_timeout", [],
-                in_transit=w.table.header(slots.CREDITS), job_to_blame=False,
-                in_transit_since=w.table.server_seen(), crash=False))
             if self.suspects is not None:     # on the board before the NAKs bring the suspects back
                 self.suspects.show(self.ledger.on_probation())
             if self.crashes is not None:      # likewise: their next spans name this death
                 for e in entries:
                     self.crashes.post(Crash(e.stream_seq, e.delivery, death.id, w.slot, w.pid, time.time(), cause))
+        elif w.table.header(slots.CREDITS):
+            self.gave_up_requests(w, cause, now)
         for e, n in zip(entries, nak):
             if clean:         # no death in the ledger: what it left (NAKed now, or after AckWait) explains its rerun
                 self.ledger.expect(e.stream_seq, f"left {slots.ENTRY_STATES[e.state]} by worker {w.slot} "
@@ -158,6 +153,15 @@ class Deaths:
                                "held": [e.stream_seq for e in entries], "naked": naked,
                                "left_to_ack_wait": [{"seq": job.seq, "delivery": job.delivery, "why": job.waits}
                                                     for job in left]})
+
+    def gave_up_requests(self, w: WorkerProcess, cause: str, now: float) -> None:
+        """No crash: a drain whose deadline came before its last pull request ended (F20). What
+        may be on its wire is explained as at a death, here and at the peers; what its table
+        still holds is the clean exit's (expected back, backstop NAKs), and nothing is blamed."""
+        self.peers.death(self.ledger.record_death(
+            now, w.slot, w.pid, f"{cause}, its last pull request given up at graceful_timeout", [],
+            in_transit=w.table.header(slots.CREDITS), job_to_blame=False,
+            in_transit_since=w.table.server_seen(), crash=False))
 
     def nak_guard(self, pid: int, e: slots.Entry, now: float) -> bool:
         """NAK unsettled jobs, and acked ones whose ack may be lost (a NAK after an ack is a no-op);
