@@ -261,7 +261,7 @@ class Crew:
             # pull request ended left that request's credits in its table (F20: a loss like a death's).
             self.in_transit.death(time.monotonic(), w.table.header(slots.CREDITS),
                                   f"worker {w.slot} (pid {w.pid})", w.table.server_seen(),
-                                  settled_once(w.table.snapshot()), w.pid, w.slot)
+                                  settled_once(w.table.snapshot()), w.pid, w.slot, w.started_at)
             await self.deaths.settle(w, cause, clean)
         with step("reap"):
             self.release_limits(w, clean)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Awaitable, Callable
 
 import nats
 import psutil
@@ -237,6 +238,30 @@ async def delivered_again(url: str, within: float = 2.0) -> list[tuple[int, int]
         await nc.close()
 
 
+async def lost_on_a_dead_wire(url: str, young: bool = False,
+                              before_store: Callable[[Rig], Awaitable[None]] | None = None) -> tuple[dict, list, int]:
+    """After a reading, a worker pulls, a job is stored and sent to it, and it dies without
+    reading it; the rounds run. Its last proof: SLACK after the reading, or (`young`) its fork
+    right after the reading. Returns the round's stats, what a fresh pull then gets, the job's seq."""
+    r = await rig(url)
+    try:
+        await r.observe()
+        born = time.monotonic()
+        proof = born if young else born + SLACK + 0.05
+        await until(lambda: time.monotonic() > proof, SLACK + 1)
+        dead, got = await pull(url)
+        if before_store is not None:
+            await before_store(r)
+        (seq,) = await store(url)
+        await until(lambda: got, 5)                         # on its wire, never read by it
+        r.it.death(time.monotonic(), 1, "worker 1 (pid 1)", proof, born=born if young else 0.0)
+        await dead.close()
+        await r.rounds()
+        return dict(r.it.stats), await delivered_again(url), seq
+    finally:
+        await r.nc.close()
+
+
 def test_a_worker_nak_the_parent_has_not_applied_yet_is_not_taken_for_lost(nats_server):
     """R4b. Live worker L NAKs job J (no delay) and frees its entry; J goes at once to live
     worker L2, which records it only after the parent's snapshot; both events wait in the
@@ -303,6 +328,17 @@ def test_a_death_after_the_consumer_info_is_not_dropped(nats_server):
             await r.nc.close()
     stats, again, seq = asyncio.run(scenario())
     assert again == [(seq, 2)], f"the message on the wire to the second dead worker waits for AckWait: {again}"
+    assert stats["naked"] == 1, stats
+
+
+def test_a_death_in_a_supervisors_first_moments_is_bounded_by_the_reading_it_started_with(nats_server):
+    """Seed 1028: a supervisor's only ConsumerInfo is the one it took at its start; a worker
+    forked right after it pulled, the server sent it a job, and it was killed before it read
+    it, its last proof within SLACK of that reading. The check skipped ("no ConsumerInfo from
+    before the dead worker's last answer from NATS"): the job waited for AckWait. A reading
+    answered before the worker's fork bounds it too: the worker had no request out then."""
+    stats, again, seq = asyncio.run(lost_on_a_dead_wire(nats_server.url, young=True))
+    assert again == [(seq, 2)], f"the job on the young worker's wire waits for AckWait: {again}; {stats}"
     assert stats["naked"] == 1, stats
 
 

@@ -176,26 +176,12 @@ def test_a_delayed_job_stored_beside_a_lost_one_is_no_job_in_transit(nats_server
     consumer had delivered before a worker died with credits and what it has delivered since.
     A delayed job's schedule stored in that range is no delivery: NAKed by sequence and expected
     back, it would be counted lost and wait in the ledger for a redelivery that never comes."""
-    from test_in_transit import SLACK, delivered_again, pull, rig, store, until
+    from test_in_transit import lost_on_a_dead_wire
 
-    async def scenario() -> tuple[dict, list, int]:
-        r = await rig(nats_server.url)
-        try:
-            await r.observe()
-            after_reading = time.monotonic() + SLACK + 0.05       # the dead worker's last proof is newer
-            await until(lambda: time.monotonic() > after_reading, SLACK + 1)
-            dead, got = await pull(nats_server.url)
-            await r.nc.jetstream().publish("_sched.JOBS.at.later", b"", headers={
-                "Nats-Schedule": "@at 2099-01-01T00:00:00Z", "Nats-Schedule-Target": "jobs.new"})
-            (seq,) = await store(nats_server.url)
-            await until(lambda: got, 5)
-            r.it.death(time.monotonic(), 1, "worker 1 (pid 1)", after_reading)    # it never read the job
-            await dead.close()
-            await r.rounds()
-            return dict(r.it.stats), await delivered_again(nats_server.url), seq
-        finally:
-            await r.nc.close()
-    stats, again, seq = asyncio.run(scenario())
+    async def schedule(r) -> None:
+        await r.nc.jetstream().publish("_sched.JOBS.at.later", b"", headers={
+            "Nats-Schedule": "@at 2099-01-01T00:00:00Z", "Nats-Schedule-Target": "jobs.new"})
+    stats, again, seq = asyncio.run(lost_on_a_dead_wire(nats_server.url, before_store=schedule))
     assert again == [(seq, 2)], f"the job on the wire to the dead worker waits for AckWait: {again}"
     assert stats["naked"] == 1, f"the delayed job's schedule was taken for a job in transit: {stats}"
 

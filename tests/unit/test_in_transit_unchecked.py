@@ -87,3 +87,15 @@ def test_readings_stay_as_long_as_an_ack_wait_however_often_the_monitor_polls():
     it.observed(45.0, 45.01, 600)           # AckWait (30 s) past 10.01 and beyond: those go
     assert it.readings[0].answered >= 45.01 - 30.0
     assert it.unchecked(45.1)[0]["after_seq"] is None
+
+
+def test_a_reading_answered_before_the_workers_fork_bounds_a_death_in_its_first_moments():
+    """Seed 1028: a supervisor's only reading is its start's; a worker forked 0.02 s after it
+    was answered proved its link 0.13 s later and was killed: no reading came SLACK before
+    that proof, yet the start's reading was answered before the worker had any request out."""
+    it = InTransit(Config(), Link(), CrashLedger(ack_wait=30.0, poison_after=3))
+    it.observed(10.0, 10.01, 100)           # the supervisor's start
+    it.death(10.3, 2, "worker 1 (pid 42)", 10.16, {}, pid=42, slot=1, born=10.03)
+    assert it.unchecked(10.4)[0]["after_seq"] == 100
+    it.death(10.3, 2, "worker 2 (pid 43)", 10.16, {}, pid=43, slot=2, born=10.005)   # forked before the answer
+    assert it.unchecked(10.4)[1]["after_seq"] is None

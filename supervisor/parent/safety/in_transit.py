@@ -22,7 +22,8 @@ ledger explains it as in transit (`in_transit_redeliveries`). The proof, piece b
    worker (STARTING ones hold nothing: they have no subscription yet) proved, with a PING it SENT
    after that read (plus SLACK for the server's internal delivery queue), that it has read and
    recorded every message the server sent it before (TCP keeps the server's writes in order);
- - a ConsumerInfo read before each dead worker's own last such proof bounds the scan from below:
+ - a ConsumerInfo read before each dead worker's own last such proof (or answered before its
+   fork: it had no request out) bounds the scan from below:
    every first delivery up to it reached the dead worker before the proof, so it was read; what
    is older (a previous run's Retry with a delay, a delivery pending since before we started, a
    lost ack, a silent peer's job) is never a candidate (R12);
@@ -116,6 +117,7 @@ class Loss:
     read_before: float          # the dead worker's last proof: it read everything sent before this
     pid: int = 0
     slot: int = -1
+    born: float = 0.0           # before its fork (the parent's clock): no request of its was out yet
 
 
 @dataclass
@@ -268,12 +270,13 @@ class InTransit:
     # ------------------------------------------------------------ inputs
 
     def death(self, t: float, credits: int, who: str, read_before: float,
-              held: dict[int, tuple[int, int]] | None = None, pid: int = 0, slot: int = -1) -> None:
-        """`held`: seq -> (delivery, consumer seq) of each entry in the dead worker's table."""
+              held: dict[int, tuple[int, int]] | None = None, pid: int = 0, slot: int = -1, born: float = 0.0) -> None:
+        """`held`: seq -> (delivery, consumer seq) of each entry in the dead worker's table;
+        `born`: a moment before its fork."""
         for seq in self.worker_naks.died(who, credits, held or {}):
             self.ledger.nak_read(seq, self.worker_naks.naks[seq].delivery)     # before the death is recorded
         if credits > 0:
-            self.losses.append(Loss(t, credits, who, read_before, pid, slot))
+            self.losses.append(Loss(t, credits, who, read_before, pid, slot, born))
 
     def worker_nak(self, seq: int, delivery: int, at: float, delay: float, held_at: float, now: float,
                    by: str = "") -> None:
@@ -424,10 +427,14 @@ class InTransit:
         self.is_replicated = bool(cluster and getattr(cluster, "replicas", None))
 
     def floor(self, losses: list[Loss]) -> Reading | None:
-        """The newest reading every dead worker surely read past (its proof came SLACK after it)."""
+        """The newest reading every dead worker surely read past: its proof came SLACK after it,
+        or it was answered before the worker was forked (nothing it counts went to a worker with
+        no request out yet). The latter bounds a death in a supervisor's first moments, whose
+        only reading is the one it took at its start (seed 1028: a worker killed 0.09 s after it
+        was ready, 0.25 s after that reading, left what was on its wire to AckWait)."""
         bounds = []
         for loss in losses:
-            before = [r for r in self.readings if r.answered + SLACK < loss.read_before]
+            before = [r for r in self.readings if r.answered + SLACK < loss.read_before or r.answered < loss.born]
             if not before:
                 return None
             bounds.append(max(before, key=lambda r: r.delivered))
