@@ -570,7 +570,7 @@ def late_wait(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, w: L
     # The wait is the NAK's only if the NAK itself came soon and the job ran soon after the
     # server sent it again: a NAK the supervisor sent late, or a delivery held long after it came,
     # is judged as any wait (a cold review: a death's NAK 20 s late would have passed).
-    late_nak = nak is not None and (nak.nak.t - (run.start - w.lag) - server_away(ev, run.start - w.lag, nak.nak.t)) \
+    late_nak = nak is not None and (nak.nak.t - (run.start - w.lag) - away(ev, run.start - w.lag, nak.nak.t, nak.nak.conn)) \
         + (run.start - next_sent(ck, seq, run)) >= ACKWAIT_FRACTION * ev.ack_wait
     if nak is not None and nak.wpi is None and nak.lost_by is None and not late_nak:
         c["nak_waited"] += 1
@@ -608,12 +608,20 @@ def late_wait(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, w: L
                           f"seen{'' if started else ' (it never started)'}; {why}")
 
 
-def server_away(ev: Evidence, lo: float, hi: float) -> float:
-    """Seconds of [lo, hi] the server was stopped or down by an outside fault: no NAK could reach
-    it then (seed 985: an orphan's NAKs 9.7 s after the hand-out, 4.2 s of it a server stall and
-    kill), so that time does not make a NAK late."""
-    spans = sorted((max(lo, f.t0), min(hi, f.t1)) for f in ev.faults if f.kind.startswith("nats-server")
-                   and f.pids is None and not f.in_control and f.t0 < hi and f.t1 > lo)
+def away(ev: Evidence, lo: float, hi: float, conn: int = 0) -> float:
+    """Seconds of [lo, hi] the server was stopped or down by an outside fault, or the NAK's own
+    connection `conn` stalled: no NAK could reach the server then, so that time does not make a
+    NAK late (seed 985: an orphan's NAKs 9.7 s after the hand-out, 4.2 s of it a server stall
+    and kill; seed 1015: a dead worker's NAK, sent by its parent at once into the parent's link,
+    stalled 11.4 s, carried on at the stall's end and the job back 1.8 s later, before its
+    AckWait ran out). A stall of the NAK's link in control too: the NAK was the supervisor's
+    remedy, on time, and the job came back by it, not by an expiry; whether the stall itself
+    cost an AckWait elsewhere is judged where it did."""
+    def kept_away(f: Fault) -> bool:
+        if conn > 0 and conn in f.conns and "stall" in f.kind:
+            return True
+        return f.kind.startswith("nats-server") and f.pids is None and not f.in_control
+    spans = sorted((max(lo, f.t0), min(hi, f.t1)) for f in ev.faults if kept_away(f) and f.t0 < hi and f.t1 > lo)
     away, end = 0.0, lo
     for a, b in spans:
         a = max(a, end)

@@ -510,7 +510,8 @@ def test_checker_takes_a_job_whose_nak_the_server_had_as_no_ackwait_wait_unless_
     its delay had not run out, sets a whole AckWait again: charged, "a +WPI after its NAK". A
     +WPI once the delay ran out, a NAK after the job came back or of another job change
     nothing. Seed 604: a server SIGKILL after the NAK, the job back no sooner than an expiry,
-    may have lost it: an AckWait wait, outside (the NAK had gone)."""
+    may have lost it: an AckWait wait, outside (the NAK had gone). Seed 1015: a NAK held in its
+    own link by an outside stall is no late NAK."""
     kill = Fault("parent SIGKILL, then a new supervisor", T0 + 0.9, T0 + 1.0, frozenset({1}), parent=100)
 
     def judged(*settles: Settle, faults: tuple = (kill,)):
@@ -530,6 +531,15 @@ def test_checker_takes_a_job_whose_nak_the_server_had_as_no_ackwait_wait_unless_
     # ... unless the server was away meanwhile (seed 985: no NAK can reach a stopped server).
     away = Fault("nats-server SIGSTOP 2s", T0 + 3.0, T0 + 5.0, None, in_control=False)
     assert judged(said("-NAK", 16.5), faults=(kill, away)).counts["nak_waited"] == 1
+    # ... or the NAK's own link was stalled, in control or not (seed 1015: a parent's NAK held
+    # 11.4 s in its link); another connection's stall is no excuse, nor a cut.
+    def stall(conn: int, in_control: bool = True, mode: str = "stall") -> Fault:
+        return Fault(f"network: the parent's connection {mode} 14s", T0 + 2.0, T0 + 16.0, frozenset(),
+                     in_control=in_control, conns=frozenset({conn}), parent=100)
+    assert judged(said("-NAK", 16.5), faults=(kill, stall(3))).counts["nak_waited"] == 1
+    assert judged(said("-NAK", 16.5), faults=(kill, stall(3, in_control=False))).counts["nak_waited"] == 1
+    assert judged(said("-NAK", 16.5), faults=(kill, stall(4))).counts["ackwait"] == 1
+    assert judged(said("-NAK", 16.5), faults=(kill, stall(3, mode="cut"))).counts["ackwait"] == 1
     assert judged(said("-NAK", 1.2, seq=2)).counts["ackwait"] == 1
     restart = Fault("nats-server SIGKILL, back 1s later", T0 + 5.0, T0 + 6.0, None, in_control=False)
     report = judged(said("-NAK", 1.2), faults=(kill, restart))
