@@ -341,17 +341,23 @@ class Publisher:
     def ticks_beyond(self, ticks: int) -> int:
         """Firings of [schedules.tick] beyond one per period while it could exist: from the first
         supervisor's start (none could make it before) to its removal (none fires after)."""
-        every = (self.run.sups[0].config.get("schedules", {}).get("tick", {}) if self.run.sups else {}).get("every")
+        every = self.tick().get("every")
         if not every or not self.schedules_from or not self.schedules_until:
             return 0
         return max(0, ticks - int((self.schedules_until - self.schedules_from) / every + 1))
+
+    def tick(self) -> dict:
+        """[schedules.tick] as the first supervisor was given it ({} without one)."""
+        return self.run.sups[0].config.get("schedules", {}).get("tick", {}) if self.run and self.run.sups else {}
 
     def fired(self, journal: list[Rec], notes: list[str], origin: float) -> dict[int, Stored]:
         """The jobs the server stored for schedules, by their seq in the journal: each delayed job
         (stored when due; one never seen run is its schedule's seq, so the checker finds it lost or
         still in the stream) and each tick of [schedules.tick] (stored by its first start). A
         sequence the publisher stored itself is no firing: a delayed job's key published again
-        (`jN=`, on its own subject and so its own [ordering] key: seed 940) keeps its own record."""
+        (`jN=`, on its own subject and so its own [ordering] key: seed 940) keeps its own record.
+        A tick on `jobs.chaos.tick` (pools with keys) is of [ordering] key `tick`: seed 1050, the
+        ticks parked behind one held in a stalled link were taken for unordered jobs kept 26 s."""
         seen: dict[str, set[int]] = {}
         first: dict[int, float] = {}
         for r in journal:
@@ -363,8 +369,9 @@ class Publisher:
             for seq in seen.get(key, {s.seq}):
                 out[seq] = Stored(seq, key, s.t, s.order)
         ticks = sorted(first[seq] for seq in seen.get("tick", ()))
+        tick_key = order_key(self.tick().get("subject", ""))
         for seq in seen.get("tick", ()):
-            out[seq] = Stored(seq, "tick", first[seq])
+            out[seq] = Stored(seq, "tick", first[seq], tick_key)
         if ticks:
             notes.append(f"[schedules.tick]: {len(ticks)} firings, first started +{ticks[0] - origin:.1f}s, "
                          f"last +{ticks[-1] - origin:.1f}s; beyond one per period: {self.ticks_beyond(len(ticks))}")

@@ -920,6 +920,22 @@ def test_a_delayed_jobs_key_published_again_is_no_firing_of_it():
     assert pub.fired(journal[:4], [], T0) == {3: Stored(3, "j1", T0 + 3.0, "k")}   # the firing never ran
 
 
+def test_a_tick_on_a_keyed_subject_is_of_its_key():
+    """Seed 1050 (pools with keys: the tick fires on `jobs.chaos.tick`, key `tick`): an earlier
+    tick held in a stalled link kept the later ones parked, with +WPI, until its redelivery was
+    acked; the checker took the ticks for unordered jobs kept 26 s and charged them. A tick on
+    the plain subject (no third token) is of no key."""
+    from types import SimpleNamespace
+
+    def fired(subject: str) -> dict:
+        run = SimpleNamespace(sups=[SimpleNamespace(config={"schedules": {"tick": {"every": 1.0, "subject": subject}}})])
+        pub = Publisher(run)  # type: ignore[arg-type]
+        journal = [Rec("S", 1, 7, 1, T0 + 1.0, 0.0, "tick"), Rec("D", 1, 7, 1, T0 + 1.1, 0.0, "tick")]
+        return pub.fired(journal, [], T0)
+    assert fired("jobs.chaos.tick") == {7: Stored(7, "tick", T0 + 1.0, "tick")}
+    assert fired("jobs.chaos") == {7: Stored(7, "tick", T0 + 1.0, "")}
+
+
 def test_checker_judges_a_key_within_its_pool():
     """With pools a key is a pool's: pool a's seq 1 and pool b's seq 2 on a key of one name (k)
     may run side by side; two jobs of k in one pool may not."""
