@@ -89,9 +89,12 @@ def test_history_json_has_ages_wall_times_the_seed_numbers_and_crashes_in_the_wi
     h = History(10.0, 1.0)
     h.add(100.0, consumer(38, 2, 0, 2, 0), "ok")
     h.add(101.0, consumer(34, 2, 4, 6, 1), "ok")
-    death = SimpleNamespace(t=100.5, slot=1, pid=4321, cause="killed by SIGKILL", held=[SimpleNamespace(seq=9)])
-    old = SimpleNamespace(t=50.0, slot=0, pid=1111, cause="exit code 13", held=[])
-    out = h.as_dict(now=101.5, wall=1_700_000_001.5, deaths=[old, death])
+    death = SimpleNamespace(t=100.5, slot=1, pid=4321, cause="killed by SIGKILL", held=[SimpleNamespace(seq=9)],
+                            crash=True)
+    old = SimpleNamespace(t=50.0, slot=0, pid=1111, cause="exit code 13", held=[], crash=True)
+    gave_up = SimpleNamespace(t=101.0, slot=2, pid=2222, cause="exit code 0, its last pull request given up", held=[],
+                              crash=False)                      # F20: no crash
+    out = h.as_dict(now=101.5, wall=1_700_000_001.5, deaths=[old, death, gave_up])
     assert (out["now"], out["interval_s"], out["window_s"], out["capacity"], out["last_seq"]) == \
         (1_700_000_001.5, 1.0, 10.0, 12, 2)
     assert out["samples"] == [

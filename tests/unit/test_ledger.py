@@ -722,11 +722,3 @@ def test_a_found_in_transit_redelivery_counts_as_an_in_transit_redelivery():
     assert c["held_jobs_redelivered"] + c["in_transit_redeliveries"] == 3, c
     assert c["in_transit_naked"] == 2 and c["unexplained_redeliveries"] == 0
 
-
-def test_history_draws_crashes_not_a_clean_exit_that_gave_up_a_request():
-    from supervisor.observe.history import History
-    led = make()
-    led.record_death(5.0, slot=1, pid=100, cause="SIGKILL", held=[])
-    led.record_death(6.0, slot=2, pid=101, cause="exited 0, its last pull request given up", held=[],
-                     in_transit=1, job_to_blame=False, crash=False)
-    assert [c["pid"] for c in History(60.0, 1.0).as_dict(10.0, 1000.0, led.deaths)["crashes"]] == [100]
