@@ -138,7 +138,8 @@ def test_a_slot_is_taken_for_a_job_only_when_a_handler_is_free_to_start_it(nats_
     take under way, so A took both slots, one for a job queued behind its own handler, and B's
     worker, idle, waited for A's first job to end. (Apart consumers, so that which worker a
     message goes to is not at stake here: only the slots.) Live /metrics limit_* say the same:
-    2 in use and 2 waiting at A, 2 taken by H; at the end 2 taken by A, 1 by B, none waiting."""
+    2 in use and 2 waiting at A, 2 taken by H, A's wait seconds growing while it waits; at the
+    end 2 taken by A, 1 by B, none waiting."""
     gate = tmp_path / "gate"
     two = {"db": {"concurrency": 2, "subjects": ["jobs.db.>", "jobs.hold"]}}
     h, a, b = (supervisor_factory(nats_server, workers={"count": count}, limits=two,
@@ -153,6 +154,9 @@ def test_a_slot_is_taken_for_a_job_only_when_a_handler_is_free_to_start_it(nats_
                and h.status()["limits"]["db"]["in_use"] == 2, what="A's two jobs waiting for the limit, both slots in use")
     live = {s: limit_metrics(s) for s in (a, h)}
     assert [(m["in_use"], m["waiting"], m["taken"]) for m in live.values()] == [(2, 2, 0), (2, 0, 2)], live
+    # A's waits count while they last, not only when they end (the counter grew at the end only).
+    wait_until(lambda: limit_metrics(a)["wait_seconds"] > live[a]["wait_seconds"] + 0.5, 10,
+               "A's limit_wait_seconds_total growing while its jobs wait")
     gate.touch()
     wait_until(lambda: a.jobs.started() and h.status()["limits"]["db"]["held_here"] == 0,
                what="H's slots given back, A's first job started")

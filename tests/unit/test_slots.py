@@ -576,3 +576,72 @@ def test_a_nak_with_a_delay_and_a_ping_round_see_each_other_whichever_writes_fir
     assert table.pings_fenced(3)
     table.pings_begin()
     assert table.naking(1) == 4
+
+
+def test_a_limit_wait_under_way_counts_up_to_the_readers_moment():
+    """limit_wait_seconds_total grew only when a wait ended: a 60 s wait showed as nothing, then
+    as 60 s at once. Waits under way now count up to the moment they are read, and when they
+    end they move to the ended ones without a jump."""
+    t = slots.SlotTable(4, 64, limits=2)
+    assert t.limit(0, now=100.0) == (0, 0, 0, 0.0)
+    t.limit_wait_begins(0, 100.0)
+    t.limit_wait_begins(0, 103.0)
+    assert t.limit(0, now=105.0)[3] == pytest.approx(5.0 + 2.0)
+    t.limit_wait_ends(0, 100.0, 106.0)
+    assert t.limit(0, now=106.0)[3] == pytest.approx(6.0 + 3.0)
+    t.limit_wait_ends(0, 103.0, 107.0)
+    assert t.limit(0, now=500.0)[3] == pytest.approx(10.0)          # none under way: it stays
+    assert t.limit(1, now=500.0)[3] == 0.0                          # the other limit's block
+
+
+def test_limit_waits_read_while_the_worker_writes_them_never_go_back():
+    """The parent reads a worker's limit words while the worker's loop writes them: successive
+    reads never go back (a wait read as under way up to the reader's moment may have ended a
+    moment before it) and never pass the time elapsed by all the waits. Red without the
+    reader's own floor (a read a few µs back)."""
+    import threading
+    t = slots.SlotTable(4, 64, limits=1)
+    stop, start = threading.Event(), time.monotonic()
+
+    def worker() -> None:
+        while not stop.is_set():
+            since = time.monotonic()
+            t.limit_wait_begins(0, since)
+            t.limit_wait_begins(0, since)
+            t.limit_wait_ends(0, since, time.monotonic())
+            t.limit_wait_ends(0, since, time.monotonic())
+    writer = threading.Thread(target=worker)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)                 # switch threads between the worker's stores
+    writer.start()
+    try:
+        last = 0.0
+        for _ in range(20_000):
+            waited = t.limit(0)[3]
+            now = time.monotonic()
+            assert last - 1e-9 <= waited <= 2 * (now - start) + 1e-9, (last, waited, now - start)
+            last = waited
+    finally:
+        stop.set()
+        writer.join()
+        sys.setswitchinterval(old)
+
+
+def test_a_limit_read_waits_for_the_worker_to_finish_writing_the_wait():
+    """A begin is several stores: between the count and the start time, a read would count the
+    wait as under way since time 0 (a counter jumping by the host's uptime). The reader waits
+    while the version word is odd. Red without the version checks."""
+    import threading
+    t = slots.SlotTable(4, 64, limits=1)
+    at = t.limits_at                                          # limit 0's block
+    t.q[at + slots.LIMIT_VER] += 1                            # the worker is writing ...
+    t.q[at + slots.LIMIT_OPEN] += 1                           # ... the count stored, the start not yet
+    read: list[float] = []
+    reader = threading.Thread(target=lambda: read.append(t.limit(0, now=1000.0)[3]))
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive() and not read, f"read a wait half written: {read}"
+    t.d[at + slots.LIMIT_OPEN_SINCE] += 990.0
+    t.q[at + slots.LIMIT_VER] += 1                            # written
+    reader.join(10)
+    assert read == [pytest.approx(10.0)]

@@ -156,6 +156,9 @@ class Gate:
             wait_begins()
         if self.server is None or self.server.done():
             self.server = asyncio.ensure_future(self.serve())
+        table = self.limiter.table          # the one the wait is counted in, begun to end
+        if table is not None:
+            table.limit_wait_begins(self.index, since)
         try:
             return await future
         except asyncio.CancelledError:
@@ -163,11 +166,10 @@ class Gate:
                 self.give_back(future.result())      # granted just as the caller gave up
             raise
         finally:
-            table = self.limiter.table
             if table is not None:
                 if told and counted:
                     table.limit_add(self.index, slots.LIMIT_WAITING, -len(told))
-                table.limit_waited(self.index, time.monotonic() - since)
+                table.limit_wait_ends(self.index, since, time.monotonic())
 
     def give_back(self, grant: Grant) -> None:
         """On the loop: the holder is done (or never started); a grant given back already is

@@ -65,9 +65,13 @@ HEADER_WORDS = BUCKETS_AT + len(DURATION_BUCKETS) + 1
 
 # Per-limit words, after the entries (one block per [limits.NAME], in the config's order):
 # slots this worker holds now, its jobs waiting for the limit now, how many times it took the
-# limit, and the seconds its jobs spent waiting for it (a double). workers/middleware/limits.py.
-LIMIT_IN_USE, LIMIT_WAITING, LIMIT_TAKEN, LIMIT_WAITED = range(4)
-LIMIT_WORDS = 4
+# limit, and the seconds its jobs spent waiting for it (a double, waits that ended); the waits
+# under way: how many, and the sum of their start times (a double), so a reader counts them up
+# to its own moment (limit_wait_seconds_total grows during a long wait, not only at its end).
+# LIMIT_VER: a seqlock over the last three (odd while the worker writes them), so the parent
+# never reads a wait counted as under way and ended, or in neither. workers/middleware/limits.py.
+LIMIT_IN_USE, LIMIT_WAITING, LIMIT_TAKEN, LIMIT_WAITED, LIMIT_OPEN, LIMIT_OPEN_SINCE, LIMIT_VER = range(7)
+LIMIT_WORDS = 7
 
 # Entry words. A parked job ([ordering]) has its key (KEY_LEN bytes after the reply) and the
 # first sequence of that key the stream last said it stores (WAIT_SEQ; 0 before the first answer).
@@ -104,6 +108,7 @@ class SlotTable:
         self.d = memoryview(self._mm).cast("d")
         self.b = memoryview(self._mm)
         self._free = list(range(entries - 1, -1, -1))   # LIFO: used entries stay low
+        self._waited_read: dict[int, float] = {}        # reader side: limit k's seconds waited, as last read
         self._high = 0
 
     def close(self) -> None:
@@ -244,15 +249,41 @@ class SlotTable:
         its one writer)."""
         self.q[self.limits_at + k * LIMIT_WORDS + word] += n
 
-    def limit_waited(self, k: int, seconds: float) -> None:
-        self.d[self.limits_at + k * LIMIT_WORDS + LIMIT_WAITED] += seconds
+    def limit_wait_begins(self, k: int, since: float) -> None:
+        """A job of this worker waits for limit k from `since` (monotonic)."""
+        at = self.limits_at + k * LIMIT_WORDS
+        self.q[at + LIMIT_VER] += 1
+        self.q[at + LIMIT_OPEN] += 1
+        self.d[at + LIMIT_OPEN_SINCE] += since
+        self.q[at + LIMIT_VER] += 1
+
+    def limit_wait_ends(self, k: int, since: float, now: float) -> None:
+        """The wait begun at `since` ended at `now`: from the waits under way to those that ended."""
+        at = self.limits_at + k * LIMIT_WORDS
+        self.q[at + LIMIT_VER] += 1
+        self.q[at + LIMIT_OPEN] -= 1
+        # Back to exactly 0 with none under way: the sum of start times must not drift.
+        self.d[at + LIMIT_OPEN_SINCE] = self.d[at + LIMIT_OPEN_SINCE] - since if self.q[at + LIMIT_OPEN] else 0.0
+        self.d[at + LIMIT_WAITED] += now - since
+        self.q[at + LIMIT_VER] += 1
 
     # ------------------------------------------------------------ parent side (readers)
 
-    def limit(self, k: int) -> tuple[int, int, int, float]:
-        """Limit k as this worker sees it: (in use, waiting, taken, seconds waited)."""
+    def limit(self, k: int, now: float | None = None) -> tuple[int, int, int, float]:
+        """Limit k as this worker sees it: (in use, waiting, taken, seconds waited: the waits that
+        ended, and those under way up to `now`, read after the words). Never less than this
+        reader saw last (a counter): a wait read as under way up to `now` may have ended a moment
+        before it, by the worker's clock, and then counts a little less."""
         at = self.limits_at + k * LIMIT_WORDS
-        return self.q[at + LIMIT_IN_USE], self.q[at + LIMIT_WAITING], self.q[at + LIMIT_TAKEN], self.d[at + LIMIT_WAITED]
+        while True:                      # the worker's loop writes in a few steps, never for long
+            ver = self.q[at + LIMIT_VER]
+            waited, open_, since = self.d[at + LIMIT_WAITED], self.q[at + LIMIT_OPEN], self.d[at + LIMIT_OPEN_SINCE]
+            if not ver & 1 and self.q[at + LIMIT_VER] == ver:
+                break
+        now = time.monotonic() if now is None else now
+        waited += max(0.0, open_ * now - since) if open_ > 0 else 0.0
+        waited = self._waited_read[k] = max(waited, self._waited_read.get(k, 0.0))
+        return self.q[at + LIMIT_IN_USE], self.q[at + LIMIT_WAITING], self.q[at + LIMIT_TAKEN], waited
 
     def header(self, word: int) -> int:
         return self.q[word]
