@@ -49,6 +49,7 @@ from workers.runtime.spec import ChildSpec
 log = logging.getLogger("supervisor")
 
 STORM_LOG_EVERY = 60.0      # while workers keep dying fast, say so this often
+RELEASE_RETRY = 0.5         # a dead worker's limit slots: tried again this often until released, or their lease ran out
 
 # (handler, init, workers.middleware as (entry, class)): a pool's code, imported in the parent
 Code = tuple[Callable, Callable | None, tuple]
@@ -290,11 +291,22 @@ class Crew:
         self.parent.spawn_task(self.release_slots(w.pid, w.slot))
 
     async def release_slots(self, pid: int, slot: int) -> None:
-        try:
-            await limits.release_worker(self.nc, self.cfg, pid, slot)
-        except Exception as exc:          # they free themselves within LEASE_TTL
-            log.warning("worker %d (pid %d): its limit slots were not released (%s); they free themselves within "
-                        "%ds", slot, pid, exc, limits.LEASE_TTL, extra={"event": "limit_release_failed"})
+        """Tried again while NATS fails it (our link away, say), until the slots' lease has run
+        out anyway (LEASE_TTL after the death: the worker renewed it last before). One try in an
+        outage left a fleet-wide limit blocked for a whole lease after the link was back (seed
+        1102: concurrency 1, nothing limited ran for 10 s). A retry is safe: only a slot whose
+        value still names the dead worker is purged (limits.release_worker)."""
+        until, why = time.monotonic() + limits.LEASE_TTL, "not connected to NATS"
+        while time.monotonic() < until:
+            if self.nc is not None and self.nc.is_connected:
+                try:
+                    await limits.release_worker(self.nc, self.cfg, pid, slot)
+                    return
+                except Exception as exc:
+                    why = str(exc) or type(exc).__name__
+            await asyncio.sleep(RELEASE_RETRY)
+        log.warning("worker %d (pid %d): its limit slots were not released (%s); they freed themselves within %ds",
+                    slot, pid, why, limits.LEASE_TTL, extra={"event": "limit_release_failed"})
 
     @staticmethod
     def exited_cleanly(w: WorkerProcess) -> bool:
