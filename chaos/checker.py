@@ -132,6 +132,7 @@ UNCHECKED_FRESH = 1.0
 GIVE_UP = 5.0              # seconds the in-transit check waits for every live worker's proof (in_transit.py)
 ROUND_TICK = 1.0           # ... and a tick of the parent's loop to say so
 OP_MOOT = 0.2              # seconds: an operation its supervisor's SIGKILL followed this soon is judged with the kill
+REAPED_SEEN = 0.5          # seconds: the watcher sees a worker gone this long after its parent reaped it, at most
 # Names the ledger gives a dead worker's job whose NAK the server had read (F18): it was to come back
 # at once, so they excuse no AckWait wait (the rules for a never-started delivery judge it).
 READ_AT_DEATH = (NAK_READ, NAK_READ_NAKED)
@@ -570,8 +571,11 @@ def late_wait(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, w: L
     # The wait is the NAK's only if the NAK itself came soon and the job ran soon after the
     # server sent it again: a NAK the supervisor sent late, or a delivery held long after it came,
     # is judged as any wait (a cold review: a death's NAK 20 s late would have passed).
-    late_nak = nak is not None and (nak.nak.t - (run.start - w.lag) - away(ev, run.start - w.lag, nak.nak.t, nak.nak.conn)) \
-        + (run.start - next_sent(ck, seq, run)) >= ACKWAIT_FRACTION * ev.ack_wait
+    late_nak = False
+    if nak is not None:
+        due = nak_due(ev, run.start - w.lag, nak.nak.t, w.holders, before)
+        late_nak = (nak.nak.t - due - away(ev, due, nak.nak.t, nak.nak.conn, nak.nak.pid)) \
+            + (run.start - next_sent(ck, seq, run)) >= ACKWAIT_FRACTION * ev.ack_wait
     if nak is not None and nak.wpi is None and nak.lost_by is None and not late_nak:
         c["nak_waited"] += 1
         due = nak.nak.t + nak.nak.delay
@@ -608,17 +612,34 @@ def late_wait(ck: Checker, seq: int, before: list[RunOfJob], run: RunOfJob, w: L
                           f"seen{'' if started else ' (it never started)'}; {why}")
 
 
-def away(ev: Evidence, lo: float, hi: float, conn: int = 0) -> float:
+def nak_due(ev: Evidence, seen: float, sent: float, holders: list[Handout], before: list[RunOfJob]) -> float:
+    """When the NAK of a delivery last seen at `seen` became due: then, or its holder's death
+    after it, if the holder died by the time the NAK was `sent` (a dead worker's held jobs are
+    its parent's to NAK from its death on; seed 1102: a job held, unstarted, 6.5 s by a worker
+    waiting for a [limits] slot, then stopped and killed, NAKed by its parent at the death, was
+    taken for a late NAK). The watcher sees a death once the parent reaped it, after that NAK:
+    REAPED_SEEN."""
+    pid = holders[-1].pid if holders else before[-1].pid if before else 0
+    life = ev.lives.get(pid)
+    died = life.died if life is not None else None
+    return min(died, sent) if died is not None and seen <= died <= sent + REAPED_SEEN else seen
+
+
+def away(ev: Evidence, lo: float, hi: float, conn: int = 0, sender: int = 0) -> float:
     """Seconds of [lo, hi] the server was stopped or down by an outside fault, or the NAK's own
-    connection `conn` stalled: no NAK could reach the server then, so that time does not make a
-    NAK late (seed 985: an orphan's NAKs 9.7 s after the hand-out, 4.2 s of it a server stall
-    and kill; seed 1015: a dead worker's NAK, sent by its parent at once into the parent's link,
-    stalled 11.4 s, carried on at the stall's end and the job back 1.8 s later, before its
-    AckWait ran out). A stall of the NAK's link in control too: the NAK was the supervisor's
-    remedy, on time, and the job came back by it, not by an expiry; whether the stall itself
+    connection `conn` stalled, or its sender a parent whose connection was cut or stalled: no NAK
+    could reach the server then, so that time does not make a NAK late (seed 985: an orphan's
+    NAKs 9.7 s after the hand-out, 4.2 s of it a server stall and kill; seed 1015: a dead
+    worker's NAK, sent by its parent at once into the parent's link, stalled 11.4 s, carried on
+    at the stall's end and the job back 1.8 s later, before its AckWait ran out; seed 1102: a
+    parent whose link was cut when its worker died sent the NAK 1.2 s after it was back, as
+    README says it does). A fault of the NAK's link in control too: the NAK was the supervisor's
+    remedy, on time, and the job came back by it, not by an expiry; whether the fault itself
     cost an AckWait elsewhere is judged where it did."""
     def kept_away(f: Fault) -> bool:
         if conn > 0 and conn in f.conns and "stall" in f.kind:
+            return True
+        if sender > 0 and f.parent == sender and "the parent's connection" in f.kind:
             return True
         return f.kind.startswith("nats-server") and f.pids is None and not f.in_control
     spans = sorted((max(lo, f.t0), min(hi, f.t1)) for f in ev.faults if kept_away(f) and f.t0 < hi and f.t1 > lo)

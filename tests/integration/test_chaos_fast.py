@@ -511,7 +511,8 @@ def test_checker_takes_a_job_whose_nak_the_server_had_as_no_ackwait_wait_unless_
     +WPI once the delay ran out, a NAK after the job came back or of another job change
     nothing. Seed 604: a server SIGKILL after the NAK, the job back no sooner than an expiry,
     may have lost it: an AckWait wait, outside (the NAK had gone). Seed 1015: a NAK held in its
-    own link by an outside stall is no late NAK."""
+    own link by a stall is no late NAK; seed 1102: nor one sent at its holder's death, however
+    long the holder held the job, nor one its parent sent once its cut link was back."""
     kill = Fault("parent SIGKILL, then a new supervisor", T0 + 0.9, T0 + 1.0, frozenset({1}), parent=100)
 
     def judged(*settles: Settle, faults: tuple = (kill,)):
@@ -540,6 +541,22 @@ def test_checker_takes_a_job_whose_nak_the_server_had_as_no_ackwait_wait_unless_
     assert judged(said("-NAK", 16.5), faults=(kill, stall(3, in_control=False))).counts["nak_waited"] == 1
     assert judged(said("-NAK", 16.5), faults=(kill, stall(4))).counts["ackwait"] == 1
     assert judged(said("-NAK", 16.5), faults=(kill, stall(3, mode="cut"))).counts["ackwait"] == 1
+    # A held job is its parent's to NAK from its holder's death on (seed 1102): a NAK at the
+    # death is on time however long the holder had held the job; 16 s after it, late, unless
+    # the parent had no way to NATS meanwhile (its link cut: the NAK goes when it is back).
+    def after_death(nak: float, died: float, *faults: Fault) -> dict:
+        lives = {**LIVES, 1: Life(1, T0, T0 + died, parent=100)}
+        return check(evidence(BACK, list(faults), lives=lives, handouts=[HOLDER],
+                              settles=[said("-NAK", nak, pid=100)])).counts
+    assert after_death(20.1, 20.0)["nak_waited"] == 1
+    assert after_death(20.1, 20.4)["nak_waited"] == 1          # seen gone once reaped, after the NAK
+    assert after_death(20.1, 4.0)["ackwait"] == 1
+    cut = Fault("network: the parent's connection cut 15s", T0 + 4.5, T0 + 19.5, frozenset(), parent=100,
+                conns=frozenset({9}))
+    assert after_death(20.1, 4.0, cut)["nak_waited"] == 1
+    other = Fault("network: the parent's connection cut 15s", T0 + 4.5, T0 + 19.5, frozenset(), parent=200,
+                  conns=frozenset({9}))
+    assert after_death(20.1, 4.0, other)["ackwait"] == 1       # another supervisor's link
     assert judged(said("-NAK", 1.2, seq=2)).counts["ackwait"] == 1
     restart = Fault("nats-server SIGKILL, back 1s later", T0 + 5.0, T0 + 6.0, None, in_control=False)
     report = judged(said("-NAK", 1.2), faults=(kill, restart))
