@@ -72,6 +72,7 @@ HEADER_WORDS = BUCKETS_AT + len(DURATION_BUCKETS) + 1
 # never reads a wait counted as under way and ended, or in neither. workers/middleware/limits.py.
 LIMIT_IN_USE, LIMIT_WAITING, LIMIT_TAKEN, LIMIT_WAITED, LIMIT_OPEN, LIMIT_OPEN_SINCE, LIMIT_VER = range(7)
 LIMIT_WORDS = 7
+READ_TRIES = 1000           # a read of a worker's limit words gives up after this many tries (a writer killed mid-write)
 
 # Entry words. A parked job ([ordering]) has its key (KEY_LEN bytes after the reply) and the
 # first sequence of that key the stream last said it stores (WAIT_SEQ; 0 before the first answer).
@@ -109,6 +110,7 @@ class SlotTable:
         self.b = memoryview(self._mm)
         self._free = list(range(entries - 1, -1, -1))   # LIFO: used entries stay low
         self._waited_read: dict[int, float] = {}        # reader side: limit k's seconds waited, as last read
+        self.born = time.monotonic()                     # before the worker's fork: no wait began earlier
         self._high = 0
 
     def close(self) -> None:
@@ -275,13 +277,19 @@ class SlotTable:
         reader saw last (a counter): a wait read as under way up to `now` may have ended a moment
         before it, by the worker's clock, and then counts a little less."""
         at = self.limits_at + k * LIMIT_WORDS
-        while True:                      # the worker's loop writes in a few steps, never for long
+        for _ in range(READ_TRIES):      # the worker's loop writes in a few steps, never for long ...
             ver = self.q[at + LIMIT_VER]
             waited, open_, since = self.d[at + LIMIT_WAITED], self.q[at + LIMIT_OPEN], self.d[at + LIMIT_OPEN_SINCE]
             if not ver & 1 and self.q[at + LIMIT_VER] == ver:
+                now = time.monotonic() if now is None else now
+                # Never more than the waits under way can have lasted since the table was made
+                # (a CPU that reorders stores, ARM's, may pair a new count with an old sum).
+                waited += min(max(0.0, open_ * now - since), open_ * (now - self.born)) if open_ > 0 else 0.0
                 break
-        now = time.monotonic() if now is None else now
-        waited += max(0.0, open_ * now - since) if open_ > 0 else 0.0
+        else:
+            # ... unless it was killed or stopped between two of them: no whole read is to be had
+            # (a loop on the parent's own would hang it). The ended waits alone are one word.
+            waited = self.d[at + LIMIT_WAITED]
         waited = self._waited_read[k] = max(waited, self._waited_read.get(k, 0.0))
         return self.q[at + LIMIT_IN_USE], self.q[at + LIMIT_WAITING], self.q[at + LIMIT_TAKEN], waited
 
