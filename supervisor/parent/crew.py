@@ -292,12 +292,17 @@ class Crew:
 
     async def release_slots(self, pid: int, slot: int) -> None:
         """Tried again while NATS fails it (our link away, say), until the slots' lease has run
-        out anyway (LEASE_TTL after the death: the worker renewed it last before). One try in an
+        out anyway (LEASE_TTL after the reap: the worker renewed it last before). One try in an
         outage left a fleet-wide limit blocked for a whole lease after the link was back (seed
-        1102: concurrency 1, nothing limited ran for 10 s). A retry is safe: only a slot whose
-        value still names the dead worker is purged (limits.release_worker)."""
+        1102: concurrency 1, nothing limited ran for 10 s). A retry purges only a slot whose
+        value still names the dead worker (limits.release_worker), by its host, our pid and its
+        pid: it stops once that pid is a process again (the OS reuses pids: a new worker of ours,
+        of any pool, whose slots it could not tell apart)."""
         until, why = time.monotonic() + limits.LEASE_TTL, "not connected to NATS"
         while time.monotonic() < until:
+            if pid_in_use(pid):           # reaped before this: the pid is another process's now
+                why = f"pid {pid} is another process's now"
+                break
             if self.nc is not None and self.nc.is_connected:
                 try:
                     await limits.release_worker(self.nc, self.cfg, pid, slot)
@@ -455,3 +460,14 @@ class Crew:
                 w.recycle_reason = w.recycle_reason or "config reloaded"
         if change.scale_to is not None:
             self.parent.scale(change.scale_to, "reload: workers.count", self.name)
+
+
+def pid_in_use(pid: int) -> bool:
+    """Some process has this pid (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -16,9 +16,10 @@ from supervisor.parent import crew as crew_mod
 from supervisor.parent.crew import Crew
 
 
-def release(monkeypatch, outcomes: list, lease: float = 5.0) -> tuple[list, SimpleNamespace]:
+def release(monkeypatch, outcomes: list, lease: float = 5.0, reused: bool = False) -> tuple[list, SimpleNamespace]:
     """Run release_slots against a link whose state and answers follow `outcomes`, one per
-    look: "down" (not connected), an exception (NATS failed the try) or "ok"."""
+    look: "down" (not connected), an exception (NATS failed the try) or "ok"; `reused`: the
+    dead worker's pid is a process again."""
     tries: list = []
     nc = SimpleNamespace(is_connected=False)
     left = list(outcomes)
@@ -44,6 +45,7 @@ def release(monkeypatch, outcomes: list, lease: float = 5.0) -> tuple[list, Simp
     monkeypatch.setattr(crew_mod.limits, "release_worker", release_worker)
     monkeypatch.setattr(crew_mod.limits, "LEASE_TTL", lease)
     monkeypatch.setattr(crew_mod, "RELEASE_RETRY", 0.01, raising=False)
+    monkeypatch.setattr(crew_mod, "pid_in_use", lambda pid: reused, raising=False)
     asyncio.run(run())
     return tries, nc
 
@@ -61,3 +63,14 @@ def test_a_release_that_never_goes_through_gives_up_when_the_lease_has_run_out(m
     assert 1 < len(tries) < 100
     [failed] = [r for r in caplog.records if getattr(r, "event", "") == "limit_release_failed"]
     assert "purge refused" in failed.getMessage()
+
+
+def test_a_release_stops_once_the_dead_workers_pid_is_a_process_again(monkeypatch, caplog):
+    """The slots are told apart by host, supervisor pid and worker pid; the OS reuses pids. Once
+    the pid is a process again (a new worker of ours, say, that may take a slot) a retry could
+    purge its slot: the release stops there, and the lease frees the dead worker's."""
+    with caplog.at_level(logging.WARNING, logger="supervisor"):
+        tries, _ = release(monkeypatch, [TimeoutError("nats: timeout")] * 5, reused=True)
+    assert tries == []
+    [failed] = [r for r in caplog.records if getattr(r, "event", "") == "limit_release_failed"]
+    assert "pid 42 is another process's now" in failed.getMessage()
