@@ -1019,3 +1019,35 @@ def test_a_dead_workers_limit_slot_is_released_once_its_parents_link_is_back(tmp
     assert not result.error, result.summary()
     assert not seen["failed"], seen["failed"]          # and `limit_released` came: the slot still named it
     assert result.passed, result.summary()
+
+
+def test_a_sync_job_running_past_graceful_timeout_keeps_its_limit_slot_until_its_worker_is_gone(tmp_path):
+    """F23, found by `python -m chaos --random --seed 1170` on 43e3401: [limits] concurrency 1,
+    a sync handler, graceful_timeout 1 s. A stopping worker's job ran on in its handler thread
+    past the grace (a thread cannot be cancelled: the job is NAKed, the process ends soon
+    after), and the worker's exit gave back the slot while that thread still ran: the other
+    worker started a limited job 15 ms before the process was gone. Now such an exit keeps its
+    slots, and its parent releases them once it has reaped the worker: the other worker's next
+    limited job starts after the parent logged the exit. Red before: it started before."""
+    seen: dict = {}
+
+    def stopped_past_its_grace(run: Run) -> None:
+        proxy = proxied(run, ACK_WAIT)
+        run.start_supervisor([proxy.url], workers={"count": 2, "graceful_timeout": 1.0, "heartbeat_timeout": 60.0},
+                             log={"format": "json"}, limits={"one": {"concurrency": 1, "subjects": [SUBJECT]}})
+        seq = publish_run(run, "long:6:0.01")                 # holds the slot, past the grace
+        holder = seen["holder"] = started(run, seq, 1)
+        waiting = [run.bg.call(run.nc.jetstream().publish(SUBJECT, f"w{k}:0.01".encode())).seq for k in range(3)]
+        wait_until(lambda: run.sup.status()["limits"]["one"]["waiting"] >= 1, 10, "a job waiting for the slot")
+        run.signal_worker(holder, signal.SIGTERM, "worker SIGTERM, its sync job running past graceful_timeout")
+        wait_until(lambda: all(started(run, s, 1) for s in waiting), 30, "the waiting jobs run")
+        [exited] = run.sup.events("worker_exited", worker_pid=holder)
+        seen["exited"] = exited["ts"]
+        seen["first"] = min(r.wall for r in read_journal(run.journal) if r.seq in waiting and r.event == "S")
+
+    result = run_with("sync-job-past-its-grace-with-a-limit", 0, stopped_past_its_grace, dict(VERDICTS),
+                      tmp_path / "run")
+    assert not result.error, result.summary()
+    assert seen["first"] > seen["exited"], (f"a limited job started {seen['exited'] - seen['first']:.3f}s before "
+                                            f"the parent had reaped worker {seen['holder']}, whose job still ran")
+    assert result.passed, result.summary()

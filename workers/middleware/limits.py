@@ -469,6 +469,10 @@ class Limiter:
         self.last_warning = 0.0
         self.lost = 0
         self.closing = False
+        # The worker exits with a handler thread still running a job (graceful_timeout ran out:
+        # a thread cannot be cancelled): giving its slots back here would let another worker
+        # start beside it until the process ends (F23, seed 1170: 15 ms over a cap of 1).
+        self.keep_held = False
         self.admit: Callable[[], None] = lambda: None    # before each take: Limits.rebalance
         self.rtts: deque[float] = deque(maxlen=RTT_SAMPLES)
 
@@ -494,6 +498,8 @@ class Limiter:
         self.closing = True
         if self.renewer is not None:
             self.renewer.cancel()
+        if self.keep_held:                # a handler runs on: the parent releases them once we are gone
+            return
         servers = [g.server for g in self.gates.values() if g.server is not None and not g.server.done()]
         taking = [g.server for g in self.gates.values() if g.server in servers and g.taking]
         for task in servers:
@@ -680,6 +686,12 @@ class Limits(Middleware):
         self.limiter = await Limiter(ctx.nc, ctx.loop, ctx.cfg, ctx.slot, self.table).start()
         self.limiter.admit = self.parked.rebalance
         _current = self
+
+    def keep_slots(self) -> None:
+        """At the worker's exit: hold on to every slot (the parent releases them once the process
+        is gone: its table still counts them in use, supervisor/parent/crew.py release_limits)."""
+        if self.limiter is not None:
+            self.limiter.keep_held = True
 
     async def close(self) -> None:
         global _current

@@ -77,6 +77,7 @@ class HandlerThreads:
         self.handed_back = self.settled_back = 0   # outcomes handed to the loop, and settled by it
         self.threads_stop = False
         self.wake_finish = asyncio.Event()
+        self.busy = 0                    # jobs a handler thread runs now (guarded by start_lock)
 
     # -- on the loop
 
@@ -170,6 +171,8 @@ class HandlerThreads:
         while (taken := self.next_job()) is not None:
             i, job = taken
             ran = self.owner.chain.run_sync(job, on_start)
+            with self.handed:
+                self.busy -= 1
             if not self.hand_back(loop, i, job, ran):
                 return
             if ran.exc is not None and not isinstance(ran.exc, Exception):
@@ -187,6 +190,7 @@ class HandlerThreads:
                 if self.ready and self.owner.mode != STOPPING and self.owner.gate.try_start(self.ready[0][2].stream_seq):
                     _, i, job = self.ready.popleft()
                     self.owner.table.start(i)  # several handler threads share the table's counters
+                    self.busy += 1
                     return i, job
                 self.handed.wait()
         return None

@@ -221,6 +221,8 @@ class Worker:
         await settling                 # never cancel a task inside a flush: see supervisor/nats/fix.py
         self.reacker.close()
         beating.cancel()               # only now: waiting for NATS to take our acks is no hang
+        if self.limits is not None and self.threads.busy:
+            self.limits.keep_slots()   # a handler thread runs on until we exit: its slots with it (F23)
         await self.chain.close()       # e.g. the guard's leases of jobs we did not finish: freed
         # An orphan that announced NAKs: its peers may count it gone (and its NAKs read, if fenced).
         await self.parent.goodbye(fenced=not self.settler.unconfirmed)
