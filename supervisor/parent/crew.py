@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+import psutil
+
 from supervisor.config import Config
 from supervisor.core.ledger import CrashLedger
 from supervisor.core.policy import BootFailures, RestartPolicy
@@ -300,7 +302,7 @@ class Crew:
         of any pool, whose slots it could not tell apart)."""
         until, why = time.monotonic() + limits.LEASE_TTL, "not connected to NATS"
         while time.monotonic() < until:
-            if pid_in_use(pid):           # reaped before this: the pid is another process's now
+            if psutil.pid_exists(pid):    # reaped before this: the pid is another process's now
                 why = f"pid {pid} is another process's now"
                 break
             if self.nc is not None and self.nc.is_connected:
@@ -460,14 +462,3 @@ class Crew:
                 w.recycle_reason = w.recycle_reason or "config reloaded"
         if change.scale_to is not None:
             self.parent.scale(change.scale_to, "reload: workers.count", self.name)
-
-
-def pid_in_use(pid: int) -> bool:
-    """Some process has this pid (signal 0 checks without sending anything)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -45,7 +45,7 @@ def release(monkeypatch, outcomes: list, lease: float = 5.0, reused: bool = Fals
     monkeypatch.setattr(crew_mod.limits, "release_worker", release_worker)
     monkeypatch.setattr(crew_mod.limits, "LEASE_TTL", lease)
     monkeypatch.setattr(crew_mod, "RELEASE_RETRY", 0.01, raising=False)
-    monkeypatch.setattr(crew_mod, "pid_in_use", lambda pid: reused, raising=False)
+    monkeypatch.setattr(crew_mod.psutil, "pid_exists", lambda pid: reused)
     asyncio.run(run())
     return tries, nc
 
